@@ -1,0 +1,17 @@
+"""hf_kbit: k-bit (2-5 bit) codebook weight quantization for Hugging Face transformers.
+
+``import hf_kbit`` registers ``quant_method="kbit"`` with transformers (an installed
+hf-kbit also registers itself when transformers loads its quantizers, without the import).
+"""
+
+from . import _ops  # noqa: F401  (defines torch.ops.kbit.*)
+from ._register import register
+from .config import KbitConfig
+from .format import FORMAT_VERSION, SUPPORTED_BITS
+from .nn import KbitLinear, quantize_model
+
+__version__ = "0.1.0"
+
+register()
+
+__all__ = ["FORMAT_VERSION", "SUPPORTED_BITS", "KbitConfig", "KbitLinear", "quantize_model", "register"]

@@ -1,0 +1,133 @@
+"""Checks that a kbit checkpoint is what the model expects, before and after loading.
+
+A corrupt file must fail with an error naming the tensor -- never a native crash and never
+silently wrong weights. Safetensors headers are read directly (JSON, no tensor data), so the
+checks cost nothing on big checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from . import format as fmt
+
+_SAFETENSORS_DTYPES = {"I32": torch.int32, "U8": torch.uint8, "F32": torch.float32}
+
+
+class KbitCheckpointError(ValueError):
+    """A kbit checkpoint tensor is missing, truncated or of the wrong shape/dtype."""
+
+
+def expected_tensors(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``{state_dict key: (shape, dtype)}`` for every format tensor of every kbit module.
+
+    A kbit module is one with ``packed_shapes() -> {tensor name: shape}``; a tensor's dtype
+    follows its name's suffix (``planes``, ``block_scales``, ``row_scales``, ``codebook``).
+    """
+    expected = {}
+    for name, module in model.named_modules():
+        packed_shapes = getattr(module, "packed_shapes", None)
+        if packed_shapes is None:
+            continue
+        for tensor_name, shape in packed_shapes().items():
+            expected[f"{name}.{tensor_name}"] = (shape, _dtype_of(tensor_name))
+    return expected
+
+
+def _dtype_of(tensor_name: str) -> torch.dtype:
+    for base, dtype in fmt.PACKED_DTYPES.items():
+        if tensor_name == base or tensor_name.endswith("_" + base):
+            return dtype
+    raise KeyError(tensor_name)
+
+
+def read_safetensors_header(path: str | os.PathLike) -> dict:
+    """The JSON header of a safetensors file, with every tensor's data checked to lie inside the file."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise KbitCheckpointError(f"{path}: {size} bytes, too short to be a safetensors file (truncated?)")
+        (header_len,) = struct.unpack("<Q", raw)
+        if header_len > size - 8:
+            raise KbitCheckpointError(f"{path}: header claims {header_len} bytes but the file has {size} (truncated?)")
+        try:
+            header = json.loads(f.read(header_len))
+        except ValueError as e:
+            raise KbitCheckpointError(f"{path}: unreadable safetensors header ({e})") from None
+    data_size = size - 8 - header_len
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        end = info["data_offsets"][1]
+        if end > data_size:
+            raise KbitCheckpointError(
+                f"{path}: tensor '{key}' ends at byte {end} of the data section, which has only {data_size} "
+                "bytes: the file is truncated; download or convert it again"
+            )
+    return header
+
+
+def validate_files(files: Iterable[str | os.PathLike], model: nn.Module) -> None:
+    """Check every safetensors file's kbit tensors against ``model``'s kbit modules."""
+    expected = expected_tensors(model)
+    prefix = getattr(model, "base_model_prefix", "")
+    found = set()
+    for path in files:
+        if not str(path).endswith(".safetensors"):
+            continue
+        for key, info in read_safetensors_header(path).items():
+            if key == "__metadata__":
+                continue
+            name = key if key in expected else f"{prefix}.{key}" if f"{prefix}.{key}" in expected else None
+            if name is None:
+                continue
+            found.add(name)
+            shape, dtype = expected[name]
+            got_dtype = _SAFETENSORS_DTYPES.get(info["dtype"], info["dtype"])
+            if got_dtype != dtype or tuple(info["shape"]) != shape:
+                raise KbitCheckpointError(
+                    f"checkpoint tensor '{key}' in {os.path.basename(path)} is {info['dtype']} {tuple(info['shape'])}, "
+                    f"the kbit module expects {dtype} {shape}; the file is corrupt or was written with a different "
+                    "quantization_config"
+                )
+    missing = sorted(set(expected) - found)
+    if missing:
+        raise KbitCheckpointError(
+            f"kbit checkpoint lacks {len(missing)} packed tensor(s), e.g. '{missing[0]}'; was it saved with a "
+            "different quantization_config (bits, modules_to_not_convert)?"
+        )
+
+
+@torch.no_grad()
+def validate_loaded(model: nn.Module) -> None:
+    """After loading: every kbit module holds packed tensors of the right shape, dtype and values."""
+    for name, module in model.named_modules():
+        packed_shapes = getattr(module, "packed_shapes", None)
+        if packed_shapes is None:
+            continue
+        placeholders = module.placeholders()
+        if placeholders:
+            raise KbitCheckpointError(f"'{name}.{placeholders[0]}' was never loaded: the checkpoint has no such weight")
+        for tensor_name, shape in packed_shapes().items():
+            t = getattr(module, tensor_name)
+            dtype = _dtype_of(tensor_name)
+            if t.dtype != dtype or tuple(t.shape) != shape:
+                raise KbitCheckpointError(
+                    f"'{name}.{tensor_name}' is {t.dtype} {tuple(t.shape)}, expected {dtype} {shape}"
+                )
+            if t.device.type == "meta":
+                continue
+            if tensor_name.endswith("codebook"):
+                cb = t.reshape(-1, shape[-1])
+                if not bool(torch.isfinite(cb).all()) or not bool((cb[:, 1:] > cb[:, :-1]).all()) or float(cb.abs().max()) > 1:
+                    raise KbitCheckpointError(f"'{name}.{tensor_name}' is not a sorted codebook within [-1, 1]")
+            elif tensor_name.endswith("row_scales"):
+                if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
+                    raise KbitCheckpointError(f"'{name}.{tensor_name}' holds non-finite or non-positive scales")

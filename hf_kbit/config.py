@@ -1,0 +1,127 @@
+"""KbitConfig: the one place a kbit quantization is described, validated once, JSON round-trip."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from . import format as fmt
+
+QUANT_METHOD = "kbit"
+
+# Facts of format v1 written into every config so that a reader needs nothing else.
+_FORMAT_FACTS = {
+    "block_size": fmt.BLOCK_SIZE,
+    "tile_n": fmt.TILE_N,
+    "tile_k": fmt.TILE_K,
+    "scale_format": "e4m4+row_f32",
+}
+
+
+class KbitConfig(QuantizationConfigMixin):
+    """Configuration of k-bit codebook weight quantization.
+
+    Args:
+        bits: bits per weight index, one of 2, 3, 4, 5.
+        codebook: ``"nf"`` (normal-float levels with an exact zero), ``"nf-sym"``
+            (equiprobable normal-float levels), a list of ``2**bits`` increasing values in
+            [-1, 1], or ``None`` for the measured default of each k.
+        modules_to_not_convert: module names (or name suffixes) kept in full precision.
+            ``None`` keeps the output embedding (LM head) and tied weights unquantized.
+        module_bits: ``{regex: bits}``; a Linear/experts module whose full name matches a
+            pattern (``re.search``, first match wins) uses those bits instead of ``bits``.
+        format_version: version of the packed format; a checkpoint newer than this library
+            is refused.
+    """
+
+    def __init__(
+        self,
+        bits: int = 4,
+        codebook: str | list[float] | None = None,
+        modules_to_not_convert: list[str] | None = None,
+        module_bits: dict[str, int] | None = None,
+        format_version: int = fmt.FORMAT_VERSION,
+        **kwargs: Any,
+    ):
+        self.quant_method = QUANT_METHOD
+        self.bits = bits
+        self.codebook = list(codebook) if isinstance(codebook, tuple) else codebook
+        self.modules_to_not_convert = modules_to_not_convert
+        self.module_bits = dict(module_bits) if module_bits else {}
+        self.format_version = format_version
+        kwargs.pop("quant_method", None)
+        for key, value in _FORMAT_FACTS.items():
+            if kwargs.pop(key, value) != value:
+                raise ValueError(f"KbitConfig: {key}={value!r} is fixed by format v{fmt.FORMAT_VERSION}")
+        if kwargs:
+            raise TypeError(f"KbitConfig got unexpected field(s) {sorted(kwargs)}; known fields: {self._fields()}")
+        self.post_init()
+
+    @staticmethod
+    def _fields() -> list[str]:
+        return ["bits", "codebook", "modules_to_not_convert", "module_bits", "format_version"]
+
+    def post_init(self) -> None:
+        """Validate every field; errors name the field, the expectation and the value."""
+        _check_bits("bits", self.bits)
+        if not isinstance(self.module_bits, dict):
+            raise TypeError(f"KbitConfig.module_bits must be a dict {{regex: bits}}, got {type(self.module_bits)}")
+        for pattern, bits in self.module_bits.items():
+            _check_bits(f"module_bits[{pattern!r}]", bits)
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"KbitConfig.module_bits key {pattern!r} is not a valid regex: {e}") from None
+        all_bits = {self.bits, *self.module_bits.values()}
+        if self.codebook is None or isinstance(self.codebook, str):
+            if self.codebook is not None and self.codebook not in fmt.CODEBOOKS:
+                raise ValueError(
+                    f"KbitConfig.codebook must be one of {fmt.CODEBOOKS}, a list of values or None, got {self.codebook!r}"
+                )
+        elif isinstance(self.codebook, list):
+            if len(all_bits) != 1:
+                raise ValueError("KbitConfig.codebook as explicit values needs one bits for all modules (no module_bits)")
+            fmt.make_codebook(self.codebook, self.bits)  # validates
+        else:
+            raise TypeError(f"KbitConfig.codebook must be a str, a list of floats or None, got {type(self.codebook)}")
+        if self.modules_to_not_convert is not None and not (
+            isinstance(self.modules_to_not_convert, list) and all(isinstance(m, str) for m in self.modules_to_not_convert)
+        ):
+            raise TypeError(
+                f"KbitConfig.modules_to_not_convert must be a list of module names, got {self.modules_to_not_convert!r}"
+            )
+        if not isinstance(self.format_version, int) or self.format_version < 1:
+            raise ValueError(f"KbitConfig.format_version must be a positive int, got {self.format_version!r}")
+        if self.format_version > fmt.FORMAT_VERSION:
+            raise ValueError(
+                f"This checkpoint uses kbit format v{self.format_version}; this hf-kbit reads up to "
+                f"v{fmt.FORMAT_VERSION}. Upgrade: `pip install -U hf-kbit`."
+            )
+
+    def bits_for(self, module_name: str) -> int:
+        """Bits of the module called ``module_name`` (``module_bits`` first, then ``bits``)."""
+        for pattern, bits in self.module_bits.items():
+            if re.search(pattern, module_name):
+                return bits
+        return self.bits
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "quant_method": QUANT_METHOD,
+            "bits": self.bits,
+            "codebook": self.codebook,
+            "modules_to_not_convert": self.modules_to_not_convert,
+            "module_bits": dict(self.module_bits),
+            "format_version": self.format_version,
+            **_FORMAT_FACTS,
+        }
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KbitConfig) and self.to_dict() == other.to_dict()
+
+
+def _check_bits(field: str, bits: Any) -> None:
+    if not isinstance(bits, int) or isinstance(bits, bool) or bits not in fmt.SUPPORTED_BITS:
+        raise ValueError(f"KbitConfig.{field} must be one of {fmt.SUPPORTED_BITS}, got {bits!r}")

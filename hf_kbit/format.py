@@ -1,0 +1,302 @@
+"""The kbit weight format, version 1, as executable pure-PyTorch reference.
+
+This module is the specification: every kernel is tested against it (bit-exactly for the
+packed tensors, within named tolerances for matmuls). ``docs/format.md`` explains it for
+people. Nothing here knows about transformers.
+
+A weight ``W`` of shape ``[..., N, K]`` (PyTorch Linear layout, out x in; leading dims stack
+experts) is stored as four tensors:
+
+- ``planes``: int32 ``[..., N_tiles, K_tiles, bits, TILE_N, BLOCKS_PER_TILE]``. Entry
+  ``[..., nt, kt, j, r, q]`` is bit-plane ``j`` of block ``kt * BLOCKS_PER_TILE + q`` of
+  row ``nt * TILE_N + r``: one 32-bit word holding bit ``j`` of the 32 codebook indices of
+  that block, element ``ELEMENT_OF_BIT[p]`` at bit ``p``.
+- ``block_scales``: uint8 ``[..., N_tiles, K_tiles, TILE_N, BLOCKS_PER_TILE]``, E4M4 codes
+  of the block absmax relative to the row scale, same tiling.
+- ``row_scales``: float32 ``[..., N]``, one per output row.
+- ``codebook``: float32 ``[..., 2**bits]``, sorted, within [-1, 1].
+
+``W[n, k] ~= codebook[index] * e4m4(block_scales[block]) * row_scales[n]``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FORMAT_VERSION = 1
+SUPPORTED_BITS = (2, 3, 4, 5)
+BLOCK_SIZE = 32  # elements along K sharing one scale; also the bits of one plane word
+TILE_N = 16  # rows per tile: one tensor-core m16 fragment, 16 x 16 B = 256 B per plane
+BLOCKS_PER_TILE = 4  # 4 plane words = one 16-byte vector load per (row, plane)
+TILE_K = BLOCK_SIZE * BLOCKS_PER_TILE
+
+# E4M4 block scale: 4 exponent bits, 4 mantissa bits, exponent bias 11, subnormals at e = 0.
+E4M4_BIAS = 11
+E4M4_MANTISSA_BITS = 4
+
+
+def _element_of_bit() -> torch.Tensor:
+    """Bit position p = 8b + 4h + s of a plane word holds block element 8b + 2s + h.
+
+    Why: a kernel extracts 8 four-bit indices at once with one shift and one mask per plane,
+    ``((plane_j >> s) & 0x11111111) << j``; byte ``b`` of the result then holds the indices
+    of elements ``8b + 2s`` and ``8b + 2s + 1`` -- two neighbours, so one 256-entry table of
+    codebook value pairs and one paired activation load serve both.
+    """
+    p = torch.arange(BLOCK_SIZE, device="cpu")
+    b, h, s = p // 8, (p % 8) // 4, p % 4
+    return 8 * b + 2 * s + h
+
+
+ELEMENT_OF_BIT = _element_of_bit()
+BIT_OF_ELEMENT = torch.argsort(ELEMENT_OF_BIT)
+
+
+def e4m4_table() -> torch.Tensor:
+    """The 256 decoded E4M4 values, float32, non-decreasing in the code (code 0 is 0.0)."""
+    code = torch.arange(256, dtype=torch.int64, device="cpu")
+    exponent, mantissa = code >> E4M4_MANTISSA_BITS, code & ((1 << E4M4_MANTISSA_BITS) - 1)
+    frac = mantissa.double() / (1 << E4M4_MANTISSA_BITS)
+    normal = (1.0 + frac) * torch.pow(2.0, (exponent - E4M4_BIAS).double())
+    subnormal = frac * 2.0 ** (1 - E4M4_BIAS)
+    return torch.where(exponent == 0, subnormal, normal).float()
+
+
+E4M4_MAX = float(e4m4_table()[-1])  # 31.0
+
+
+def padded_shape(n: int, k: int) -> tuple[int, int]:
+    """Rows and columns after padding to whole tiles (padding is zeros, never visible)."""
+    return math.ceil(n / TILE_N) * TILE_N, math.ceil(k / TILE_K) * TILE_K
+
+
+def packed_shapes(n: int, k: int, bits: int) -> dict[str, tuple[int, ...]]:
+    """Shapes of the packed tensors of one [n, k] weight (prepend expert dims as needed)."""
+    n_pad, k_pad = padded_shape(n, k)
+    n_tiles, k_tiles = n_pad // TILE_N, k_pad // TILE_K
+    return {
+        "planes": (n_tiles, k_tiles, bits, TILE_N, BLOCKS_PER_TILE),
+        "block_scales": (n_tiles, k_tiles, TILE_N, BLOCKS_PER_TILE),
+        "row_scales": (n,),
+        "codebook": (1 << bits,),
+    }
+
+
+PACKED_DTYPES = {
+    "planes": torch.int32,
+    "block_scales": torch.uint8,
+    "row_scales": torch.float32,
+    "codebook": torch.float32,
+}
+
+
+def bits_per_weight(n: int, k: int, bits: int) -> float:
+    """Stored bits per original weight element, padding and all scales included."""
+    shapes = packed_shapes(n, k, bits)
+    nbytes = sum(math.prod(s) * PACKED_DTYPES[name].itemsize for name, s in shapes.items())
+    return 8 * nbytes / (n * k)
+
+
+# ---------------------------------------------------------------------------- codebooks
+
+CODEBOOKS = ("nf", "nf-sym")
+
+
+def normal_float_codebook(bits: int, zero: bool = True) -> torch.Tensor:
+    """Normal-float levels for ``bits``, sorted, normalised so max |c| = 1.
+
+    ``zero=True`` (name ``"nf"``): an exact zero, 2**(bits-1) positive and 2**(bits-1) - 1
+    negative levels at normal quantiles, the construction of bitsandbytes' NF4 table
+    generalised to any k (for k = 4 it reproduces that table).
+    ``zero=False`` (name ``"nf-sym"``): the expected value of N(0, 1) within each of 2**bits
+    equiprobable bins; symmetric, no zero.
+    """
+    levels = 1 << bits
+    if zero:
+        half = levels // 2
+        # Outermost quantile: halfway between 1 - 1/(2L) and 1 - 1/(2L - 2), as NF4 does for L = 16.
+        offset = 1.0 - 0.5 * (1.0 / (2 * levels) + 1.0 / (2 * levels - 2))
+        pos = torch.special.ndtri(torch.linspace(offset, 0.5, half + 1, dtype=torch.float64, device="cpu")[:-1])
+        neg = -torch.special.ndtri(torch.linspace(offset, 0.5, half, dtype=torch.float64, device="cpu")[:-1])
+        values = torch.cat([pos, torch.zeros(1, dtype=torch.float64, device="cpu"), neg])
+    else:
+        edges = torch.special.ndtri(torch.linspace(0.0, 1.0, levels + 1, dtype=torch.float64, device="cpu"))
+        pdf = torch.exp(-0.5 * edges.square()) / math.sqrt(2 * math.pi)
+        pdf = torch.nan_to_num(pdf, nan=0.0)  # pdf(+-inf) = 0
+        values = (pdf[:-1] - pdf[1:]) * levels  # E[X | bin] = (pdf(a) - pdf(b)) / P(bin)
+    values = values / values.abs().max()
+    return torch.sort(values).values.float()
+
+
+# Chosen per k by reconstruction SQNR on real weights (scripts/choose_codebooks.py, docs/format.md).
+DEFAULT_CODEBOOK = {2: "nf", 3: "nf", 4: "nf", 5: "nf"}
+
+
+def make_codebook(codebook: str | torch.Tensor | list[float] | None, bits: int) -> torch.Tensor:
+    """Resolve a codebook name, ``None`` (the default for ``bits``) or explicit values."""
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
+    if codebook is None:
+        codebook = DEFAULT_CODEBOOK[bits]
+    if isinstance(codebook, str):
+        if codebook not in CODEBOOKS:
+            raise ValueError(f"codebook must be one of {CODEBOOKS} or a list of values, got {codebook!r}")
+        return normal_float_codebook(bits, zero=codebook == "nf")
+    values = torch.as_tensor(codebook, dtype=torch.float32, device="cpu").flatten()
+    validate_codebook(values, bits)
+    return values
+
+
+def validate_codebook(values: torch.Tensor, bits: int, name: str = "codebook") -> None:
+    """Raise ValueError unless ``values`` is a valid codebook for ``bits``."""
+    if values.dtype != torch.float32 or values.shape != (1 << bits,):
+        raise ValueError(
+            f"{name} must be float32 of shape ({1 << bits},) for bits={bits}, "
+            f"got {values.dtype} of shape {tuple(values.shape)}"
+        )
+    if not bool(torch.isfinite(values).all()) or float(values.abs().max()) > 1.0:
+        raise ValueError(f"{name} values must be finite and within [-1, 1]")
+    if not bool((values[1:] > values[:-1]).all()):
+        raise ValueError(f"{name} values must be strictly increasing")
+
+
+# ---------------------------------------------------------------------------- bit-planes
+
+
+def pack_bitplanes(indices: torch.Tensor, bits: int) -> torch.Tensor:
+    """[..., 32] indices (element order) -> [..., bits] int32 plane words."""
+    at_bit = indices.long()[..., ELEMENT_OF_BIT.to(indices.device)]
+    weights = torch.pow(2, torch.arange(BLOCK_SIZE, device=indices.device, dtype=torch.int64))
+    planes = [(((at_bit >> j) & 1) * weights).sum(-1) for j in range(bits)]
+    words = torch.stack(planes, dim=-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def unpack_bitplanes(planes: torch.Tensor) -> torch.Tensor:
+    """[..., bits] int32 plane words -> [..., 32] int64 indices (element order)."""
+    bits = planes.shape[-1]
+    words = planes.long() & 0xFFFFFFFF
+    shifts = torch.arange(BLOCK_SIZE, device=planes.device, dtype=torch.int64)
+    at_bit = torch.zeros(*planes.shape[:-1], BLOCK_SIZE, dtype=torch.int64, device=planes.device)
+    for j in range(bits):
+        at_bit |= ((words[..., j, None] >> shifts) & 1) << j
+    return at_bit[..., BIT_OF_ELEMENT.to(planes.device)]
+
+
+# ---------------------------------------------------------------------------- tiling
+
+
+def tile(per_block: torch.Tensor) -> torch.Tensor:
+    """[..., N_pad, K_pad / 32] per-block data -> [..., N_tiles, K_tiles, TILE_N, BLOCKS_PER_TILE]."""
+    *lead, n_pad, n_blocks = per_block.shape
+    x = per_block.reshape(*lead, n_pad // TILE_N, TILE_N, n_blocks // BLOCKS_PER_TILE, BLOCKS_PER_TILE)
+    return x.transpose(-3, -2).contiguous()
+
+
+def untile(tiled: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`tile`."""
+    *lead, n_tiles, k_tiles, _, _ = tiled.shape
+    return tiled.transpose(-3, -2).reshape(*lead, n_tiles * TILE_N, k_tiles * BLOCKS_PER_TILE)
+
+
+def tile_planes(per_block: torch.Tensor) -> torch.Tensor:
+    """[..., N_pad, K_pad / 32, bits] plane words -> [..., N_tiles, K_tiles, bits, TILE_N, BLOCKS_PER_TILE]."""
+    return tile(per_block.movedim(-1, -3)).movedim(-5, -3).contiguous()
+
+
+def untile_planes(planes: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`tile_planes`."""
+    return untile(planes.movedim(-3, -5)).movedim(-3, -1)
+
+
+# ---------------------------------------------------------------------------- quantize
+
+
+def quantize(weight: torch.Tensor, codebook: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize ``weight [..., N, K]`` -> ``(planes, block_scales, row_scales)``.
+
+    The arithmetic, in float32 and in this order, is part of the format (the GPU quantize
+    kernel reproduces it bit for bit):
+
+    1. ``row_scale = nextafter(rowmax / 31, inf)`` (``1.0`` for an all-zero row), so every
+       block ratio below is <= 31 and encodes without clipping.
+    2. ``ratio = blockmax / row_scale``; the block code is the *smallest* E4M4 code whose
+       value is >= ratio (round up, so ``|w| / scale <= 1``).
+    3. ``scale = e4m4(code) * row_scale``; ``x = w / scale`` (``0`` where ``scale == 0``).
+    4. index = number of codebook midpoints ``(c[i] + c[i+1]) / 2`` strictly below ``x``
+       (nearest level, ties to the lower one).
+    Padding rows/columns are zeros.
+    """
+    *lead, n, k = weight.shape
+    bits = int(codebook.numel()).bit_length() - 1
+    n_pad, k_pad = padded_shape(n, k)
+    w = weight.float()
+    rowmax = w.abs().amax(-1) if k > 0 else torch.zeros(*lead, n, device=w.device)
+    row_scale = torch.where(rowmax > 0, rowmax / E4M4_MAX, torch.ones_like(rowmax))
+    row_scale = torch.where(rowmax > 0, torch.nextafter(row_scale, torch.full_like(row_scale, math.inf)), row_scale)
+
+    w = torch.nn.functional.pad(w, (0, k_pad - k, 0, n_pad - n))
+    blocks = w.reshape(*lead, n_pad, k_pad // BLOCK_SIZE, BLOCK_SIZE)
+    rs = torch.nn.functional.pad(row_scale, (0, n_pad - n), value=1.0)[..., None]  # [..., n_pad, 1]
+    table = e4m4_table().to(w.device)
+    ratio = blocks.abs().amax(-1) / rs
+    codes = torch.searchsorted(table, ratio.contiguous()).clamp_(max=255)
+    scale = table[codes] * rs
+    x = torch.where(scale[..., None] > 0, blocks / scale[..., None], torch.zeros_like(blocks))
+    cb = codebook.to(device=w.device, dtype=torch.float32)
+    mids = (cb[1:] + cb[:-1]) / 2
+    indices = torch.searchsorted(mids, x.contiguous(), right=False)
+
+    planes = tile_planes(pack_bitplanes(indices, bits))
+    block_scales = tile(codes.to(torch.uint8))
+    return planes, block_scales, row_scale.contiguous()
+
+
+def unpack_indices(planes: torch.Tensor) -> torch.Tensor:
+    """planes [..., nt, kt, bits, 16, 4] -> indices [..., N_pad, K_pad] int64."""
+    return unpack_bitplanes(untile_planes(planes)).flatten(-2)
+
+
+def block_scale_values(block_scales: torch.Tensor, row_scales: torch.Tensor) -> torch.Tensor:
+    """Decoded per-block scales ``e4m4(code) * row_scale``, [..., N, K_pad / 32] float32."""
+    n = row_scales.shape[-1]
+    codes = untile(block_scales)[..., :n, :]
+    return e4m4_table().to(codes.device)[codes.long()] * row_scales[..., None]
+
+
+def dequantize(
+    planes: torch.Tensor,
+    block_scales: torch.Tensor,
+    row_scales: torch.Tensor,
+    codebook: torch.Tensor,
+    k: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Packed tensors -> weight ``[..., N, K]`` in ``dtype`` (N is ``row_scales.shape[-1]``)."""
+    n = row_scales.shape[-1]
+    indices = unpack_indices(planes)[..., :n, :]
+    scale = block_scale_values(block_scales, row_scales)
+    values = codebook.float()[..., indices] if codebook.dim() == 1 else _gather_codebook(codebook, indices)
+    values = values.reshape(*values.shape[:-1], -1, BLOCK_SIZE) * scale[..., None]
+    return values.flatten(-2)[..., :k].to(dtype)
+
+
+def _gather_codebook(codebook: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Per-expert codebooks [..., L] indexed by [..., N, K] indices."""
+    flat = indices.flatten(-2)
+    out = torch.gather(codebook.float(), -1, flat)
+    return out.reshape(indices.shape)
+
+
+def error_bound(codebook: torch.Tensor, block_scales: torch.Tensor, row_scales: torch.Tensor, k: int) -> torch.Tensor:
+    """Per-element bound on |W - dequantize(quantize(W))|: half the widest codebook gap times
+    the decoded block scale, [..., N, K]. (The outermost levels are +-1 only when the
+    codebook reaches them; the distance from an end level to the range edge counts too.)"""
+    cb = codebook.float()
+    gaps = torch.cat([cb[..., 1:] - cb[..., :-1], 2 * (1 + cb[..., :1]), 2 * (1 - cb[..., -1:])], dim=-1)
+    half_gap = gaps.amax(-1) / 2
+    scale = block_scale_values(block_scales, row_scales)
+    per_elem = scale.repeat_interleave(BLOCK_SIZE, dim=-1)[..., :k]
+    return per_elem * (half_gap[..., None, None] if half_gap.dim() else half_gap)

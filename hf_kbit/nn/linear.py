@@ -1,0 +1,155 @@
+"""KbitLinear: a Linear layer whose weight lives in the kbit format."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import _ops  # noqa: F401  (registers torch.ops.kbit)
+from .. import format as fmt
+
+COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FORMAT_TENSORS = ("planes", "block_scales", "row_scales", "codebook")
+
+
+class KbitLinear(nn.Module):
+    """``y = x @ W.T + bias`` with ``W [out_features, in_features]`` stored k-bit.
+
+    Not an ``nn.Linear`` subclass on purpose: model initialisers must never touch ``.weight``.
+
+    Buffers (format v1, see ``docs/format.md``; N = out_features, K = in_features):
+        planes: int32 ``[ceil(N/16), ceil(K/128), bits, 16, 4]`` bit-plane words.
+        block_scales: uint8 ``[ceil(N/16), ceil(K/128), 16, 4]`` E4M4 block scale codes.
+        row_scales: float32 ``[N]`` per-row scale.
+        codebook: float32 ``[2**bits]`` sorted levels in [-1, 1].
+    Parameter ``bias`` ``[N]`` (optional) keeps the model's dtype. The forward computes in
+    the dtype of its input (bf16, fp16 or fp32) with float32 accumulation; ``.half()`` or
+    ``.to(dtype)`` cast the bias only, the format tensors keep their dtypes.
+
+    While a model is quantized on load, a ``weight`` placeholder (meta) receives the
+    checkpoint's full-precision weight, which the quantize op packs and then removes.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        bits: int = 4,
+        codebook: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        weight_placeholder: bool = False,
+    ):
+        super().__init__()
+        if bits not in fmt.SUPPORTED_BITS:
+            raise ValueError(f"bits must be one of {fmt.SUPPORTED_BITS}, got {bits!r}")
+        self.in_features, self.out_features, self.bits = in_features, out_features, bits
+        shapes = fmt.packed_shapes(out_features, in_features, bits)
+        for name in FORMAT_TENSORS:
+            self.register_buffer(name, torch.empty(shapes[name], dtype=fmt.PACKED_DTYPES[name], device=device))
+        if codebook is None:
+            codebook = fmt.make_codebook(None, bits)
+        with torch.no_grad():
+            self.codebook = codebook.to(device=self.codebook.device, dtype=torch.float32).clone()
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+        if weight_placeholder:
+            self.weight = nn.Parameter(
+                torch.empty(out_features, in_features, dtype=dtype, device="meta"), requires_grad=False
+            )
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, bits: int = 4, codebook: torch.Tensor | None = None) -> "KbitLinear":
+        """Quantize an existing ``nn.Linear`` (same device, bias kept in its dtype)."""
+        weight = linear.weight.detach()
+        if codebook is None:
+            codebook = fmt.make_codebook(None, bits)
+        module = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            bits=bits,
+            dtype=weight.dtype,
+            device=weight.device,
+        )
+        module.load_packed(*quantize_weight(weight, codebook.to(weight.device), name="weight"), codebook)
+        if linear.bias is not None:
+            module.bias.data.copy_(linear.bias.detach())
+        return module
+
+    def packed_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of each format tensor (the checkpoint contract, see hf_kbit.checkpoint)."""
+        return fmt.packed_shapes(self.out_features, self.in_features, self.bits)
+
+    def placeholders(self) -> list[str]:
+        """Full-precision placeholders still waiting for quantize-on-load."""
+        return ["weight"] if "weight" in self._parameters else []
+
+    @torch.no_grad()
+    def load_packed(self, planes, block_scales, row_scales, codebook) -> None:
+        """Take packed tensors (from :func:`quantize_weight` or a checkpoint)."""
+        for name, value in zip(FORMAT_TENSORS, (planes, block_scales, row_scales, codebook)):
+            setattr(self, name, value.to(self.planes.device))
+        if "weight" in self._parameters:
+            del self._parameters["weight"]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in COMPUTE_DTYPES:
+            raise TypeError(f"KbitLinear input must be one of {COMPUTE_DTYPES}, got {x.dtype}")
+        out = torch.ops.kbit.mm(x, self.planes, self.block_scales, self.row_scales, self.codebook, self.in_features)
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out
+
+    @torch.no_grad()
+    def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight ``[out_features, in_features]`` as the format reconstructs it."""
+        return torch.ops.kbit.dequantize(
+            self.planes, self.block_scales, self.row_scales, self.codebook, self.in_features, dtype
+        )
+
+    def to_linear(self, dtype: torch.dtype | None = None) -> nn.Linear:
+        """An ``nn.Linear`` holding the dequantized weight (``dtype`` defaults to the bias's or float32)."""
+        if dtype is None:
+            dtype = self.bias.dtype if self.bias is not None else torch.float32
+        linear = nn.Linear(
+            self.in_features, self.out_features, bias=self.bias is not None, dtype=dtype, device=self.planes.device
+        )
+        with torch.no_grad():
+            linear.weight.copy_(self.dequantize_weight(dtype))
+            if self.bias is not None:
+                linear.bias.copy_(self.bias)
+        return linear
+
+    def _apply(self, fn, recurse=True):
+        # Casting a model (.half(), .to(torch.bfloat16)) must not touch the float32 format
+        # tensors: keep their dtype, follow the device.
+        keep = {id(t) for name in FORMAT_TENSORS if (t := self._buffers.get(name)) is not None}
+
+        def apply_keeping_format(t):
+            out = fn(t)
+            if id(t) in keep and out.dtype != t.dtype:
+                return t.to(out.device)
+            return out
+
+        return super()._apply(apply_keeping_format, recurse)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, bias={self.bias is not None}"
+
+
+def quantize_weight(
+    weight: torch.Tensor, codebook: torch.Tensor, name: str = "weight"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize ``weight [..., N, K]`` to (planes, block_scales, row_scales), checking it first.
+
+    ``name`` goes into errors so that a user learns which tensor is at fault.
+    """
+    if weight.dim() < 2:
+        raise ValueError(f"{name}: kbit quantizes 2-D weights [out, in] (or stacked [E, out, in]), got shape {tuple(weight.shape)}")
+    if not weight.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point weight, got {weight.dtype}")
+    if not bool(torch.isfinite(weight).all()):
+        bad = int((~torch.isfinite(weight)).sum())
+        raise ValueError(f"{name}: {bad} non-finite value(s) (NaN/Inf) in the weight; refusing to quantize")
+    return torch.ops.kbit.quantize(weight, codebook)

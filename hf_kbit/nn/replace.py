@@ -1,0 +1,73 @@
+"""Swapping a model's Linear layers for KbitLinear and back (no transformers lifecycle here)."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from .. import format as fmt
+from ..config import KbitConfig
+from .linear import KbitLinear
+
+
+def should_convert(name: str, modules_to_not_convert: list[str]) -> bool:
+    """False when ``name`` is listed, under a listed prefix, or ends with a listed name."""
+    for key in modules_to_not_convert:
+        if name == key or name.startswith(key + ".") or name.endswith("." + key) or re.fullmatch(key, name):
+            return False
+    return True
+
+
+def replace_linear_with_kbit(
+    model: nn.Module, config: KbitConfig, modules_to_not_convert: list[str], weight_placeholder: bool
+) -> list[str]:
+    """Replace every convertible ``nn.Linear`` of ``model`` in place; returns the converted names.
+
+    Runs on the meta skeleton before weights load, so nothing is quantized here.
+    """
+    converted = []
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or not should_convert(name, modules_to_not_convert):
+            continue
+        bits = config.bits_for(name)
+        kbit = KbitLinear(
+            module.in_features,
+            module.out_features,
+            bias=module.bias is not None,
+            bits=bits,
+            codebook=fmt.make_codebook(config.codebook, bits),
+            dtype=module.weight.dtype,
+            device=module.weight.device,
+            weight_placeholder=weight_placeholder,
+        )
+        kbit.requires_grad_(False)
+        _set_submodule(model, name, kbit)
+        converted.append(name)
+    return converted
+
+
+def replace_kbit_with_linear(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """Replace every KbitLinear with an ``nn.Linear`` holding its dequantized weight."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, KbitLinear):
+            _set_submodule(model, name, module.to_linear(dtype))
+    return model
+
+
+def quantize_model(model: nn.Module, config: KbitConfig | None = None, modules_to_not_convert: list[str] | None = None) -> nn.Module:
+    """Quantize a model already in memory (outside ``from_pretrained``): Linear -> KbitLinear."""
+    config = config or KbitConfig()
+    skip = modules_to_not_convert if modules_to_not_convert is not None else (config.modules_to_not_convert or [])
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and should_convert(name, skip):
+            bits = config.bits_for(name)
+            _set_submodule(model, name, KbitLinear.from_linear(module, bits, fmt.make_codebook(config.codebook, bits)))
+    return model
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)

@@ -1,0 +1,112 @@
+"""KbitHfQuantizer: transformers lifecycle hooks only. Modules live in hf_kbit.nn, math in ops."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.core_model_loading import ConversionOps
+from transformers.quantizers.base import HfQuantizer
+from transformers.quantizers.quantizers_utils import get_module_from_name
+
+from . import checkpoint
+from .config import KbitConfig
+from .format import make_codebook
+from .nn.linear import COMPUTE_DTYPES, FORMAT_TENSORS, KbitLinear, quantize_weight
+from .nn.replace import replace_kbit_with_linear, replace_linear_with_kbit
+
+
+class KbitHfQuantizer(HfQuantizer):
+    """Quantize-on-load and pre-quantized loading of ``quant_method="kbit"`` models."""
+
+    requires_calibration = False
+    quantization_config: KbitConfig
+
+    def __init__(self, quantization_config: KbitConfig, **kwargs: Any):
+        super().__init__(quantization_config, **kwargs)
+        self.modules_to_not_convert: list[str] = []
+
+    def validate_environment(self, *args: Any, **kwargs: Any) -> None:
+        device_map = kwargs.get("device_map")
+        if isinstance(device_map, dict) and "disk" in device_map.values():
+            raise ValueError("kbit models cannot be offloaded to disk; use device_map with 'cpu' or GPUs only")
+
+    def update_dtype(self, dtype: torch.dtype | None) -> torch.dtype:
+        if dtype is None:
+            return torch.bfloat16
+        if dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"kbit models compute in one of {COMPUTE_DTYPES}; got dtype={dtype}")
+        return dtype
+
+    def param_needs_quantization(self, model, param_name: str, **kwargs: Any) -> bool:
+        if self.pre_quantized:
+            return False
+        module, tensor_name = get_module_from_name(model, param_name)
+        return isinstance(module, KbitLinear) and tensor_name == "weight"
+
+    def param_element_size(self, model, param_name: str, param: torch.Tensor) -> float:
+        # The weight placeholder costs nothing: its packed buffers are already counted.
+        if self.param_needs_quantization(model, param_name):
+            return 0
+        return param.element_size()
+
+    def get_new_dtype(self, converter, param, dtype):  # transformers >= 5.18
+        # Format tensors keep the dtype they were stored in; validation checks it after load.
+        return None if not getattr(param, "get_dtype", lambda: "F")().startswith(("F", "BF")) else dtype
+
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs: Any):
+        self.modules_to_not_convert = self.get_modules_to_not_convert(
+            model,
+            self.quantization_config.modules_to_not_convert,
+            getattr(model, "_keep_in_fp32_modules", None),
+            add_default_skips=self.quantization_config.modules_to_not_convert is None,
+        )
+        replace_linear_with_kbit(
+            model, self.quantization_config, self.modules_to_not_convert, weight_placeholder=not self.pre_quantized
+        )
+        if self.pre_quantized and checkpoint_files:
+            checkpoint.validate_files(checkpoint_files, model)
+        return model
+
+    def _process_model_after_weight_loading(self, model, **kwargs: Any):
+        checkpoint.validate_loaded(model)
+        return model
+
+    def _dequantize(self, model, dtype=None):
+        return replace_kbit_with_linear(model, dtype)
+
+    def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+    def get_quantize_ops(self):
+        return KbitQuantize(self)
+
+
+class KbitQuantize(ConversionOps):
+    """Quantize-on-load: the checkpoint's ``<module>.weight`` -> the module's packed buffers."""
+
+    def __init__(self, hf_quantizer: KbitHfQuantizer):
+        self.hf_quantizer = hf_quantizer
+
+    def convert(self, input_dict, model=None, full_layer_name=None, missing_keys=None, **kwargs):
+        target_key, value = next(iter(input_dict.items()))
+        value = value[0] if isinstance(value, list) else value
+        full_layer_name = full_layer_name or target_key
+        module, _ = get_module_from_name(model, full_layer_name)
+        prefix = full_layer_name.rpartition(".")[0]
+        # The module sits on the meta device while loading: rebuild its codebook from the config.
+        codebook = make_codebook(self.hf_quantizer.quantization_config.codebook, module.bits).to(value.device)
+        planes, block_scales, row_scales = quantize_weight(value, codebook, name=full_layer_name)
+        del module._parameters["weight"]
+        if missing_keys is not None:
+            missing_keys.discard(full_layer_name)
+        packed = dict(zip(FORMAT_TENSORS, (planes, block_scales, row_scales, codebook)))
+        return {f"{prefix}.{name}": tensor for name, tensor in packed.items()}
