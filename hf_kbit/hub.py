@@ -1,0 +1,185 @@
+"""Model cards and pushing a converted checkpoint to the Hugging Face Hub.
+
+The card shows only numbers measured during the conversion (sizes of the written files,
+bits per weight of the written tensors, the optional perplexity check) or passed in by the
+caller as measured; a field without a measurement is left out, never estimated.
+"""
+
+from __future__ import annotations
+
+import platform
+import shlex
+from pathlib import Path
+from typing import Any
+
+from . import format as fmt
+
+TEMPLATE_NAME = "kbit_model_card.md"
+# Packaged copy first, then the repository's model_cards/ (source checkouts).
+_TEMPLATE_DIRS = (Path(__file__).parent / "model_cards", Path(__file__).resolve().parent.parent / "model_cards")
+
+
+class PushError(RuntimeError):
+    """Pushing to the Hub failed; the local output is intact and the message says how to retry."""
+
+
+def template_path() -> Path:
+    for folder in _TEMPLATE_DIRS:
+        if (folder / TEMPLATE_NAME).is_file():
+            return folder / TEMPLATE_NAME
+    raise FileNotFoundError(f"model card template {TEMPLATE_NAME} not found in {[str(d) for d in _TEMPLATE_DIRS]}")
+
+
+def library_versions() -> dict[str, str]:
+    import huggingface_hub
+    import safetensors
+    import torch
+    import transformers
+
+    from . import __version__
+
+    return {
+        "hf-kbit": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "huggingface_hub": huggingface_hub.__version__,
+        "safetensors": safetensors.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def render_card(
+    *,
+    plan,
+    stats: dict[str, Any],
+    source_info: dict[str, Any],
+    base_model: str | None,
+    command: str,
+    eval: dict[str, Any] | None = None,
+    speed: dict[str, str] | None = None,
+    repo_id: str | None = None,
+):
+    """The model card (``huggingface_hub.ModelCard``) of a converted checkpoint."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    cfg = plan.kbit_config
+    bits_values = sorted(stats["quantized_by_bits"])
+    tags = ["kbit", "quantized", *(f"{b}-bit" for b in bits_values)]
+    card_data = ModelCardData(
+        base_model=base_model,
+        base_model_relation="quantized" if base_model else None,
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=tags,
+    )
+    source_note = None
+    if source_info.get("kind") == "gguf":
+        source_note = (
+            f"converted from the GGUF file `{source_info['name']}`. Its weights were already quantized to a GGUF "
+            "grid; they were dequantized and then quantized again, so the errors of both quantizations add up."
+        )
+        size_before_label = f"GGUF dequantized to {stats['dtype']}; the .gguf file is {_human(source_info['gguf_bytes'])}"
+    else:
+        size_before_label = f"source checkpoint, {stats['dtype']}"
+    n_kept = stats["tensors"] - stats["quantized_tensors"]
+    kept = "lm_head / tied embeddings and all non-Linear tensors" if cfg.modules_to_not_convert is None else (
+        f"{', '.join(cfg.modules_to_not_convert)} and all non-Linear tensors"
+    )
+    bits_summary = ", ".join(f"{b} ({n} tensors)" for b, n in stats["quantized_by_bits"].items()) or "none"
+    if cfg.module_bits:
+        bits_summary += " — per-module bits: " + ", ".join(f"`{p}` -> {b}" for p, b in cfg.module_bits.items())
+    bpw = stats.get("bits_per_quantized_weight")
+    return ModelCard.from_template(
+        card_data,
+        template_path=str(template_path()),
+        model_name=source_info.get("name", "model"),
+        base_model_link=base_model,
+        bits=cfg.bits,
+        levels=", ".join(str(1 << b) for b in bits_values) or str(1 << cfg.bits),
+        codebook=_codebook_name(cfg),
+        source_note=source_note,
+        bits_summary=bits_summary,
+        bits_per_weight=f"{bpw:.3f}" if bpw is not None else "n/a (nothing quantized)",
+        quantized_tensors=stats["quantized_tensors"],
+        total_tensors=stats["tensors"],
+        dtype=stats["dtype"],
+        kept_summary=f"{n_kept} tensors: {kept}",
+        size_before=_human(stats["size_before_bytes"]),
+        size_before_label=size_before_label,
+        size_after=_human(stats["size_after_bytes"]),
+        format_version=cfg.format_version,
+        command=command,
+        repo_id=repo_id or "path/to/this/folder",
+        eval=eval,
+        speed=speed,
+        versions=library_versions(),
+    )
+
+
+def _codebook_name(cfg) -> str:
+    if isinstance(cfg.codebook, list):
+        return "custom codebook stored with each layer"
+    name = cfg.codebook or fmt.DEFAULT_CODEBOOK[cfg.bits]
+    return {"nf": "normal-float levels with an exact zero", "nf-sym": "equiprobable normal-float levels"}.get(name, name)
+
+
+def _human(nbytes: int) -> str:
+    value = float(nbytes)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1000
+    raise AssertionError("unreachable")
+
+
+def retry_command(folder: str | Path, repo_id: str, private: bool | None, revision: str | None, message: str | None) -> str:
+    """The command that pushes an already converted folder again."""
+    argv = ["kbit-convert", str(folder), "--push-to-hub", repo_id]
+    if private:
+        argv.append("--private")
+    if revision:
+        argv += ["--push-revision", revision]
+    if message:
+        argv += ["--commit-message", message]
+    return shlex.join(argv)
+
+
+def push_to_hub(
+    folder: str | Path,
+    repo_id: str,
+    *,
+    private: bool | None = None,
+    revision: str | None = None,
+    commit_message: str | None = None,
+    token: str | None = None,
+) -> str:
+    """Create ``repo_id`` (if needed) and upload ``folder`` to it; returns the commit URL.
+
+    The token comes from huggingface_hub's usual sources (``HF_TOKEN``, ``hf auth login``)
+    unless given; it is never printed or put in an error message. On failure raises
+    :class:`PushError` naming the cause and the command that retries the push.
+    """
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.utils import get_token
+
+    folder = Path(folder)
+    api = HfApi(token=token)
+    message = commit_message or f"Upload kbit checkpoint ({folder.name})"
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        if revision:
+            api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
+        info = api.upload_folder(
+            repo_id=repo_id, folder_path=folder, revision=revision, commit_message=message, repo_type="model"
+        )
+    except Exception as e:  # noqa: BLE001 -- any failure keeps the local output; the message says how to retry
+        cause = f"{type(e).__name__}: {e}"
+        secret = token or get_token()
+        if secret:
+            cause = cause.replace(secret, "***")
+        raise PushError(
+            f"pushing {folder} to {repo_id} on {constants.ENDPOINT} failed ({cause.splitlines()[0]}).\n"
+            f"The converted checkpoint is kept in {folder}. Retry the push with:\n"
+            f"  {retry_command(folder, repo_id, private, revision, commit_message)}"
+        ) from None
+    return str(info.commit_url if hasattr(info, "commit_url") else info)
