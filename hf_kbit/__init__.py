@@ -5,6 +5,7 @@ hf-kbit also registers itself when transformers loads its quantizers, without th
 """
 
 from . import _ops  # noqa: F401  (defines torch.ops.kbit.*)
+from . import _lib
 from ._register import register
 from .config import KbitConfig
 from .format import FORMAT_VERSION, SUPPORTED_BITS
@@ -13,5 +14,8 @@ from .nn import KbitLinear, quantize_model
 __version__ = "0.1.0"
 
 register()
+
+if _lib.available():  # CUDA kernels for kbit ops on CUDA tensors (else the PyTorch reference)
+    from .backends import cuda as _cuda_backend  # noqa: F401
 
 __all__ = ["FORMAT_VERSION", "SUPPORTED_BITS", "KbitConfig", "KbitLinear", "quantize_model", "register"]

@@ -1,0 +1,45 @@
+/* C ABI of the kbit CUDA library (loaded from Python with ctypes; no libtorch dependency).
+ *
+ * Every function takes the device index and the caller's stream (torch's current stream, so
+ * CUDA graphs and multi-stream code work), performs no allocation and no host sync, and
+ * returns 0 or an error code; kbit_last_error() then describes the failure, naming the
+ * argument at fault. Tensors are raw device pointers to contiguous memory in the layouts of
+ * hf_kbit/format.py (format v1). dtype codes: 0 float32, 1 float16, 2 bfloat16.
+ */
+#pragma once
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KBIT_API __attribute__((visibility("default")))
+
+enum { KBIT_OK = 0, KBIT_INVALID_ARGUMENT = 1, KBIT_CUDA_ERROR = 2 };
+
+KBIT_API int kbit_abi_version(void);
+KBIT_API const char* kbit_last_error(void);
+KBIT_API int kbit_gemv_max_m(void);
+
+/* weight [batch, n, k] (dtype) -> planes, block_scales, row_scales [batch, n]. */
+KBIT_API int kbit_quantize(int device, void* stream, const void* weight, int dtype, const float* codebook,
+                           int bits, int64_t batch, int64_t n, int64_t k, int32_t* planes,
+                           uint8_t* block_scales, float* row_scales);
+
+/* packed -> out [batch, n, k] in dtype; codebook [batch, 2^bits] (codebook_stride = 2^bits) or shared (0). */
+KBIT_API int kbit_dequantize(int device, void* stream, const int32_t* planes, const uint8_t* block_scales,
+                             const float* row_scales, const float* codebook, int64_t codebook_stride, int bits,
+                             int64_t batch, int64_t n, int64_t k, void* out, int dtype);
+
+/* Floats of float32 workspace kbit_gemv needs for this problem (0: none). */
+KBIT_API int64_t kbit_gemv_workspace_size(int device, int64_t m, int64_t n, int64_t k, int bits);
+
+/* out [m, n] = x [m, k] @ W.T, m <= kbit_gemv_max_m(), x/out float16 or bfloat16. */
+KBIT_API int kbit_gemv(int device, void* stream, const void* x, int dtype, const int32_t* planes,
+                       const uint8_t* block_scales, const float* row_scales, const float* codebook, int bits,
+                       int64_t m, int64_t n, int64_t k, void* out, float* workspace, int64_t workspace_size);
+
+#ifdef __cplusplus
+}
+#endif

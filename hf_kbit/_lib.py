@@ -1,0 +1,106 @@
+"""Loads the compiled kbit CUDA library (``libhf_kbit_cuda.so``, C ABI, ctypes).
+
+The library depends on the CUDA driver only (the runtime is linked statically), not on a
+torch version, so one prebuilt wheel serves every torch. It is looked up at
+``$HF_KBIT_LIBRARY`` if set, else next to this file (where the wheel installs it).
+Nothing here imports torch's CUDA state: :func:`available` is cheap and never raises.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+LIBRARY_NAME = "libhf_kbit_cuda.so"
+ABI_VERSION = 1
+
+DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
+
+KBIT_OK, KBIT_INVALID_ARGUMENT, KBIT_CUDA_ERROR = 0, 1, 2
+
+
+class KbitLibraryError(RuntimeError):
+    """The kbit CUDA library is missing, unloadable, or a call into it failed."""
+
+
+_lib: ctypes.CDLL | None = None
+_load_error: str | None = None
+
+
+def library_path() -> Path:
+    override = os.environ.get("HF_KBIT_LIBRARY")
+    return Path(override) if override else Path(__file__).resolve().parent / LIBRARY_NAME
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    c_int, c_i64, c_vp = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    lib.kbit_abi_version.restype = c_int
+    lib.kbit_last_error.restype = ctypes.c_char_p
+    lib.kbit_gemv_max_m.restype = c_int
+    lib.kbit_quantize.argtypes = [c_int, c_vp, c_vp, c_int, c_vp, c_int, c_i64, c_i64, c_i64, c_vp, c_vp, c_vp]
+    lib.kbit_quantize.restype = c_int
+    lib.kbit_dequantize.argtypes = [c_int, c_vp, c_vp, c_vp, c_vp, c_vp, c_i64, c_int, c_i64, c_i64, c_i64, c_vp, c_int]
+    lib.kbit_dequantize.restype = c_int
+    lib.kbit_gemv_workspace_size.argtypes = [c_int, c_i64, c_i64, c_i64, c_int]
+    lib.kbit_gemv_workspace_size.restype = c_i64
+    lib.kbit_gemv.argtypes = [c_int, c_vp, c_vp, c_int, c_vp, c_vp, c_vp, c_vp, c_int, c_i64, c_i64, c_i64, c_vp, c_vp, c_i64]
+    lib.kbit_gemv.restype = c_int
+
+
+def load() -> ctypes.CDLL:
+    """The loaded library; raises :class:`KbitLibraryError` saying why it cannot be had."""
+    global _lib, _load_error
+    if _lib is not None:
+        return _lib
+    if _load_error is not None:
+        raise KbitLibraryError(_load_error)
+    path = library_path()
+    if not path.is_file():
+        _load_error = (
+            f"the kbit CUDA library was not found at {path}. hf-kbit was installed without it "
+            "(no CUDA toolkit at build time, or HF_KBIT_BUILD_CUDA=0): reinstall on a machine with "
+            "nvcc (`pip install --no-build-isolation .`), install a prebuilt wheel "
+            "(scripts/build_wheel.sh), or set HF_KBIT_LIBRARY to the built libhf_kbit_cuda.so. "
+            "Without it, the kbit ops run the (slow) PyTorch reference."
+        )
+        raise KbitLibraryError(_load_error)
+    try:
+        lib = ctypes.CDLL(str(path))
+        _declare(lib)
+        abi = lib.kbit_abi_version()
+    except (OSError, AttributeError) as exc:
+        _load_error = f"the kbit CUDA library at {path} could not be loaded: {exc}"
+        raise KbitLibraryError(_load_error) from exc
+    if abi != ABI_VERSION:
+        _load_error = f"the kbit CUDA library at {path} has ABI version {abi}, this hf_kbit needs {ABI_VERSION}: rebuild it"
+        raise KbitLibraryError(_load_error)
+    _lib = lib
+    return lib
+
+
+def available() -> bool:
+    """True when the library loads (a GPU may still be missing: see :func:`require_gpu`)."""
+    try:
+        load()
+    except KbitLibraryError:
+        return False
+    return True
+
+
+def require_gpu() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise KbitLibraryError(
+            "the kbit CUDA kernels need a CUDA GPU and a CUDA build of torch; "
+            f"torch {torch.__version__} sees none (torch.cuda.is_available() is False)"
+        )
+
+
+def check(rc: int, op: str) -> None:
+    """Turn a library return code into an exception naming the op and the argument at fault."""
+    if rc != KBIT_OK:
+        message = (_lib.kbit_last_error() or b"").decode(errors="replace") if _lib is not None else ""
+        kind = ValueError if rc == KBIT_INVALID_ARGUMENT else KbitLibraryError
+        raise kind(f"kbit::{op} (CUDA): {message or f'error code {rc}'}")
