@@ -1,0 +1,246 @@
+"""Benchmark the kbit CUDA kernels against cuBLAS bf16 (and torch's int4 tinygemm) on this GPU.
+
+DESIGN.md section 6: shapes x k x M, cold L2 (every timed call reads a different copy of the
+weights; the copies together are several times the L2), CUDA-graph replays timed with events,
+ratios against cuBLAS bf16 measured in the same run, % of the HBM roofline (the device-to-
+device copy bandwidth measured in the same run). Writes JSON and a markdown table.
+
+    python scripts/bench_kernels.py --out benchmarks/results/h100
+    python scripts/bench_kernels.py --quick      # a few shapes, for a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+SHAPES = {  # name: (K = in_features, N = out_features)
+    "llama3-8b gate/up 4096x14336": (4096, 14336),
+    "llama3-8b down 14336x4096": (14336, 4096),
+    "llama3-8b qkv 4096x6144": (4096, 6144),
+    "llama3-70b gate/up 8192x28672": (8192, 28672),
+    "h2048 2048x5120": (2048, 5120),
+    "h2048 5120x2048": (5120, 2048),
+    "h2048 2048x4096": (2048, 4096),
+    "h2048 2048x512": (2048, 512),
+    "h2048 4096x2048": (4096, 2048),
+}
+MS = (1, 2, 4, 8, 16, 32, 64, 256, 1024)
+BITS = (2, 3, 4, 5)
+COLD_BYTES = 400 * 2**20  # weight copies per timed graph: 8x the H100's 50 MB L2
+MIN_CALLS = 24
+
+
+def measure_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    n = 512 * 2**20
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(20):
+        b.copy_(a)
+    e1.record()
+    e1.synchronize()
+    return 2 * n * 20 / (e0.elapsed_time(e1) / 1e3)
+
+
+def time_calls(calls, replays: int = 7) -> float:
+    """Median microseconds per call of a CUDA graph that runs `calls` once each."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in calls:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        e0.record()
+        graph.replay()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e3 / len(calls))
+    del graph
+    return statistics.median(times)
+
+
+def copies_for(nbytes: int) -> int:
+    return max(2, math.ceil(COLD_BYTES / max(nbytes, 1)))
+
+
+def random_packed(n: int, k: int, bits: int, copies: int):
+    from hf_kbit import format as fmt
+
+    shapes = fmt.packed_shapes(n, k, bits)
+    cb = fmt.make_codebook(None, bits).cuda()
+    out = []
+    for _ in range(copies):
+        planes = torch.randint(-(2**31), 2**31 - 1, shapes["planes"], dtype=torch.int32, device="cuda")
+        scales = torch.randint(120, 180, shapes["block_scales"], dtype=torch.uint8, device="cuda")
+        rs = torch.rand(n, device="cuda") * 0.01 + 0.001
+        out.append((planes, scales, rs, cb))
+    return out
+
+
+def packed_bytes(n: int, k: int, bits: int) -> int:
+    from hf_kbit import format as fmt
+
+    return int(fmt.bits_per_weight(n, k, bits) * n * k / 8)
+
+
+def bench_shape(name, k, n, ms, bits_list, bw, results, int4=True):
+    xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in ms}
+    w_bytes = 2 * n * k
+    ncopy = copies_for(w_bytes)
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(ncopy)]
+    ncalls = max(MIN_CALLS, ncopy)
+    rows = {m: {"shape": name, "K": k, "N": n, "M": m} for m in ms}
+    for m in ms:
+        x = xs[m]
+        calls = [lambda w=ws[i % ncopy], x=x: torch.nn.functional.linear(x, w) for i in range(ncalls)]
+        rows[m]["bf16_us"] = time_calls(calls)
+    del ws
+    if int4:
+        try:
+            ncopy4 = copies_for(n * k // 2)
+            packs = []
+            for _ in range(ncopy4):
+                wq = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
+                packs.append(torch.ops.aten._convert_weight_to_int4pack(wq, 8))
+            sz = torch.rand(k // 128, n, 2, device="cuda", dtype=torch.bfloat16)
+            ncalls4 = max(MIN_CALLS, ncopy4)
+            for m in ms:
+                x = xs[m]
+                calls = [lambda p=packs[i % ncopy4], x=x: torch.ops.aten._weight_int4pack_mm(x, p, 128, sz)
+                         for i in range(ncalls4)]
+                rows[m]["int4pack_us"] = time_calls(calls)
+            del packs
+        except Exception as exc:  # not every torch build/GPU has it
+            print(f"  int4pack unavailable: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
+    for bits in bits_list:
+        kb = packed_bytes(n, k, bits)
+        ncopy = copies_for(kb)
+        packs = random_packed(n, k, bits, ncopy)
+        ncalls = max(MIN_CALLS, ncopy)
+        for m in ms:
+            x = xs[m]
+            calls = [lambda p=packs[i % ncopy], x=x: torch.ops.kbit.mm(x, *p, k) for i in range(ncalls)]
+            t = time_calls(calls)
+            ideal_us = (kb + 2 * m * (k + n)) / bw * 1e6
+            rows[m][f"k{bits}_us"] = t
+            rows[m][f"k{bits}_x_bf16"] = rows[m]["bf16_us"] / t
+            rows[m][f"k{bits}_roofline_pct"] = 100 * ideal_us / t
+        del packs
+    torch.cuda.empty_cache()
+    for m in ms:
+        results.append(rows[m])
+        r = rows[m]
+        line = "  ".join(f"k{b}={r[f'k{b}_us']:7.1f}us {r[f'k{b}_x_bf16']:4.2f}x" for b in bits_list)
+        print(f"{name:34s} M={m:5d} bf16={r['bf16_us']:7.1f}us  {line}", flush=True)
+
+
+def eager_overhead(bw) -> dict:
+    """Wall time per eager KbitLinear.forward minus its GPU time, on a small layer."""
+    import hf_kbit
+
+    lin = torch.nn.Linear(1024, 1024, bias=False, device="cuda", dtype=torch.bfloat16)
+    layer = hf_kbit.KbitLinear.from_linear(lin, bits=4)
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    gpu_us = time_calls([lambda: layer(x)] * 50)
+    for _ in range(200):
+        layer(x)
+    torch.cuda.synchronize()
+    n = 3000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        layer(x)
+    torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - t0) / n * 1e6
+    return {"layer": "KbitLinear 1024x1024 k=4, M=1, bf16", "wall_us": wall_us, "gpu_us": gpu_us,
+            "overhead_us": max(wall_us - gpu_us, 0.0)}
+
+
+def markdown(results, bits_list, meta) -> str:
+    lines = [f"# kbit kernels vs cuBLAS bf16 — {meta['device']}", "",
+             f"Command: `{meta['command']}`  ", f"torch {meta['torch']}, measured copy bandwidth "
+             f"{meta['bandwidth_GBps']:.0f} GB/s (read+write), cold L2 (weight copies >= {COLD_BYTES >> 20} MiB per "
+             "graph), CUDA-graph replays, median of 7.", "",
+             "Cells: time in us, speed-up over bf16 (x), % of the HBM roofline for the kbit bytes.", ""]
+    head = "| shape (K x N) | M | bf16 us | int4pack us (x) | " + " | ".join(f"k={b}" for b in bits_list) + " |"
+    lines += [head, "|" + "---|" * (4 + len(bits_list))]
+    for r in results:
+        i4 = f"{r['int4pack_us']:.1f} ({r['bf16_us'] / r['int4pack_us']:.2f}x)" if "int4pack_us" in r else "n/a"
+        cells = [f"{r[f'k{b}_us']:.1f} ({r[f'k{b}_x_bf16']:.2f}x, {r[f'k{b}_roofline_pct']:.0f}%)" for b in bits_list]
+        lines.append(f"| {r['shape']} | {r['M']} | {r['bf16_us']:.1f} | {i4} | " + " | ".join(cells) + " |")
+    ov = meta.get("eager_overhead")
+    if ov:
+        lines += ["", f"Eager overhead ({ov['layer']}): wall {ov['wall_us']:.1f} us/call, GPU {ov['gpu_us']:.1f} us, "
+                  f"overhead {ov['overhead_us']:.1f} us."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="path prefix for .json and .md (default: print only)")
+    ap.add_argument("--quick", action="store_true", help="two shapes, M in {1, 16, 256}")
+    ap.add_argument("--shapes", nargs="*", default=None, help="subset of shape names (substring match)")
+    ap.add_argument("--ms", type=int, nargs="*", default=None)
+    ap.add_argument("--bits", type=int, nargs="*", default=list(BITS))
+    ap.add_argument("--no-int4", action="store_true")
+    args = ap.parse_args()
+
+    import hf_kbit
+    from hf_kbit import _lib
+
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels.py needs a CUDA GPU")
+    _lib.load()  # clear error if the library is missing
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
+    shapes = SHAPES
+    ms = args.ms or MS
+    if args.quick:
+        shapes = {k: v for k, v in SHAPES.items() if k.startswith(("llama3-8b gate", "h2048 2048x5120"))}
+        ms = args.ms or (1, 16, 256)
+    if args.shapes:
+        shapes = {k: v for k, v in shapes.items() if any(s in k for s in args.shapes)}
+    bw = measure_bandwidth()
+    print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    results = []
+    for name, (k, n) in shapes.items():
+        bench_shape(name, k, n, ms, args.bits, bw, results, int4=not args.no_int4)
+    meta = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "hf_kbit": hf_kbit.__version__,
+        "python": platform.python_version(), "bandwidth_GBps": bw / 1e9,
+        "command": "python " + " ".join(sys.argv), "cold_l2_bytes": COLD_BYTES,
+        "gemv_max_m": getattr(sys.modules.get("hf_kbit.backends.cuda"), "GEMV_MAX_M", None),
+    }
+    meta["eager_overhead"] = eager_overhead(bw)
+    print(f"eager overhead: {meta['eager_overhead']}", flush=True)
+    md = markdown(results, args.bits, meta)
+    print(md)
+    if args.out:
+        with open(args.out + ".json", "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+        with open(args.out + ".md", "w") as f:
+            f.write(md)
+
+
+if __name__ == "__main__":
+    main()

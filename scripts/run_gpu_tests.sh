@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The GPU test suite, on the GPU machine, in one command:
+#
+#   scripts/run_gpu_tests.sh [path/to/hf_kbit-*.whl]
+#
+# Installs the wheel (default: the newest dist/hf_kbit-*.whl, built by scripts/build_wheel.sh)
+# with --no-deps into a private directory and runs `pytest -m gpu tests/gpu` against that
+# installed package, then a representative subset under compute-sanitizer memcheck.
+# Without a wheel it builds the library from csrc/ for this GPU only and uses the source tree.
+# Exit status: non-zero if any test or the sanitizer fails.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT="$PWD"
+PYTHON="${PYTHON:-python3}"
+WHEEL="${1:-$(ls -t dist/hf_kbit-*.whl 2>/dev/null | head -1 || true)}"
+SITE="$(mktemp -d)"
+
+if [ -n "$WHEEL" ]; then
+  echo "== installing $WHEEL (--no-deps) into $SITE"
+  "$PYTHON" -m pip install -q --no-deps --no-index --no-compile --target "$SITE" "$WHEEL"
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  RUN_DIR="$SITE"  # not the repo root, so `import hf_kbit` finds the installed package
+else
+  cc=$("$PYTHON" -c 'import torch; print("%d%d" % torch.cuda.get_device_capability())')
+  arch="$cc"; [ "$cc" = "90" ] && arch="90a"
+  echo "== no wheel: building csrc/ for sm_$arch"
+  HF_KBIT_CUDA_ARCHS="${HF_KBIT_CUDA_ARCHS:-$arch}" cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+  cmake --build build/gpu -j "$(nproc)"
+  export HF_KBIT_LIBRARY="$ROOT/build/gpu/csrc/libhf_kbit_cuda.so"
+  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+  RUN_DIR="$ROOT"
+fi
+
+cd "$RUN_DIR"
+"$PYTHON" -c 'import hf_kbit, torch; from hf_kbit import _lib; _lib.load(); print("hf_kbit from", hf_kbit.__file__, "| library", _lib.library_path(), "| torch", torch.__version__, "|", torch.cuda.get_device_name())'
+
+echo "== pytest -m gpu tests/gpu"
+"$PYTHON" -m pytest -m gpu -q -p no:cacheprovider "$ROOT/tests/gpu"
+
+if command -v compute-sanitizer >/dev/null 2>&1; then
+  echo "== compute-sanitizer memcheck (representative set)"
+  compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
+    "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider "$ROOT/tests/gpu" \
+    -k "smoke or (mm_matches and bf16 and N257K515 and (M1 or M5)) or (dequantize_bit_exact and 257x515 and bf16) or (quantize_bit_exact and 33x257 and bf16)"
+else
+  echo "compute-sanitizer not found: memcheck skipped" >&2
+  exit 3
+fi

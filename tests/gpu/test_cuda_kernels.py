@@ -1,0 +1,225 @@
+"""GPU tests of the CUDA kbit kernels against the PyTorch reference (hf_kbit.format).
+
+Run on the GPU machine with ``scripts/run_gpu_tests.sh`` (or ``pytest -m gpu tests/gpu``).
+Packing (quantize) and dequantize are bit-exact; matmuls are compared against a float64
+product of the reference weight with named tolerances.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import hf_kbit
+from hf_kbit import _lib
+from hf_kbit import format as fmt
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not _lib.available(), reason="needs the compiled kbit CUDA library (libhf_kbit_cuda.so)"),
+]
+
+BITS = fmt.SUPPORTED_BITS
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+MS = (1, 2, 3, 4, 5, 8, 15, 16, 17, 32, 64, 65, 256, 1024)
+# (N, K): odd sizes, partial tiles and blocks; (40, 8200) forces split-K in the GEMV.
+MM_SHAPES = [(257, 515), (40, 8200), (1000, 333)]
+QUANT_SHAPES = [(1, 1), (7, 31), (33, 257), (100, 1000), (3, 20, 300)]
+
+# ||out - ref|| / ||ref|| against a float64 product of the reference weight: one rounding of
+# the output (and, above GEMV_MAX_M, of the dequantized weight) in the activation dtype.
+MM_REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+DEVICE = "cuda"
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), "non-finite output"
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+@functools.lru_cache(maxsize=None)
+def packed_reference(n: int, k: int, bits: int, seed: int = 0):
+    """Reference-packed weight (on the GPU) and its float32 dequantization."""
+    g = torch.Generator().manual_seed(seed + 1000 * bits + n + 7 * k)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g).add(0.1)
+    cb = fmt.make_codebook(None, bits)
+    planes, scales, rs = fmt.quantize(w, cb)
+    wq = fmt.dequantize(planes, scales, rs, cb, k, torch.float32)
+    return tuple(t.to(DEVICE) for t in (planes, scales, rs, cb)), wq.to(DEVICE)
+
+
+# ---------------------------------------------------------------------------- quantize
+
+
+@pytest.mark.parametrize("shape", QUANT_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+def test_quantize_bit_exact(bits, wdtype, shape):
+    g = torch.Generator().manual_seed(bits * 100 + len(shape))
+    w = (torch.randn(*shape, generator=g) * torch.rand(*shape[:-1], 1, generator=g).add(1e-3)).to(wdtype)
+    w.view(-1)[0] = 0.0
+    if w.shape[-2] > 2:
+        w[..., 1, :] = 0.0  # an all-zero row: row scale 1.0
+    cb = fmt.make_codebook(None, bits)
+    ref = fmt.quantize(w, cb)
+    got = torch.ops.kbit.quantize(w.to(DEVICE), cb.to(DEVICE))
+    for name, r, o in zip(("planes", "block_scales", "row_scales"), ref, got):
+        assert o.dtype == r.dtype and o.shape == r.shape, name
+        assert torch.equal(o.cpu(), r), f"{name} differs from the reference"
+
+
+def test_quantize_extreme_magnitudes():
+    cb = fmt.make_codebook(None, 4)
+    w = torch.randn(48, 640)
+    w[0] *= 1e-30
+    w[1] *= 1e30
+    w[2, :5] = torch.tensor([1e-38, -3e38, 0.0, 1.0, -1.0])
+    ref = fmt.quantize(w, cb)
+    got = torch.ops.kbit.quantize(w.to(DEVICE), cb.to(DEVICE))
+    for r, o in zip(ref, got):
+        assert torch.equal(o.cpu(), r)
+
+
+# ---------------------------------------------------------------------------- dequantize
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("shape", [(257, 515), (16, 128), (5, 33)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+def test_dequantize_bit_exact(bits, shape, dtype):
+    n, k = shape
+    (planes, scales, rs, cb), _ = packed_reference(n, k, bits)
+    ref = fmt.dequantize(planes.cpu(), scales.cpu(), rs.cpu(), cb.cpu(), k, dtype)
+    got = torch.ops.kbit.dequantize(planes, scales, rs, cb, k, dtype)
+    assert got.dtype == dtype and got.shape == (n, k)
+    assert torch.equal(got.cpu(), ref)
+
+
+def test_dequantize_experts_per_expert_codebook():
+    e, n, k, bits = 3, 20, 300, 3
+    w = torch.randn(e, n, k)
+    cbs = torch.stack([fmt.make_codebook("nf", bits), fmt.make_codebook("nf-sym", bits), fmt.make_codebook("nf", bits)])
+    packed = [fmt.quantize(w[i], cbs[i]) for i in range(e)]
+    planes, scales, rs = (torch.stack([p[j] for p in packed]) for j in range(3))
+    ref = fmt.dequantize(planes, scales, rs, cbs, k, torch.bfloat16)
+    got = torch.ops.kbit.dequantize(planes.cuda(), scales.cuda(), rs.cuda(), cbs.cuda(), k, torch.bfloat16)
+    assert torch.equal(got.cpu(), ref)
+
+
+# ---------------------------------------------------------------------------- mm
+
+
+@pytest.mark.parametrize("m", MS, ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("shape", MM_SHAPES, ids=lambda s: f"N{s[0]}K{s[1]}")
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+def test_mm_matches_reference(bits, dtype, shape, m):
+    n, k = shape
+    (planes, scales, rs, cb), wq = packed_reference(n, k, bits)
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    out = torch.ops.kbit.mm(x, planes, scales, rs, cb, k)
+    assert out.dtype == dtype and out.shape == (m, n)
+    ref = x.double() @ wq.double().T
+    assert rel_err(out, ref) < MM_REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("lead", [(2, 3), (1,), (4, 1, 2)], ids=str)
+def test_mm_leading_dims_and_noncontiguous(lead):
+    n, k, bits = 300, 700, 4
+    (planes, scales, rs, cb), wq = packed_reference(n, k, bits)
+    x = torch.randn(*lead, 2 * k, device=DEVICE, dtype=torch.bfloat16)[..., ::2]  # non-contiguous
+    out = torch.ops.kbit.mm(x, planes, scales, rs, cb, k)
+    assert out.shape == (*lead, n)
+    assert torch.equal(out, torch.ops.kbit.mm(x.contiguous(), planes, scales, rs, cb, k))
+    assert rel_err(out, x.double() @ wq.double().T) < MM_REL_TOL[torch.bfloat16]
+
+
+def test_mm_float32_input():
+    n, k = 129, 257
+    (planes, scales, rs, cb), wq = packed_reference(n, k, 4)
+    x = torch.randn(3, k, device=DEVICE)
+    out = torch.ops.kbit.mm(x, planes, scales, rs, cb, k)
+    assert out.dtype == torch.float32
+    assert rel_err(out, x.double() @ wq.double().T) < 1e-5
+
+
+def test_mm_rejects_bad_inputs_before_launch():
+    n, k = 64, 256
+    (planes, scales, rs, cb), _ = packed_reference(n, k, 4)
+    with pytest.raises(RuntimeError, match="in_features"):
+        torch.ops.kbit.mm(torch.randn(2, k + 1, device=DEVICE, dtype=torch.bfloat16), planes, scales, rs, cb, k)
+    with pytest.raises(RuntimeError, match="x must be"):
+        torch.ops.kbit.mm(torch.ones(2, k, device=DEVICE, dtype=torch.int32), planes, scales, rs, cb, k)
+    with pytest.raises(RuntimeError, match="planes has shape"):
+        torch.ops.kbit.mm(torch.randn(2, k, device=DEVICE, dtype=torch.bfloat16), planes[:, :1], scales, rs, cb, k)
+    with pytest.raises(ValueError, match="row_scales is on cpu"):
+        torch.ops.kbit.mm(torch.randn(2, k, device=DEVICE, dtype=torch.bfloat16), planes, scales, rs.cpu(), cb, k)
+
+
+# ---------------------------------------------------------------------------- graphs, compile
+
+
+@pytest.mark.parametrize("m", [1, 4, 32], ids=lambda m: f"M{m}")
+def test_cuda_graph_replay_equals_eager(m):
+    n, k = 40, 8200  # split-K path at small M
+    (planes, scales, rs, cb), _ = packed_reference(n, k, 3)
+    x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+    eager = torch.ops.kbit.mm(x, planes, scales, rs, cb, k)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch.ops.kbit.mm(x, planes, scales, rs, cb, k)  # warm-up on the side stream
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = torch.ops.kbit.mm(x, planes, scales, rs, cb, k)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, torch.ops.kbit.mm(x, planes, scales, rs, cb, k))
+    assert not torch.equal(captured, eager)
+
+
+def test_torch_compile_fullgraph_kbit_linear_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(300, 520), torch.nn.GELU(), torch.nn.Linear(520, 96)
+    ).to(DEVICE, torch.bfloat16)
+    qmodel = torch.nn.Sequential(
+        hf_kbit.KbitLinear.from_linear(model[0], bits=4), torch.nn.GELU(), hf_kbit.KbitLinear.from_linear(model[2], bits=3)
+    )
+    compiled = torch.compile(qmodel, fullgraph=True)
+    for m in (1, 7, 33):
+        x = torch.randn(m, 300, device=DEVICE, dtype=torch.bfloat16)
+        eager = qmodel(x)
+        assert rel_err(compiled(x), eager) < 1e-2
+
+
+def test_kbit_linear_from_linear_quantizes_on_gpu_like_reference():
+    lin = torch.nn.Linear(333, 77, dtype=torch.bfloat16)
+    cpu = hf_kbit.KbitLinear.from_linear(lin, bits=5)
+    gpu = hf_kbit.KbitLinear.from_linear(lin.to(DEVICE), bits=5)
+    for name in ("planes", "block_scales", "row_scales", "codebook"):
+        assert torch.equal(getattr(gpu, name).cpu(), getattr(cpu, name)), name
+
+
+# ---------------------------------------------------------------------------- sanitizer smoke set
+
+
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+def test_smoke_all_kernels(bits):
+    """Small representative set, also run under compute-sanitizer memcheck (run_gpu_tests.sh)."""
+    n, k = 37, 1000
+    w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16)
+    cb = fmt.make_codebook(None, bits).to(DEVICE)
+    planes, scales, rs = torch.ops.kbit.quantize(w, cb)
+    wq = torch.ops.kbit.dequantize(planes, scales, rs, cb, k, torch.float32)
+    for m in (1, 3, 8, 9):
+        x = torch.randn(m, k, device=DEVICE, dtype=torch.float16)
+        out = torch.ops.kbit.mm(x, planes, scales, rs, cb, k)
+        assert rel_err(out, x.double() @ wq.double().T) < MM_REL_TOL[torch.float16]
+    torch.cuda.synchronize()
