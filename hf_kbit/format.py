@@ -131,7 +131,7 @@ def normal_float_codebook(bits: int, zero: bool = True) -> torch.Tensor:
 
 
 # Chosen per k by reconstruction SQNR on real weights (scripts/choose_codebooks.py, docs/format.md).
-DEFAULT_CODEBOOK = {2: "nf", 3: "nf", 4: "nf", 5: "nf"}
+DEFAULT_CODEBOOK = {2: "nf-sym", 3: "nf-sym", 4: "nf", 5: "nf"}
 
 
 def make_codebook(codebook: str | torch.Tensor | list[float] | None, bits: int) -> torch.Tensor:

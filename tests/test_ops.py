@@ -1,0 +1,80 @@
+"""torch.ops.kbit: schemas, fake impls (opcheck), reference semantics, early shape checks."""
+
+import pytest
+import torch
+
+import hf_kbit  # noqa: F401
+from hf_kbit import format as fmt
+
+# float32 reference matmul vs an independent float64 computation
+MM_ATOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+def packed(n, k, bits, lead=()):
+    torch.manual_seed(0)
+    w = torch.randn(*lead, n, k)
+    cb = fmt.make_codebook(None, bits)
+    return w, (*torch.ops.kbit.quantize(w, cb), cb)
+
+
+@pytest.mark.parametrize("bits", fmt.SUPPORTED_BITS, ids=lambda b: f"k{b}")
+@pytest.mark.parametrize("shape", [(1, 33), (20, 130)], ids=str)
+def test_opcheck_all_ops(shape, bits):
+    n, k = shape
+    w, (planes, scales, rows, cb) = packed(n, k, bits)
+    torch.library.opcheck(torch.ops.kbit.quantize.default, (w, cb))
+    torch.library.opcheck(torch.ops.kbit.dequantize.default, (planes, scales, rows, cb, k, torch.bfloat16))
+    x = torch.randn(3, k, dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.kbit.mm.default, (x, planes, scales, rows, cb, k))
+    _, (ep, es, er, ecb) = packed(n, k, bits, lead=(3,))
+    ids = torch.tensor([2, 0, 2, 1])
+    torch.library.opcheck(torch.ops.kbit.grouped_mm.default, (torch.randn(4, k), ids, ep, es, er, ecb, k))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_mm_matches_dequantized_matmul(dtype):
+    n, k = 37, 300
+    _, (planes, scales, rows, cb) = packed(n, k, 4)
+    x = torch.randn(2, 5, k).to(dtype)
+    out = torch.ops.kbit.mm(x, planes, scales, rows, cb, k)
+    assert out.shape == (2, 5, n) and out.dtype == dtype
+    w = fmt.dequantize(planes, scales, rows, cb, k, torch.float64)
+    ref = x.double() @ w.T
+    torch.testing.assert_close(out.double(), ref, atol=MM_ATOL[dtype] * ref.abs().max().item(), rtol=0)
+
+
+def test_grouped_mm_matches_per_expert():
+    k = 70
+    _, (planes, scales, rows, cb) = packed(24, k, 3, lead=(4,))
+    x = torch.randn(6, k)
+    ids = torch.tensor([3, 3, 0, 1, 3, 2])
+    out = torch.ops.kbit.grouped_mm(x, ids, planes, scales, rows, cb, k)
+    w = fmt.dequantize(planes, scales, rows, cb, k)
+    for t in range(6):
+        torch.testing.assert_close(out[t], w[ids[t]] @ x[t], atol=1e-4, rtol=1e-4)
+
+
+def test_shape_mismatch_raises_before_compute():
+    _, (planes, scales, rows, cb) = packed(16, 128, 4)
+    with pytest.raises(RuntimeError, match="in_features=128"):
+        torch.ops.kbit.mm(torch.randn(2, 100), planes, scales, rows, cb, 128)
+    with pytest.raises(RuntimeError, match="planes has shape"):
+        torch.ops.kbit.mm(torch.randn(2, 256), planes, scales, rows, cb, 256)
+    with pytest.raises(RuntimeError, match="x must be bfloat16, float16 or float32"):
+        torch.ops.kbit.mm(torch.randn(2, 128).double(), planes, scales, rows, cb, 128)
+    with pytest.raises(RuntimeError, match="codebook has"):
+        torch.ops.kbit.mm(torch.randn(2, 128), planes, scales, rows, cb[:8], 128)
+    with pytest.raises(RuntimeError, match="planes must be int32"):
+        torch.ops.kbit.mm(torch.randn(2, 128), planes.long(), scales, rows, cb, 128)
+
+
+def test_fake_mode_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        w = torch.empty(50, 300)
+        cb = torch.empty(8)
+        planes, scales, rows = torch.ops.kbit.quantize(w, cb)
+        assert planes.shape == fmt.packed_shapes(50, 300, 3)["planes"]
+        out = torch.ops.kbit.mm(torch.empty(7, 300, dtype=torch.bfloat16), planes, scales, rows, cb, 300)
+        assert out.shape == (7, 50) and out.dtype == torch.bfloat16
