@@ -432,6 +432,9 @@ def _dequantize_gguf(path: Path, workdir: Path) -> Path:
         raise ConversionError(f"reading GGUF needs the gguf package: `pip install gguf` ({e})") from None
     except (ValueError, KeyError, RuntimeError) as e:
         raise ConversionError(f"{path}: transformers cannot load this GGUF file ({e})") from None
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:  # transformers >= 5.2x loads GGUF through a (dequantizing) quantizer
+        quantizer.remove_quantization_config(model)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     del model
@@ -712,6 +715,12 @@ def _write_config(source: Path, folder: Path, plan: ConversionPlan) -> None:
 
 def _replace(tmp: Path, out: Path) -> None:
     """Move the complete ``tmp`` to ``out``; an existing ``out`` is removed only after the swap."""
+    # mkdtemp (and some writers) create owner-only modes; give the output the usual umask modes.
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)
+    for f in tmp.iterdir():
+        f.chmod(0o666 & ~umask)
     if out.exists():
         old = Path(tempfile.mkdtemp(prefix=f".{out.name}.kbit-old-", dir=_parent(out)))
         out.rename(old / "out")

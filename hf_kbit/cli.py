@@ -1,0 +1,240 @@
+"""``kbit-convert``: a thin command-line shell over :func:`hf_kbit.convert.convert`.
+
+Everything is parsed and validated before any model, GPU or network is touched; heavy
+imports happen inside :func:`main` after that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+EPILOG = """\
+examples:
+  kbit-convert ./my-model --bits 4 --out ./my-model-kbit4
+  kbit-convert org/model --revision main --bits 3 --module-bits 'mlp\\.down_proj=4' --out ./model-kbit3
+  kbit-convert model.gguf --bits 4 --dtype bfloat16 --out ./model-kbit4
+  kbit-convert ./my-model --bits 4 --out ./my-model-kbit4 --eval --push-to-hub me/my-model-kbit4 --private
+  kbit-convert ./my-model-kbit4 --push-to-hub me/my-model-kbit4      (push an existing kbit folder again)
+
+The Hub token comes from huggingface_hub's usual sources (HF_TOKEN or `hf auth login`); it is never printed.
+"""
+
+SUPPORTED_BITS = (2, 3, 4, 5)  # checked again by KbitConfig; listed here so --help needs no torch import
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kbit-convert",
+        description="Convert a Hugging Face model to a k-bit (kbit) checkpoint, streaming shard by shard.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "model",
+        help="input: a local model folder (config.json + *.safetensors), a .gguf file, or a Hub repo id "
+        "(org/name). A folder that is already a kbit checkpoint is only pushed (with --push-to-hub).",
+    )
+    p.add_argument("--out", type=Path, help="output folder (required unless pushing an existing kbit folder)")
+    q = p.add_argument_group("quantization")
+    q.add_argument("--bits", type=int, default=4, choices=SUPPORTED_BITS, help="bits per weight index (default: 4)")
+    q.add_argument(
+        "--codebook",
+        default=None,
+        help="'nf' (normal-float with an exact zero), 'nf-sym' (equiprobable normal-float), or a JSON list of "
+        "2**bits increasing values in [-1, 1] (default: the measured default of each k)",
+    )
+    q.add_argument(
+        "--module-bits",
+        action="append",
+        default=[],
+        metavar="REGEX=BITS",
+        help="per-module bits: modules whose full name matches REGEX (re.search, first match wins) use BITS; "
+        "repeatable, e.g. --module-bits 'mlp\\.down_proj=5'",
+    )
+    q.add_argument(
+        "--skip-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="module names (or name suffixes/regexes) kept in full precision; replaces the default "
+        "(lm_head and tied embeddings)",
+    )
+    q.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help="dtype of unquantized tensors and of weights before quantization (default: auto, as from_pretrained)",
+    )
+    q.add_argument("--device", default="auto", help="where to quantize: auto (cuda when present), cpu, cuda, cuda:N")
+    io = p.add_argument_group("input and output")
+    io.add_argument("--revision", default=None, help="branch, tag or commit of a Hub input repo")
+    io.add_argument("--max-shard-size", default="5GB", help="output shard size limit, e.g. 5GB, 500MB (default: 5GB)")
+    io.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (only once the new output is complete)")
+    io.add_argument("--dry-run", action="store_true", help="print what would be produced (size, bits/weight) and exit")
+    io.add_argument("--no-progress", action="store_true", help="no progress bars")
+    ev = p.add_argument_group("model card and evaluation")
+    ev.add_argument(
+        "--eval",
+        action="store_true",
+        help="measure perplexity of the source and the converted model on a short text and record it in the card "
+        "(loads both models whole)",
+    )
+    ev.add_argument("--eval-text", type=Path, default=None, help="text file for --eval (default: a short built-in passage)")
+    ev.add_argument("--eval-tokens", type=int, default=512, help="tokens of the text used by --eval (default: 512)")
+    ev.add_argument("--base-model", default=None, help="Hub repo id of the base model, for the card (default: a Hub input)")
+    hub = p.add_argument_group("push to the Hub")
+    hub.add_argument("--push-to-hub", metavar="REPO", default=None, help="push the output to this Hub repo (org/name)")
+    hub.add_argument("--private", action="store_true", help="create the Hub repo private")
+    hub.add_argument("--push-revision", metavar="BRANCH", default=None, help="branch to push to (created if missing)")
+    hub.add_argument("--commit-message", default=None, help="commit message of the push")
+    return p
+
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+
+def _parse_module_bits(parser, items: Sequence[str]) -> dict[str, int]:
+    module_bits = {}
+    for item in items:
+        pattern, sep, bits = item.rpartition("=")
+        if not sep or not pattern or not bits.strip().isdigit():
+            parser.error(f"--module-bits expects REGEX=BITS, got {item!r}")
+        if int(bits) not in SUPPORTED_BITS:
+            parser.error(f"--module-bits {item!r}: bits must be one of {SUPPORTED_BITS}")
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            parser.error(f"--module-bits {item!r}: invalid regex ({e})")
+        module_bits[pattern] = int(bits)
+    return module_bits
+
+
+def _parse_codebook(parser, value: str | None):
+    if value is None or not value.lstrip().startswith("["):
+        return value
+    try:
+        values = json.loads(value)
+    except ValueError as e:
+        parser.error(f"--codebook: not a JSON list of numbers ({e})")
+    if not isinstance(values, list) or not all(isinstance(v, (int, float)) for v in values):
+        parser.error("--codebook: expected a JSON list of numbers")
+    return [float(v) for v in values]
+
+
+def _is_kbit_folder(path: Path) -> bool:
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (config.get("quantization_config") or {}).get("quant_method") == "kbit"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+
+    # ---- validate everything before touching a model, the GPU or the network
+    push_only = Path(args.model).is_dir() and _is_kbit_folder(Path(args.model))
+    if push_only:
+        if args.out is not None:
+            parser.error(f"{args.model} is already a kbit checkpoint; to push it again, drop --out")
+        if not args.push_to_hub:
+            parser.error(f"{args.model} is already a kbit checkpoint; nothing to convert (use --push-to-hub to push it)")
+    elif args.out is None and not args.dry_run:
+        parser.error("--out is required")
+    if args.push_to_hub and not _REPO_ID.match(args.push_to_hub):
+        parser.error(f"--push-to-hub expects a repo id like 'org/name', got {args.push_to_hub!r}")
+    if args.dry_run and args.push_to_hub:
+        parser.error("--dry-run writes nothing, so there is nothing to push; drop one of them")
+    if (args.private or args.push_revision or args.commit_message) and not args.push_to_hub:
+        parser.error("--private, --push-revision and --commit-message need --push-to-hub")
+    if args.eval_text is not None and not args.eval_text.is_file():
+        parser.error(f"--eval-text {args.eval_text}: no such file")
+    if args.eval_text is not None and not args.eval:
+        parser.error("--eval-text needs --eval")
+    if args.eval_tokens < 2:
+        parser.error("--eval-tokens must be at least 2")
+    module_bits = _parse_module_bits(parser, args.module_bits)
+    codebook = _parse_codebook(parser, args.codebook)
+
+    from . import hub
+    from .config import KbitConfig
+    from .convert import ConversionError, check_output, command_line, convert, parse_size
+
+    if push_only:
+        return _push(hub, Path(args.model), args)
+    try:
+        config = KbitConfig(
+            bits=args.bits, codebook=codebook, modules_to_not_convert=args.skip_modules, module_bits=module_bits
+        )
+        parse_size(args.max_shard_size)
+        if not args.dry_run:
+            check_output(args.out, args.overwrite)
+    except (ValueError, TypeError) as e:
+        parser.error(str(e))
+
+    try:
+        result = convert(
+            args.model,
+            args.out if args.out is not None else Path("."),
+            config,
+            revision=args.revision,
+            dtype=args.dtype,
+            device=args.device,
+            max_shard_size=args.max_shard_size,
+            overwrite=args.overwrite,
+            dry_run=args.dry_run,
+            eval=args.eval,
+            eval_text=args.eval_text.read_text() if args.eval_text else None,
+            eval_max_tokens=args.eval_tokens,
+            base_model=args.base_model,
+            repo_id=args.push_to_hub,
+            command=command_line(argv),
+            progress=not args.no_progress,
+        )
+    except ConversionError as e:
+        print(f"kbit-convert: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kbit-convert: interrupted; no output was written", file=sys.stderr)
+        return 130
+
+    if args.dry_run:
+        print(result.describe())
+        return 0
+    stats = result.stats
+    print(f"wrote {result.out}: {stats['quantized_tensors']} tensors quantized, {stats['shards']} shard(s), "
+          f"{stats['size_before_bytes'] / 1e6:.2f} MB -> {stats['size_after_bytes'] / 1e6:.2f} MB")
+    if result.eval:
+        print(f"perplexity ({result.eval['tokens']} tokens): source {result.eval['base_perplexity']:.3f}, "
+              f"kbit {result.eval['kbit_perplexity']:.3f}")
+    if args.push_to_hub:
+        return _push(hub, result.out, args)
+    return 0
+
+
+def _push(hub, folder: Path, args) -> int:
+    try:
+        url = hub.push_to_hub(
+            folder,
+            args.push_to_hub,
+            private=args.private or None,
+            revision=args.push_revision,
+            commit_message=args.commit_message,
+        )
+    except hub.PushError as e:
+        print(f"kbit-convert: error: {e}", file=sys.stderr)
+        return 3
+    print(f"pushed {folder} to {args.push_to_hub}: {url}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

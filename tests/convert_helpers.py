@@ -1,0 +1,110 @@
+"""Shared fixtures of the conversion, CLI and Hub tests: tiny config-built models (no downloads)
+and the in-memory Hub test server. Import the fixtures you use into the test module."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from hub_server import serve  # noqa: E402
+
+TOKEN = "hf_TESTtoken0123456789secret"
+
+
+def make_tokenizer():
+    """A character-level fast tokenizer built in memory (ids < 100)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def make_llama(folder: Path, dtype: torch.dtype = torch.float32, tie: bool = False, tokenizer: bool = True,
+               max_shard_size: str = "60KB", seed: int = 0) -> Path:
+    """A 2-layer Llama built from a config with random weights, saved sharded as safetensors."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,  # not a multiple of the 128-wide tile: exercises padding
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = LlamaForCausalLM(config).to(dtype)
+    model.save_pretrained(folder, max_shard_size=max_shard_size)
+    if tokenizer:
+        make_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def llama_fp32(tmp_path_factory) -> Path:
+    return make_llama(tmp_path_factory.mktemp("llama_fp32") / "model")
+
+
+@pytest.fixture(scope="session")
+def llama_bf16_tied(tmp_path_factory) -> Path:
+    return make_llama(tmp_path_factory.mktemp("llama_bf16") / "model", dtype=torch.bfloat16, tie=True)
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    """The in-memory Hub on 127.0.0.1, set as this process's endpoint, with a token in HF_TOKEN."""
+    from huggingface_hub import constants
+
+    url, state, server = serve(token=TOKEN)
+    monkeypatch.setattr(constants, "ENDPOINT", url)
+    monkeypatch.setenv("HF_ENDPOINT", url)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    state.url = url
+    state.cache = tmp_path / "hub-cache"
+    yield state
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def dead_endpoint(monkeypatch):
+    """An endpoint on 127.0.0.1 where nothing listens (connection refused)."""
+    from huggingface_hub import constants
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    monkeypatch.setattr(constants, "ENDPOINT", url)
+    monkeypatch.setenv("HF_ENDPOINT", url)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    return url
+
+
+def subprocess_env(endpoint: str | None = None, cache: Path | None = None) -> dict[str, str]:
+    """Environment for a child Python process that imports this checkout's hf_kbit."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    if endpoint:
+        env["HF_ENDPOINT"] = endpoint
+        env["HF_TOKEN"] = TOKEN
+    if cache:
+        env["HF_HOME"] = str(cache)
+    env["HF_HUB_DISABLE_TELEMETRY"] = "1"
+    return env
