@@ -9,27 +9,28 @@ namespace kbit {
 
 constexpr int kDequantizeThreads = 256;
 
-// One thread per 32-element block, enumerated in the tiled order of block_scales so that
-// lanes read consecutive plane words (each warp reads 128 contiguous bytes per plane).
+// One thread per 32-element block; 64 threads per tile (16 rows x 4 blocks, the tiled order
+// of block_scales) so lanes read consecutive plane words (128 contiguous bytes per warp and
+// plane). 32-bit index math: only the tile count needs a division.
+constexpr int kDequantizeTilesPerCta = kDequantizeThreads / (kTileN * kBlocksPerTile);
+
 template <typename T, int BITS>
 __global__ void __launch_bounds__(kDequantizeThreads) dequantize_kernel(DequantizeParams p) {
   constexpr int kLevels = 1 << BITS;
-  const int64_t nt = (p.n + kTileN - 1) / kTileN, kt = (p.k + kTileK - 1) / kTileK;
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t batch_blocks = nt * kt * kTileN * kBlocksPerTile;
+  const int nt = static_cast<int>((p.n + kTileN - 1) / kTileN), kt = static_cast<int>((p.k + kTileK - 1) / kTileK);
   const int64_t b = static_cast<int64_t>(blockIdx.y);
 
   __shared__ float cb[kLevels];
   if (threadIdx.x < kLevels) cb[threadIdx.x] = p.codebook[b * p.codebook_stride + threadIdx.x];
   __syncthreads();
-  if (t >= batch_blocks) return;
 
-  const int64_t q = t % kBlocksPerTile, r = (t / kBlocksPerTile) % kTileN;
-  const int64_t tile = t / (kBlocksPerTile * kTileN);  // tile_n * kt + tile_k within this batch entry
-  const int64_t tile_n = tile / kt, tile_k = tile % kt;
-  const int64_t row = tile_n * kTileN + r;
+  const int tile = blockIdx.x * kDequantizeTilesPerCta + threadIdx.x / (kTileN * kBlocksPerTile);
+  if (tile >= nt * kt) return;
+  const int q = threadIdx.x % kBlocksPerTile, r = (threadIdx.x / kBlocksPerTile) % kTileN;
+  const int tile_n = tile / kt, tile_k = tile - tile_n * kt;
+  const int64_t row = static_cast<int64_t>(tile_n) * kTileN + r;
   if (row >= p.n) return;  // padding rows are never visible
-  const int64_t k0 = (tile_k * kBlocksPerTile + q) * kBlockSize;
+  const int64_t k0 = static_cast<int64_t>(tile_k * kBlocksPerTile + q) * kBlockSize;
   if (k0 >= p.k) return;
 
   const int64_t gtile = b * nt * kt + tile;
@@ -72,9 +73,8 @@ __global__ void __launch_bounds__(kDequantizeThreads) dequantize_kernel(Dequanti
 template <typename T, int BITS>
 cudaError_t launch_dequantize(const DequantizeParams& p, cudaStream_t stream) {
   const int64_t nt = (p.n + kTileN - 1) / kTileN, kt = (p.k + kTileK - 1) / kTileK;
-  const int64_t blocks = nt * kt * kTileN * kBlocksPerTile;
-  if (blocks == 0 || p.batch == 0) return cudaSuccess;
-  const dim3 grid(static_cast<unsigned>((blocks + kDequantizeThreads - 1) / kDequantizeThreads),
+  if (nt * kt == 0 || p.batch == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>((nt * kt + kDequantizeTilesPerCta - 1) / kDequantizeTilesPerCta),
                   static_cast<unsigned>(p.batch));
   dequantize_kernel<T, BITS><<<grid, kDequantizeThreads, 0, stream>>>(p);
   return cudaGetLastError();

@@ -71,6 +71,8 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(Gemv
   const uint32_t lane_bytes = BITS <= 4 ? static_cast<uint32_t>(lane) * 8u
                                         : static_cast<uint32_t>(lane % Table::kCopies) * 8u;
   const int step = 2 * k_warps;
+  // 16-byte activation loads need every row start aligned.
+  const bool vec_ok = (p.k % 8 == 0) && (reinterpret_cast<uintptr_t>(p.x) % 16 == 0);
 
   for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
     const int64_t group = u / p.splits;
@@ -87,13 +89,29 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(Gemv
     for (int64_t ks = kc0; ks < kc1; ks += sub_kt) {
       const int64_t ke = min(kc1, ks + sub_kt);
       __syncthreads();  // table built / previous sub-chunk's readers done with xs
-      const int span = static_cast<int>(ke - ks) * kTileK;
-      for (int i = threadIdx.x; i < M * span; i += kGemvThreads) {
-        const int m = i / span, kk = i % span;
-        const int64_t gk = ks * kTileK + kk;
-        // x beyond K is zero: padded weights of a partial block may decode to nonzero levels.
-        xs[m * x_m_stride + (kk / kTileK) * kXStride + kk % kTileK] =
-            gk < p.k ? to_float(x[m * p.k + gk]) : 0.f;
+      // Stage x[:, ks*128 : ke*128) as float32, 8 elements (one 16-byte load) per thread and
+      // step. x beyond K is zero: padded weights of a partial block may decode to nonzero levels.
+      const int span8 = static_cast<int>(ke - ks) * (kTileK / 8);
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const T* xm = x + m * p.k + ks * kTileK;
+        const int64_t left = p.k - ks * kTileK;  // valid elements from the chunk start
+        for (int v = threadIdx.x; v < span8; v += kGemvThreads) {
+          const int kk = v * 8;
+          float f[8];
+          if (vec_ok && kk + 8 <= left) {
+            union { uint4 u; T h[8]; } pack;
+            pack.u = __ldg(reinterpret_cast<const uint4*>(xm + kk));
+#pragma unroll
+            for (int e = 0; e < 8; ++e) f[e] = to_float(pack.h[e]);
+          } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) f[e] = kk + e < left ? to_float(xm[kk + e]) : 0.f;
+          }
+          float* dst = xs + m * x_m_stride + (kk >> 7) * kXStride + (kk & (kTileK - 1));
+          *reinterpret_cast<float4*>(dst) = make_float4(f[0], f[1], f[2], f[3]);
+          *reinterpret_cast<float4*>(dst + 4) = make_float4(f[4], f[5], f[6], f[7]);
+        }
       }
       __syncthreads();
       if (!active) continue;

@@ -76,20 +76,14 @@ struct GemvPlan {
 
 // Work split of the GEMV. A CTA's 8 warps cover row_tiles x k_warps (row tile, K lane)
 // pairs; each warp's half-warps take alternate K tiles, so one step covers 2 * k_warps K
-// tiles. k_warps is as large as the activation staging budget allows for at least two steps
-// per staged sub-chunk (the plane prefetch needs a next step). Split-K only when there are
-// too few row groups to keep every resident CTA busy with several units.
+// tiles. Two K lanes and four row tiles per CTA: x is staged once per 64 rows (staging per
+// 16 rows cost ~40% at M = 1), and each warp walks enough K steps for the plane prefetch.
+// Split-K only when there are too few row groups to give every resident CTA several units.
 GemvPlan plan_gemv(int64_t m, int64_t n, int64_t k, int sms) {
   const int64_t k_tiles = ceil_div(k, kTileK), n_tiles = ceil_div(n, kTileN);
   const int64_t x_tile_bytes = m * kXStride * 4;
   GemvPlan p{};
-  p.k_warps = 1;
-  for (int kw : {8, 4, 2}) {
-    if (x_tile_bytes * 4 * kw <= kGemvXSmemBytes && 2 * kw <= k_tiles) {
-      p.k_warps = kw;
-      break;
-    }
-  }
+  p.k_warps = k_tiles >= 4 ? 2 : 1;
   p.row_tiles = kGemvWarps / p.k_warps;
   const int step = 2 * p.k_warps;
   p.sub_kt = step * static_cast<int>(std::max<int64_t>(1, kGemvXSmemBytes / (x_tile_bytes * step)));

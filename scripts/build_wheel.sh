@@ -26,7 +26,8 @@ ls -l dist/hf_kbit-*.whl
 # The wheel must carry the library when a CUDA toolkit was found.
 if command -v nvcc >/dev/null 2>&1 && [ "${HF_KBIT_BUILD_CUDA:-1}" != "0" ]; then
   newest=$(ls -t dist/hf_kbit-*.whl | head -1)
-  "$PYTHON" -m zipfile -l "$newest" | grep -q "hf_kbit/libhf_kbit_cuda.so" \
+  listing=$("$PYTHON" -m zipfile -l "$newest")
+  grep -q "hf_kbit/libhf_kbit_cuda.so" <<<"$listing" \
     || { echo "error: $newest lacks hf_kbit/libhf_kbit_cuda.so" >&2; exit 1; }
   echo "ok: $newest carries hf_kbit/libhf_kbit_cuda.so"
 fi
