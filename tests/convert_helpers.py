@@ -18,6 +18,11 @@ from hub_server import serve  # noqa: E402
 TOKEN = "hf_TESTtoken0123456789secret"
 
 
+def quiet_server_errors(server) -> None:
+    """A client closing a connection early is normal; don't print tracebacks for it."""
+    server.handle_error = lambda request, client_address: None
+
+
 def make_tokenizer():
     """A character-level fast tokenizer built in memory (ids < 100)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -70,10 +75,14 @@ def hub(monkeypatch, tmp_path):
     from huggingface_hub import constants
 
     url, state, server = serve(token=TOKEN)
+    # huggingface_hub reads HF_ENDPOINT at import: point its constants at the server too.
     monkeypatch.setattr(constants, "ENDPOINT", url)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
     monkeypatch.setenv("HF_ENDPOINT", url)
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    quiet_server_errors(server)
     state.url = url
     state.cache = tmp_path / "hub-cache"
     yield state
@@ -91,6 +100,7 @@ def dead_endpoint(monkeypatch):
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     monkeypatch.setattr(constants, "ENDPOINT", url)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
     monkeypatch.setenv("HF_ENDPOINT", url)
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     return url

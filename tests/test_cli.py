@@ -1,0 +1,127 @@
+"""kbit-convert: a thin shell over hf_kbit.convert; every option documented; clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hf_kbit import cli
+
+from convert_helpers import TOKEN, dead_endpoint, llama_fp32  # noqa: F401
+
+
+def run(capsys, *argv):
+    code = cli.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def run_exit(capsys, *argv):
+    """argparse errors exit with status 2 and print to stderr."""
+    with pytest.raises(SystemExit) as e:
+        cli.main([str(a) for a in argv])
+    return e.value.code, capsys.readouterr().err
+
+
+def test_help_documents_every_option(capsys):
+    code, err = run_exit(capsys, "--help")
+    assert code == 0
+    text = capsys.readouterr().out if not err else err
+    parser = cli.build_parser()
+    help_text = parser.format_help()
+    for action in parser._actions:
+        for option in action.option_strings:
+            assert option in help_text, option
+        assert action.help, f"{action.dest} has no help"
+    assert "HF_TOKEN" in help_text  # where the token comes from
+    del text
+
+
+def test_convert_end_to_end(capsys, llama_fp32, tmp_path):
+    out = tmp_path / "out"
+    code, stdout, _ = run(capsys, llama_fp32, "--bits", "3", "--module-bits", r"mlp\.down_proj=5", "--out", out,
+                          "--max-shard-size", "50KB", "--no-progress")
+    assert code == 0, stdout
+    assert "wrote" in stdout
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["bits"] == 3 and qc["module_bits"] == {r"mlp\.down_proj": 5}
+    card = (out / "README.md").read_text()
+    assert r"kbit-convert" in card and "--module-bits" in card  # the exact command
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.model.layers[0].mlp.down_proj.bits == 5 and model.model.layers[0].mlp.up_proj.bits == 3
+    assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
+
+
+def test_dry_run(capsys, llama_fp32, tmp_path):
+    code, stdout, _ = run(capsys, llama_fp32, "--bits", "4", "--dry-run")
+    assert code == 0
+    assert "bits/weight" in stdout and "->" in stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--bits", "6", "--out", "X"], "invalid choice: 6"),
+        (["--bits", "4"], "--out is required"),
+        (["--module-bits", "down_proj", "--out", "X"], "REGEX=BITS"),
+        (["--module-bits", "down_proj=7", "--out", "X"], "bits must be one of"),
+        (["--module-bits", "(=4", "--out", "X"], "invalid regex"),
+        (["--codebook", "[0.1, oops]", "--out", "X"], "--codebook"),
+        (["--codebook", "bogus", "--out", "X"], "codebook must be one of"),
+        (["--push-to-hub", "not a repo", "--out", "X"], "repo id"),
+        (["--private", "--out", "X"], "need --push-to-hub"),
+        (["--max-shard-size", "huge", "--out", "X"], "max_shard_size"),
+        (["--dry-run", "--push-to-hub", "a/b"], "nothing to push"),
+    ],
+    ids=["bits", "no-out", "module-bits-form", "module-bits-value", "module-bits-regex", "codebook-json",
+         "codebook-name", "repo-id", "private-alone", "shard-size", "dry-run-push"],
+)
+def test_bad_arguments(capsys, llama_fp32, tmp_path, argv, message):
+    argv = [str(tmp_path / a) if a == "X" else a for a in argv]
+    code, err = run_exit(capsys, llama_fp32, *argv)
+    assert code == 2
+    assert message in err
+    assert not (tmp_path / "X").exists()
+
+
+def test_missing_folder(capsys, tmp_path):
+    code, _, err = run(capsys, tmp_path / "nope", "--out", tmp_path / "out")
+    assert code == 2 and "no such folder" in err
+
+
+def test_non_empty_output(capsys, llama_fp32, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "x").write_text("x")
+    code, err = run_exit(capsys, llama_fp32, "--out", tmp_path / "out")
+    assert code == 2 and "--overwrite" in err
+
+
+def test_unreachable_hub_input(capsys, dead_endpoint, tmp_path):
+    code, _, err = run(capsys, "someorg/somemodel", "--out", tmp_path / "out")
+    assert code == 2
+    assert "could not be reached" in err and dead_endpoint in err
+    assert TOKEN not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_failed_push_keeps_output_and_says_how_to_retry(capsys, llama_fp32, dead_endpoint, tmp_path):
+    out = tmp_path / "out"
+    code, stdout, err = run(capsys, llama_fp32, "--out", out, "--push-to-hub", "me/tiny", "--private",
+                            "--push-revision", "v1", "--no-progress")
+    assert code == 3
+    assert (out / "config.json").is_file()  # the local output is kept, complete
+    assert f"kept in {out}" in err
+    assert f"kbit-convert {out} --push-to-hub me/tiny --private --push-revision v1" in err
+    assert TOKEN not in stdout + err
+
+
+def test_push_only_needs_push_target(capsys, llama_fp32, tmp_path):
+    out = tmp_path / "out"
+    assert run(capsys, llama_fp32, "--out", out, "--no-progress")[0] == 0
+    code, err = run_exit(capsys, out)
+    assert code == 2 and "already a kbit checkpoint" in err
