@@ -1,0 +1,219 @@
+"""End to end through transformers: quantize-on-load, save, reload, misuse, corrupt checkpoints."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+import hf_kbit
+from hf_kbit import KbitConfig, KbitLinear
+from hf_kbit.checkpoint import KbitCheckpointError
+from tiny_models import DENSE_FAMILIES, tiny_dense_model
+
+BITS = (2, 3, 4, 5)
+# Relative L2 error of the logits vs bf16 on the tiny 2-layer models (weights N(0, 0.1)).
+# Per-weight relative error is 10^(-SQNR/20) = 0.43 / 0.18 / 0.09 / 0.05 for k = 2..5 and two
+# layers amplify it roughly 2.5-3x; measured worst family 1.08 / 0.57 / 0.30 / 0.17.
+MAX_LOGIT_REL_ERR = {2: 1.4, 3: 0.75, 4: 0.4, 5: 0.22}
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj", "gate_up_proj")
+
+
+@pytest.fixture(scope="module")
+def saved_models(tmp_path_factory):
+    """One saved bf16 folder per family, with its reference logits."""
+    out = {}
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    for family in DENSE_FAMILIES:
+        model = tiny_dense_model(family)
+        path = tmp_path_factory.mktemp(family)
+        model.save_pretrained(path)
+        with torch.no_grad():
+            out[family] = (path, ids, model(ids).logits.float())
+    return out
+
+
+def rel_err(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("family", list(DENSE_FAMILIES))
+def test_quantize_on_load_save_reload(family, saved_models, tmp_path):
+    path, ids, ref = saved_models[family]
+    errors = {}
+    for bits in BITS:
+        model = AutoModelForCausalLM.from_pretrained(path, quantization_config=KbitConfig(bits=bits))
+        linears = {n: m for n, m in model.named_modules() if n.rpartition(".")[2] in PROJECTIONS}
+        assert linears and all(isinstance(m, KbitLinear) and m.bits == bits for m in linears.values())
+        assert isinstance(model.lm_head, torch.nn.Linear), "the LM head stays full precision by default"
+        with torch.no_grad():
+            logits = model(ids).logits.float()
+        errors[bits] = rel_err(logits, ref)
+        assert errors[bits] <= MAX_LOGIT_REL_ERR[bits], f"k={bits}: logits rel. error {errors[bits]:.3f}"
+    assert errors[2] > errors[3] > errors[4] > errors[5], f"error must shrink with bits: {errors}"
+
+    # save (from the last model, k=5): no full-precision projection weights, reload is bit-identical
+    out = tmp_path / "kbit"
+    model.save_pretrained(out)
+    with safe_open(out / "model.safetensors", "pt") as f:
+        keys = list(f.keys())
+    assert not [k for k in keys if k.rpartition(".")[0].rpartition(".")[2] in PROJECTIONS and k.endswith(".weight")]
+    assert any(k.endswith(".planes") for k in keys)
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "kbit"
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+def test_module_bits_and_modules_to_not_convert(saved_models):
+    path, ids, _ = saved_models["llama"]
+    cfg = KbitConfig(bits=4, module_bits={r"down_proj$": 5}, modules_to_not_convert=["lm_head", "model.layers.1.self_attn"])
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=cfg)
+    assert model.model.layers[0].mlp.down_proj.bits == 5
+    assert model.model.layers[0].mlp.up_proj.bits == 4
+    assert isinstance(model.model.layers[1].self_attn.q_proj, torch.nn.Linear)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_compute_dtypes(saved_models, dtype):
+    path, ids, ref = saved_models["llama"]
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=KbitConfig(bits=4), dtype=dtype)
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert logits.dtype == dtype
+    assert rel_err(logits.float(), ref) <= MAX_LOGIT_REL_ERR[4]
+
+
+def test_device_map_auto_and_dequantize(saved_models):
+    path, ids, ref = saved_models["llama"]
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=KbitConfig(bits=4), device_map="auto")
+    with torch.no_grad():
+        q_logits = model(ids).logits.float()
+    assert rel_err(q_logits, ref) <= MAX_LOGIT_REL_ERR[4]
+    model.dequantize()
+    assert not any(isinstance(m, KbitLinear) for m in model.modules())
+    assert isinstance(model.model.layers[0].self_attn.q_proj, torch.nn.Linear)
+    assert getattr(model.config, "quantization_config", None) is None
+    with torch.no_grad():
+        # same weights, now bf16 Linear: equal to the kbit forward up to bf16 rounding of W
+        assert rel_err(model(ids).logits.float(), q_logits) < 0.02
+
+
+def test_half_is_rejected_on_model_and_safe_on_module(saved_models):
+    path, ids, _ = saved_models["llama"]
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=KbitConfig(bits=4), dtype=torch.float32)
+    with pytest.raises(ValueError, match="half"):  # transformers refuses casting quantized models
+        model.half()
+    layer = model.model.layers[0].self_attn.q_proj
+    x = torch.randn(3, layer.in_features)
+    ref = layer(x)
+    layer.half()  # a bare module may be cast: only the bias follows, the format tensors keep their dtypes
+    assert layer.row_scales.dtype == torch.float32 and layer.codebook.dtype == torch.float32
+    assert layer.planes.dtype == torch.int32
+    out = layer(x.half())
+    assert out.dtype == torch.float16 and rel_err(out.float(), ref) < 2e-3
+
+
+def test_misuse_errors(saved_models):
+    path, _, _ = saved_models["llama"]
+    with pytest.raises(ValueError, match="dtype"):
+        AutoModelForCausalLM.from_pretrained(path, quantization_config=KbitConfig(bits=4), dtype=torch.float64)
+    with pytest.raises(ValueError, match="bits"):
+        KbitConfig(bits=8)
+    with pytest.raises(ValueError, match="codebook"):
+        KbitConfig(codebook="int4")
+    layer = KbitLinear.from_linear(torch.nn.Linear(64, 32), bits=4)
+    with pytest.raises(TypeError, match="input must be one of"):
+        layer(torch.ones(2, 64, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="in_features=64"):
+        layer(torch.ones(2, 65))
+
+
+# ---------------------------------------------------------------------------- corrupt checkpoints
+
+
+@pytest.fixture
+def kbit_checkpoint(saved_models, tmp_path):
+    path, ids, _ = saved_models["llama"]
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=KbitConfig(bits=3))
+    out = tmp_path / "kbit"
+    model.save_pretrained(out)
+    return out
+
+
+def _rewrite(path: Path, key: str, fn) -> None:
+    tensors = load_file(path / "model.safetensors")
+    tensors[key] = fn(tensors[key])
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    "key, corrupt",
+    [
+        ("model.layers.0.self_attn.q_proj.planes", lambda t: t[:-1].clone()),
+        ("model.layers.1.mlp.down_proj.planes", lambda t: t.to(torch.int64)),
+        ("model.layers.0.mlp.up_proj.block_scales", lambda t: t.to(torch.int32)),
+        ("model.layers.0.mlp.up_proj.row_scales", lambda t: t[:10].clone()),
+        ("model.layers.0.self_attn.v_proj.codebook", lambda t: torch.cat([t, t])),
+    ],
+    ids=["planes-shape", "planes-dtype", "scales-dtype", "row-scales-shape", "codebook-shape"],
+)
+def test_corrupt_tensor_error_names_it(kbit_checkpoint, key, corrupt):
+    _rewrite(kbit_checkpoint, key, corrupt)
+    with pytest.raises(KbitCheckpointError, match=key.replace(".", r"\.")):
+        AutoModelForCausalLM.from_pretrained(kbit_checkpoint)
+
+
+def test_corrupt_codebook_values(kbit_checkpoint):
+    key = "model.layers.0.self_attn.v_proj.codebook"
+    _rewrite(kbit_checkpoint, key, lambda t: t.flip(0).contiguous())
+    with pytest.raises(KbitCheckpointError, match=key.replace(".", r"\.")):
+        AutoModelForCausalLM.from_pretrained(kbit_checkpoint)
+
+
+def test_missing_tensor(kbit_checkpoint):
+    tensors = load_file(kbit_checkpoint / "model.safetensors")
+    del tensors["model.layers.1.self_attn.o_proj.row_scales"]
+    save_file(tensors, kbit_checkpoint / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(KbitCheckpointError, match=r"model\.layers\.1\.self_attn\.o_proj\.row_scales"):
+        AutoModelForCausalLM.from_pretrained(kbit_checkpoint)
+
+
+def test_truncated_file_names_a_tensor(kbit_checkpoint):
+    f = kbit_checkpoint / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(KbitCheckpointError, match=r"tensor '.+' .*truncated"):
+        AutoModelForCausalLM.from_pretrained(kbit_checkpoint)
+
+
+# ---------------------------------------------------------------------------- no silent garbage
+
+
+def test_loads_without_import_hf_kbit(kbit_checkpoint):
+    """An installed hf-kbit registers itself through its .pth hook: a plain transformers
+    script that never imports hf_kbit still loads the right weights (here the hook is
+    activated from the source tree exactly as site-packages would: site.addsitedir)."""
+    repo = Path(hf_kbit.__file__).resolve().parent.parent
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(kbit_checkpoint)(ids).logits
+    torch.save(ids, kbit_checkpoint / "ids.pt")
+    script = f"""
+import site, sys
+site.addsitedir({str(repo / 'python')!r})
+import torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({str(kbit_checkpoint)!r})
+assert "hf_kbit" in sys.modules  # registered by the hook, not by the script
+with torch.no_grad():
+    torch.save(model(torch.load({str(kbit_checkpoint / 'ids.pt')!r})).logits, {str(kbit_checkpoint / 'out.pt')!r})
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=300)
+    assert torch.equal(torch.load(kbit_checkpoint / "out.pt"), expected)
