@@ -182,7 +182,7 @@ class ConversionPlan:
             f"architecture:  {s['architecture']} (dtype {s['dtype']})",
             f"quantized:     {s['quantized_tensors']} of {s['tensors']} tensors, "
             + ", ".join(f"{n} at {b} bits" for b, n in s["quantized_by_bits"].items()),
-            f"size:          {_human(s['size_before_bytes'])} -> {_human(s['size_after_bytes'])}",
+            f"size:          {format_bytes(s['size_before_bytes'])} -> {format_bytes(s['size_after_bytes'])}",
         ]
         if s["bits_per_quantized_weight"] is not None:
             bpw_all = 8 * s["size_after_bytes"] / s["total_params"]
@@ -191,7 +191,9 @@ class ConversionPlan:
                 f"{bpw_all:.3f} (all parameters)"
             )
         if self.dropped:
-            lines.append(f"not written:   {len(self.dropped)} checkpoint tensor(s) (tied or unused), e.g. {self.dropped[0]}")
+            lines.append(
+                f"not written:   {len(self.dropped)} checkpoint tensor(s) (tied or unused), e.g. {self.dropped[0]}"
+            )
         return "\n".join(lines)
 
 
@@ -262,6 +264,12 @@ def plan_conversion(
     planned = {p.name for p in plans}
     missing = sorted(set(model_tensors) - planned - tied)
     if missing:
+        if any(re.search(r"\.experts\.\d+\.", key) for key in dropped):
+            raise ConversionError(
+                f"{source} stores MoE experts per expert (e.g. '{next(k for k in dropped if '.experts.' in k)}'), "
+                f"while {model_cls.__name__} holds fused experts; converting per-expert checkpoints is not "
+                "supported yet"
+            )
         raise ConversionError(
             f"the checkpoint in {source} lacks {len(missing)} tensor(s) the model needs, e.g. '{missing[0]}'; "
             "is it complete (all shards downloaded)?"
@@ -382,7 +390,7 @@ def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def resolve_source(
-    model: str | os.PathLike, workdir: Path, revision: str | None = None, metadata_only: bool = False
+    model: str | os.PathLike, workdir: Path, revision: str | None = None
 ) -> tuple[Path, dict[str, Any]]:
     """A local model folder for ``model`` (folder, ``.gguf`` file or Hub repo id) and facts for the card."""
     path = Path(model).expanduser()
@@ -393,19 +401,20 @@ def resolve_source(
     if path.is_file() and path.suffix == ".gguf":
         return _dequantize_gguf(path, workdir), {"kind": "gguf", "name": path.name, "gguf_bytes": path.stat().st_size}
     if path.exists():
-        raise ConversionError(f"{model} is a file but not a .gguf file; pass a model folder, a .gguf file or a Hub repo id")
+        raise ConversionError(
+            f"{model} is a file but not a .gguf file; pass a model folder, a .gguf file or a Hub repo id"
+        )
     if not _REPO_ID.match(str(model)):
         raise ConversionError(f"{model}: no such folder or file (and not a Hub repo id of the form 'org/name')")
-    return _download(str(model), revision, metadata_only), {"kind": "hub", "name": str(model), "revision": revision}
+    return _download(str(model), revision), {"kind": "hub", "name": str(model), "revision": revision}
 
 
-def _download(repo_id: str, revision: str | None, metadata_only: bool) -> Path:
+def _download(repo_id: str, revision: str | None) -> Path:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
-    patterns = ["*.json", "*.model", "*.txt", "*.jinja"] if metadata_only else HUB_ALLOW_PATTERNS
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS))
     except RevisionNotFoundError:
         raise ConversionError(f"{repo_id}: revision {revision!r} not found on {constants.ENDPOINT}") from None
     except RepositoryNotFoundError:
@@ -507,7 +516,7 @@ def convert(
 
     workdir = Path(tempfile.mkdtemp(prefix="kbit-convert-"))
     try:
-        source, source_info = resolve_source(model, workdir, revision, metadata_only=False)
+        source, source_info = resolve_source(model, workdir, revision)
         if source_info["kind"] == "hub" and base_model is None:
             base_model = source_info["name"]
         if not dry_run and out.resolve() == source.resolve():
@@ -739,7 +748,7 @@ def command_line(argv: Sequence[str]) -> str:
     return shlex.join(["kbit-convert", *argv])
 
 
-def _human(nbytes: int) -> str:
+def format_bytes(nbytes: int) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if nbytes < 1000 or unit == "TB":
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
@@ -770,7 +779,8 @@ def measure_perplexity(
 
     name = "built-in passage" if text is None else "user text"
     text = DEFAULT_EVAL_TEXT if text is None else text
-    tok_dir = converted if (converted / "tokenizer_config.json").is_file() or (converted / "tokenizer.json").is_file() else source
+    has_tokenizer = (converted / "tokenizer_config.json").is_file() or (converted / "tokenizer.json").is_file()
+    tok_dir = converted if has_tokenizer else source
     try:
         tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     except (OSError, ValueError) as e:

@@ -62,6 +62,8 @@ def render_card(
     """The model card (``huggingface_hub.ModelCard``) of a converted checkpoint."""
     from huggingface_hub import ModelCard, ModelCardData
 
+    from .convert import format_bytes
+
     cfg = plan.kbit_config
     bits_values = sorted(stats["quantized_by_bits"])
     tags = ["kbit", "quantized", *(f"{b}-bit" for b in bits_values)]
@@ -78,9 +80,10 @@ def render_card(
             f"converted from the GGUF file `{source_info['name']}`. Its weights were already quantized to a GGUF "
             "grid; they were dequantized and then quantized again, so the errors of both quantizations add up."
         )
-        size_before_label = f"GGUF dequantized to {stats['dtype']}; the .gguf file is {_human(source_info['gguf_bytes'])}"
+        gguf_size = format_bytes(source_info["gguf_bytes"])
+        size_before_label = f"GGUF dequantized; the .gguf file is {gguf_size}"
     else:
-        size_before_label = f"source checkpoint, {stats['dtype']}"
+        size_before_label = "source checkpoint"
     n_kept = stats["tensors"] - stats["quantized_tensors"]
     kept = "lm_head / tied embeddings and all non-Linear tensors" if cfg.modules_to_not_convert is None else (
         f"{', '.join(cfg.modules_to_not_convert)} and all non-Linear tensors"
@@ -104,9 +107,9 @@ def render_card(
         total_tensors=stats["tensors"],
         dtype=stats["dtype"],
         kept_summary=f"{n_kept} tensors: {kept}",
-        size_before=_human(stats["size_before_bytes"]),
+        size_before=format_bytes(stats["size_before_bytes"]),
         size_before_label=size_before_label,
-        size_after=_human(stats["size_after_bytes"]),
+        size_after=format_bytes(stats["size_after_bytes"]),
         format_version=cfg.format_version,
         command=command,
         repo_id=repo_id or "path/to/this/folder",
@@ -123,16 +126,9 @@ def _codebook_name(cfg) -> str:
     return {"nf": "normal-float levels with an exact zero", "nf-sym": "equiprobable normal-float levels"}.get(name, name)
 
 
-def _human(nbytes: int) -> str:
-    value = float(nbytes)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if value < 1000 or unit == "TB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1000
-    raise AssertionError("unreachable")
-
-
-def retry_command(folder: str | Path, repo_id: str, private: bool | None, revision: str | None, message: str | None) -> str:
+def retry_command(
+    folder: str | Path, repo_id: str, private: bool | None, revision: str | None, message: str | None
+) -> str:
     """The command that pushes an already converted folder again."""
     argv = ["kbit-convert", str(folder), "--push-to-hub", repo_id]
     if private:
