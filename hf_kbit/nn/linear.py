@@ -112,6 +112,8 @@ class KbitLinear(nn.Module):
         """An ``nn.Linear`` holding the dequantized weight (``dtype`` defaults to the bias's or float32)."""
         if dtype is None:
             dtype = self.bias.dtype if self.bias is not None else torch.float32
+        elif isinstance(dtype, str):  # transformers may pass config.dtype by name
+            dtype = getattr(torch, dtype)
         linear = nn.Linear(
             self.in_features, self.out_features, bias=self.bias is not None, dtype=dtype, device=self.planes.device
         )
