@@ -124,17 +124,66 @@ def _mm_fake(x, planes, block_scales, row_scales, codebook, in_features):
 # ---------------------------------------------------------------------------- grouped_mm
 
 
+def expert_offsets(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing on the device, without a host sync: ``(order, offsets)``.
+
+    ``order [S]`` (int64) lists the rows grouped by expert (stable); the rows of expert ``e``
+    are ``order[offsets[e]:offsets[e + 1]]``, ``offsets [E + 1]`` int64. Ids outside
+    ``[0, E)`` (expert-parallel sentinels) sort outside ``[offsets[0], offsets[E])`` and
+    belong to no expert. Sizes depend only on ``S`` and ``E``, so a CUDA kernel can take
+    both as device tensors inside a CUDA graph or a ``fullgraph`` compile.
+    """
+    ids = expert_ids.long()
+    sorted_ids, order = torch.sort(ids, stable=True)
+    bounds = torch.arange(num_experts + 1, device=ids.device, dtype=torch.int64)
+    return order, torch.searchsorted(sorted_ids, bounds)
+
+
+def _check_grouped(x, expert_ids, row_scales, codebook) -> None:
+    torch._check(x.dim() == 2, lambda: f"x must be [S, K], got shape {tuple(x.shape)}")
+    torch._check(
+        expert_ids.dim() == 1 and expert_ids.shape[0] == x.shape[0],
+        lambda: f"expert_ids must be [S] = [{x.shape[0]}], got shape {tuple(expert_ids.shape)}",
+    )
+    torch._check(
+        expert_ids.dtype in (torch.int32, torch.int64),
+        lambda: f"expert_ids must be int32 or int64, got {expert_ids.dtype}",
+    )
+    torch._check(
+        row_scales.dim() == 2,
+        lambda: f"grouped_mm needs packed tensors with one leading expert dim, row_scales is {tuple(row_scales.shape)}",
+    )
+    torch._check(
+        codebook.dim() == 1 or tuple(codebook.shape[:-1]) == tuple(row_scales.shape[:1]),
+        lambda: f"codebook must be [L] or [E, L] with E={row_scales.shape[0]}, got {tuple(codebook.shape)}",
+    )
+
+
 @torch.library.impl(_lib, "grouped_mm", "CompositeExplicitAutograd")
 def _grouped_mm_ref(x, expert_ids, planes, block_scales, row_scales, codebook, in_features):
-    """Row ``t`` of ``x [T, K]`` times expert ``expert_ids[t]``'s weight: ``[T, N]`` in x's dtype.
+    """Row ``s`` of ``x [S, K]`` times expert ``expert_ids[s]``'s weight: ``[S, N]`` in x's dtype.
 
-    Packed tensors carry a leading expert dim ``E``; codebook is ``[E, L]`` or ``[L]``.
+    Packed tensors carry one leading expert dim ``E``; codebook is ``[E, L]`` or ``[L]``.
+    Rows whose id lies outside ``[0, E)`` come out as zeros. Accumulates in float32.
+
+    Reference: rows grouped by :func:`expert_offsets`, one expert's weight dequantized at a
+    time (never ``[S, N, K]``). Reading the group sizes to slice is a host sync here; a
+    device kernel consumes ``offsets`` on the device instead.
     """
     _check_mm_input(x, in_features)
     _check_packed(planes, block_scales, row_scales, codebook, in_features)
-    torch._check(x.dim() == 2 and expert_ids.shape == x.shape[:1], lambda: "x must be [T, K], expert_ids [T]")
-    w = fmt.dequantize(planes, block_scales, row_scales, codebook, in_features, torch.float32)  # [E, N, K]
-    out = torch.bmm(w[expert_ids.long()], x.float()[:, :, None])[:, :, 0]
+    _check_grouped(x, expert_ids, row_scales, codebook)
+    num_experts = row_scales.shape[0]
+    order, offsets = expert_offsets(expert_ids, num_experts)
+    out = torch.zeros(x.shape[0], row_scales.shape[-1], dtype=torch.float32, device=x.device)
+    bounds = offsets.tolist()
+    for e in range(num_experts):
+        if bounds[e] == bounds[e + 1]:
+            continue
+        rows = order[bounds[e] : bounds[e + 1]]
+        cb = codebook if codebook.dim() == 1 else codebook[e]
+        w = fmt.dequantize(planes[e], block_scales[e], row_scales[e], cb, in_features, torch.float32)
+        out[rows] = x[rows].float() @ w.T
     return out.to(x.dtype)
 
 
@@ -142,4 +191,5 @@ def _grouped_mm_ref(x, expert_ids, planes, block_scales, row_scales, codebook, i
 def _grouped_mm_fake(x, expert_ids, planes, block_scales, row_scales, codebook, in_features):
     _check_mm_input(x, in_features)
     _check_packed(planes, block_scales, row_scales, codebook, in_features)
+    _check_grouped(x, expert_ids, row_scales, codebook)
     return x.new_empty((x.shape[0], row_scales.shape[-1]))
