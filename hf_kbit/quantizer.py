@@ -12,6 +12,7 @@ from transformers.quantizers.quantizers_utils import get_module_from_name
 from . import checkpoint
 from .config import KbitConfig
 from .format import make_codebook
+from .nn.experts import KbitExperts, quantize_experts_on_load, replace_experts_with_kbit, replace_kbit_experts_with_float
 from .nn.linear import COMPUTE_DTYPES, FORMAT_TENSORS, KbitLinear, quantize_weight
 from .nn.replace import replace_kbit_with_linear, replace_linear_with_kbit
 
@@ -42,6 +43,8 @@ class KbitHfQuantizer(HfQuantizer):
         if self.pre_quantized:
             return False
         module, tensor_name = get_module_from_name(model, param_name)
+        if isinstance(module, KbitExperts):  # fused MoE experts (hf_kbit.nn.experts)
+            return tensor_name in module.placeholders()
         return isinstance(module, KbitLinear) and tensor_name == "weight"
 
     def param_element_size(self, model, param_name: str, param: torch.Tensor) -> float:
@@ -64,6 +67,9 @@ class KbitHfQuantizer(HfQuantizer):
         replace_linear_with_kbit(
             model, self.quantization_config, self.modules_to_not_convert, weight_placeholder=not self.pre_quantized
         )
+        replace_experts_with_kbit(  # fused MoE experts (hf_kbit.nn.experts)
+            model, self.quantization_config, self.modules_to_not_convert, weight_placeholder=not self.pre_quantized
+        )
         if self.pre_quantized and checkpoint_files:
             checkpoint.validate_files(checkpoint_files, model)
         return model
@@ -73,6 +79,7 @@ class KbitHfQuantizer(HfQuantizer):
         return model
 
     def _dequantize(self, model, dtype=None):
+        replace_kbit_experts_with_float(model, dtype)  # fused MoE experts (hf_kbit.nn.experts)
         return replace_kbit_with_linear(model, dtype)
 
     def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
@@ -100,7 +107,14 @@ class KbitQuantize(ConversionOps):
         target_key, value = next(iter(input_dict.items()))
         value = value[0] if isinstance(value, list) else value
         full_layer_name = full_layer_name or target_key
-        module, _ = get_module_from_name(model, full_layer_name)
+        module, tensor_name = get_module_from_name(model, full_layer_name)
+        if isinstance(module, KbitExperts):  # fused MoE experts (hf_kbit.nn.experts)
+            packed = quantize_experts_on_load(
+                module, tensor_name, value, self.hf_quantizer.quantization_config, full_layer_name
+            )
+            if missing_keys is not None:
+                missing_keys.discard(full_layer_name)
+            return packed
         prefix = full_layer_name.rpartition(".")[0]
         # The module sits on the meta device while loading: rebuild its codebook from the config.
         codebook = make_codebook(self.hf_quantizer.quantization_config.codebook, module.bits).to(value.device)

@@ -1,6 +1,16 @@
 """kbit modules: they own packed tensors and call torch.ops.kbit; they never call ctypes."""
 
+from .experts import KbitExperts, quantize_experts, replace_experts_with_kbit
 from .linear import KbitLinear, quantize_weight
 from .replace import quantize_model, replace_kbit_with_linear, replace_linear_with_kbit
 
-__all__ = ["KbitLinear", "quantize_model", "quantize_weight", "replace_kbit_with_linear", "replace_linear_with_kbit"]
+__all__ = [
+    "KbitExperts",
+    "KbitLinear",
+    "quantize_experts",
+    "quantize_model",
+    "quantize_weight",
+    "replace_experts_with_kbit",
+    "replace_kbit_with_linear",
+    "replace_linear_with_kbit",
+]

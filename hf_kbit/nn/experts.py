@@ -1,0 +1,422 @@
+"""KbitExperts: transformers' fused MoE experts module with its 3-D expert weights stored k-bit.
+
+transformers v5 keeps all routed experts of a layer in one ``*.experts`` module holding
+``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` (gpt_oss: transposed,
+``[E, H, 2I]`` / ``[E, I, H]``, gate and up interleaved, with biases) and calls it as
+``experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``.
+Such modules are recognised by those parameters, not by class, and replaced by
+:class:`KbitExperts`, which keeps the model's own gating (``_apply_gate``: SwiGLU,
+gpt_oss's clamped GLU, ...) and activation by taking them over from the original module.
+
+Nothing here knows about the transformers loading lifecycle; ``hf_kbit.quantizer`` calls
+:func:`replace_experts_with_kbit` and :func:`quantize_experts_on_load`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .. import _ops  # noqa: F401  (registers torch.ops.kbit)
+from .. import format as fmt
+from ..config import KbitConfig
+from .linear import COMPUTE_DTYPES, FORMAT_TENSORS, quantize_weight
+from .replace import _set_submodule, should_convert
+
+# Fused checkpoint parameter -> prefix of its packed tensors. The packed names must not start
+# with the parameter name: transformers' expert converters match ``experts.gate_up_proj*``.
+PROJECTIONS = {"gate_up_proj": "gate_up", "down_proj": "down"}
+BIASES = ("gate_up_proj_bias", "down_proj_bias")
+
+# Quantize-on-load packs at most this many weight elements at once (the float32 and int64
+# temporaries of the reference quantizer are ~20 B per element): rows are independent, so
+# chunking over experts gives the same bits and bounds the peak memory.
+_QUANTIZE_CHUNK_ELEMENTS = 1 << 26
+
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+
+
+@dataclass(frozen=True)
+class ExpertsLayout:
+    """Shape facts of a fused experts module, read from its parameters."""
+
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    is_transposed: bool  # weights stored [E, in, out] (gpt_oss) rather than Linear's [E, out, in]
+    has_bias: bool
+
+    def weight_shape(self, projection: str) -> tuple[int, int, int]:
+        """Shape of ``projection`` as the model (and its checkpoint) stores it."""
+        n, k = self.linear_shape(projection)
+        return (self.num_experts, k, n) if self.is_transposed else (self.num_experts, n, k)
+
+    def linear_shape(self, projection: str) -> tuple[int, int]:
+        """``(out_features, in_features)`` of one expert's ``projection``."""
+        if projection == "gate_up_proj":
+            return 2 * self.intermediate_size, self.hidden_size
+        return self.hidden_size, self.intermediate_size
+
+
+def fused_experts_layout(module: nn.Module, name: str = "experts") -> ExpertsLayout | None:
+    """The layout of ``module`` if it holds fused 3-D expert weights, else ``None``.
+
+    Raises ``ValueError`` naming the module when it has such weights in a layout that cannot
+    be read unambiguously, and ``NotImplementedError`` when its gating is unknown.
+    """
+    params = dict(module.named_parameters(recurse=False))
+    gate_up, down = params.get("gate_up_proj"), params.get("down_proj")
+    if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
+        return None
+    (e, a, b), (e2, c, d) = gate_up.shape, down.shape
+    standard = e == e2 and b == c and a == 2 * d  # [E, 2I, H], [E, H, I]
+    transposed = e == e2 and a == d and b == 2 * c  # [E, H, 2I], [E, I, H]
+    declared = getattr(module, "is_transposed", None)
+    if isinstance(declared, bool):
+        standard, transposed = standard and not declared, transposed and declared
+    if standard == transposed:
+        raise ValueError(
+            f"{name}: cannot read the expert layout from gate_up_proj {tuple(gate_up.shape)} and down_proj "
+            f"{tuple(down.shape)}; expected [E, 2I, H] and [E, H, I] (or transposed: [E, H, 2I] and [E, I, H]). "
+            f"Add {name!r} to modules_to_not_convert to keep it unquantized."
+        )
+    hidden, inter = (b, d) if standard else (a, c)
+    layout = ExpertsLayout(e, hidden, inter, transposed, "gate_up_proj_bias" in params or "down_proj_bias" in params)
+    expected = {"gate_up_proj", "down_proj"} | (set(BIASES) if layout.has_bias else set())
+    if set(params) != expected:
+        raise NotImplementedError(
+            f"{name}: a fused experts module with parameters {sorted(params)} is not supported by kbit (expected "
+            f"{sorted(expected)}); add {name!r} to modules_to_not_convert to keep it unquantized."
+        )
+    if layout.has_bias:
+        for bias, (n, _) in zip(BIASES, (layout.linear_shape(p) for p in PROJECTIONS)):
+            if tuple(params[bias].shape) != (e, n):
+                raise ValueError(f"{name}.{bias} has shape {tuple(params[bias].shape)}, expected {(e, n)}")
+    if getattr(type(module), "_apply_gate", None) is None and not hasattr(module, "act_fn"):
+        raise NotImplementedError(
+            f"{name}: {type(module).__name__} has neither `_apply_gate` nor `act_fn`, so kbit cannot reproduce its "
+            f"gating; add {name!r} to modules_to_not_convert to keep it unquantized."
+        )
+    return layout
+
+
+class KbitExperts(nn.Module):
+    """All routed experts of one MoE layer, ``gate_up`` and ``down`` weights stored k-bit.
+
+    Made from the model's own experts module (:meth:`from_experts`), whose gating
+    (``_apply_gate``), activation (``act_fn``) and other attributes it takes over, so the
+    forward is the model's: ``(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])
+    -> [T, H]``. Expert ids outside ``[0, E)`` contribute nothing.
+
+    Buffers (format v1, see ``docs/format.md``; E experts, H = hidden_size, I =
+    intermediate_size; weights in Linear layout [out, in] whatever the model's layout, gate/up
+    rows in the model's order):
+        gate_up_planes: int32 ``[E, ceil(2I/16), ceil(H/128), bits, 16, 4]``.
+        gate_up_block_scales: uint8 ``[E, ceil(2I/16), ceil(H/128), 16, 4]``.
+        gate_up_row_scales: float32 ``[E, 2I]``.
+        gate_up_codebook: float32 ``[2**bits]``.
+        down_planes, down_block_scales, down_row_scales, down_codebook: the same for
+        ``[E, H, I]``.
+    Parameters ``gate_up_proj_bias [E, 2I]`` and ``down_proj_bias [E, H]`` (when the model
+    has them) keep the model's dtype and names.
+
+    While a model is quantized on load, placeholders ``gate_up_proj`` / ``down_proj`` (meta,
+    the model's shape and layout) receive the fused checkpoint tensors, which
+    :func:`quantize_experts_on_load` packs and then removes.
+    """
+
+    def __init__(
+        self,
+        layout: ExpertsLayout,
+        gate_up_bits: int = 4,
+        down_bits: int = 4,
+        codebook: str | list[float] | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        weight_placeholder: bool = False,
+    ):
+        super().__init__()
+        self.layout = layout
+        self.num_experts = layout.num_experts
+        self.hidden_size, self.intermediate_size = layout.hidden_size, layout.intermediate_size
+        self.bits = {"gate_up_proj": gate_up_bits, "down_proj": down_bits}
+        self._model_apply_gate = None
+        for projection, prefix in PROJECTIONS.items():
+            bits = self.bits[projection]
+            n, k = layout.linear_shape(projection)
+            shapes = fmt.packed_shapes(n, k, bits)
+            for t in FORMAT_TENSORS:
+                lead = () if t == "codebook" else (layout.num_experts,)
+                buffer = torch.empty(lead + shapes[t], dtype=fmt.PACKED_DTYPES[t], device=device)
+                self.register_buffer(f"{prefix}_{t}", buffer)
+            with torch.no_grad():
+                setattr(self, f"{prefix}_codebook", fmt.make_codebook(codebook, bits).to(device))
+            if weight_placeholder:
+                placeholder = torch.empty(layout.weight_shape(projection), dtype=dtype, device="meta")
+                self.register_parameter(projection, nn.Parameter(placeholder, requires_grad=False))
+        for bias, projection in zip(BIASES, PROJECTIONS):
+            value = None
+            if layout.has_bias:
+                value = nn.Parameter(
+                    torch.empty(layout.num_experts, layout.linear_shape(projection)[0], dtype=dtype, device=device),
+                    requires_grad=False,
+                )
+            self.register_parameter(bias, value)
+
+    @classmethod
+    def from_experts(
+        cls,
+        experts: nn.Module,
+        gate_up_bits: int = 4,
+        down_bits: int = 4,
+        codebook: str | list[float] | None = None,
+        weight_placeholder: bool = False,
+        name: str = "experts",
+    ) -> "KbitExperts":
+        """A KbitExperts taking over ``experts``' gating, activation and attributes.
+
+        On the meta device (model skeleton) nothing is quantized; otherwise the weights are
+        packed now and the biases copied.
+        """
+        layout = fused_experts_layout(experts, name)
+        if layout is None:
+            raise ValueError(f"{name}: {type(experts).__name__} has no 3-D gate_up_proj / down_proj expert weights")
+        weight = experts.gate_up_proj
+        module = cls(layout, gate_up_bits, down_bits, codebook, weight.dtype, weight.device, weight_placeholder)
+        module._take_over_behaviour(experts)
+        if weight.device.type != "meta" and not weight_placeholder:
+            with torch.no_grad():
+                for projection in PROJECTIONS:
+                    codebook = getattr(module, f"{PROJECTIONS[projection]}_codebook")
+                    module.load_packed(projection, **module.pack(projection, getattr(experts, projection), codebook, name))
+                for bias in BIASES if layout.has_bias else ():
+                    getattr(module, bias).copy_(getattr(experts, bias))
+        return module
+
+    def _take_over_behaviour(self, experts: nn.Module) -> None:
+        """Adopt the model's gating function, submodules (act_fn, norms) and plain attributes."""
+        for key, value in vars(experts).items():
+            if key in _MODULE_INTERNALS or isinstance(value, torch.Tensor) or key in vars(self):
+                continue
+            setattr(self, key, value)
+        for child_name, child in experts.named_children():
+            self.add_module(child_name, child)
+        self._model_apply_gate = getattr(type(experts), "_apply_gate", None)
+        self.source_class = type(experts)
+
+    # ------------------------------------------------------------------ format contract
+
+    def packed_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of each format tensor (the checkpoint contract, see hf_kbit.checkpoint)."""
+        shapes = {}
+        for projection, prefix in PROJECTIONS.items():
+            n, k = self.layout.linear_shape(projection)
+            for t, shape in fmt.packed_shapes(n, k, self.bits[projection]).items():
+                shapes[f"{prefix}_{t}"] = shape if t == "codebook" else (self.num_experts, *shape)
+        return shapes
+
+    def placeholders(self) -> list[str]:
+        """Full-precision placeholders still waiting for quantize-on-load."""
+        return [p for p in PROJECTIONS if p in self._parameters]
+
+    def pack(
+        self, projection: str, value: torch.Tensor, codebook: torch.Tensor, name: str = "experts"
+    ) -> dict[str, torch.Tensor]:
+        """Pack the fused weight of ``projection`` (in the model's shape and layout) into
+        ``{"<prefix>_planes" | "_block_scales" | "_row_scales" | "_codebook": tensor}``,
+        checking it first; errors name ``<name>.<projection>``."""
+        full_name = f"{name}.{projection}"
+        expected = self.layout.weight_shape(projection)
+        if tuple(value.shape) != expected:
+            raise ValueError(
+                f"{full_name}: the fused expert weight has shape {tuple(value.shape)}, the model expects {expected} "
+                f"(num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size})"
+            )
+        weight = value.transpose(-1, -2) if self.layout.is_transposed else value  # -> [E, out, in]
+        per_expert = math.prod(weight.shape[1:])
+        chunk = max(1, _QUANTIZE_CHUNK_ELEMENTS // max(per_expert, 1))
+        parts = [quantize_weight(w, codebook, name=full_name) for w in weight.split(chunk)]
+        prefix = PROJECTIONS[projection]
+        packed = {f"{prefix}_{t}": torch.cat(ts) for t, ts in zip(FORMAT_TENSORS, zip(*parts))}
+        packed[f"{prefix}_codebook"] = codebook
+        return packed
+
+    @torch.no_grad()
+    def load_packed(self, projection: str, **packed: torch.Tensor) -> None:
+        """Take ``projection``'s packed tensors (from :meth:`pack` or a checkpoint)."""
+        device = getattr(self, f"{PROJECTIONS[projection]}_planes").device
+        for key, value in packed.items():
+            setattr(self, key, value.to(device))
+        self._parameters.pop(projection, None)
+
+    # ------------------------------------------------------------------ forward
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The model's gating of ``gate_up [S, 2I] -> [S, I]`` (default: ``act_fn(gate) * up``)."""
+        if self._model_apply_gate is not None:
+            return self._model_apply_gate(self, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+    def _project(self, projection: str, x: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        prefix = PROJECTIONS[projection]
+        out = torch.ops.kbit.grouped_mm(
+            x,
+            expert_ids,
+            getattr(self, f"{prefix}_planes"),
+            getattr(self, f"{prefix}_block_scales"),
+            getattr(self, f"{prefix}_row_scales"),
+            getattr(self, f"{prefix}_codebook"),
+            self.layout.linear_shape(projection)[1],
+        )
+        bias = getattr(self, f"{projection}_bias")
+        if bias is not None:
+            out = out + bias[expert_ids.clamp(0, self.num_experts - 1)].to(out.dtype)
+        return out
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        if hidden_states.dtype not in COMPUTE_DTYPES:
+            raise TypeError(f"KbitExperts input must be one of {COMPUTE_DTYPES}, got {hidden_states.dtype}")
+        num_tokens, top_k = top_k_index.shape
+        # S = T * k (token, expert) pairs; pair s is token s // k. The grouped op groups the rows
+        # by expert on the device (no host sync, no data-dependent shapes).
+        expert_ids = top_k_index.reshape(-1)
+        x = hidden_states.repeat_interleave(top_k, dim=0)
+        h = self._apply_gate(self._project("gate_up_proj", x, expert_ids))
+        out = self._project("down_proj", h, expert_ids)
+        if getattr(self, "has_post_expert_norm", False):
+            out = self.post_expert_norm(out)
+        valid = (expert_ids >= 0) & (expert_ids < self.num_experts)
+        weights = torch.where(valid, top_k_weights.reshape(-1).float(), 0.0)
+        out = (out.float() * weights[:, None]).view(num_tokens, top_k, -1).sum(dim=1)
+        return out.to(hidden_states.dtype)
+
+    # ------------------------------------------------------------------ back to floats
+
+    @torch.no_grad()
+    def dequantize_weight(self, projection: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``projection``'s fused weight in the model's shape and layout."""
+        prefix = PROJECTIONS[projection]
+        w = torch.ops.kbit.dequantize(
+            getattr(self, f"{prefix}_planes"),
+            getattr(self, f"{prefix}_block_scales"),
+            getattr(self, f"{prefix}_row_scales"),
+            getattr(self, f"{prefix}_codebook"),
+            self.layout.linear_shape(projection)[1],
+            dtype,
+        )
+        return w.transpose(-1, -2).contiguous() if self.layout.is_transposed else w
+
+    def to_experts(self, dtype: torch.dtype | None = None) -> nn.Module:
+        """The model's own experts module holding the dequantized weights."""
+        if dtype is None:
+            dtype = self.gate_up_proj_bias.dtype if self.layout.has_bias else torch.float32
+        experts = self.source_class.__new__(self.source_class)
+        nn.Module.__init__(experts)
+        for key, value in vars(self).items():
+            if key in _MODULE_INTERNALS or key in ("layout", "bits", "_model_apply_gate", "source_class"):
+                continue
+            setattr(experts, key, value)
+        for child_name, child in self.named_children():
+            experts.add_module(child_name, child)
+        for projection in PROJECTIONS:
+            experts.register_parameter(projection, nn.Parameter(self.dequantize_weight(projection, dtype), False))
+        for bias in BIASES if self.layout.has_bias else ():
+            experts.register_parameter(bias, nn.Parameter(getattr(self, bias).detach().to(dtype), False))
+        return experts
+
+    def _apply(self, fn, recurse=True):
+        # Casting a model (.half(), .to(torch.bfloat16)) must not touch the format tensors:
+        # keep their dtype, follow the device.
+        keep = {id(t) for name, t in self._buffers.items() if t is not None}
+
+        def apply_keeping_format(t):
+            out = fn(t)
+            if id(t) in keep and out.dtype != t.dtype:
+                return t.to(out.device)
+            return out
+
+        return super()._apply(apply_keeping_format, recurse)
+
+    def extra_repr(self) -> str:
+        bits = ", ".join(f"{PROJECTIONS[p]}_bits={b}" for p, b in self.bits.items())
+        return (
+            f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+            f"intermediate_size={self.intermediate_size}, {bits}, bias={self.layout.has_bias}"
+        )
+
+
+# ---------------------------------------------------------------------- model-level helpers
+
+
+def _bits(config: KbitConfig, name: str) -> tuple[int, int]:
+    """Bits of ``name``'s projections: ``module_bits`` patterns see ``<name>.gate_up_proj`` /
+    ``<name>.down_proj``, so a pattern for the module matches both and ``down_proj`` can differ."""
+    return config.bits_for(f"{name}.gate_up_proj"), config.bits_for(f"{name}.down_proj")
+
+
+def replace_experts_with_kbit(
+    model: nn.Module, config: KbitConfig, modules_to_not_convert: list[str], weight_placeholder: bool
+) -> list[str]:
+    """Replace every convertible fused experts module of ``model`` in place; returns their names.
+
+    Runs on the meta skeleton before weights load, so nothing is quantized here.
+    """
+    converted = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, KbitExperts) or not should_convert(name, modules_to_not_convert):
+            continue
+        if fused_experts_layout(module, name) is None:
+            continue
+        gate_up_bits, down_bits = _bits(config, name)
+        kbit = KbitExperts.from_experts(
+            module, gate_up_bits, down_bits, config.codebook, weight_placeholder=weight_placeholder, name=name
+        )
+        kbit.requires_grad_(False)
+        _set_submodule(model, name, kbit)
+        converted.append(name)
+    return converted
+
+
+def quantize_experts_on_load(
+    module: KbitExperts, projection: str, value: torch.Tensor, config: KbitConfig, full_name: str
+) -> dict[str, torch.Tensor]:
+    """Quantize-on-load of the fused tensor ``full_name`` (``<module>.gate_up_proj`` or
+    ``<module>.down_proj``): returns the packed tensors by state-dict key, removes the placeholder."""
+    if projection not in module.placeholders():
+        raise ValueError(f"{full_name}: not a quantize-on-load placeholder of {type(module).__name__}")
+    module_name = full_name.rpartition(".")[0]
+    # The module sits on the meta device while loading: rebuild its codebook from the config.
+    codebook = fmt.make_codebook(config.codebook, module.bits[projection]).to(value.device)
+    packed = module.pack(projection, value, codebook, module_name)
+    del module._parameters[projection]
+    return {f"{module_name}.{key}": tensor for key, tensor in packed.items()}
+
+
+def quantize_experts(
+    model: nn.Module, config: KbitConfig | None = None, modules_to_not_convert: list[str] | None = None
+) -> nn.Module:
+    """Quantize the fused experts of a model already in memory (outside ``from_pretrained``)."""
+    config = config or KbitConfig()
+    skip = modules_to_not_convert if modules_to_not_convert is not None else (config.modules_to_not_convert or [])
+    for name, module in list(model.named_modules()):
+        if isinstance(module, KbitExperts) or not should_convert(name, skip):
+            continue
+        if fused_experts_layout(module, name) is not None:
+            gate_up_bits, down_bits = _bits(config, name)
+            _set_submodule(model, name, KbitExperts.from_experts(module, gate_up_bits, down_bits, config.codebook, name=name))
+    return model
+
+
+def replace_kbit_experts_with_float(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """Replace every KbitExperts with the model's experts module holding dequantized weights."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, KbitExperts):
+            _set_submodule(model, name, module.to_experts(dtype))
+    return model
