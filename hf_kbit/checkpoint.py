@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -74,8 +74,14 @@ def read_safetensors_header(path: str | os.PathLike) -> dict:
     return header
 
 
-def validate_files(files: Iterable[str | os.PathLike], model: nn.Module) -> None:
-    """Check every safetensors file's kbit tensors against ``model``'s kbit modules."""
+def validate_files(
+    files: Iterable[str | os.PathLike], model: nn.Module, rename: Callable[[str], str] | None = None
+) -> None:
+    """Check every safetensors file's kbit tensors against ``model``'s kbit modules.
+
+    ``rename`` maps a saved key to the model's name for it (the model's conversion mapping,
+    e.g. Mixtral saves ``.mlp.`` as ``.block_sparse_moe.``); identity when ``None``.
+    """
     expected = expected_tensors(model)
     prefix = getattr(model, "base_model_prefix", "")
     found = set()
@@ -85,7 +91,9 @@ def validate_files(files: Iterable[str | os.PathLike], model: nn.Module) -> None
         for key, info in read_safetensors_header(path).items():
             if key == "__metadata__":
                 continue
-            name = key if key in expected else f"{prefix}.{key}" if f"{prefix}.{key}" in expected else None
+            renamed = rename(key) if rename is not None else key
+            candidates = (renamed, key, f"{prefix}.{renamed}", f"{prefix}.{key}")
+            name = next((c for c in candidates if c in expected), None)
             if name is None:
                 continue
             found.add(name)

@@ -71,7 +71,7 @@ class KbitHfQuantizer(HfQuantizer):
             model, self.quantization_config, self.modules_to_not_convert, weight_placeholder=not self.pre_quantized
         )
         if self.pre_quantized and checkpoint_files:
-            checkpoint.validate_files(checkpoint_files, model)
+            checkpoint.validate_files(checkpoint_files, model, rename=_checkpoint_key_renamer(model, self))
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs: Any):
@@ -124,3 +124,16 @@ class KbitQuantize(ConversionOps):
             missing_keys.discard(full_layer_name)
         packed = dict(zip(FORMAT_TENSORS, (planes, block_scales, row_scales, codebook)))
         return {f"{prefix}.{name}": tensor for name, tensor in packed.items()}
+
+
+def _checkpoint_key_renamer(model, hf_quantizer):
+    """Saved key -> the model's name for it, by the model's own conversion mapping (as loading does)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    mapping = get_model_conversion_mapping(model, hf_quantizer=hf_quantizer)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    state = model.state_dict()
+    prefix = getattr(model, "base_model_prefix", None)
+    return lambda key: rename_source_key(key, renamings, converters, prefix, state)[0]

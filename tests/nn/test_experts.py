@@ -305,16 +305,7 @@ def test_quantize_on_load_packs_every_expert_weight(family, bits, bf16_checkpoin
     assert _rel(_logits(model, INPUT_IDS), _logits(bf16, INPUT_IDS)) < LOGITS_REL_ERROR[bits]
 
 
-# Mixtral's conversion mapping renames `.mlp.` -> `.block_sparse_moe.` on save, for every tensor,
-# ours included; hf_kbit.checkpoint.validate_files compares the saved names without applying
-# that renaming and refuses the checkpoint. Strict: remove the mark once validation renames.
-_RENAMED_ON_SAVE = pytest.mark.xfail(
-    raises=KbitCheckpointError, strict=True, reason="validate_files ignores the model's key renamings"
-)
-SAVE_FAMILIES = [pytest.param(f, marks=_RENAMED_ON_SAVE) if f == "mixtral" else f for f in FAMILIES]
-
-
-@pytest.mark.parametrize("family", SAVE_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_save_reload_is_bit_identical(family, kbit4_models, tmp_path):
     model = kbit4_models(family)
     model.save_pretrained(tmp_path)
