@@ -28,8 +28,10 @@ class KbitConfig(QuantizationConfigMixin):
         codebook: ``"nf"`` (normal-float levels with an exact zero), ``"nf-sym"``
             (equiprobable normal-float levels), a list of ``2**bits`` increasing values in
             [-1, 1], or ``None`` for the measured default of each k.
-        modules_to_not_convert: module names (or name suffixes) kept in full precision.
-            ``None`` keeps the output embedding (LM head) and tied weights unquantized.
+        modules_to_not_convert: modules kept in full precision, with everything below them:
+            dotted prefixes (``model.layers.0``), name components (``lm_head``,
+            ``shared_expert``) or full-name regexes. ``None`` keeps the output embedding
+            (LM head) and tied weights unquantized; an explicit list replaces that default.
         module_bits: ``{regex: bits}``; a Linear/experts module whose full name matches a
             pattern (``re.search``, first match wins) uses those bits instead of ``bits``.
         format_version: version of the packed format; a checkpoint newer than this library

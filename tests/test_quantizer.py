@@ -78,6 +78,10 @@ def test_module_bits_and_modules_to_not_convert(saved_models):
     assert model.model.layers[0].mlp.down_proj.bits == 5
     assert model.model.layers[0].mlp.up_proj.bits == 4
     assert isinstance(model.model.layers[1].self_attn.q_proj, torch.nn.Linear)
+    # a module name component excludes everything below it
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=KbitConfig(modules_to_not_convert=["mlp"]))
+    assert isinstance(model.model.layers[0].mlp.up_proj, torch.nn.Linear)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, KbitLinear)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)

@@ -13,9 +13,12 @@ from .linear import KbitLinear
 
 
 def should_convert(name: str, modules_to_not_convert: list[str]) -> bool:
-    """False when ``name`` is listed, under a listed prefix, or ends with a listed name."""
+    """False when ``name`` or one of its ancestors is listed: a listed entry matches as a full
+    dotted path prefix (``model.layers.1``), as whole name components anywhere
+    (``shared_expert`` skips ``...mlp.shared_expert.up_proj``), or as a full regex."""
+    dotted = f".{name}."
     for key in modules_to_not_convert:
-        if name == key or name.startswith(key + ".") or name.endswith("." + key) or re.fullmatch(key, name):
+        if name.startswith(key + ".") or f".{key}." in dotted or re.fullmatch(key, name):
             return False
     return True
 
