@@ -26,6 +26,11 @@ template <int BITS> struct PairTable {
   static constexpr int kEntries = pair_table_entries(BITS);
   static constexpr int kCopies = pair_table_copies(BITS);
   static constexpr int kBytes = pair_table_bytes(BITS);
+  static constexpr bool kHalf = kGemvHalfTable;
+  static constexpr int kEntryBytes = kHalf ? 4 : 8;
+  // k <= 4: entry stride 256 bytes so that one byte permute gives index * 256 + lane * kEntryBytes
+  // (half entries use only the first 128 bytes of each 256).
+  static constexpr int kStride = BITS <= 4 ? 256 : kCopies * kEntryBytes;
   static_assert(BITS >= 2 && BITS <= 5, "kbit supports 2..5 bits");
 };
 
@@ -34,29 +39,118 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int q) {
   return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
 }
 
+template <int BITS>
+__device__ __forceinline__ void load_tile(const GemvParams& p, int64_t tile, int r, uint4 (&pl)[BITS], uint32_t& sc) {
+#pragma unroll
+  for (int j = 0; j < BITS; ++j)
+    pl[j] = __ldcs(reinterpret_cast<const uint4*>(p.planes) + (tile * BITS + j) * kTileN + r);
+  sc = __ldcs(reinterpret_cast<const uint32_t*>(p.block_scales) + tile * kTileN + r);
+}
+
+// Decode one K tile (4 blocks of 32) of this lane's row and accumulate x . w into acc.
+template <int BITS, int M, typename Table>
+__device__ __forceinline__ void decode_tile(const uint4 (&pl)[BITS], uint32_t sc, const float* xk, int x_m_stride,
+                                            const char* table, uint32_t lane_bytes, float (&acc)[M]) {
+#pragma unroll
+    for (int q = 0; q < kBlocksPerTile; ++q) {
+      uint32_t w[4], hi[4];
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        uint32_t acc_w = 0;
+#pragma unroll
+        for (int j = 0; j < (BITS < 4 ? BITS : 4); ++j)
+          acc_w |= ((word_of(pl[j], q) >> s) & 0x11111111u) << j;
+        w[s] = acc_w;
+        if (BITS == 5) {
+          const uint32_t t = (word_of(pl[BITS - 1], q) >> s) & 0x11111111u;
+          hi[s] = (t | (t >> 3)) & 0x03030303u;  // byte b: bit 0 = hi bit of element 8b+2s, bit 1 = of 8b+2s+1
+        } else {
+          hi[s] = 0;
+        }
+      }
+      float part[M];
+#pragma unroll
+      for (int m = 0; m < M; ++m) part[m] = 0.f;
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        float2 wv[4];
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          uint32_t off;
+          if (BITS <= 4) {
+            // byte 0 = lane_bytes, byte 1 = pair index, bytes 2-3 = 0 -> index * 256 + lane_bytes
+            off = __byte_perm(lane_bytes, w[s], 0x1100u | ((4u + b) << 4));
+          } else {
+            const uint32_t idx = __byte_perm(w[s], hi[s], b | ((4u + b) << 4)) & 0x3FFu;
+            off = idx * static_cast<uint32_t>(Table::kStride) + lane_bytes;
+          }
+          if (Table::kHalf)
+            wv[s] = __half22float2(*reinterpret_cast<const __half2*>(table + off));
+          else
+            wv[s] = *reinterpret_cast<const float2*>(table + off);
+        }
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          const float4 xa = *reinterpret_cast<const float4*>(xk + m * x_m_stride + q * kBlockSize + 8 * b);
+          const float4 xb = *reinterpret_cast<const float4*>(xk + m * x_m_stride + q * kBlockSize + 8 * b + 4);
+          float t = part[m];
+          t = fmaf(wv[0].x, xa.x, t);
+          t = fmaf(wv[0].y, xa.y, t);
+          t = fmaf(wv[1].x, xa.z, t);
+          t = fmaf(wv[1].y, xa.w, t);
+          t = fmaf(wv[2].x, xb.x, t);
+          t = fmaf(wv[2].y, xb.y, t);
+          t = fmaf(wv[3].x, xb.z, t);
+          t = fmaf(wv[3].y, xb.w, t);
+          part[m] = t;
+        }
+      }
+      const float bscale = e4m4_decode((sc >> (8 * q)) & 0xFFu);
+#pragma unroll
+      for (int m = 0; m < M; ++m) acc[m] = fmaf(part[m], bscale, acc[m]);
+    }
+}
+
 template <int BITS, typename T, int M>
 __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(GemvParams p, int sub_kt) {
   using Table = PairTable<BITS>;
+  // Plane-load stages per lane (kDepth - 1 K tiles in flight while one is decoded).
+  constexpr int kDepth = (M <= 2 && BITS <= 4) ? 3 : 2;
   constexpr int kLevels = 1 << BITS;
   extern __shared__ float4 smem_f4[];
   char* table = reinterpret_cast<char*>(smem_f4);
   float* xs = reinterpret_cast<float*>(table + Table::kBytes);
   float* red = xs + M * sub_kt * kXStride;
 
-  // Pair table: entry e, copy c at byte offset e * kCopies * 8 + c * 8.
-  for (int i = threadIdx.x; i < Table::kEntries * Table::kCopies; i += kGemvThreads) {
-    const int e = i / Table::kCopies;
-    int i0, i1;
-    if (BITS <= 4) {
-      i0 = e & 15;
-      i1 = e >> 4;
-    } else {
-      i0 = (e & 15) | (((e >> 8) & 1) << 4);
-      i1 = ((e >> 4) & 15) | (((e >> 9) & 1) << 4);
+  // Pair table: entry e, copy c at byte offset e * kStride + c * kEntryBytes. Each thread
+  // writes whole 16-byte chunks (several copies of one entry) so the build costs a few stores.
+  {
+    constexpr int kChunks = Table::kCopies * Table::kEntryBytes / 16;  // 16-byte chunks per entry
+    for (int i = threadIdx.x; i < Table::kEntries * kChunks; i += kGemvThreads) {
+      const int e = i / kChunks, c = i % kChunks;
+      int i0, i1;
+      if (BITS <= 4) {
+        i0 = e & 15;
+        i1 = e >> 4;
+      } else {
+        i0 = (e & 15) | (((e >> 8) & 1) << 4);
+        i1 = ((e >> 4) & 15) | (((e >> 9) & 1) << 4);
+      }
+      float a = 0.f, b = 0.f;
+      if (i0 < kLevels && i1 < kLevels) {
+        a = __ldg(p.codebook + i0);
+        b = __ldg(p.codebook + i1);
+      }
+      uint4 v;
+      if (Table::kHalf) {
+        const __half2 hv = __floats2half2_rn(a, b);
+        const uint32_t u = *reinterpret_cast<const uint32_t*>(&hv);
+        v = make_uint4(u, u, u, u);
+      } else {
+        v = make_uint4(__float_as_uint(a), __float_as_uint(b), __float_as_uint(a), __float_as_uint(b));
+      }
+      *reinterpret_cast<uint4*>(table + e * Table::kStride + c * 16) = v;
     }
-    float2 v = make_float2(0.f, 0.f);
-    if (i0 < kLevels && i1 < kLevels) v = make_float2(p.codebook[i0], p.codebook[i1]);
-    reinterpret_cast<float2*>(table)[i] = v;
   }
 
   const int lane = threadIdx.x & 31, r = lane & 15, h = lane >> 4, warp = threadIdx.x >> 5;
@@ -68,8 +162,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(Gemv
   const T* x = static_cast<const T*>(p.x);
   const int x_m_stride = sub_kt * kXStride;
   // This lane's table copy: k <= 4 -> byte 0 of the permute source is lane * 8.
-  const uint32_t lane_bytes = BITS <= 4 ? static_cast<uint32_t>(lane) * 8u
-                                        : static_cast<uint32_t>(lane % Table::kCopies) * 8u;
+  const uint32_t lane_bytes = static_cast<uint32_t>(BITS <= 4 ? lane : lane % Table::kCopies) * Table::kEntryBytes;
   const int step = 2 * k_warps;
   // 16-byte activation loads need every row start aligned.
   const bool vec_ok = (p.k % 8 == 0) && (reinterpret_cast<uintptr_t>(p.x) % 16 == 0);
@@ -88,6 +181,18 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(Gemv
 
     for (int64_t ks = kc0; ks < kc1; ks += sub_kt) {
       const int64_t ke = min(kc1, ks + sub_kt);
+      // The first kDepth - 1 K tiles' planes are issued before the staging barrier so that
+      // their latency overlaps the activation staging; the loop keeps kDepth - 1 in flight.
+      const int64_t tile_base = tile_n * k_tiles;
+      const int64_t kt0 = ks + 2 * kw + h;
+      uint4 buf[kDepth][BITS];
+      uint32_t sc[kDepth];
+#pragma unroll
+      for (int d = 0; d < kDepth - 1; ++d) {
+        const int64_t ktd = kt0 + d * step;
+        sc[d] = 0;
+        if (active && ktd < ke) load_tile<BITS>(p, tile_base + ktd, r, buf[d], sc[d]);
+      }
       __syncthreads();  // table built / previous sub-chunk's readers done with xs
       // Stage x[:, ks*128 : ke*128) as float32, 8 elements (one 16-byte load) per thread and
       // step. x beyond K is zero: padded weights of a partial block may decode to nonzero levels.
@@ -116,86 +221,15 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(Gemv
       __syncthreads();
       if (!active) continue;
 
-      const int64_t tile_base = tile_n * k_tiles;
-      int64_t kt = ks + 2 * kw + h;
-      uint4 cur[BITS];
-      uint32_t cur_sc = 0;
-      if (kt < ke) {
+      for (int64_t kt = kt0; kt < ke; kt += kDepth * step) {
 #pragma unroll
-        for (int j = 0; j < BITS; ++j)
-          cur[j] = __ldcs(reinterpret_cast<const uint4*>(p.planes) + ((tile_base + kt) * BITS + j) * kTileN + r);
-        cur_sc = __ldcs(reinterpret_cast<const uint32_t*>(p.block_scales) + (tile_base + kt) * kTileN + r);
-      }
-      for (; kt < ke; kt += step) {
-        // Prefetch the next K tile's planes before decoding this one.
-        uint4 nxt[BITS];
-        uint32_t nxt_sc = 0;
-        const int64_t ktn = kt + step;
-        if (ktn < ke) {
-#pragma unroll
-          for (int j = 0; j < BITS; ++j)
-            nxt[j] = __ldcs(reinterpret_cast<const uint4*>(p.planes) + ((tile_base + ktn) * BITS + j) * kTileN + r);
-          nxt_sc = __ldcs(reinterpret_cast<const uint32_t*>(p.block_scales) + (tile_base + ktn) * kTileN + r);
+        for (int d = 0; d < kDepth; ++d) {
+          const int64_t ktd = kt + d * step;
+          if (ktd >= ke) break;
+          const int64_t ktn = ktd + (kDepth - 1) * step;
+          if (ktn < ke) load_tile<BITS>(p, tile_base + ktn, r, buf[(d + kDepth - 1) % kDepth], sc[(d + kDepth - 1) % kDepth]);
+          decode_tile<BITS, M, Table>(buf[d], sc[d], xs + (ktd - ks) * kXStride, x_m_stride, table, lane_bytes, acc);
         }
-        const float* xk = xs + (kt - ks) * kXStride;
-#pragma unroll
-        for (int q = 0; q < kBlocksPerTile; ++q) {
-          uint32_t w[4], hi[4];
-#pragma unroll
-          for (int s = 0; s < 4; ++s) {
-            uint32_t acc_w = 0;
-#pragma unroll
-            for (int j = 0; j < (BITS < 4 ? BITS : 4); ++j)
-              acc_w |= ((word_of(cur[j], q) >> s) & 0x11111111u) << j;
-            w[s] = acc_w;
-            if (BITS == 5) {
-              const uint32_t t = (word_of(cur[BITS - 1], q) >> s) & 0x11111111u;
-              hi[s] = (t | (t >> 3)) & 0x03030303u;  // byte b: bit 0 = hi bit of element 8b+2s, bit 1 = of 8b+2s+1
-            } else {
-              hi[s] = 0;
-            }
-          }
-          float part[M];
-#pragma unroll
-          for (int m = 0; m < M; ++m) part[m] = 0.f;
-#pragma unroll
-          for (int b = 0; b < 4; ++b) {
-            float2 wv[4];
-#pragma unroll
-            for (int s = 0; s < 4; ++s) {
-              uint32_t off;
-              if (BITS <= 4) {
-                // byte 0 = lane * 8, byte 1 = pair index, bytes 2-3 = 0 -> index * 256 + lane * 8
-                off = __byte_perm(lane_bytes, w[s], 0x1100u | ((4u + b) << 4));
-              } else {
-                const uint32_t idx = __byte_perm(w[s], hi[s], b | ((4u + b) << 4)) & 0x3FFu;
-                off = idx * (Table::kCopies * 8u) + lane_bytes;
-              }
-              wv[s] = *reinterpret_cast<const float2*>(table + off);
-            }
-#pragma unroll
-            for (int m = 0; m < M; ++m) {
-              const float4 xa = *reinterpret_cast<const float4*>(xk + m * x_m_stride + q * kBlockSize + 8 * b);
-              const float4 xb = *reinterpret_cast<const float4*>(xk + m * x_m_stride + q * kBlockSize + 8 * b + 4);
-              float t = part[m];
-              t = fmaf(wv[0].x, xa.x, t);
-              t = fmaf(wv[0].y, xa.y, t);
-              t = fmaf(wv[1].x, xa.z, t);
-              t = fmaf(wv[1].y, xa.w, t);
-              t = fmaf(wv[2].x, xb.x, t);
-              t = fmaf(wv[2].y, xb.y, t);
-              t = fmaf(wv[3].x, xb.z, t);
-              t = fmaf(wv[3].y, xb.w, t);
-              part[m] = t;
-            }
-          }
-          const float bscale = e4m4_decode((cur_sc >> (8 * q)) & 0xFFu);
-#pragma unroll
-          for (int m = 0; m < M; ++m) acc[m] = fmaf(part[m], bscale, acc[m]);
-        }
-#pragma unroll
-        for (int j = 0; j < BITS; ++j) cur[j] = nxt[j];
-        cur_sc = nxt_sc;
       }
     }
 

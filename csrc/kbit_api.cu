@@ -76,28 +76,31 @@ struct GemvPlan {
 
 // Work split of the GEMV. A CTA's 8 warps cover row_tiles x k_warps (row tile, K lane)
 // pairs; each warp's half-warps take alternate K tiles, so one step covers 2 * k_warps K
-// tiles. Two K lanes and four row tiles per CTA: x is staged once per 64 rows (staging per
-// 16 rows cost ~40% at M = 1), and each warp walks enough K steps for the plane prefetch.
-// Split-K only when there are too few row groups to give every resident CTA several units.
+// tiles. Long K: one row tile per CTA and all 16 half-warps on K, so every lane walks a
+// contiguous run of K tiles with its plane loads issued a few tiles ahead (and the first ones
+// before the activation staging). Short K: several row tiles per CTA so each half-warp still
+// owns at least one K tile. One CTA per unit (row group, K split): the hardware schedules
+// them as others finish. Split-K (partials to a workspace, reduced in split order) only
+// when the row groups alone would leave resident CTA slots idle.
 GemvPlan plan_gemv(int64_t m, int64_t n, int64_t k, int sms) {
   const int64_t k_tiles = ceil_div(k, kTileK), n_tiles = ceil_div(n, kTileN);
   const int64_t x_tile_bytes = m * kXStride * 4;
   GemvPlan p{};
-  p.k_warps = k_tiles >= 4 ? 2 : 1;
+  p.k_warps = k_tiles >= 16 ? 8 : k_tiles >= 8 ? 4 : k_tiles >= 4 ? 2 : 1;
   p.row_tiles = kGemvWarps / p.k_warps;
   const int step = 2 * p.k_warps;
   p.sub_kt = step * static_cast<int>(std::max<int64_t>(1, kGemvXSmemBytes / (x_tile_bytes * step)));
   const int64_t groups = ceil_div(n_tiles, p.row_tiles);
   const int64_t slots = static_cast<int64_t>(sms) * kGemvCtasPerSm;
   int64_t splits = 1;
-  if (groups < 2 * slots) {
-    splits = std::min<int64_t>(ceil_div(4 * slots, groups), std::max<int64_t>(1, k_tiles / step));
+  if (4 * groups < 3 * slots) {
+    splits = std::min<int64_t>(ceil_div(slots, groups), std::max<int64_t>(1, k_tiles / step));
   }
-  int64_t chunk = ceil_div(ceil_div(k_tiles, splits), step) * step;
+  const int64_t chunk = ceil_div(k_tiles, splits);
   splits = ceil_div(k_tiles, chunk);
   p.splits = static_cast<int>(splits);
   p.chunk_kt = static_cast<int>(chunk);
-  p.grid = static_cast<int>(std::min<int64_t>(groups * splits, slots));
+  p.grid = static_cast<int>(std::min<int64_t>(groups * splits, 0x7fffffff));
   return p;
 }
 

@@ -67,9 +67,18 @@ constexpr int kGemvCtasPerSm = 2;           // 64 KB pair table + 34 KB staging 
 // k <= 4: pair index = i0 | i1 << 4 (the byte the SWAR extraction yields): 16 * 2^k entries,
 //         32 copies -> 256 bytes per entry, so index * 256 + lane * 8 is one byte permute.
 // k = 5:  pair index = low nibbles | hi0 << 8 | hi1 << 9: 1024 entries, 8 copies (64 KB).
+// Entries are half2 (kGemvHalfTable, default: half the shared-memory traffic per lookup; the
+// codebook values round to float16, ~2^-12 relative, far below the bf16/fp16 output rounding)
+// or float2. k <= 4 keeps a 256-byte stride per entry either way (one byte permute addresses it).
+#ifndef KBIT_GEMV_HALF_TABLE
+#define KBIT_GEMV_HALF_TABLE 1
+#endif
+constexpr bool kGemvHalfTable = KBIT_GEMV_HALF_TABLE != 0;
 constexpr int pair_table_entries(int bits) { return bits <= 4 ? (16 << bits) : 1024; }
 constexpr int pair_table_copies(int bits) { return bits <= 4 ? 32 : 8; }
-constexpr int pair_table_bytes(int bits) { return pair_table_entries(bits) * pair_table_copies(bits) * 8; }
+constexpr int pair_table_bytes(int bits) {
+  return bits <= 4 ? pair_table_entries(bits) * 256 : pair_table_entries(bits) * pair_table_copies(bits) * (kGemvHalfTable ? 4 : 8);
+}
 constexpr int gemv_smem_bytes(int bits, int m, int sub_kt) {
   return pair_table_bytes(bits) + m * sub_kt * kXStride * 4 + kGemvWarps * m * kTileN * 4;
 }
