@@ -3,7 +3,7 @@
 Every variant sees the same token ids and the same windows (checked by fingerprints in the
 JSON): the text is tokenized once, without special tokens, cut to ``--max-tokens``, and
 scored with a sliding window: each window holds ``--window`` tokens, consecutive windows start
-``--stride`` tokens apart, and every token from the second on is scored exactly once, by the
+``--stride`` tokens apart (at most ``window - 1``), and every token from the second on is scored exactly once, by the
 first window that contains it as a target after the previous window's end (so each scored
 token, outside the first window, sees at least ``window - stride`` tokens of context).
 
@@ -57,7 +57,8 @@ def make_windows(n_tokens: int, window: int, stride: int) -> list[Window]:
         windows.append(Window(begin, end, max(prev_end, begin + 1)))
         if end == n_tokens:
             return windows
-        prev_end, begin = end, begin + stride
+        # Overlap by at least one token, so that the first token after this window has context.
+        prev_end, begin = end, min(begin + stride, end - 1)
 
 
 def fingerprint(token_ids, windows: list[Window]) -> dict[str, str]:
