@@ -1,0 +1,89 @@
+"""eval_generation and bench_generate core functions on tiny config-built models (CPU, eager; no timing asserts)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import bench_generate as bench
+import eval_generation as eg
+
+SPEED_KEYS = {"batch", "prompt_len", "new_tokens", "prefill_tok_s", "decode_tok_s", "ms_per_decode_step", "compiled"}
+
+
+def test_load_prompts(tmp_path):
+    assert eg.load_prompts(None) == list(eg.DEFAULT_PROMPTS)
+    path = tmp_path / "p.txt"
+    path.write_text("# comment\nfirst prompt\n\nsecond prompt\n")
+    assert eg.load_prompts(str(path)) == ["first prompt", "second prompt"]
+    path.write_text("# only a comment\n")
+    with pytest.raises(ValueError, match="no prompts"):
+        eg.load_prompts(str(path))
+
+
+@pytest.fixture(scope="module")
+def generation_payload(tiny_folder):
+    return eg.run(
+        tiny_folder, {"name": "tiny", "spec": "tiny", "slug": "tiny", "source": "test"}, ["It is a truth", "a wife"],
+        [5], "cpu", torch.float32, max_new_tokens=6, chat="off", batch_sizes=(1, 2), prompt_len=8,
+        speed_new_tokens=3, repeats=1, log=lambda *_: None,
+    )
+
+
+def test_generation_side_by_side(generation_payload):
+    p = generation_payload
+    assert p["schema"] == eg.SCHEMA and [v["variant"] for v in p["variants"]] == ["bf16", "kbit5"]
+    for v in p["variants"]:
+        assert [g["prompt"] for g in v["generations"]] == p["prompts"]
+        assert all(isinstance(g["greedy"], str) and isinstance(g["sampled"], str) for g in v["generations"])
+        assert all(0 < g["greedy_tokens"] <= 6 for g in v["generations"])
+        assert [s["batch"] for s in v["speed"]] == [1, 2]
+        assert all(SPEED_KEYS <= s.keys() and s["decode_tok_s"] > 0 for s in v["speed"])
+    assert "| prompt | bf16 | kbit5 |" in p["markdown"] and "decode tok/s" in p["markdown"]
+    json.dumps(p)  # the payload is JSON-serialisable
+
+
+def test_greedy_is_deterministic(tiny_folder):
+    import _eval_common as common
+    from transformers import AutoTokenizer
+
+    model, _ = common.load_variant(tiny_folder, None, "cpu", torch.float32)
+    tok = AutoTokenizer.from_pretrained(tiny_folder)
+    a = eg.generate_texts(model, tok, ["It is"], 5, chat=False, seed=3)
+    b = eg.generate_texts(model, tok, ["It is"], 5, chat=False, seed=3)
+    assert a == b
+
+
+@pytest.mark.parametrize("preset", ["llama3-8b", "qwen3-30b-a3b"])
+def test_real_presets_build_configs_without_downloads(preset):
+    config = bench.make_config(preset, layers=2)
+    assert config.num_hidden_layers == 2
+    assert config.hidden_size == bench.PRESETS[preset]["hidden_size"]
+    with pytest.raises(ValueError, match="--layers"):
+        bench.make_config(preset, layers=1000)
+
+
+def test_bench_tiny_cpu_schema():
+    payload = bench.run("tiny-llama", [5], "cpu", torch.bfloat16, layers=1, batch_sizes=(1, 2), prompt_len=4,
+                        new_tokens=3, repeats=1, log=lambda *_: None)
+    assert payload["schema"] == bench.SCHEMA and payload["layers"] == 1 and payload["layers_full"] == 2
+    assert [(r["variant"], r["batch"]) for r in payload["results"]] == [("bf16", 1), ("bf16", 2), ("kbit5", 1), ("kbit5", 2)]
+    assert all(SPEED_KEYS <= r.keys() and r["decode_speedup_vs_bf16"] > 0 for r in payload["results"])
+    assert payload["checks"] == {}  # the acceptance bar applies to Llama-3-8B on CUDA only
+    assert "| kbit5 |" in bench.render_table(payload)
+    json.dumps(payload)
+
+
+def test_bench_plot_and_markdown(tmp_path):
+    import plot_results
+
+    payload = bench.run("tiny-llama", [4, 5], "cpu", torch.bfloat16, layers=1, batch_sizes=(1, 2), prompt_len=4,
+                        new_tokens=3, repeats=1, log=lambda *_: None)
+    payload.update({"command": "python scripts/bench_generate.py", "_file": "b.json", "environment": {}})
+    png = plot_results.plot_bench(payload, tmp_path / "b.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = plot_results.bench_markdown(payload)
+    for r in payload["results"]:
+        assert f"{r['decode_tok_s']:.1f}" in text
