@@ -28,9 +28,9 @@ template <int BITS> struct PairTable {
   static constexpr int kBytes = pair_table_bytes(BITS);
   static constexpr bool kHalf = kGemvHalfTable;
   static constexpr int kEntryBytes = kHalf ? 4 : 8;
-  // k <= 4: entry stride 256 bytes so that one byte permute gives index * 256 + lane * kEntryBytes
-  // (half entries use only the first 128 bytes of each 256).
-  static constexpr int kStride = BITS <= 4 ? 256 : kCopies * kEntryBytes;
+  // k <= 4: one byte permute gives index * 256 + lane * 8; half entries shift that right by
+  // one (stride 128 bytes), float2 entries use it as is.
+  static constexpr int kStride = kCopies * kEntryBytes;
   static_assert(BITS >= 2 && BITS <= 5, "kbit supports 2..5 bits");
 };
 
@@ -80,6 +80,7 @@ __device__ __forceinline__ void decode_tile(const uint4 (&pl)[BITS], uint32_t sc
           if (BITS <= 4) {
             // byte 0 = lane_bytes, byte 1 = pair index, bytes 2-3 = 0 -> index * 256 + lane_bytes
             off = __byte_perm(lane_bytes, w[s], 0x1100u | ((4u + b) << 4));
+            if (Table::kHalf) off >>= 1;
           } else {
             const uint32_t idx = __byte_perm(w[s], hi[s], b | ((4u + b) << 4)) & 0x3FFu;
             off = idx * static_cast<uint32_t>(Table::kStride) + lane_bytes;
@@ -112,10 +113,9 @@ __device__ __forceinline__ void decode_tile(const uint4 (&pl)[BITS], uint32_t sc
 }
 
 template <int BITS, typename T, int M>
-__global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(GemvParams p, int sub_kt) {
+__global__ void __launch_bounds__(kGemvThreads, gemv_min_ctas(BITS, M)) gemv_kernel(GemvParams p, int sub_kt) {
   using Table = PairTable<BITS>;
-  // Plane-load stages per lane (kDepth - 1 K tiles in flight while one is decoded).
-  constexpr int kDepth = (M <= 2 && BITS <= 4) ? 3 : 2;
+  constexpr int kDepth = gemv_depth(BITS, M);  // plane-load stages per lane
   constexpr int kLevels = 1 << BITS;
   extern __shared__ float4 smem_f4[];
   char* table = reinterpret_cast<char*>(smem_f4);
@@ -162,7 +162,8 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(Gemv
   const T* x = static_cast<const T*>(p.x);
   const int x_m_stride = sub_kt * kXStride;
   // This lane's table copy: k <= 4 -> byte 0 of the permute source is lane * 8.
-  const uint32_t lane_bytes = static_cast<uint32_t>(BITS <= 4 ? lane : lane % Table::kCopies) * Table::kEntryBytes;
+  const uint32_t lane_bytes = BITS <= 4 ? static_cast<uint32_t>(lane) * 8u
+                                        : static_cast<uint32_t>(lane % Table::kCopies) * Table::kEntryBytes;
   const int step = 2 * k_warps;
   // 16-byte activation loads need every row start aligned.
   const bool vec_ok = (p.k % 8 == 0) && (reinterpret_cast<uintptr_t>(p.x) % 16 == 0);
@@ -271,8 +272,17 @@ __global__ void __launch_bounds__(256) gemv_reduce_kernel(GemvParams p) {
 template <int BITS, typename T, int M>
 cudaError_t launch_gemv(const GemvParams& p, int sub_kt, int grid, cudaStream_t stream) {
   const int smem = gemv_smem_bytes(BITS, M, sub_kt);
-  cudaError_t err = cudaFuncSetAttribute(gemv_kernel<BITS, T, M>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (err != cudaSuccess) return err;
+  cudaError_t err = cudaSuccess;
+  // The dynamic shared-memory limit is raised once per device (and again if a larger plan
+  // needs more): a driver call per launch costs about a microsecond of eager time.
+  static int raised[64] = {0};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 0 || dev >= 64 || raised[dev] < smem) {
+    err = cudaFuncSetAttribute(gemv_kernel<BITS, T, M>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return err;
+    if (dev >= 0 && dev < 64) raised[dev] = smem;
+  }
   gemv_kernel<BITS, T, M><<<grid, kGemvThreads, smem, stream>>>(p, sub_kt);
   err = cudaGetLastError();
   if (err != cudaSuccess || p.splits == 1) return err;

@@ -69,7 +69,7 @@ constexpr int kGemvCtasPerSm = 2;           // 64 KB pair table + 34 KB staging 
 // k = 5:  pair index = low nibbles | hi0 << 8 | hi1 << 9: 1024 entries, 8 copies (64 KB).
 // Entries are half2 (kGemvHalfTable, default: half the shared-memory traffic per lookup; the
 // codebook values round to float16, ~2^-12 relative, far below the bf16/fp16 output rounding)
-// or float2. k <= 4 keeps a 256-byte stride per entry either way (one byte permute addresses it).
+// or float2; k <= 4: 32 lane-private copies, so an entry spans 128 or 256 bytes.
 #ifndef KBIT_GEMV_HALF_TABLE
 #define KBIT_GEMV_HALF_TABLE 1
 #endif
@@ -77,7 +77,16 @@ constexpr bool kGemvHalfTable = KBIT_GEMV_HALF_TABLE != 0;
 constexpr int pair_table_entries(int bits) { return bits <= 4 ? (16 << bits) : 1024; }
 constexpr int pair_table_copies(int bits) { return bits <= 4 ? 32 : 8; }
 constexpr int pair_table_bytes(int bits) {
-  return bits <= 4 ? pair_table_entries(bits) * 256 : pair_table_entries(bits) * pair_table_copies(bits) * (kGemvHalfTable ? 4 : 8);
+  return pair_table_entries(bits) * pair_table_copies(bits) * (kGemvHalfTable ? 4 : 8);
+}
+// Resident CTAs per SM the kernel is compiled for (register cap: 3 -> 85 registers) and the
+// plane-load stages per lane (kDepth - 1 K tiles in flight while one is decoded). Measured on
+// H100 (benchmarks/results/h100.md): 3 CTAs help M = 1 for k <= 4 and M = 2 for k = 4; k = 5
+// and M = 2 at k = 2, 3 lose more to the register cap than they gain. A third stage pays
+// where registers allow it without spills.
+constexpr int gemv_min_ctas(int bits, int m) { return (m == 1 && bits <= 4) || (m == 2 && bits == 4) ? 3 : 2; }
+constexpr int gemv_depth(int bits, int m) {
+  return m <= 2 && bits <= 4 && !(gemv_min_ctas(bits, m) == 3 && bits == 4) ? 3 : 2;
 }
 constexpr int gemv_smem_bytes(int bits, int m, int sub_kt) {
   return pair_table_bytes(bits) + m * sub_kt * kXStride * 4 + kGemvWarps * m * kTileN * 4;
