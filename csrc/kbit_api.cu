@@ -98,6 +98,8 @@ GemvPlan plan_gemv(int64_t m, int64_t n, int64_t k, int sms) {
   }
   const int64_t chunk = ceil_div(k_tiles, splits);
   splits = ceil_div(k_tiles, chunk);
+  // Stage no more of x than one split needs: less shared memory, more resident CTAs.
+  p.sub_kt = static_cast<int>(std::min<int64_t>(p.sub_kt, ceil_div(chunk, step) * step));
   p.splits = static_cast<int>(splits);
   p.chunk_kt = static_cast<int>(chunk);
   p.grid = static_cast<int>(std::min<int64_t>(groups * splits, 0x7fffffff));
@@ -209,33 +211,35 @@ int64_t kbit_gemv_workspace_size(int device, int64_t m, int64_t n, int64_t k, in
   return plan.splits > 1 ? static_cast<int64_t>(plan.splits) * m * n : 0;
 }
 
-int kbit_gemv(int device, void* stream, const void* x, int dtype, const int32_t* planes, const uint8_t* block_scales,
-              const float* row_scales, const float* codebook, int bits, int64_t m, int64_t n, int64_t k, void* out,
-              float* workspace, int64_t workspace_size) {
+}  // extern "C"
+
+namespace {
+
+struct GemvCall {
+  int device;
+  int sub_kt, grid;
+  GemvParams p;
+};
+
+// Checks of the weight and the problem shared by kbit_gemv and kbit_gemv_prepare; fills the call.
+int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* block_scales, const float* row_scales,
+               const float* codebook, int bits, int64_t m, int64_t n, int64_t k, GemvCall* call, int64_t* need) {
   if (int rc = check_common(bits, dtype, n, k)) return rc;
   if (dtype == kFloat32) return fail("x must be float16 or bfloat16 for the GEMV (float32 goes through dequantize)");
   if (m < 1 || m > kGemvMaxM) return fail("x has %lld rows, the GEMV takes 1..%d", static_cast<long long>(m), kGemvMaxM);
   if (k == 0) return fail("in_features must be positive (an empty product is all zeros: handle it before the call)");
-  if (n == 0) return KBIT_OK;
-  if (!x || !planes || !block_scales || !row_scales || !codebook || !out)
-    return fail("x, planes, block_scales, row_scales, codebook and out must be device pointers");
+  if (n > 0 && (!planes || !block_scales || !row_scales || !codebook))
+    return fail("planes, block_scales, row_scales and codebook must be device pointers");
   if (!aligned(planes, 16)) return fail("planes must be 16-byte aligned");
   if (!aligned(block_scales, 4)) return fail("block_scales must be 4-byte aligned");
-  DeviceGuard guard(device);
-  if (guard.error() != cudaSuccess) return cuda_fail(guard.error(), "selecting the device");
   const GemvPlan plan = plan_gemv(m, n, k, sm_count(device));
-  const int64_t need = plan.splits > 1 ? static_cast<int64_t>(plan.splits) * m * n : 0;
-  if (workspace_size < need || (need > 0 && !workspace))
-    return fail("workspace has %lld floats, this problem needs %lld (kbit_gemv_workspace_size)",
-                static_cast<long long>(workspace_size), static_cast<long long>(need));
-  GemvParams p{};
-  p.x = x;
+  *need = plan.splits > 1 ? static_cast<int64_t>(plan.splits) * m * n : 0;
+  GemvParams& p = call->p;
+  p = GemvParams{};
   p.planes = planes;
   p.block_scales = block_scales;
   p.row_scales = row_scales;
   p.codebook = codebook;
-  p.out = out;
-  p.workspace = workspace;
   p.m = m;
   p.n = n;
   p.k = k;
@@ -245,10 +249,65 @@ int kbit_gemv(int device, void* stream, const void* x, int dtype, const int32_t*
   p.chunk_kt = plan.chunk_kt;
   p.row_tiles = plan.row_tiles;
   p.k_warps = plan.k_warps;
+  call->device = device;
+  call->sub_kt = plan.sub_kt;
+  call->grid = plan.grid;
+  return KBIT_OK;
+}
+
+int gemv_launch(const GemvCall& call, const void* x, void* out, float* workspace, void* stream) {
+  if (call.p.n == 0) return KBIT_OK;
+  GemvParams p = call.p;
+  p.x = x;
+  p.out = out;
+  p.workspace = workspace;
+  DeviceGuard guard(call.device);
+  if (guard.error() != cudaSuccess) return cuda_fail(guard.error(), "selecting the device");
   const auto s = static_cast<cudaStream_t>(stream);
-  cudaError_t err = dtype == kFloat16 ? gemv_bits<__half>(p, plan.sub_kt, plan.grid, s)
-                                      : gemv_bits<__nv_bfloat16>(p, plan.sub_kt, plan.grid, s);
+  cudaError_t err = p.dtype == kFloat16 ? gemv_bits<__half>(p, call.sub_kt, call.grid, s)
+                                        : gemv_bits<__nv_bfloat16>(p, call.sub_kt, call.grid, s);
   return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_gemv launch");
+}
+
+}  // namespace
+
+extern "C" {
+
+int kbit_gemv(int device, void* stream, const void* x, int dtype, const int32_t* planes, const uint8_t* block_scales,
+              const float* row_scales, const float* codebook, int bits, int64_t m, int64_t n, int64_t k, void* out,
+              float* workspace, int64_t workspace_size) {
+  GemvCall call{};
+  int64_t need = 0;
+  if (int rc = gemv_setup(device, dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, &call, &need))
+    return rc;
+  if (n == 0) return KBIT_OK;
+  if (!x || !out) return fail("x and out must be device pointers");
+  if (workspace_size < need || (need > 0 && !workspace))
+    return fail("workspace has %lld floats, this problem needs %lld (kbit_gemv_workspace_size)",
+                static_cast<long long>(workspace_size), static_cast<long long>(need));
+  return gemv_launch(call, x, out, workspace, stream);
+}
+
+int64_t kbit_gemv_call_size(void) { return static_cast<int64_t>(sizeof(GemvCall)); }
+
+int kbit_gemv_prepare(int device, int dtype, const int32_t* planes, const uint8_t* block_scales,
+                      const float* row_scales, const float* codebook, int bits, int64_t m, int64_t n, int64_t k,
+                      void* call, int64_t* workspace_size) {
+  if (!call || !workspace_size) return fail("call and workspace_size must be host pointers");
+  GemvCall c{};
+  int64_t need = 0;
+  if (int rc = gemv_setup(device, dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, &c, &need)) return rc;
+  *static_cast<GemvCall*>(call) = c;
+  *workspace_size = need;
+  return KBIT_OK;
+}
+
+int kbit_gemv_run(const void* call, const void* x, void* out, float* workspace, void* stream) {
+  if (!call) return fail("call is a null pointer (kbit_gemv_prepare)");
+  const GemvCall& c = *static_cast<const GemvCall*>(call);
+  if (c.p.n > 0 && (!x || !out || (c.p.splits > 1 && !workspace)))
+    return fail("x, out (and the workspace of a split-K plan) must be device pointers");
+  return gemv_launch(c, x, out, workspace, stream);
 }
 
 }  // extern "C"

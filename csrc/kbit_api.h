@@ -40,6 +40,17 @@ KBIT_API int kbit_gemv(int device, void* stream, const void* x, int dtype, const
                        const uint8_t* block_scales, const float* row_scales, const float* codebook, int bits,
                        int64_t m, int64_t n, int64_t k, void* out, float* workspace, int64_t workspace_size);
 
+/* Eager fast path: kbit_gemv split in two. kbit_gemv_prepare validates the weight and the
+ * problem once and writes an opaque call record (kbit_gemv_call_size() bytes, caller-owned)
+ * plus the workspace floats it needs; kbit_gemv_run then launches with only the per-call
+ * pointers (x, out, workspace, stream), checking nothing but null pointers. The record stays
+ * valid while the packed tensors live at the same addresses. */
+KBIT_API int64_t kbit_gemv_call_size(void);
+KBIT_API int kbit_gemv_prepare(int device, int dtype, const int32_t* planes, const uint8_t* block_scales,
+                               const float* row_scales, const float* codebook, int bits, int64_t m, int64_t n,
+                               int64_t k, void* call, int64_t* workspace_size);
+KBIT_API int kbit_gemv_run(const void* call, const void* x, void* out, float* workspace, void* stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -46,6 +46,16 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kbit_gemv_workspace_size.restype = c_i64
     lib.kbit_gemv.argtypes = [c_int, c_vp, c_vp, c_int, c_vp, c_vp, c_vp, c_vp, c_int, c_i64, c_i64, c_i64, c_vp, c_vp, c_i64]
     lib.kbit_gemv.restype = c_int
+    # Eager fast path (optional: a library without it still serves every op).
+    try:
+        lib.kbit_gemv_call_size.restype = c_i64
+        lib.kbit_gemv_prepare.argtypes = [c_int, c_int, c_vp, c_vp, c_vp, c_vp, c_int, c_i64, c_i64, c_i64, c_vp,
+                                          ctypes.POINTER(c_i64)]
+        lib.kbit_gemv_prepare.restype = c_int
+        lib.kbit_gemv_run.argtypes = [c_vp, c_vp, c_vp, c_vp, c_vp]
+        lib.kbit_gemv_run.restype = c_int
+    except AttributeError:
+        pass
 
 
 def load() -> ctypes.CDLL:

@@ -183,6 +183,8 @@ def eager_overhead(bw) -> dict:
                "wall_us": _wall_us(lambda: layer(x)),
                "op_wall_us": _wall_us(lambda: torch.ops.kbit.mm(*args)),
                "backend_wall_us": _wall_us(lambda: backend._mm_cuda(*args))}
+        if getattr(backend, "linear_fast", None) is not None:
+            out["fast_wall_us"] = _wall_us(lambda: backend.linear_fast(layer, x))
     out["overhead_us"] = max(out["wall_us"] - gpu_us, 0.0)
     return out
 
@@ -203,7 +205,9 @@ def markdown(results, bits_list, meta) -> str:
     if ov:
         lines += ["", f"Eager overhead ({ov['layer']}): wall {ov['wall_us']:.1f} us/call, GPU {ov['gpu_us']:.1f} us, "
                   f"overhead {ov['overhead_us']:.1f} us (wall of torch.ops.kbit.mm alone {ov['op_wall_us']:.1f} us, "
-                  f"of the backend function without the dispatcher {ov['backend_wall_us']:.1f} us)."]
+                  f"of the backend function without the dispatcher {ov['backend_wall_us']:.1f} us"
+                  + (f", of the eager fast path KbitLinear.forward takes {ov['fast_wall_us']:.1f} us" if "fast_wall_us" in ov else "")
+                  + ")."]
     return "\n".join(lines) + "\n"
 
 

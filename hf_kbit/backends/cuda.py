@@ -5,6 +5,11 @@ Imported by ``hf_kbit/__init__.py`` only when the compiled library loads; regist
 Every launch goes on torch's current stream; outputs and workspaces come from torch's
 allocator; nothing here synchronizes, so the ops are CUDA-graph safe.
 
+Eager fast path: :func:`linear_fast` serves ``KbitLinear.forward`` outside torch.compile /
+tracing with a per-module call record (validated once by ``kbit_gemv_prepare``), so a call
+costs one output allocation and one short ctypes call; everything else goes through
+``torch.ops.kbit.mm``.
+
 Dispatch of ``mm`` by M (rows of x after flattening the leading dims):
   * ``M <= GEMV_MAX_M``: the GEMV kernel (no tensor cores, weight decoded once for all rows);
   * larger M, or float32 x: dequantize into a torch-allocated weight in x's dtype, then
@@ -12,6 +17,8 @@ Dispatch of ``mm`` by M (rows of x after flattening the leading dims):
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 
@@ -25,6 +32,20 @@ _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 # Largest M for which the GEMV beats dequantize + cuBLAS (H100 measurement, benchmarks/results).
 GEMV_MAX_M = int(_LIB.kbit_gemv_max_m())
+
+def gemv_wins(m: int, n: int, k: int, bits: int) -> bool:
+    """True when the GEMV beats dequantize + cuBLAS for this problem (measured crossovers,
+    see ``_GEMV_CROSSOVER``)."""
+    return m <= _GEMV_CROSSOVER.get(bits, GEMV_MAX_M)
+
+
+# Largest M at which the GEMV is faster than dequantize + torch.matmul, per bits, from
+# benchmarks/results/h100.md (H100, cold L2). The dequantize path costs about its M=16 time for
+# every M <= 256 (dequantize-bound), and the GEMV at M=8 beat it on every benchmarked shape
+# and k (e.g. 4096x14336 k=4: 70.6 vs 125.8 us; 2048x5120 k=4: 18.3 vs 23.3 us), so the
+# crossover is the GEMV's own limit for every k. Lower an entry here when a shape's GEMV
+# loses; a tensor-core path for mid M would add its own band.
+_GEMV_CROSSOVER = {2: GEMV_MAX_M, 3: GEMV_MAX_M, 4: GEMV_MAX_M, 5: GEMV_MAX_M}
 
 _workspace_sizes: dict[tuple, int] = {}
 _checked_shapes: set[tuple] = set()
@@ -135,12 +156,12 @@ def _mm_cuda(x, planes, block_scales, row_scales, codebook, in_features):
     m = x2.shape[0]
     if m == 0 or n == 0 or k == 0:
         return x.new_zeros((*lead, n))
-    if m > GEMV_MAX_M or x.dtype == torch.float32:
+    bits = planes.shape[-3]
+    if m > GEMV_MAX_M or x.dtype == torch.float32 or not gemv_wins(m, n, k, bits):
         w = torch.empty((n, k), dtype=x.dtype, device=x.device)
         _dequantize_into(planes, block_scales, row_scales, codebook, k, w)
         return torch.matmul(x2, w.t()).reshape(*lead, n)
     x2 = x2.contiguous()
-    bits = planes.shape[-3]
     device = x.device
     key = (device.index, m, n, k, bits)
     ws_size = _workspace_sizes.get(key)
@@ -155,3 +176,87 @@ def _mm_cuda(x, planes, block_scales, row_scales, codebook, in_features):
     )
     _lib.check(rc, "mm")
     return out.reshape(*lead, n)
+
+
+# ---------------------------------------------------------------------------- eager fast path
+
+_HAS_FAST = hasattr(_LIB, "kbit_gemv_run")
+_run = _LIB.kbit_gemv_run if _HAS_FAST else None
+_CALL_SIZE = int(_LIB.kbit_gemv_call_size()) if _HAS_FAST else 0
+_GEMV_DTYPES = {torch.float16: 1, torch.bfloat16: 2}
+try:
+    _raw_stream_of = torch._C._cuda_getCurrentRawStream
+except AttributeError:  # pragma: no cover - older torch
+    _raw_stream_of = None
+
+
+def _prepare(module, x, m):
+    """Validate the module's packed tensors once for (device, dtype, M) and build its call record."""
+    b = module._buffers
+    planes, block_scales, row_scales, codebook = b["planes"], b["block_scales"], b["row_scales"], b["codebook"]
+    k = module.in_features
+    _check_packed_once(planes, block_scales, row_scales, codebook, k)
+    _same_device(x, planes=planes, block_scales=block_scales, row_scales=row_scales, codebook=codebook)
+    tensors = (planes, block_scales, row_scales, codebook)
+    n = row_scales.shape[-1]
+    if row_scales.dim() != 1 or not all(t.is_contiguous() for t in tensors) or n == 0 \
+            or not gemv_wins(m, n, k, planes.shape[-3]):
+        return (*tensors, None, None, 0, n)  # not for the fast path: the op serves it
+
+    call = ctypes.create_string_buffer(_CALL_SIZE)
+    ws = ctypes.c_int64(0)
+    rc = _LIB.kbit_gemv_prepare(
+        x.device.index, _GEMV_DTYPES[x.dtype], planes.data_ptr(), block_scales.data_ptr(), row_scales.data_ptr(),
+        codebook.data_ptr(), planes.shape[-3], m, n, k, call, ctypes.byref(ws),
+    )
+    _lib.check(rc, "mm")
+    # The record holds raw pointers: keep the tensors it was built for and re-prepare when a
+    # buffer is replaced (module.to(), load_state_dict with assign=True, ...).
+    return (planes, block_scales, row_scales, codebook, ctypes.addressof(call), call, int(ws.value), n)
+
+
+def linear_fast(module, x: torch.Tensor):
+    """``x @ W.T`` for a KbitLinear on CUDA in eager mode, or None when the op path must serve
+    (compiling/tracing, tensor subclasses, autograd on x, float32, non-contiguous x, M past
+    the GEMV crossover): the caller then calls ``torch.ops.kbit.mm``."""
+    if type(x) is not torch.Tensor:
+        return None
+    dt = _GEMV_DTYPES.get(x.dtype)
+    dev = x.get_device()
+    if dt is None or dev < 0 or not x.is_contiguous() or (x.requires_grad and torch.is_grad_enabled()):
+        return None
+    k = module.in_features
+    shape = x.shape
+    if not shape or shape[-1] != k or k == 0:
+        return None
+    m = x.numel() // k
+    if m == 0 or m > GEMV_MAX_M:
+        return None
+    cache = module.__dict__.get("_kbit_fast")
+    if cache is None:
+        cache = module.__dict__["_kbit_fast"] = {}
+    key = (dev, dt, m)
+    entry = cache.get(key)
+    b = module._buffers
+    if entry is None or entry[0] is not b["planes"] or entry[1] is not b["block_scales"] \
+            or entry[2] is not b["row_scales"] or entry[3] is not b["codebook"]:
+        entry = cache[key] = _prepare(module, x, m)
+    if entry[4] is None:
+        return None
+    out = torch.empty((*shape[:-1], entry[7]), dtype=x.dtype, device=x.device)
+    ws_size = entry[6]
+    ws = torch.empty(ws_size, dtype=torch.float32, device=x.device) if ws_size else None  # alive until launched
+    stream = _raw_stream_of(dev) if _raw_stream_of is not None else torch.cuda.current_stream(dev).cuda_stream
+    rc = _run(entry[4], x.data_ptr(), out.data_ptr(), ws.data_ptr() if ws is not None else None, stream)
+    if rc:
+        _lib.check(rc, "mm")
+    return out
+
+
+def _install_fast_path() -> None:
+    from ..nn import linear as _linear
+
+    _linear._fast_linear = linear_fast if _HAS_FAST else None
+
+
+_install_fast_path()

@@ -223,3 +223,75 @@ def test_smoke_all_kernels(bits):
         out = torch.ops.kbit.mm(x, planes, scales, rs, cb, k)
         assert rel_err(out, x.double() @ wq.double().T) < MM_REL_TOL[torch.float16]
     torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------- eager fast path
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+@pytest.mark.parametrize("shape", [(257, 515), (40, 8200)], ids=lambda s: "N%dK%d" % s)
+def test_kbit_linear_eager_fast_path_equals_op(shape, bits, m):
+    """KbitLinear.forward's eager fast path (cached call record) gives the op's result."""
+    from hf_kbit.backends import cuda as backend
+
+    n, k = shape
+    lin = torch.nn.Linear(k, n, bias=True, device=DEVICE, dtype=torch.bfloat16)
+    layer = hf_kbit.KbitLinear.from_linear(lin, bits=bits)
+    x = torch.randn(2, m, k, device=DEVICE, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        out = layer(x)
+        ref = torch.ops.kbit.mm(x, layer.planes, layer.block_scales, layer.row_scales, layer.codebook, k) + layer.bias
+    assert out.shape == (2, m, n) and out.dtype == torch.bfloat16
+    assert torch.equal(out, ref)
+    if backend.linear_fast is not None and 2 * m <= backend.GEMV_MAX_M:
+        assert layer.__dict__.get("_kbit_fast"), "the eager fast path was not taken"
+
+
+def test_kbit_linear_fast_path_follows_replaced_buffers():
+    """A buffer replaced after the first call (new address) is picked up, not a stale pointer."""
+    lin = torch.nn.Linear(300, 70, bias=False, device=DEVICE, dtype=torch.float16)
+    layer = hf_kbit.KbitLinear.from_linear(lin, bits=4)
+    x = torch.randn(1, 300, device=DEVICE, dtype=torch.float16)
+    first = layer(x)
+    other = hf_kbit.KbitLinear.from_linear(torch.nn.Linear(300, 70, bias=False, device=DEVICE, dtype=torch.float16), bits=4)
+    for name in ("planes", "block_scales", "row_scales", "codebook"):
+        setattr(layer, name, getattr(other, name).clone())
+    second = layer(x)
+    assert torch.equal(second, other(x))
+    assert not torch.equal(first, second)
+
+
+def test_kbit_linear_fast_path_autograd_input_uses_op():
+    """x requiring grad (grad mode on) goes through the op, like before the fast path."""
+    lin = torch.nn.Linear(256, 64, bias=False, device=DEVICE, dtype=torch.bfloat16)
+    layer = hf_kbit.KbitLinear.from_linear(lin, bits=4)
+    x = torch.randn(1, 256, device=DEVICE, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expect = layer(x)
+    xg = x.clone().requires_grad_(True)
+    try:
+        out = layer(xg)
+    except RuntimeError:
+        return  # the op has no autograd formula: it still fails the same way as before
+    assert torch.equal(out.detach(), expect)
+
+
+def test_kbit_linear_fast_path_cuda_graph_capture():
+    """The eager fast path is graph-safe: a captured KbitLinear replays on new inputs."""
+    lin = torch.nn.Linear(8200, 40, bias=True, device=DEVICE, dtype=torch.bfloat16)  # split-K plan
+    layer = hf_kbit.KbitLinear.from_linear(lin, bits=2)
+    x = torch.randn(2, 8200, device=DEVICE, dtype=torch.bfloat16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.inference_mode():
+        layer(x)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.inference_mode():
+        captured = layer(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.inference_mode():
+        assert torch.equal(captured, layer(x))
