@@ -23,7 +23,7 @@ from torch import nn
 from .. import _ops  # noqa: F401  (registers torch.ops.kbit)
 from .. import format as fmt
 from ..config import KbitConfig
-from .linear import COMPUTE_DTYPES, FORMAT_TENSORS, quantize_weight
+from .linear import COMPUTE_DTYPES, FORMAT_TENSORS, KbitModule, quantize_weight
 from .replace import _set_submodule, should_convert
 
 # Fused checkpoint parameter -> prefix of its packed tensors. The packed names must not start
@@ -103,7 +103,7 @@ def fused_experts_layout(module: nn.Module, name: str = "experts") -> ExpertsLay
     return layout
 
 
-class KbitExperts(nn.Module):
+class KbitExperts(KbitModule):
     """All routed experts of one MoE layer, ``gate_up`` and ``down`` weights stored k-bit.
 
     Made from the model's own experts module (:meth:`from_experts`), whose gating
@@ -330,19 +330,6 @@ class KbitExperts(nn.Module):
         for bias in BIASES if self.layout.has_bias else ():
             experts.register_parameter(bias, nn.Parameter(getattr(self, bias).detach().to(dtype), False))
         return experts
-
-    def _apply(self, fn, recurse=True):
-        # Casting a model (.half(), .to(torch.bfloat16)) must not touch the format tensors:
-        # keep their dtype, follow the device.
-        keep = {id(t) for name, t in self._buffers.items() if t is not None}
-
-        def apply_keeping_format(t):
-            out = fn(t)
-            if id(t) in keep and out.dtype != t.dtype:
-                return t.to(out.device)
-            return out
-
-        return super()._apply(apply_keeping_format, recurse)
 
     def extra_repr(self) -> str:
         bits = ", ".join(f"{PROJECTIONS[p]}_bits={b}" for p, b in self.bits.items())

@@ -14,7 +14,26 @@ _fast_linear = None  # hf_kbit.backends.cuda.linear_fast once the CUDA library l
 FORMAT_TENSORS = ("planes", "block_scales", "row_scales", "codebook")
 
 
-class KbitLinear(nn.Module):
+class KbitModule(nn.Module):
+    """Base of kbit modules, whose buffers are all format tensors.
+
+    Casting a model (``.half()``, ``.to(torch.bfloat16)``) must not touch them: they keep
+    their dtype and follow the device; parameters (biases) cast as usual.
+    """
+
+    def _apply(self, fn, recurse=True):
+        keep = {id(t) for t in self._buffers.values() if t is not None}
+
+        def apply_keeping_format(t):
+            out = fn(t)
+            if id(t) in keep and out.dtype != t.dtype:
+                return t.to(out.device)
+            return out
+
+        return super()._apply(apply_keeping_format, recurse)
+
+
+class KbitLinear(KbitModule):
     """``y = x @ W.T + bias`` with ``W [out_features, in_features]`` stored k-bit.
 
     Not an ``nn.Linear`` subclass on purpose: model initialisers must never touch ``.weight``.
@@ -128,19 +147,6 @@ class KbitLinear(nn.Module):
             if self.bias is not None:
                 linear.bias.copy_(self.bias)
         return linear
-
-    def _apply(self, fn, recurse=True):
-        # Casting a model (.half(), .to(torch.bfloat16)) must not touch the float32 format
-        # tensors: keep their dtype, follow the device.
-        keep = {id(t) for name in FORMAT_TENSORS if (t := self._buffers.get(name)) is not None}
-
-        def apply_keeping_format(t):
-            out = fn(t)
-            if id(t) in keep and out.dtype != t.dtype:
-                return t.to(out.device)
-            return out
-
-        return super()._apply(apply_keeping_format, recurse)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, bias={self.bias is not None}"
