@@ -2,7 +2,9 @@
 
 The library depends on the CUDA driver only (the runtime is linked statically), not on a
 torch version, so one prebuilt wheel serves every torch. It is looked up at
-``$HF_KBIT_LIBRARY`` if set, else next to this file (where the wheel installs it).
+``$HF_KBIT_LIBRARY`` if set, else next to this file (where a wheel installs it), else in the
+``hf_kbit/`` folder of each ``sys.path`` entry: an editable install (scikit-build-core) keeps
+the Python files in the source tree and installs the built library into site-packages.
 Nothing here imports torch's CUDA state: :func:`available` is cheap and never raises.
 """
 
@@ -10,9 +12,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 from pathlib import Path
 
 LIBRARY_NAME = "libhf_kbit_cuda.so"
+LIBRARY_ENV = "HF_KBIT_LIBRARY"  # an explicit path to the library; no search when set
+_PACKAGE_DIR = Path(__file__).resolve().parent
 ABI_VERSION = 1
 
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
@@ -28,9 +33,32 @@ _lib: ctypes.CDLL | None = None
 _load_error: str | None = None
 
 
+def library_candidates() -> list[Path]:
+    """Where the library is searched when ``$HF_KBIT_LIBRARY`` is unset, in order, without
+    duplicates: this package's folder, then ``<entry>/hf_kbit/`` for every ``sys.path`` entry."""
+    folders = [_PACKAGE_DIR]
+    folders += [Path(entry or os.curdir) / "hf_kbit" for entry in sys.path if isinstance(entry, str)]
+    seen: set[Path] = set()
+    candidates = []
+    for folder in folders:
+        try:
+            folder = folder.resolve()
+        except (OSError, RuntimeError):  # an unreadable or looping sys.path entry: not ours
+            continue
+        if folder not in seen:
+            seen.add(folder)
+            candidates.append(folder / LIBRARY_NAME)
+    return candidates
+
+
 def library_path() -> Path:
-    override = os.environ.get("HF_KBIT_LIBRARY")
-    return Path(override) if override else Path(__file__).resolve().parent / LIBRARY_NAME
+    """``$HF_KBIT_LIBRARY`` if set, else the first of :func:`library_candidates` that exists
+    (the package-folder location when none does)."""
+    override = os.environ.get(LIBRARY_ENV)
+    if override:
+        return Path(override)
+    candidates = library_candidates()
+    return next((path for path in candidates if path.is_file()), candidates[0])
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -67,11 +95,15 @@ def load() -> ctypes.CDLL:
         raise KbitLibraryError(_load_error)
     path = library_path()
     if not path.is_file():
+        if os.environ.get(LIBRARY_ENV):
+            _load_error = f"{LIBRARY_ENV}={path} is not a file: point it at the built {LIBRARY_NAME} or unset it"
+            raise KbitLibraryError(_load_error)
+        searched = ", ".join(str(p.parent) for p in library_candidates())
         _load_error = (
-            f"the kbit CUDA library was not found at {path}. hf-kbit was installed without it "
-            "(no CUDA toolkit at build time, or HF_KBIT_BUILD_CUDA=0): reinstall on a machine with "
-            "nvcc (`pip install --no-build-isolation .`), install a prebuilt wheel "
-            "(scripts/build_wheel.sh), or set HF_KBIT_LIBRARY to the built libhf_kbit_cuda.so. "
+            f"the kbit CUDA library ({LIBRARY_NAME}) was not found; searched: {searched}. hf-kbit was "
+            "installed without it (no CUDA toolkit at build time, or HF_KBIT_BUILD_CUDA=0): reinstall on a "
+            "machine with nvcc (`pip install --no-build-isolation .`), install a prebuilt wheel "
+            f"(scripts/build_wheel.sh), or set {LIBRARY_ENV} to the built {LIBRARY_NAME}. "
             "Without it, the kbit ops run the (slow) PyTorch reference."
         )
         raise KbitLibraryError(_load_error)
