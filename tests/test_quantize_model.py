@@ -1,0 +1,124 @@
+"""hf_kbit.quantize_model: in-memory quantization of dense and MoE models (CPU).
+
+The tiny MoE models are built from transformers' config classes (no downloads). The
+in-memory result must be the quantize-on-load result, bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+import hf_kbit
+from hf_kbit import KbitConfig, KbitExperts, KbitLinear
+from tiny_models import tiny_dense_model
+
+transformers.utils.logging.set_verbosity_error()
+transformers.utils.logging.disable_progress_bar()
+
+PROJECTIONS = ("gate_up_proj", "down_proj")
+# moe_intermediate_size 40: the down projection's K is not a multiple of the 32-element block.
+MOE_FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(moe_intermediate_size=40, num_experts=8)),
+    # transposed [E, in, out] expert weights, interleaved gate/up, biases
+    "gpt_oss": ("GptOssConfig", dict(num_local_experts=8, intermediate_size=40, sliding_window=16)),
+}
+# Relative error of a whole tiny MoE model's logits vs its bf16 weights, k=4 (every Linear and
+# expert quantized, LM head kept): tests/nn/test_experts.py measured 0.06-0.13.
+LOGITS_REL_ERROR_K4 = 0.25
+INPUT_IDS = torch.tensor([[3, 17, 99, 5, 64, 1, 127, 42], [8, 8, 120, 33, 7, 0, 12, 90]])
+
+
+def tiny_moe_model(family: str, seed: int = 0) -> torch.nn.Module:
+    class_name, extra = MOE_FAMILIES[family]
+    config_class = getattr(transformers, class_name, None)
+    if config_class is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {class_name}")
+    common = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=128,
+        max_position_embeddings=64,
+        num_experts_per_tok=2,
+    )
+    config = config_class(**{**common, **extra})
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+
+
+def _experts(model) -> dict[str, torch.nn.Module]:
+    return {name: m for name, m in model.named_modules() if name.endswith(".experts")}
+
+
+def _logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(INPUT_IDS).logits.float()
+
+
+def _rel(a, b) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_quantizes_experts_like_quantize_on_load(family, tmp_path):
+    model = tiny_moe_model(family)
+    model.save_pretrained(tmp_path)
+    float_logits = _logits(model)
+    routers = {n: (type(m), m.weight.clone()) for n, m in model.named_modules() if n.endswith(("mlp.gate", "mlp.router"))}
+    assert _experts(model) and routers
+
+    out = hf_kbit.quantize_model(model, KbitConfig(bits=4), modules_to_not_convert=["lm_head"])
+
+    assert out is model
+    experts = _experts(model)
+    assert all(isinstance(m, KbitExperts) for m in experts.values()), {n: type(m).__name__ for n, m in experts.items()}
+    assert all(m.bits == {"gate_up_proj": 4, "down_proj": 4} for m in experts.values())
+    assert not [n for n, p in model.named_parameters() if p.dim() == 3], "float 3-D expert weights remain"
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert linears == ["lm_head"], f"unquantized Linear layers: {linears}"
+    for name, (cls, weight) in routers.items():  # routers are not Linear layers and stay as they are
+        router = model.get_submodule(name)
+        assert type(router) is cls and torch.equal(router.weight, weight), name
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=KbitConfig(bits=4))
+    expected = loaded.state_dict()
+    got = model.state_dict()
+    assert sorted(got) == sorted(expected)
+    for key, value in expected.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+    assert _rel(_logits(model), float_logits) < LOGITS_REL_ERROR_K4
+
+
+def test_expert_bits_follow_module_bits_patterns():
+    model = tiny_moe_model("qwen3_moe")
+    config = KbitConfig(bits=4, module_bits={r"experts\.down_proj$": 2, r"self_attn\.o_proj$": 5})
+    hf_kbit.quantize_model(model, config)
+    for module in _experts(model).values():
+        assert module.bits == {"gate_up_proj": 4, "down_proj": 2}
+        assert module.down_planes.shape[-3] == 2 and module.gate_up_planes.shape[-3] == 4
+    assert model.model.layers[0].self_attn.o_proj.bits == 5
+    assert model.model.layers[0].self_attn.q_proj.bits == 4
+
+
+def test_modules_to_not_convert_keeps_experts_in_full_precision():
+    model = tiny_moe_model("qwen3_moe")
+    before = {n: p.clone() for n, p in model.named_parameters() if ".experts." in n}
+    hf_kbit.quantize_model(model, KbitConfig(bits=4), modules_to_not_convert=["experts", "lm_head"])
+    assert not any(isinstance(m, KbitExperts) for m in model.modules())
+    for name, value in before.items():
+        assert torch.equal(model.get_parameter(name), value), name
+    assert isinstance(model.model.layers[0].self_attn.q_proj, KbitLinear)
+
+
+def test_dense_model_unchanged_behaviour():
+    """A model without experts: every Linear (the LM head too, unless listed) becomes a KbitLinear."""
+    model = tiny_dense_model("llama")
+    hf_kbit.quantize_model(model, KbitConfig(bits=3))
+    assert not [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert isinstance(model.lm_head, KbitLinear) and model.lm_head.bits == 3
