@@ -63,10 +63,12 @@ except AttributeError:  # pragma: no cover - older torch
         return torch.cuda.current_stream(device).cuda_stream
 
 
-def _same_device(x: torch.Tensor, **tensors: torch.Tensor) -> None:
+def _same_device(x: torch.Tensor, x_name: str = "x", /, **tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
         if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device}, expected {x.device} (all kbit tensors must be on one device)")
+            raise ValueError(
+                f"{name} is on {t.device} but {x_name} is on {x.device} (all kbit tensors must be on one device)"
+            )
 
 
 def _check_packed_once(planes, block_scales, row_scales, codebook, in_features) -> None:
@@ -132,7 +134,7 @@ def _dequantize_into(planes, block_scales, row_scales, codebook, in_features, ou
 @torch.library.impl(_ops._lib, "dequantize", "CUDA")
 def _dequantize_cuda(planes, block_scales, row_scales, codebook, in_features, dtype):
     _check_packed_once(planes, block_scales, row_scales, codebook, in_features)
-    _same_device(planes, block_scales=block_scales, row_scales=row_scales, codebook=codebook)
+    _same_device(planes, "planes", block_scales=block_scales, row_scales=row_scales, codebook=codebook)
     kernel_dtype = dtype if dtype in _DTYPE_CODE else torch.float32
     out = torch.empty((*row_scales.shape, in_features), dtype=kernel_dtype, device=planes.device)
     if out.numel():
@@ -162,6 +164,8 @@ def _mm_cuda(x, planes, block_scales, row_scales, codebook, in_features):
         _dequantize_into(planes, block_scales, row_scales, codebook, k, w)
         return torch.matmul(x2, w.t()).reshape(*lead, n)
     x2 = x2.contiguous()
+    # The kernel reads the packed tensors as dense arrays: copy strided views (e.g. slices of a larger buffer).
+    planes, block_scales, row_scales, codebook = (t.contiguous() for t in (planes, block_scales, row_scales, codebook))
     device = x.device
     key = (device.index, m, n, k, bits)
     ws_size = _workspace_sizes.get(key)
