@@ -70,7 +70,9 @@ def test_quantizes_experts_like_quantize_on_load(family, tmp_path):
     model = tiny_moe_model(family)
     model.save_pretrained(tmp_path)
     float_logits = _logits(model)
-    routers = {n: (type(m), m.weight.clone()) for n, m in model.named_modules() if n.endswith(("mlp.gate", "mlp.router"))}
+    routers = {
+        n: (type(m), m.weight.clone()) for n, m in model.named_modules() if n.endswith(("mlp.gate", "mlp.router"))
+    }
     assert _experts(model) and routers
 
     out = hf_kbit.quantize_model(model, KbitConfig(bits=4), modules_to_not_convert=["lm_head"])
