@@ -1,0 +1,432 @@
+"""GPU tests of the MoE experts layer (KbitExperts) and ``kbit::grouped_mm`` on CUDA.
+
+Run on the GPU machine with ``scripts/run_gpu_tests.sh`` (or ``pytest -m gpu tests/gpu``).
+Everything goes through the public module and op, so the tests hold for whatever serves
+``kbit::grouped_mm`` on CUDA tensors: the grouped CUDA kernel once ``hf_kbit.backends.cuda``
+registers one, the PyTorch reference until then. The reference is always the CPU op / the CPU
+forward of the same packed weights. CUDA-graph capture and ``torch.compile`` are skipped while
+no CUDA kernel is registered (the reference reads the routing offsets on the host).
+
+Tiny models are built from the real config classes of each family (random weights, no
+downloads), with sizes chosen so that tiles and blocks are partial (H = 96 is not a multiple of
+the 128-element tile, I = 40 not of the 32-element block).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+import hf_kbit
+from hf_kbit import format as fmt
+from hf_kbit.nn import KbitExperts, KbitLinear
+from hf_kbit.nn.experts import PROJECTIONS
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+transformers.utils.logging.set_verbosity_error()
+transformers.utils.logging.disable_progress_bar()
+
+DEVICE = "cuda"
+BITS = fmt.SUPPORTED_BITS
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+HIDDEN, NUM_EXPERTS, TOP_K = 96, 8, 2
+_COMMON = dict(
+    hidden_size=HIDDEN,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=24,
+    vocab_size=128,
+    max_position_embeddings=64,
+    num_experts_per_tok=TOP_K,
+)
+_MLA = dict(
+    num_key_value_heads=4, head_dim=8, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+    v_head_dim=16,
+)
+_DEEPSEEK_MOE = dict(n_routed_experts=NUM_EXPERTS, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)
+FAMILIES = {  # the families of tests/nn/test_experts.py; mixtral's experts use intermediate_size
+    "qwen3_moe": ("Qwen3MoeConfig", dict(moe_intermediate_size=40, num_experts=NUM_EXPERTS)),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        dict(
+            moe_intermediate_size=40,
+            shared_expert_intermediate_size=48,
+            num_experts=NUM_EXPERTS,
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            full_attention_interval=2,
+        ),
+    ),
+    "glm4_moe": ("Glm4MoeConfig", dict(moe_intermediate_size=40, **_DEEPSEEK_MOE)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=NUM_EXPERTS, intermediate_size=72)),
+    "deepseek_v3": ("DeepseekV3Config", dict(moe_intermediate_size=40, **_DEEPSEEK_MOE, **_MLA)),
+    "gpt_oss": ("GptOssConfig", dict(num_local_experts=NUM_EXPERTS, intermediate_size=40, sliding_window=16)),
+}
+TOKENS = (1, 3, 16, 130)
+
+# ||y_cuda - y_ref|| / ||y_ref|| of a whole bf16 experts layer (two grouped matmuls, the gating,
+# the weighted sum) against the CPU reference forward of the same packed weights. Measured on
+# the CPU: the bf16 reference is 0.3-0.7% from its float32 forward, and a forward that also
+# rounds the dequantized weights to bf16 (a legitimate kernel choice) is 0.45-0.6% from the
+# reference; the bound leaves 3x for summation order and inductor's fusion of the gating.
+EXPERTS_REL_TOL = 2e-2
+# grouped_mm against the CPU reference op: one rounding of the output in the activation dtype
+# (and, for a kernel that dequantizes into x's dtype, of the weight); as MM_REL_TOL for kbit::mm.
+GROUPED_MM_REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+# Per-expert codebooks and sentinel rows change nothing else: same bound.
+WEIGHT_STD = 0.1  # activations of order 1 at H = 96, I = 40
+
+
+def kbit_grouped_mm_on_cuda() -> bool:
+    """Whether ``kbit::grouped_mm`` has a CUDA kernel (else the reference, with a host sync, serves CUDA)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("kbit::grouped_mm", "CUDA")
+
+
+needs_grouped_kernel = pytest.mark.skipif(
+    not kbit_grouped_mm_on_cuda(),
+    reason="kbit::grouped_mm has no CUDA kernel registered (hf_kbit.backends.cuda): the reference serving CUDA "
+    "tensors reads the routing offsets on the host, so CUDA graphs and fullgraph compile cannot hold it",
+)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
+    assert torch.isfinite(out).all(), "non-finite output"
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+# ---------------------------------------------------------------------------- tiny models and layers
+
+
+def _config(family: str):
+    class_name, extra = FAMILIES[family]
+    config_class = getattr(transformers, class_name, None)
+    if config_class is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {class_name}")
+    return config_class(**{**_COMMON, **extra})
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny_model(family: str):
+    """bf16, on the CPU; shared between tests: never modify it."""
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(_config(family), dtype=torch.bfloat16).eval()
+
+
+def _experts_modules(model) -> dict[str, torch.nn.Module]:
+    return {name: m for name, m in model.named_modules() if name.endswith(".experts")}
+
+
+@functools.lru_cache(maxsize=None)
+def _bf16_experts(family: str) -> tuple[str, torch.nn.Module]:
+    """A bf16 CPU copy of the family's first experts module with N(0, WEIGHT_STD) weights and biases."""
+    name, experts = next(iter(_experts_modules(_tiny_model(family)).items()))
+    experts = copy.deepcopy(experts)
+    g = torch.Generator().manual_seed(len(family))
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * WEIGHT_STD)
+    return name, experts
+
+
+@functools.lru_cache(maxsize=None)
+def _kbit_pair(family: str, gate_up_bits: int, down_bits: int) -> tuple[KbitExperts, KbitExperts]:
+    """``(cpu, cuda)``: one KbitExperts packed on the CPU (reference) and a copy of it on CUDA."""
+    name, experts = _bf16_experts(family)
+    cpu = KbitExperts.from_experts(experts, gate_up_bits, down_bits, name=name).eval()
+    return cpu, copy.deepcopy(cpu).to(DEVICE)
+
+
+def _routing(num_tokens: int, seed: int, num_experts: int = NUM_EXPERTS):
+    """``(hidden_states [T, H] bf16, top_k_index [T, k] int64, top_k_weights [T, k] bf16)`` on the CPU."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, HIDDEN, generator=g).to(torch.bfloat16)
+    scores = torch.rand(num_tokens, num_experts, generator=g)
+    weights, index = scores.topk(TOP_K, dim=-1)
+    return x, index, torch.softmax(weights, dim=-1).to(torch.bfloat16)
+
+
+def _on_device(t: torch.Tensor) -> bool:
+    return t.device.type == torch.device(DEVICE).type
+
+
+def _to(device, *tensors):
+    return tuple(t.to(device) for t in tensors)
+
+
+# ---------------------------------------------------------------------------- quantize-on-load
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory):
+    saved = {}
+
+    def get(family: str) -> Path:
+        if family not in saved:
+            path = tmp_path_factory.mktemp(f"{family}-bf16")
+            _tiny_model(family).save_pretrained(path)
+            saved[family] = path
+        return saved[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_quantize_on_load_on_cuda_packs_experts_like_cpu(family, bf16_checkpoint):
+    """``device_map="cuda"`` quantize-on-load packs every expert weight on the GPU, bit-identical to
+    a CPU load of the same checkpoint, and the quantized model runs on the GPU."""
+    path = bf16_checkpoint(family)
+    config = hf_kbit.KbitConfig(bits=4)
+    gpu = AutoModelForCausalLM.from_pretrained(path, quantization_config=config, device_map=DEVICE)
+    cpu = AutoModelForCausalLM.from_pretrained(path, quantization_config=hf_kbit.KbitConfig(bits=4))
+    experts = _experts_modules(gpu)
+    assert experts and all(isinstance(m, KbitExperts) for m in experts.values())
+    float_3d = [n for n, p in gpu.named_parameters() if p.dim() == 3 and n.rsplit(".", 1)[-1] in PROJECTIONS]
+    assert float_3d == []
+    cpu_state = cpu.state_dict()
+    compared = 0
+    for module_name, module in gpu.named_modules():
+        if not isinstance(module, (KbitExperts, KbitLinear)):
+            continue
+        if isinstance(module, KbitExperts):
+            assert module.placeholders() == [], module_name
+        for key, value in module.state_dict().items():
+            full = f"{module_name}.{key}"
+            assert _on_device(value), f"{full} is on {value.device}"
+            assert value.dtype == cpu_state[full].dtype and torch.equal(value.cpu(), cpu_state[full]), full
+            compared += 1
+    assert compared > 0
+    input_ids = torch.tensor([[3, 17, 99, 5, 64, 1, 127, 42]], device=DEVICE)
+    with torch.no_grad():
+        logits = gpu(input_ids).logits
+    assert logits.shape == (1, 8, 128) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_from_experts_on_cuda_packs_like_cpu(family):
+    """KbitExperts.from_experts of a CUDA module quantizes on the GPU, bit-identical to the CPU."""
+    name, experts = _bf16_experts(family)
+    cpu = KbitExperts.from_experts(experts, 5, 2, name=name)
+    gpu = KbitExperts.from_experts(copy.deepcopy(experts).to(DEVICE), 5, 2, name=name)
+    for key, value in cpu.state_dict().items():
+        got = gpu.state_dict()[key]
+        assert _on_device(got) and got.dtype == value.dtype and torch.equal(got.cpu(), value), key
+
+
+# ---------------------------------------------------------------------------- the layer's forward
+
+
+@pytest.mark.parametrize("num_tokens", TOKENS, ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("bits", [(4, 3), (2, 5)], ids=lambda b: "gate_up{}-down{}".format(*b))
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_experts_forward_on_cuda_equals_cpu_reference(family, bits, num_tokens):
+    cpu, gpu = _kbit_pair(family, *bits)
+    x, index, weights = _routing(num_tokens, seed=num_tokens)
+    with torch.no_grad():
+        expected = cpu(x, index, weights)
+        out = gpu(*_to(DEVICE, x, index, weights))
+    assert _on_device(out) and out.dtype == torch.bfloat16 and out.shape == (num_tokens, HIDDEN)
+    assert rel_err(out, expected) < EXPERTS_REL_TOL
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_experts_forward_on_cuda_ignores_sentinel_ids(family):
+    """Expert-parallel sentinels (ids outside [0, E)) contribute nothing, on CUDA as on the CPU."""
+    cpu, gpu = _kbit_pair(family, 4, 4)
+    x, index, weights = _routing(9, seed=5)
+    index[0, 1] = NUM_EXPERTS
+    index[4] = torch.tensor([-1, NUM_EXPERTS + 3])  # a token routed to no local expert: zero output
+    with torch.no_grad():
+        expected = cpu(x, index, weights)
+        out = gpu(*_to(DEVICE, x, index, weights)).cpu()
+    assert not expected[4].any() and not out[4].any()
+    assert rel_err(out, expected) < EXPERTS_REL_TOL
+
+
+# ---------------------------------------------------------------------------- the grouped op
+
+
+@functools.lru_cache(maxsize=None)
+def _packed_experts(num_experts: int, n: int, k: int, bits: int, per_expert_codebook: bool = False):
+    """Reference-packed [E, N, K] weights on the CPU (rows of varied magnitude)."""
+    g = torch.Generator().manual_seed(1000 * bits + n + 7 * k + num_experts)
+    w = torch.randn(num_experts, n, k, generator=g) * torch.rand(num_experts, n, 1, generator=g).add(0.1)
+    if per_expert_codebook:
+        names = ("nf", "nf-sym")
+        codebook = torch.stack([fmt.make_codebook(names[e % 2], bits) for e in range(num_experts)])
+        packed = [fmt.quantize(w[e], codebook[e]) for e in range(num_experts)]
+        planes, scales, row_scales = (torch.stack([p[i] for p in packed]) for i in range(3))
+    else:
+        codebook = fmt.make_codebook(None, bits)
+        planes, scales, row_scales = fmt.quantize(w, codebook)
+    return planes, scales, row_scales, codebook
+
+
+def _expert_ids(rows: int, num_experts: int, seed: int, dtype=torch.int64) -> torch.Tensor:
+    """Random ids that leave expert 1 without rows and put sentinels (-1, E, E + 7) on some rows."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, num_experts, (rows,), generator=g)
+    ids[ids == 1] = 0
+    if rows >= 5:
+        ids[1], ids[3], ids[-1] = -1, num_experts, num_experts + 7
+    return ids.to(dtype)
+
+
+def _check_grouped(out, expected, ids, num_experts, dtype, what=""):
+    assert _on_device(out) and out.dtype == dtype and out.shape == expected.shape
+    out = out.cpu()
+    valid = (ids >= 0) & (ids < num_experts)
+    assert not out[~valid].any(), f"{what}rows of expert ids outside [0, {num_experts}) must be zero"
+    for e in ids[valid].unique().tolist():
+        rows = ids == e
+        err = rel_err(out[rows], expected[rows])
+        assert err < GROUPED_MM_REL_TOL[dtype], f"{what}expert {e} ({int(rows.sum())} rows): rel err {err:.2e}"
+
+
+# (E, N, K): partial tiles and blocks; K = 8200 for split-K; the last, Qwen3-Next's gate_up with 16 experts.
+GROUPED_SHAPES = [(8, 80, 96), (5, 257, 515), (3, 40, 8200), (16, 1024, 2048)]
+GROUPED_ROWS = (1, 5, 64, 300, 2050)
+
+
+@pytest.mark.parametrize("rows", GROUPED_ROWS, ids=lambda s: f"S{s}")
+@pytest.mark.parametrize("shape", GROUPED_SHAPES, ids=lambda s: "E{}N{}K{}".format(*s))
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+def test_grouped_mm_on_cuda_equals_reference(bits, dtype, shape, rows):
+    num_experts, n, k = shape
+    packed = _packed_experts(num_experts, n, k, bits)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    ids = _expert_ids(rows, num_experts, seed=rows + bits)
+    expected = torch.ops.kbit.grouped_mm(x, ids, *packed, k)  # CPU: the reference
+    out = torch.ops.kbit.grouped_mm(*_to(DEVICE, x, ids, *packed), k)
+    _check_grouped(out, expected, ids, num_experts, dtype)
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+def test_grouped_mm_on_cuda_per_expert_codebook(bits, ids_dtype):
+    num_experts, n, k = 4, 48, 300
+    packed = _packed_experts(num_experts, n, k, bits, per_expert_codebook=True)
+    x = torch.randn(37, k, dtype=torch.bfloat16)
+    ids = _expert_ids(37, num_experts, seed=bits, dtype=ids_dtype)
+    expected = torch.ops.kbit.grouped_mm(x, ids, *packed, k)
+    out = torch.ops.kbit.grouped_mm(*_to(DEVICE, x, ids, *packed), k)
+    _check_grouped(out, expected, ids, num_experts, torch.bfloat16)
+
+
+def test_grouped_mm_on_cuda_noncontiguous_input():
+    num_experts, n, k = 4, 96, 300
+    packed = _packed_experts(num_experts, n, k, 4)
+    x = torch.randn(40, 2 * k, dtype=torch.bfloat16)[:, ::2]
+    ids = _expert_ids(40, num_experts, seed=3)
+    expected = torch.ops.kbit.grouped_mm(x.contiguous(), ids, *packed, k)
+    out = torch.ops.kbit.grouped_mm(x.to(DEVICE), ids.to(DEVICE), *_to(DEVICE, *packed), k)
+    _check_grouped(out, expected, ids, num_experts, torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows", [0, 6], ids=["S0", "all-sentinels"])
+def test_grouped_mm_on_cuda_without_routed_rows(rows):
+    """No row for any expert: an empty input, or every id a sentinel. The output is zeros."""
+    num_experts, n, k = 4, 48, 300
+    packed = _packed_experts(num_experts, n, k, 3)
+    x = torch.randn(rows, k, dtype=torch.bfloat16)
+    ids = torch.tensor([-1, num_experts, -5, num_experts + 1, -1, num_experts], dtype=torch.int64)[:rows]
+    out = torch.ops.kbit.grouped_mm(*_to(DEVICE, x, ids, *packed), k)
+    torch.cuda.synchronize()
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16 and not out.cpu().any()
+
+
+# ---------------------------------------------------------------------------- CUDA graphs, torch.compile
+
+
+def _capture(fn):
+    """Capture ``fn()`` in a CUDA graph after a warm-up on a side stream: ``(graph, output)``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+@needs_grouped_kernel
+@pytest.mark.parametrize("num_tokens", [1, 16, 130], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_cuda_graph_replay_of_experts_equals_eager(family, num_tokens):
+    """A captured layer replays on new hidden states *and new routing* (the offsets live on the device)."""
+    cpu, gpu = _kbit_pair(family, 4, 3)
+    x, index, weights = _to(DEVICE, *_routing(num_tokens, seed=1))
+    with torch.no_grad():
+        before = gpu(x, index, weights).clone()
+        graph, captured = _capture(lambda: gpu(x, index, weights))
+        new = _routing(num_tokens, seed=2)
+        for static, value in zip((x, index, weights), new):
+            static.copy_(value)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = gpu(x, index, weights)
+        expected = cpu(*new)
+    assert rel_err(captured, eager) < EXPERTS_REL_TOL
+    assert rel_err(captured, expected) < EXPERTS_REL_TOL
+    assert rel_err(captured, before) > 0.5, "the replay did not follow the new inputs"
+
+
+@needs_grouped_kernel
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["default", "reduce-overhead"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_torch_compile_fullgraph_of_experts_runs(family, mode):
+    """fullgraph compile (inductor; reduce-overhead adds CUDA graphs, as generate's static cache
+    does) across token counts, against the eager layer."""
+    torch._dynamo.reset()
+    _, gpu = _kbit_pair(family, 4, 4)
+    compiled = torch.compile(gpu, fullgraph=True, mode=mode)
+    with torch.no_grad():
+        for num_tokens in (1, 5, 16, 16):
+            x, index, weights = _to(DEVICE, *_routing(num_tokens, seed=num_tokens))
+            out = compiled(x, index, weights).clone()
+            assert out.shape == (num_tokens, HIDDEN) and out.dtype == torch.bfloat16
+            assert rel_err(out, gpu(x, index, weights)) < EXPERTS_REL_TOL
+
+
+# ---------------------------------------------------------------------------- the benchmark script
+
+
+def test_bench_moe_smoke_on_cuda(tmp_path):
+    """scripts/bench_moe.py on CUDA: the bf16 baseline is transformers' grouped_mm path, captured in a
+    CUDA graph; kbit is captured too once the op has a CUDA kernel (else timed with events)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import bench_moe
+
+    argv = ["--smoke", "--device", "cuda", "--tokens", "1", "16", "--budget-s", "0.1", "--out", str(tmp_path / "m")]
+    bench_moe.main(argv)
+    payload = json.loads((tmp_path / "m.json").read_text())
+    (info,) = payload["presets"]
+    assert info["bf16_baseline"]["is_grouped_mm_path"], info["bf16_baseline"]
+    kernel = kbit_grouped_mm_on_cuda()
+    assert payload["meta"]["kbit_grouped_mm_cuda_kernel"] == kernel
+    for row in payload["results"]:
+        assert row["bf16_timing"] == "cuda_graph"
+        assert row["k4_timing"] == "cuda_graph" if kernel else row["k4_timing"].startswith("events (")
+        assert row["k4_rel_err"] < 0.25
+    assert (tmp_path / "m.md").read_text().count("| 1 |") == 1
