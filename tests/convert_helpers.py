@@ -4,12 +4,14 @@ and the in-memory Hub test server. Import the fixtures you use into the test mod
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -57,6 +59,50 @@ def make_llama(folder: Path, dtype: torch.dtype = torch.float32, tie: bool = Fal
     if tokenizer:
         make_tokenizer().save_pretrained(folder)
     return folder
+
+
+def make_moe(folder: Path, family: str = "qwen3_moe", layout: str = "per-expert", dtype: torch.dtype = torch.bfloat16,
+             max_shard_size: str = "100KB") -> Path:
+    """A tiny MoE model (tests/tiny_models.py) saved sharded, its experts stored ``layout``:
+    "per-expert" (``experts.3.gate_proj.weight``, ..., as Hub checkpoints and save_pretrained have
+    them) or "fused" (``experts.gate_up_proj [E, 2I, H]``, save_pretrained(save_original_format=False);
+    gpt_oss stores its experts fused either way)."""
+    from tiny_models import tiny_moe_model
+
+    model = tiny_moe_model(family, dtype)
+    model.save_pretrained(folder, max_shard_size=max_shard_size, save_original_format=layout == "per-expert")
+    make_tokenizer().save_pretrained(folder)
+    keys = set()
+    for f in folder.glob("*.safetensors"):
+        with safe_open(f, "pt") as sf:
+            keys |= set(sf.keys())
+    per_expert = any(re.search(r"\.experts\.\d+\.", k) for k in keys)
+    if per_expert != (layout == "per-expert"):
+        raise AssertionError(f"{family}: save_pretrained wrote {'per-expert' if per_expert else 'fused'} experts")
+    return folder
+
+
+# Layouts transformers writes for each family: gpt_oss checkpoints hold fused experts only.
+MOE_LAYOUTS = {
+    "qwen3_moe": ("per-expert", "fused"),
+    "mixtral": ("per-expert", "fused"),
+    "deepseek_v3": ("per-expert", "fused"),
+    "glm4_moe": ("per-expert", "fused"),
+    "gpt_oss": ("fused",),
+}
+
+
+@pytest.fixture(scope="session")
+def moe_checkpoint(tmp_path_factory):
+    """``moe_checkpoint(family, layout)``: a saved tiny MoE checkpoint, made once per session."""
+    made = {}
+
+    def get(family: str = "qwen3_moe", layout: str = "per-expert") -> Path:
+        if (family, layout) not in made:
+            made[family, layout] = make_moe(tmp_path_factory.mktemp(f"{family}-{layout}") / "model", family, layout)
+        return made[family, layout]
+
+    return get
 
 
 @pytest.fixture(scope="session")

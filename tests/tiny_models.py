@@ -36,3 +36,38 @@ def tiny_dense_model(family: str, dtype: torch.dtype = torch.bfloat16, seed: int
             if p.dim() == 2:
                 p.normal_(0, 0.1)
     return model.to(dtype).eval()
+
+
+# MoE families (transformers v5 fused `*.experts` modules). moe_intermediate_size 40: the down
+# projection's K is not a multiple of the 32-element block.
+_DEEPSEEK_MOE = dict(n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)
+_MLA = dict(
+    num_key_value_heads=4, head_dim=8, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+    v_head_dim=16,
+)
+MOE_FAMILIES = {
+    "qwen3_moe": (
+        "Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"head_dim": 24, "moe_intermediate_size": 40, "num_experts": 8}
+    ),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 8, "intermediate_size": 40}),
+    "deepseek_v3": (
+        "DeepseekV3Config", "DeepseekV3ForCausalLM", {"moe_intermediate_size": 40, **_DEEPSEEK_MOE, **_MLA}
+    ),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", {"head_dim": 24, "moe_intermediate_size": 40, **_DEEPSEEK_MOE}),
+    "gpt_oss": (
+        "GptOssConfig", "GptOssForCausalLM", {"num_local_experts": 8, "intermediate_size": 40, "sliding_window": 16}
+    ),
+}
+
+
+def tiny_moe_model(family: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> torch.nn.Module:
+    """A 2-layer MoE model of ``family`` (8 experts, top-2) with random weights."""
+    config_cls, model_cls, extra = MOE_FAMILIES[family]
+    config = getattr(transformers, config_cls)(**{**_COMMON, "num_experts_per_tok": 2, **extra})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config)
+    with torch.no_grad():  # as tiny_dense_model; expert weights (3-D) and routers too
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.1)
+    return model.to(dtype).eval()
