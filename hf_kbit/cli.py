@@ -55,15 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="REGEX=BITS",
         help="per-module bits: modules whose full name matches REGEX (re.search, first match wins) use BITS; "
-        "repeatable, e.g. --module-bits 'mlp\\.down_proj=5'",
+        "repeatable, e.g. --module-bits 'mlp\\.down_proj=5'. Fused MoE experts match as "
+        "'<experts module>.gate_up_proj' and '.down_proj', e.g. 'experts\\.down_proj=5'",
     )
     q.add_argument(
         "--skip-modules",
         nargs="+",
         default=None,
         metavar="NAME",
-        help="module names (or name suffixes/regexes) kept in full precision; replaces the default "
-        "(lm_head and tied embeddings)",
+        help="module names (or name suffixes/regexes) kept in full precision, e.g. lm_head experts "
+        "shared_expert; replaces the default (lm_head and tied embeddings)",
     )
     q.add_argument(
         "--dtype",
@@ -210,7 +211,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(result.describe())
         return 0
     stats = result.stats
-    print(f"wrote {result.out}: {stats['quantized_tensors']} tensors quantized, {stats['shards']} shard(s), "
+    experts = stats["quantized_expert_tensors"]
+    print(f"wrote {result.out}: {stats['quantized_tensors']} tensors quantized"
+          + (f" ({experts} of them fused MoE expert tensors)" if experts else "")
+          + f", {stats['shards']} shard(s), "
           f"{stats['size_before_bytes'] / 1e6:.2f} MB -> {stats['size_after_bytes'] / 1e6:.2f} MB")
     if result.eval:
         print(f"perplexity ({result.eval['tokens']} tokens): source {result.eval['base_perplexity']:.3f}, "

@@ -1,10 +1,14 @@
 """Checkpoint conversion: a Hugging Face model (folder, Hub repo or GGUF file) -> a kbit checkpoint.
 
-The conversion streams the source safetensors shard by shard: only one source tensor group
-and one output shard are in memory at a time. Which weights are quantized, and with how many
-bits, is decided by the quantizer itself (:class:`~hf_kbit.quantizer.KbitHfQuantizer`) applied
-to the model's skeleton on the meta device, so the output is bit-identical to quantize-on-load
+The conversion streams: one planned output tensor is read, quantized and added to the current
+output shard at a time, so only its sources and one output shard are in memory. Which weights
+are quantized, and with how many bits, is decided by the quantizer itself
+(:class:`~hf_kbit.quantizer.KbitHfQuantizer`) applied to the model's skeleton on the meta device;
+checkpoint keys are mapped onto the model with transformers' own conversion mapping (renamings,
+and the merge of per-expert MoE keys into fused ``experts.gate_up_proj`` / ``down_proj``), so the
+output is bit-identical to quantize-on-load
 (``from_pretrained(src, quantization_config=cfg).save_pretrained(out)``) with the same config.
+Fused MoE expert tensors are built and quantized a few experts at a time.
 
 Output is written into a hidden temporary folder next to ``out`` and renamed into place only
 when complete; ``config.json`` is the last file written there, so an interrupted run never
@@ -13,6 +17,7 @@ leaves a folder that looks loadable.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -21,7 +26,7 @@ import shlex
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +35,8 @@ import torch
 from . import checkpoint
 from . import format as fmt
 from .config import KbitConfig
+from .nn.experts import PROJECTIONS as EXPERT_PROJECTIONS
+from .nn.experts import ExpertsLayout, KbitExperts
 from .nn.linear import FORMAT_TENSORS
 
 # Files copied verbatim from the source folder (tokenizer, generation and chat-template files).
@@ -93,28 +100,48 @@ class ConversionError(ValueError):
 class TensorPlan:
     """One tensor of the output model and the checkpoint tensors it is made from.
 
-    ``sources`` are checkpoint keys; ``combine`` turns their tensors (in ``sources`` order)
-    into the one model tensor (``None``: the single source as is). A hook that merges
-    per-expert checkpoint keys into a fused experts tensor returns plans with several
-    sources and a ``combine``.
+    ``sources`` are checkpoint keys; ``combine`` turns ``{source key: tensor}`` (in ``sources``
+    order; it may consume the dict) into the one model tensor (``None``: the single source as
+    is). Per-expert checkpoint keys merged into a fused experts tensor are planned this way,
+    with transformers' own conversion-mapping operations as ``combine``.
+
+    A fused MoE experts weight (``experts`` set: ``<experts module>.gate_up_proj`` or
+    ``.down_proj``, shape ``[E, ...]``) is built and quantized a few experts at a time when
+    ``expert_sources`` lists each expert's sources (``combine`` applied to the sources of
+    experts ``e0..e1`` gives rows ``e0..e1``), or when its single source is already fused (read
+    by slices); otherwise it is built whole.
     """
 
-    name: str  # model state-dict key (a quantized weight: "<module>.weight")
+    name: str  # model state-dict key (a quantized weight: "<module>.weight" or "<experts>.gate_up_proj")
     sources: tuple[str, ...]
     shape: tuple[int, ...]  # shape of the combined tensor
     dtype: torch.dtype  # dtype it is cast to (before quantization, or for storage)
     bits: int | None = None  # None: stored unquantized
     source_nbytes: int = 0
-    combine: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
+    combine: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None = None
+    experts: ExpertsLayout | None = None  # the KbitExperts layout when this is a fused experts weight
+    expert_sources: tuple[tuple[str, ...], ...] | None = None  # the sources of each expert, expert-major
 
     @property
     def prefix(self) -> str:
         return self.name.rpartition(".")[0]
 
     def outputs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """``{output key: (shape, dtype)}`` this tensor becomes."""
+        """``{output key: (shape, dtype)}`` this tensor becomes (model naming)."""
         if self.bits is None:
             return {self.name: (self.shape, self.dtype)}
+        if self.experts is not None:  # KbitExperts buffers: "<experts>.gate_up_planes", ... (docs/moe.md)
+            projection = self.name.rpartition(".")[2]
+            n, k = self.experts.linear_shape(projection)
+            shapes = fmt.packed_shapes(n, k, self.bits)
+            lead = (self.experts.num_experts,)
+            return {
+                f"{self.prefix}.{EXPERT_PROJECTIONS[projection]}_{t}": (
+                    shapes[t] if t == "codebook" else (*lead, *shapes[t]),
+                    fmt.PACKED_DTYPES[t],
+                )
+                for t in FORMAT_TENSORS
+            }
         *lead, n, k = self.shape
         shapes = fmt.packed_shapes(n, k, self.bits)
         return {f"{self.prefix}.{t}": ((*lead, *shapes[t]), fmt.PACKED_DTYPES[t]) for t in FORMAT_TENSORS}
@@ -123,9 +150,9 @@ class TensorPlan:
         return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.outputs().values())
 
 
-# A key rule claims checkpoint keys before the 1:1 default: it receives the checkpoint's
-# {key: (shape, dtype)} not yet claimed, the meta skeleton and the planning context, and
-# returns TensorPlans for the keys it handles (e.g. per-expert keys -> fused experts).
+# A key rule claims checkpoint keys before the default rule (transformers' conversion mapping,
+# then 1:1): it receives the checkpoint's {key: (shape, dtype)} not yet claimed, the meta
+# skeleton and the planning context, and returns TensorPlans for the keys it handles.
 KeyRule = Callable[[dict[str, tuple[tuple[int, ...], torch.dtype]], torch.nn.Module, "PlanContext"], list[TensorPlan]]
 
 
@@ -148,10 +175,20 @@ class ConversionPlan:
     kbit_config: KbitConfig
     tensors: list[TensorPlan]
     dropped: list[str] = field(default_factory=list)  # checkpoint keys not written (tied or unused)
+    locations: dict[str, tuple[int, int]] = field(default_factory=dict)  # checkpoint key -> (file index, offset)
+    # transformers' renamings that matched the checkpoint, reversed: output keys follow the
+    # checkpoint's naming, as save_pretrained does after from_pretrained (Mixtral: .block_sparse_moe.)
+    output_renamings: list[Any] = field(default_factory=list)
 
     @property
     def quantized(self) -> list[TensorPlan]:
         return [t for t in self.tensors if t.bits is not None]
+
+    def output_key(self, key: str) -> str:
+        """The name ``key`` (model naming) is saved under."""
+        for renaming in self.output_renamings:
+            key, _ = renaming.rename_source_key(key)
+        return key
 
     def stats(self) -> dict[str, Any]:
         """Sizes and bits per weight of the planned output (exact: computed from the format's shapes)."""
@@ -161,12 +198,15 @@ class ConversionPlan:
         bits_hist: dict[int, int] = {}
         for t in q:
             bits_hist[t.bits] = bits_hist.get(t.bits, 0) + 1
+        experts = [t for t in q if t.experts is not None]
         return {
             "architecture": self.architecture,
             "dtype": str(self.dtype).removeprefix("torch."),
             "tensors": len(self.tensors),
             "quantized_tensors": len(q),
             "quantized_by_bits": dict(sorted(bits_hist.items())),
+            "quantized_expert_tensors": len(experts),  # fused [E, N, K] expert weights among quantized_tensors
+            "quantized_expert_params": sum(math.prod(t.shape) for t in experts),
             "quantized_params": q_numel,
             "total_params": sum(math.prod(t.shape) for t in self.tensors),
             "size_before_bytes": sum(t.source_nbytes for t in self.tensors),
@@ -182,8 +222,17 @@ class ConversionPlan:
             f"architecture:  {s['architecture']} (dtype {s['dtype']})",
             f"quantized:     {s['quantized_tensors']} of {s['tensors']} tensors, "
             + ", ".join(f"{n} at {b} bits" for b, n in s["quantized_by_bits"].items()),
-            f"size:          {format_bytes(s['size_before_bytes'])} -> {format_bytes(s['size_after_bytes'])}",
         ]
+        if s["quantized_expert_tensors"]:
+            experts = {t.experts.num_experts for t in self.quantized if t.experts is not None}
+            lines.append(
+                f"MoE experts:   {s['quantized_expert_tensors']} quantized tensors are fused expert weights "
+                f"({'/'.join(map(str, sorted(experts)))} experts each, "
+                f"{s['quantized_expert_params'] / s['quantized_params']:.1%} of the quantized weights)"
+            )
+        lines.append(
+            f"size:          {format_bytes(s['size_before_bytes'])} -> {format_bytes(s['size_after_bytes'])}"
+        )
         if s["bits_per_quantized_weight"] is not None:
             bpw_all = 8 * s["size_after_bytes"] / s["total_params"]
             lines.append(
@@ -207,23 +256,23 @@ def plan_conversion(
     source = Path(source)
     hf_config, model_cls = _load_architecture(source)
     files = _safetensors_files(source)
-    headers = {path: checkpoint.read_safetensors_header(path) for path in files}
     ckpt: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     ckpt_nbytes: dict[str, int] = {}
-    for header in headers.values():
-        for key, info in header.items():
+    locations: dict[str, tuple[int, int]] = {}
+    for index, path in enumerate(files):
+        for key, info in checkpoint.read_safetensors_header(path).items():
             if key == "__metadata__":
                 continue
             ckpt[key] = (tuple(info["shape"]), _SAFETENSORS_DTYPES.get(info["dtype"]) or info["dtype"])
             ckpt_nbytes[key] = info["data_offsets"][1] - info["data_offsets"][0]
+            locations[key] = (index, info["data_offsets"][0])
     dtype = _resolve_dtype(dtype, hf_config, ckpt)
 
     model = _skeleton(model_cls, hf_config, dtype, kbit_config)
     quantizer = model._kbit_quantizer
-    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
     model_tensors = {k: (tuple(t.shape), t.dtype) for k, t in _model_tensors(model).items()}
     quantized = {
-        name: model.get_submodule(name.rpartition(".")[0]).bits
+        name: _bits_of(model, name)
         for name, _ in model.named_parameters()
         if quantizer.param_needs_quantization(model, name)
     }
@@ -237,39 +286,12 @@ def plan_conversion(
             plans.append(plan)
             for key in plan.sources:
                 unclaimed.pop(key, None)
+    planner = _DefaultPlanner(model, ctx, unclaimed, ckpt_nbytes, model_cls.__name__, dtype)
+    plans += planner.plan()
 
-    prefix = getattr(model, "base_model_prefix", "")
-    dropped = []
-    for key, (shape, src_dtype) in unclaimed.items():
-        name = key if key in model_tensors else f"{prefix}.{key}" if f"{prefix}.{key}" in model_tensors else None
-        if name is None or name in tied:
-            dropped.append(key)
-            continue
-        want_shape, want_dtype = model_tensors[name]
-        if shape != want_shape:
-            raise ConversionError(
-                f"checkpoint tensor '{key}' has shape {shape} but {hf_config.architectures or model_cls.__name__} "
-                f"expects {want_shape} from config.json; the checkpoint and config.json do not match"
-            )
-        is_float = isinstance(src_dtype, torch.dtype) and src_dtype.is_floating_point
-        if not is_float:
-            if name in quantized:
-                raise ConversionError(f"checkpoint tensor '{key}' is {src_dtype}; kbit quantizes floating-point weights")
-            if isinstance(src_dtype, torch.dtype):
-                want_dtype = src_dtype  # integer tensors load as they are stored
-        plans.append(
-            TensorPlan(name, (key,), shape, want_dtype, bits=quantized.get(name), source_nbytes=ckpt_nbytes[key])
-        )
-
-    planned = {p.name for p in plans}
-    missing = sorted(set(model_tensors) - planned - tied)
+    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    missing = sorted(set(model_tensors) - {p.name for p in plans} - planner.covered - tied)
     if missing:
-        if any(re.search(r"\.experts\.\d+\.", key) for key in dropped):
-            raise ConversionError(
-                f"{source} stores MoE experts per expert (e.g. '{next(k for k in dropped if '.experts.' in k)}'), "
-                f"while {model_cls.__name__} holds fused experts; converting per-expert checkpoints is not "
-                "supported yet"
-            )
         raise ConversionError(
             f"the checkpoint in {source} lacks {len(missing)} tensor(s) the model needs, e.g. '{missing[0]}'; "
             "is it complete (all shards downloaded)?"
@@ -281,8 +303,238 @@ def plan_conversion(
         dtype=dtype,
         kbit_config=kbit_config,
         tensors=plans,
-        dropped=sorted(dropped),
+        dropped=sorted(planner.dropped),
+        locations=locations,
+        output_renamings=planner.output_renamings(),
     )
+
+
+def _is_float(dtype: torch.dtype | str) -> bool:
+    return isinstance(dtype, torch.dtype) and dtype.is_floating_point
+
+
+def _bits_of(model: torch.nn.Module, name: str) -> int:
+    """Bits the quantizer chose for the weight ``name`` (KbitExperts: per projection)."""
+    module_name, _, tensor_name = name.rpartition(".")
+    bits = model.get_submodule(module_name).bits
+    return bits[tensor_name] if isinstance(bits, dict) else bits
+
+
+class _DefaultPlanner:
+    """Plans checkpoint keys the way ``from_pretrained`` loads them: the model's conversion mapping
+    (``transformers.conversion_mapping``: renamings, then at most one converter per key, e.g.
+    ``experts.*.gate_proj.weight`` + ``experts.*.up_proj.weight`` -> ``experts.gate_up_proj``), the
+    base-model prefix added or stripped, everything else 1:1."""
+
+    def __init__(self, model, ctx: PlanContext, ckpt, ckpt_nbytes: dict[str, int], arch_name: str, dtype):
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+        self.model, self.ctx, self.ckpt, self.ckpt_nbytes, self.arch_name = model, ctx, ckpt, ckpt_nbytes, arch_name
+        # The same call from_pretrained makes (with the quantizer, which may adjust converters).
+        mapping = get_model_conversion_mapping(model, None, model._kbit_quantizer)
+        self.renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+        self.converters = [m for m in mapping if isinstance(m, WeightConverter)]
+        self.tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+        # keep_in_fp32 modules: from_pretrained loads them in float32 whatever the model dtype.
+        self.dtype_plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
+        if self.dtype_plan:
+            from transformers.core_model_loading import build_glob_alternation
+
+            self.dtype_pattern, self.dtype_groups, _ = build_glob_alternation(list(self.dtype_plan))
+        self.covered: set[str] = set()  # model keys filled by plans named otherwise (unquantized merges)
+        self.dropped: list[str] = []
+
+    def output_renamings(self) -> list:
+        return [r.reverse_transform() for r in self.renamings[::-1] if r.was_used()]
+
+    def plan(self) -> list[TensorPlan]:
+        from transformers.core_model_loading import dot_natural_key, rename_source_key
+
+        model_tensors = self.ctx.model_tensors
+        prefix = getattr(self.model, "base_model_prefix", "")
+        by_pattern = {p: c for c in self.converters for p in c.source_patterns}
+        plans, merges = [], {}
+        # Sorted as the loader sorts them: the order of per-expert tensors in a merge is this order.
+        for key in sorted(self.ckpt, key=dot_natural_key):
+            name, pattern = rename_source_key(key, self.renamings, self.converters, prefix, model_tensors)
+            if name not in model_tensors and key in model_tensors:
+                name, pattern = key, None
+            if name not in model_tensors or name in self.tied:
+                self.dropped.append(key)
+            elif pattern is None:
+                plans.append(self._plan_one(key, name))
+            else:
+                converter, keys = merges.setdefault(name, (by_pattern[pattern], {}))
+                keys[key] = pattern
+        for name, (converter, keys) in merges.items():
+            plans += self._plan_merge(name, converter, keys)
+        return plans
+
+    def _model_tensor(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and load dtype of the model tensor ``name`` (the skeleton's, or the dtype plan's)."""
+        shape, dtype = self.ctx.model_tensors[name]
+        if self.dtype_plan:
+            match = self.dtype_pattern.search(name)
+            if match is not None:
+                dtype = self.dtype_plan[self.dtype_groups[match.lastgroup]]
+        return shape, dtype
+
+    def _experts_layout(self, name: str) -> ExpertsLayout | None:
+        module = self.model.get_submodule(name.rpartition(".")[0])
+        return module.layout if isinstance(module, KbitExperts) else None
+
+    def _plan_one(self, key: str, name: str) -> TensorPlan:
+        shape, src_dtype = self.ckpt[key]
+        want_shape, want_dtype = self._model_tensor(name)
+        if shape != want_shape:
+            raise ConversionError(
+                f"checkpoint tensor '{key}' has shape {shape} but {self.arch_name} expects {want_shape} from "
+                "config.json; the checkpoint and config.json do not match"
+            )
+        bits = self.ctx.quantized.get(name)
+        if not _is_float(src_dtype):
+            if bits is not None:
+                raise ConversionError(
+                    f"checkpoint tensor '{key}' is {src_dtype}; kbit quantizes floating-point weights"
+                )
+            if isinstance(src_dtype, torch.dtype):
+                want_dtype = src_dtype  # integer tensors load as they are stored
+        experts = self._experts_layout(name) if bits is not None else None
+        return TensorPlan(name, (key,), shape, want_dtype, bits, self.ckpt_nbytes[key], experts=experts)
+
+    def _plan_merge(self, name: str, converter, keys: dict[str, str]) -> list[TensorPlan]:
+        """Checkpoint tensors ``keys`` ({key: matched source pattern}, in load order) that the
+        converter merges into the model tensor ``name``."""
+        want_shape, want_dtype = self._model_tensor(name)
+        bits = self.ctx.quantized.get(name)
+        first = next(iter(keys))
+        if len(converter.target_patterns) > 1:  # one checkpoint tensor split into several (e.g. qkv -> q, k, v)
+            targets = [name.replace(converter.target_patterns[0], t) for t in converter.target_patterns]
+            quantized = [t for t in targets if t in self.ctx.quantized]
+            if quantized:
+                raise ConversionError(
+                    f"transformers splits checkpoint tensor '{first}' into {targets} on load; kbit-convert cannot "
+                    f"quantize split tensors such as '{quantized[0]}' yet. Quantize on load instead: "
+                    "from_pretrained(..., quantization_config=KbitConfig(...)).save_pretrained(out)"
+                )
+            self.covered.update(targets)
+            return self._plan_as_stored(keys, want_dtype)
+        combine = _MergeOps(converter, keys, name, self.model)
+        experts = self._experts_layout(name) if bits is not None else None
+        expert_sources = None
+        if experts is not None:
+            expert_sources = _expert_sources(name, converter, keys, self.renamings, experts.num_experts)
+        not_float = [k for k in keys if not _is_float(self.ckpt[k][1])]
+        if not_float and bits is not None:
+            raise ConversionError(
+                f"checkpoint tensor '{not_float[0]}' is {self.ckpt[not_float[0]][1]}; "
+                "kbit quantizes floating-point weights"
+            )
+        try:  # the merge on meta tensors: its shape, with no data read
+            meta = {k: torch.empty(self.ckpt[k][0], dtype=want_dtype, device="meta") for k in keys}
+            shape = tuple(combine(meta).shape)
+        except (RuntimeError, ValueError, IndexError) as e:
+            raise ConversionError(
+                f"{len(keys)} checkpoint tensors (e.g. '{first}') should merge into '{name}' "
+                f"({converter.source_patterns} -> {converter.target_patterns}) but cannot: {e}"
+            ) from None
+        if shape != want_shape:
+            counts = {p: sum(1 for v in keys.values() if v == p) for p in dict.fromkeys(keys.values())}
+            raise ConversionError(
+                f"checkpoint tensors {counts} (e.g. '{first}') merge into '{name}' with shape {shape}, but "
+                f"{self.arch_name} expects {want_shape} from config.json; the checkpoint and config.json do not match "
+                "(missing or extra experts?)"
+            )
+        if bits is None:
+            self.covered.add(name)
+            return self._plan_as_stored(keys, want_dtype)
+        sources = tuple(k for group in expert_sources for k in group) if expert_sources else tuple(keys)
+        nbytes = sum(self.ckpt_nbytes[k] for k in keys)
+        return [TensorPlan(name, sources, want_shape, want_dtype, bits, nbytes, combine, experts, expert_sources)]
+
+
+    def _plan_as_stored(self, keys: dict[str, str], dtype: torch.dtype) -> list[TensorPlan]:
+        """Unquantized tensors that a converter makes from ``keys``: written as stored, one output
+        tensor per checkpoint tensor (in ``dtype``). Loading converts them again; this is what
+        save_pretrained writes for them."""
+        from transformers.core_model_loading import rename_source_key
+
+        plans = []
+        for key in keys:
+            renamed, _ = rename_source_key(key, self.renamings, [])
+            shape, src_dtype = self.ckpt[key]
+            stored = src_dtype if isinstance(src_dtype, torch.dtype) and not src_dtype.is_floating_point else dtype
+            plans.append(TensorPlan(renamed, (key,), shape, stored, None, self.ckpt_nbytes[key]))
+        return plans
+
+
+class _MergeOps:
+    """``combine`` of a merge: the converter's own operations (transformers' MergeModulelist,
+    Concatenate, ...) applied to ``{key: tensor}`` grouped by matched source pattern, exactly as
+    ``WeightConverter.convert`` does while loading."""
+
+    def __init__(self, converter, patterns: dict[str, str], name: str, model):
+        self.converter, self.patterns, self.name, self.model = converter, patterns, name, model
+
+    def __call__(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        collected: dict[str, list[torch.Tensor]] = {}
+        for key in list(tensors):
+            collected.setdefault(self.patterns[key], []).append(tensors.pop(key))
+        for op in self.converter.operations:
+            collected = op.convert(
+                collected,
+                source_patterns=self.converter.source_patterns,
+                target_patterns=self.converter.target_patterns,
+                full_layer_name=self.name,
+                model=self.model,
+                config=self.model.config,
+                missing_keys=None,
+            )
+        if len(collected) != 1:
+            raise ValueError(f"the merge gives {len(collected)} tensors ({sorted(collected)}), expected one")
+        value = next(iter(collected.values()))
+        return value[0] if isinstance(value, list) else value
+
+
+def _expert_sources(
+    name: str, converter, keys: dict[str, str], renamings, num_experts: int
+) -> tuple[tuple[str, ...], ...] | None:
+    """The checkpoint keys of each expert of the fused experts tensor ``name``, when the merge can be
+    done a few experts at a time (the experts stacked on dim 0, then only concatenations along
+    later dims: rows e0..e1 of the result come from experts e0..e1 alone), else ``None``.
+
+    First checks that each merged source pattern holds experts ``0..num_experts-1`` once each
+    (the loader stacks them in key order, so a gap would shift every later expert)."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist, rename_source_key
+
+    by_pattern: dict[str, list[str]] = {}
+    for key, pattern in keys.items():
+        by_pattern.setdefault(pattern, []).append(key)
+    module = name.rpartition(".")[0] + "."
+    for pattern, pattern_keys in by_pattern.items():
+        ids = []
+        for key in pattern_keys:
+            renamed, _ = rename_source_key(key, renamings, [])
+            head = renamed[len(module) :].partition(".")[0] if renamed.startswith(module) else ""
+            ids.append(int(head) if head.isdigit() else None)
+        if None in ids or ids == list(range(num_experts)):
+            continue
+        missing = sorted(set(range(num_experts)) - set(ids))
+        extra = sorted({i for i in ids if not 0 <= i < num_experts} | {i for i in ids if ids.count(i) > 1})
+        raise ConversionError(
+            f"'{name}' merges {num_experts} experts (config.json), but the checkpoint's '{pattern}' tensors "
+            f"(e.g. '{pattern_keys[0]}') lack expert(s) {missing} and have unexpected or repeated expert(s) {extra}; "
+            "is the checkpoint complete?"
+        )
+    ops = converter.operations
+    streams = (
+        isinstance(ops[0], MergeModulelist)
+        and ops[0].dim == 0
+        and all(isinstance(op, Concatenate) and op.dim >= 1 for op in ops[1:])
+        and all(len(v) == num_experts for v in by_pattern.values())
+    )
+    return tuple(zip(*by_pattern.values())) if streams else None
 
 
 def _load_architecture(source: Path):
@@ -379,7 +631,7 @@ def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     packed buffers excluded: those are produced, not loaded)."""
     tensors = dict(model.named_parameters(remove_duplicate=False))
     for name, module in model.named_modules():
-        packed = set(FORMAT_TENSORS) if hasattr(module, "packed_shapes") else set()
+        packed = set(module.packed_shapes()) if hasattr(module, "packed_shapes") else set()
         for bname, buf in module.named_buffers(recurse=False):
             if buf is not None and bname not in module._non_persistent_buffers_set and bname not in packed:
                 tensors[f"{name}.{bname}" if name else bname] = buf
@@ -644,53 +896,91 @@ class _ShardWriter:
         return names
 
 
+# Fused experts are built and quantized this many weight elements (whole experts) at a time:
+# with the ~20 B/element temporaries of the quantizer that is ~1.3 GB, whatever the model size.
+_EXPERT_CHUNK_ELEMENTS = 1 << 26
+
+
+class _SourceReader:
+    """Reads checkpoint tensors (or row ranges of them) from the source shards, each opened once."""
+
+    def __init__(self, plan: ConversionPlan, stack: contextlib.ExitStack):
+        self.plan, self.stack, self.handles = plan, stack, {}
+
+    def _handle(self, key: str):
+        from safetensors import safe_open
+
+        index = self.plan.locations[key][0]
+        if index not in self.handles:
+            handle = safe_open(self.plan.files[index], framework="pt", device="cpu")
+            self.handles[index] = self.stack.enter_context(handle)
+        return self.handles[index]
+
+    def get(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        if rows is None:
+            return self._handle(key).get_tensor(key)
+        return self._handle(key).get_slice(key)[rows[0] : rows[1]]
+
+    def tensor(self, p: TensorPlan, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """``p``'s tensor in ``p.dtype`` (``rows``: only experts ``rows[0]..rows[1]`` of a fused experts
+        tensor, see :func:`_expert_chunk`). Sources are cast one by one, as the loader casts them."""
+        if rows is not None and p.expert_sources is not None:
+            keys = [k for group in p.expert_sources[rows[0] : rows[1]] for k in group]
+            return p.combine({k: self.get(k).to(p.dtype) for k in keys})
+        if rows is not None:
+            return self.get(p.sources[0], rows).to(p.dtype)
+        if p.combine is None:
+            return self.get(p.sources[0]).to(p.dtype)
+        return p.combine({k: self.get(k).to(p.dtype) for k in p.sources}).to(p.dtype)
+
+
+def _expert_chunk(p: TensorPlan) -> int:
+    """Experts built and quantized at once for the fused experts plan ``p`` (all of them when its
+    merge cannot be split by experts)."""
+    num_experts = p.shape[0]
+    if p.expert_sources is None and (p.combine is not None or len(p.sources) != 1):
+        return num_experts
+    return max(1, min(num_experts, _EXPERT_CHUNK_ELEMENTS // max(math.prod(p.shape[1:]), 1)))
+
+
 @torch.no_grad()
 def _write(plan: ConversionPlan, folder: Path, device: torch.device, shard_bytes: int, progress: bool) -> dict:
-    """Stream the source shards into kbit output shards; returns sizes measured on what was written."""
-    from safetensors import safe_open
+    """Read the sources of one planned tensor at a time (a fused experts tensor a few experts at a
+    time), quantize, and write kbit output shards; returns sizes measured on what was written."""
     from tqdm.auto import tqdm
 
     from .nn.linear import quantize_weight
 
-    by_source = {key: p for p in plan.tensors for key in p.sources}
-    pending: dict[str, dict[str, torch.Tensor]] = {}
     writer = _ShardWriter(folder, shard_bytes)
     codebooks = {}
     q_numel = q_bytes = 0
-    bar = tqdm(total=len(plan.tensors), desc="Converting", unit="tensor", disable=not progress)
-    for path in plan.files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for key in f.keys():
-                p = by_source.get(key)
-                if p is None:
-                    continue
-                group = pending.setdefault(p.name, {})
-                group[key] = f.get_tensor(key)
-                if len(group) < len(p.sources):
-                    continue
-                del pending[p.name]
-                parts = [group[k] for k in p.sources]
-                tensor = p.combine(parts) if p.combine is not None else parts[0]
-                del group, parts
-                tensor = tensor.to(p.dtype)
-                if p.bits is None:
-                    writer.add(p.name, tensor)
-                else:
-                    if p.bits not in codebooks:
-                        codebooks[p.bits] = fmt.make_codebook(plan.kbit_config.codebook, p.bits)
-                    codebook = codebooks[p.bits]
-                    packed = quantize_weight(tensor.to(device), codebook.to(device), name=p.name)
-                    packed = (*(t.cpu() for t in packed), codebook.clone())
-                    for t_name, t in zip(FORMAT_TENSORS, packed):
-                        writer.add(f"{p.prefix}.{t_name}", t)
-                        q_bytes += t.numel() * t.element_size()
-                    q_numel += tensor.numel()
-                del tensor
+    # In the order the source shards hold the tensors (a plan comes when its last source is reached).
+    order = sorted(plan.tensors, key=lambda p: max(plan.locations[k] for k in p.sources))
+    bar = tqdm(total=len(order), desc="Converting", unit="tensor", disable=not progress)
+    with contextlib.ExitStack() as stack:
+        reader = _SourceReader(plan, stack)
+        for p in order:
+            if p.bits is None:
+                writer.add(plan.output_key(p.name), reader.tensor(p))
                 bar.update(1)
+                continue
+            if p.bits not in codebooks:
+                codebooks[p.bits] = fmt.make_codebook(plan.kbit_config.codebook, p.bits)
+            codebook = codebooks[p.bits]
+            if p.experts is None:
+                tensor = reader.tensor(p)
+                packed = quantize_weight(tensor.to(device), codebook.to(device), name=p.name)
+                outputs = dict(zip(p.outputs(), (*(t.cpu() for t in packed), codebook.clone())))
+                del tensor, packed
+            else:
+                outputs = _quantize_experts(p, reader, codebook, device)
+            for key, t in outputs.items():
+                writer.add(plan.output_key(key), t)
+                q_bytes += t.numel() * t.element_size()
+            q_numel += math.prod(p.shape)
+            del outputs
+            bar.update(1)
     bar.close()
-    if pending:
-        name, group = next(iter(pending.items()))
-        raise ConversionError(f"'{name}' is incomplete: the checkpoint files hold only {sorted(group)} of its sources")
     shards = writer.finish()
     return {
         **plan.stats(),
@@ -699,6 +989,30 @@ def _write(plan: ConversionPlan, folder: Path, device: torch.device, shard_bytes
         "bits_per_quantized_weight": 8 * q_bytes / q_numel if q_numel else None,
         "shards": len(shards),
     }
+
+
+def _quantize_experts(p: TensorPlan, reader: _SourceReader, codebook: torch.Tensor, device) -> dict[str, torch.Tensor]:
+    """The packed tensors of the fused experts weight ``p``, built a chunk of experts at a time with
+    ``KbitExperts.pack`` (what quantize-on-load runs; experts are packed independently)."""
+    module_name, _, projection = p.name.rpartition(".")
+    outputs = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in p.outputs().items()}
+    num_experts, step = p.shape[0], _expert_chunk(p)
+    for start in range(0, num_experts, step):
+        stop = min(start + step, num_experts)
+        rows = None if (start, stop) == (0, num_experts) else (start, stop)
+        chunk = reader.tensor(p, rows)
+        # A meta KbitExperts of just these experts: pack() checks the chunk's shape against it.
+        packer = KbitExperts(replace(p.experts, num_experts=stop - start), device="meta")
+        packed = packer.pack(projection, chunk.to(device), codebook.to(device), module_name)
+        del chunk
+        for name, t in packed.items():
+            key = f"{module_name}.{name}"
+            if name.endswith("_codebook"):
+                outputs[key].copy_(t)
+            else:
+                outputs[key][start:stop] = t
+        del packed
+    return outputs
 
 
 def _copy_extras(source: Path, folder: Path) -> None:

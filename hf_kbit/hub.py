@@ -85,8 +85,11 @@ def render_card(
     else:
         size_before_label = "source checkpoint"
     n_kept = stats["tensors"] - stats["quantized_tensors"]
-    kept = "lm_head / tied embeddings and all non-Linear tensors" if cfg.modules_to_not_convert is None else (
-        f"{', '.join(cfg.modules_to_not_convert)} and all non-Linear tensors"
+    # MoE: the fused expert weights are quantized too (they are not nn.Linear; routers are kept).
+    weights = "Linear and MoE expert weights" if stats.get("quantized_expert_tensors") else "Linear weights"
+    others = f"all tensors other than {weights}"
+    kept = f"lm_head / tied embeddings and {others}" if cfg.modules_to_not_convert is None else (
+        f"{', '.join(cfg.modules_to_not_convert)} and {others}"
     )
     bits_summary = ", ".join(f"{b} ({n} tensors)" for b, n in stats["quantized_by_bits"].items()) or "none"
     if cfg.module_bits:
@@ -98,6 +101,7 @@ def render_card(
         model_name=source_info.get("name", "model"),
         base_model_link=base_model,
         bits=cfg.bits,
+        quantized_weights=weights,
         levels=", ".join(str(1 << b) for b in bits_values) or str(1 << cfg.bits),
         codebook=_codebook_name(cfg),
         source_note=source_note,

@@ -9,7 +9,7 @@ import torch
 
 from hf_kbit import cli
 
-from convert_helpers import TOKEN, dead_endpoint, llama_fp32  # noqa: F401
+from convert_helpers import TOKEN, dead_endpoint, llama_fp32, moe_checkpoint  # noqa: F401
 
 
 def run(capsys, *argv):
@@ -61,6 +61,26 @@ def test_dry_run(capsys, llama_fp32, tmp_path):
     assert code == 0
     assert "bits/weight" in stdout and "->" in stdout
     assert list(tmp_path.iterdir()) == []
+
+
+def test_moe_dry_run_and_convert(capsys, moe_checkpoint, tmp_path):
+    """Per-expert Mixtral checkpoint (w1/w2/w3 under block_sparse_moe): module bits reach the experts."""
+    src = moe_checkpoint("mixtral", "per-expert")
+    bits = ["--bits", "3", "--module-bits", r"experts\.down_proj=5"]
+    code, stdout, _ = run(capsys, src, *bits, "--dry-run")
+    assert code == 0
+    assert "MoE experts:   4 quantized tensors are fused expert weights (8 experts each, " in stdout
+    assert "10 at 3 bits, 2 at 5 bits" in stdout and "bits/weight" in stdout
+    out = tmp_path / "out"
+    code, stdout, _ = run(capsys, src, *bits, "--out", out, "--no-progress")
+    assert code == 0 and "12 tensors quantized (4 of them fused MoE expert tensors)" in stdout
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.model.layers[1].mlp.experts.bits == {"gate_up_proj": 3, "down_proj": 5}
+    assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
+    code, stdout, _ = run(capsys, src, "--skip-modules", "lm_head", "experts", "--dry-run")
+    assert code == 0 and "MoE experts" not in stdout and "8 at 4 bits" in stdout
 
 
 @pytest.mark.parametrize(

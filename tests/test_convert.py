@@ -1,9 +1,10 @@
-"""hf_kbit.convert: streaming conversion == quantize-on-load, bit for bit; safety; validation; card."""
+"""hf_kbit.convert: streaming conversion == quantize-on-load, bit for bit (dense and MoE); safety; validation; card."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,13 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 import hf_kbit
 from hf_kbit import convert as convert_mod
 from hf_kbit.convert import ConversionError, ConversionPlan, convert
+from hf_kbit.nn.experts import KbitExperts
 from hf_kbit.nn.linear import KbitLinear
 
-from convert_helpers import llama_bf16_tied, llama_fp32, make_llama, subprocess_env  # noqa: F401
+from convert_helpers import (  # noqa: F401
+    MOE_LAYOUTS, hub, llama_bf16_tied, llama_fp32, make_llama, moe_checkpoint, subprocess_env,
+)
 
 PPL_RTOL = 1e-4  # perplexity recomputed from the same weights, same dtype: only summation order may differ
 
@@ -300,3 +305,268 @@ def test_eval_records_perplexity(llama_fp32, tmp_path):
     with torch.no_grad():
         loss = load(result.out)(ids, labels=ids).loss
     assert float(torch.exp(loss)) == pytest.approx(ev["kbit_perplexity"], rel=PPL_RTOL)
+
+
+# ---------------------------------------------------------------------------- MoE
+
+MOE_CASES = [(family, layout) for family, layouts in MOE_LAYOUTS.items() for layout in layouts]
+MOE_IDS = [f"{family}-{layout}" for family, layout in MOE_CASES]
+PER_EXPERT_KEY = re.compile(r"\.experts\.\d+\.")
+
+
+def safetensors_in(folder: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+def assert_same_files(a: Path, b: Path) -> None:
+    ta, tb = safetensors_in(a), safetensors_in(b)
+    assert sorted(ta) == sorted(tb)
+    for key in ta:
+        assert ta[key].dtype == tb[key].dtype and torch.equal(ta[key], tb[key]), key
+
+
+def experts_modules(model) -> dict[str, torch.nn.Module]:
+    return {name: m for name, m in model.named_modules() if name.endswith(".experts")}
+
+
+@pytest.mark.parametrize("family, layout", MOE_CASES, ids=MOE_IDS)
+def test_moe_matches_quantize_on_load(moe_checkpoint, tmp_path, family, layout):
+    """Per-expert or fused experts in; out the files save_pretrained writes after quantize-on-load,
+    tensor for tensor (fused packed KbitExperts tensors, the checkpoint's naming kept)."""
+    src = moe_checkpoint(family, layout)
+    config = hf_kbit.KbitConfig(bits=4)
+    result = convert(src, tmp_path / "out", config, max_shard_size="60KB", progress=False)
+    reference = quantize_on_load(src, config)
+    converted = load(result.out)
+    assert_same_state(converted, reference)
+    experts = experts_modules(converted)
+    assert experts and all(isinstance(m, KbitExperts) and m.placeholders() == [] for m in experts.values())
+    reference.save_pretrained(tmp_path / "reference")
+    assert_same_files(result.out, tmp_path / "reference")
+    assert not any(PER_EXPERT_KEY.search(k) for k in safetensors_in(result.out))
+    ids = torch.tensor([[1, 5, 9, 40, 7, 200]])
+    torch.testing.assert_close(converted(ids).logits, reference(ids).logits, rtol=0, atol=0)
+
+
+# config, experts layers kept in full precision
+MOE_CONFIGS = {
+    "bits3-down5": (dict(bits=3, module_bits={r"experts\.down_proj": 5}), []),
+    "bits2-nf-sym": (dict(bits=2, codebook="nf-sym"), []),
+    "skip-experts": (dict(bits=4, modules_to_not_convert=["lm_head", "experts"]), [0, 1]),
+    "skip-layer1-experts": (dict(bits=4, modules_to_not_convert=["lm_head", "model.layers.1.mlp.experts"]), [1]),
+}
+
+
+@pytest.mark.parametrize("config_kwargs, kept", MOE_CONFIGS.values(), ids=MOE_CONFIGS.keys())
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_module_bits_and_skips_apply_to_experts(moe_checkpoint, tmp_path, family, config_kwargs, kept):
+    src = moe_checkpoint(family, "per-expert")
+    config = hf_kbit.KbitConfig(**config_kwargs)
+    result = convert(src, tmp_path / "out", config, progress=False)
+    converted, reference = load(result.out), quantize_on_load(src, config)
+    assert_same_state(converted, reference)
+    float_model = load(src)
+    for layer in range(2):
+        name = f"model.layers.{layer}.mlp.experts"
+        module = converted.get_submodule(name)
+        if layer in kept:  # the float weights, untouched
+            assert not isinstance(module, KbitExperts), name
+            for projection in ("gate_up_proj", "down_proj"):
+                want = float_model.get_submodule(name).get_parameter(projection)
+                assert torch.equal(module.get_parameter(projection), want), f"{name}.{projection}"
+        else:
+            assert isinstance(module, KbitExperts), name
+            down_bits = 5 if "module_bits" in config_kwargs else config.bits
+            assert module.bits == {"gate_up_proj": config.bits, "down_proj": down_bits}
+    expected_bits = {3: 8 + 2, 5: 2} if "module_bits" in config_kwargs else {config.bits: 8 + 4 - 2 * len(kept)}
+    assert result.stats["quantized_by_bits"] == expected_bits  # 8 attention Linears + the expert tensors
+    assert result.stats["quantized_expert_tensors"] == 4 - 2 * len(kept)
+
+
+def test_moe_shared_experts_can_be_skipped(moe_checkpoint, tmp_path):
+    src = moe_checkpoint("deepseek_v3", "per-expert")
+    config = hf_kbit.KbitConfig(bits=4, modules_to_not_convert=["lm_head", "shared_experts"])
+    converted = load(convert(src, tmp_path / "out", config, progress=False).out)
+    assert_same_state(converted, quantize_on_load(src, config))
+    shared = converted.model.layers[1].mlp.shared_experts
+    assert not any(isinstance(m, KbitLinear) for m in shared.modules())
+    assert isinstance(converted.model.layers[1].mlp.experts, KbitExperts)
+
+
+def test_moe_streams_a_few_experts_at_a_time(moe_checkpoint, tmp_path, monkeypatch):
+    """Bounded memory: each pack sees at most a chunk of experts, and only that chunk's sources
+    are read before it is packed (never a whole layer, let alone the model)."""
+    chunk_elements = 3 * 80 * 96  # 3 experts of gate_up [80, 96]; 6 of down [96, 40]
+    monkeypatch.setattr(convert_mod, "_EXPERT_CHUNK_ELEMENTS", chunk_elements)
+    events = []
+    real_get, real_pack = convert_mod._SourceReader.get, KbitExperts.pack
+
+    def get(self, key, rows=None):
+        tensor = real_get(self, key, rows)
+        if ".experts." in key:
+            events.append(("read", tensor.numel()))
+        return tensor
+
+    def pack(self, projection, value, *args, **kwargs):
+        events.append(("pack", value.shape[0], value.numel()))
+        return real_pack(self, projection, value, *args, **kwargs)
+
+    monkeypatch.setattr(convert_mod._SourceReader, "get", get)
+    monkeypatch.setattr(KbitExperts, "pack", pack)
+    config = hf_kbit.KbitConfig(bits=4)
+    for layout in ("per-expert", "fused"):
+        src = moe_checkpoint("qwen3_moe", layout)
+        events.clear()
+        out = convert(src, tmp_path / layout, config, progress=False).out
+        packs = [e for e in events if e[0] == "pack"]
+        assert len(packs) == 2 * (3 + 2), layout  # 2 layers x (gate_up: 3+3+2 experts, down: 6+2)
+        assert max(e[1] for e in packs) <= 6 and max(e[2] for e in packs) <= chunk_elements
+        read = 0
+        for event in events:
+            if event[0] == "read":
+                read += event[1]
+            else:
+                assert read == event[2], layout  # exactly the chunk's sources, read just before
+                read = 0
+        monkeypatch.setattr(KbitExperts, "pack", real_pack)
+        assert_same_state(load(out), quantize_on_load(src, config))
+        monkeypatch.setattr(KbitExperts, "pack", pack)
+
+
+def test_moe_dry_run_and_card_report_true_sizes(moe_checkpoint, tmp_path):
+    src = moe_checkpoint("qwen3_moe", "per-expert")
+    config = hf_kbit.KbitConfig(bits=3, module_bits={r"experts\.down_proj": 5})
+    plan = convert(src, tmp_path / "out", config, dry_run=True, progress=False)
+    assert not (tmp_path / "out").exists()
+    result = convert(src, tmp_path / "out", config, progress=False)
+    predicted, measured = plan.stats(), result.stats
+    # Independently of the plan: counted on the float model and on the files.
+    float_model = load(src)
+    expert_params = sum(p.numel() for n, p in float_model.named_parameters()
+                        if n.endswith(("experts.gate_up_proj", "experts.down_proj")))
+    linear_params = sum(m.weight.numel() for n, m in float_model.named_modules()
+                        if isinstance(m, torch.nn.Linear) and n != "lm_head")
+    assert predicted["quantized_expert_params"] == expert_params
+    assert predicted["quantized_params"] == expert_params + linear_params
+    source_bytes = sum(t.numel() * t.element_size() for t in safetensors_in(src).values())
+    assert predicted["size_before_bytes"] == source_bytes
+    written = safetensors_in(result.out)
+    assert predicted["size_after_bytes"] == measured["size_after_bytes"] == sum(
+        t.numel() * t.element_size() for t in written.values())
+    packed_bytes = sum(t.numel() * t.element_size() for k, t in written.items()
+                       if k.endswith(("planes", "block_scales", "row_scales", "codebook")))
+    bpw = 8 * packed_bytes / (expert_params + linear_params)
+    assert predicted["bits_per_quantized_weight"] == pytest.approx(bpw, rel=1e-12)
+    assert measured["bits_per_quantized_weight"] == pytest.approx(bpw, rel=1e-12)
+    text = plan.describe()
+    share = expert_params / (expert_params + linear_params)
+    assert f"MoE experts:   4 quantized tensors are fused expert weights (8 experts each, {share:.1%} of" in text
+    assert f"{bpw:.3f}" in text and "3 bits" in text and "5 bits" in text
+    card = (result.out / "README.md").read_text()
+    assert f"{bpw:.3f}" in card and "Linear and MoE expert weights" in card
+    assert f"| Quantized tensors | {measured['quantized_tensors']} of {measured['tensors']} |" in card
+
+
+def test_moe_convert_then_generate(moe_checkpoint, tmp_path):
+    """The MoE end-to-end path: a config-built MoE checkpoint -> convert -> from_pretrained -> generate."""
+    src = moe_checkpoint("qwen3_moe", "per-expert")
+    config = hf_kbit.KbitConfig(bits=4)
+    out = convert(src, tmp_path / "out", config, progress=False).out
+    ids = torch.tensor([[1, 10, 20, 30]])
+    kwargs = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    model = load(out)
+    assert all(isinstance(m, KbitExperts) for m in experts_modules(model).values())
+    got = model.generate(ids, **kwargs)
+    assert got.shape == (1, 10)
+    assert torch.equal(got, quantize_on_load(src, config).generate(ids, **kwargs))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_push_pull_same_logits(moe_checkpoint, hub, tmp_path, family):
+    from huggingface_hub import snapshot_download
+
+    repo = f"me/tiny-{family}-kbit4"
+    src = moe_checkpoint(family, "per-expert")
+    out = convert(src, tmp_path / "out", hf_kbit.KbitConfig(bits=4), repo_id=repo, progress=False).out
+    hf_kbit.hub.push_to_hub(out, repo)
+    pulled = snapshot_download(repo, cache_dir=hub.cache)
+    ids = torch.tensor([[1, 7, 3, 40, 41]])
+    with torch.no_grad():
+        pulled_model = load(pulled)
+        assert all(isinstance(m, KbitExperts) for m in experts_modules(pulled_model).values())
+        torch.testing.assert_close(pulled_model(ids).logits, load(out)(ids).logits, rtol=0, atol=0)
+
+
+def _drop_tensor(src: Path, dst: Path, key: str, replacement: torch.Tensor | None = None) -> None:
+    """Copy the checkpoint ``src`` to ``dst`` without ``key`` (or with ``replacement`` for it)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        tensors = load_file(f)
+        if key in tensors:
+            del tensors[key]
+            if replacement is not None:
+                tensors[key] = replacement
+            save_file(tensors, f, metadata={"format": "pt"})
+            return
+    raise AssertionError(f"{key} not in {src}")
+
+
+def test_moe_missing_expert_is_refused(moe_checkpoint, tmp_path):
+    src = moe_checkpoint("qwen3_moe", "per-expert")
+    _drop_tensor(src, tmp_path / "src", "model.layers.1.mlp.experts.3.up_proj.weight")
+    with pytest.raises(ConversionError, match=r"model\.layers\.1\.mlp\.experts\.gate_up_proj.*lack expert\(s\) \[3\]"):
+        convert(tmp_path / "src", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_moe_fused_experts_of_wrong_count_are_refused(moe_checkpoint, tmp_path):
+    key = "model.layers.0.mlp.experts.gate_up_proj"
+    seven_experts = torch.zeros(7, 80, 96, dtype=torch.bfloat16)
+    _drop_tensor(moe_checkpoint("qwen3_moe", "fused"), tmp_path / "src", key, seven_experts)
+    message = rf"'{re.escape(key)}' has shape \(7, 80, 96\) but .* expects \(8, 80, 96\)"
+    with pytest.raises(ConversionError, match=message):
+        convert(tmp_path / "src", tmp_path / "out", progress=False)
+
+
+@pytest.fixture
+def llama_split_mapping(monkeypatch):
+    """A conversion mapping that splits a fused checkpoint tensor ``mlp.gate_up_proj.weight`` into
+    the model's ``gate_proj`` and ``up_proj`` (one-to-many, like transformers' qkv splits)."""
+    from transformers import conversion_mapping
+    from transformers.core_model_loading import Chunk, WeightConverter
+
+    conversion_mapping.get_checkpoint_conversion_mapping("llama")  # builds the cache
+    monkeypatch.setitem(conversion_mapping._checkpoint_conversion_mapping_cache, "LlamaForCausalLM", [
+        WeightConverter("mlp.gate_up_proj.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"], [Chunk(dim=0)])
+    ])
+
+
+def test_split_tensors_are_written_as_stored_or_refused(llama_fp32, llama_split_mapping, tmp_path):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(llama_fp32, src)
+    tensors = safetensors_in(src)
+    for f in src.glob("*.safetensors"):
+        f.unlink()
+    (src / "model.safetensors.index.json").unlink()
+    for layer in range(2):
+        mlp = f"model.layers.{layer}.mlp"
+        tensors[f"{mlp}.gate_up_proj.weight"] = torch.cat(
+            [tensors.pop(f"{mlp}.gate_proj.weight"), tensors.pop(f"{mlp}.up_proj.weight")]
+        )
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConversionError, match=r"splits checkpoint tensor 'model\.layers\.0\.mlp\.gate_up_proj\."):
+        convert(src, tmp_path / "out", progress=False)
+    config = hf_kbit.KbitConfig(bits=4, modules_to_not_convert=["lm_head", "gate_proj", "up_proj"])
+    out = convert(src, tmp_path / "out", config, progress=False).out
+    assert "model.layers.0.mlp.gate_up_proj.weight" in safetensors_in(out)
+    converted = load(out)
+    assert_same_state(converted, quantize_on_load(src, config))
+    assert isinstance(converted.model.layers[0].mlp.down_proj, KbitLinear)
+    assert not isinstance(converted.model.layers[0].mlp.gate_proj, KbitLinear)
