@@ -19,7 +19,7 @@ Routing: random router logits -> softmax -> top-k (renormalised when the config 
 
 Cold L2 (DESIGN.md section 6): every timed call reads a different copy of the layer. A call
 reads only its active experts, so the number of copies is chosen from the bytes the smallest T
-reads: copies = max(2, ceil(400 MiB / bytes read per call)), capped by ``--copy-mem-gb``. A
+reads: copies = max(2, ceil(400 MiB / bytes read per call)), at most 64 and ``--copy-mem-gb``. A
 whole bf16 layer is already far larger than the L2 (Qwen3-30B-A3B: 1.2 GB; Qwen3-Next: 3.2 GB),
 yet at T = 1 a call reads only 8-10 experts (63-75 MB), so several copies are still needed.
 The output states the copies and the bytes they rotate through.
