@@ -1,258 +1,394 @@
-// Small-M GEMV without tensor cores: out[m, n] = sum_k x[m, k] * W[n, k], M <= kGemvMaxM.
+// Small-M GEMV on tensor cores: out[m, n] = sum_k x[m, k] * W[n, k] for M <= 8 * NT.
 //
-// Decode budget (H100: ~5-6 lane-ops per weight element at HBM speed for k = 4):
-//  * SWAR index extraction: for each of the 4 "s" offsets, one shift+mask+or per plane turns
-//    the plane words of a block into a word whose byte b holds the indices of the adjacent
-//    elements 8b+2s and 8b+2s+1 (format bit order p = 8b + 4h + s): ~1 op per element.
-//  * One 64-bit shared-memory load per element pair from a table of codebook-value pairs
-//    (float2) with 32 lane-private copies, addressed by a single byte permute
-//    (address = pair_index * 256 + lane * 8): conflict-free, ~1 op per element.
-//  * One FMA per element and activation row, against activations staged in shared memory
-//    as float32 (one 16-byte load per 4 elements and row); block scale once per block,
-//    row scale once per row at the end.
-// Work: a CTA of 8 warps owns `row_tiles` 16-row tiles; each warp's half-warps take
-// alternate K tiles (lane = row in tile, so each plane load is 16 bytes per lane and 256
-// contiguous bytes per half-warp). The grid is persistent (the pair table is built once per
-// CTA) and walks units of (row group, K split); split-K partial sums go to a float32
-// workspace that a second kernel reduces, in a fixed order (deterministic).
+// Decode budget (H100, DESIGN.md section 5): at HBM speed a k = 4 weight leaves ~5 lane-op
+// slots per element, and integer ops issue at half the float rate. So the multiply-adds go to
+// the tensor cores (mma.sync m16n8k16, float32 accumulation) and the CUDA cores only decode:
+//  * A warp owns a 16-row tile and walks K tiles (128 = 4 blocks of 32). Lane (g, t) =
+//    (lane / 4, lane % 4) reads plane word (row g, block t) and (row g + 8, block t): each
+//    plane is one fully used 128-byte line per warp, and each lane decodes a whole block of
+//    its two rows.
+//  * SWAR index extraction, ~0.5 integer ops per element: a few shift/LOP3 steps turn the k
+//    plane words of a block into words whose byte b holds the codebook indices of an element
+//    pair (k = 3..5: elements 8b+2s, 8b+2s+1 in word s) or quad (k = 2: 8b+{0,1,4,5} / {2,3,6,7}).
+//  * One byte permute + one conflict-free shared-memory load per pair (quad for k = 2) from a
+//    table of codebook pairs in the activation dtype, 32 (k = 5: 16) lane-private copies; the
+//    pair is then scaled by the block scale with one packed multiply and is an mma operand.
+//  * The dot product over K is order-free, so the mma's K order is chosen to match the
+//    decode: within a K tile, lane t's block supplies mma rows 2t, 2t+1, 2t+8, 2t+9 of every
+//    chunk. The activations are staged in shared memory already permuted into that B-fragment
+//    order (one 8-byte load per lane and chunk), with columns = tokens, so M <= 8 costs one
+//    mma per chunk and M <= 16 two.
+// Work split (plan_gemv in kbit_api.cu): K is cut into `splits` ranges; a persistent CTA serves
+// one range, stages its activations once, and its warps walk row tiles of it, each over the
+// whole range, with no barrier after the staging. Split-K partials go to a float32 workspace
+// that a second kernel reduces in split order (deterministic).
 #pragma once
+
+#include <type_traits>
 
 #include "kbit_common.cuh"
 
 namespace kbit {
 
+// ---- packed 16-bit pairs in the activation dtype ----
 
-template <int BITS> struct PairTable {
-  static constexpr int kEntries = pair_table_entries(BITS);
-  static constexpr int kCopies = pair_table_copies(BITS);
-  static constexpr int kBytes = pair_table_bytes(BITS);
-  static constexpr bool kHalf = kGemvHalfTable;
-  static constexpr int kEntryBytes = kHalf ? 4 : 8;
-  // k <= 4: one byte permute gives index * 256 + lane * 8; half entries shift that right by
-  // one (stride 128 bytes), float2 entries use it as is.
-  static constexpr int kStride = kCopies * kEntryBytes;
-  static_assert(BITS >= 2 && BITS <= 5, "kbit supports 2..5 bits");
+template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+template <typename T> __device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b);
+template <> __device__ __forceinline__ uint32_t mul2<__half>(uint32_t a, uint32_t b) {
+  const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+template <> __device__ __forceinline__ uint32_t mul2<__nv_bfloat16>(uint32_t a, uint32_t b) {
+  const __nv_bfloat162 r =
+      __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+// d += a (16x16, row-major) * b (16x8, column-major), float32 accumulators.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __half>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// (a & mask) | (b & ~mask) as one LOP3 (the compiler otherwise splits it when b is a shift).
+__device__ __forceinline__ uint32_t lop3_or_and(uint32_t a, uint32_t b, uint32_t mask) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(d) : "r"(a), "r"(b), "r"(mask));
+  return d;
+}
+
+// ---- the decode geometry ----
+
+// K offset (within lane t's 32-element block) of the element pair that lane supplies as mma
+// rows {2t, 2t+1} of chunk c; rows {2t+8, 2t+9} take the pair kPairB further on.
+template <int BITS> __host__ __device__ constexpr int chunk_offset(int c) {
+  return BITS == 2 ? 8 * (c >> 1) + 2 * (c & 1) : 16 * (c >> 2) + 2 * (c & 3);
+}
+template <int BITS> constexpr int kPairB = BITS == 2 ? 4 : 8;
+
+// Swizzle of the 16-byte chunk pairs in a lane's activation record: the 8 lanes of a quarter-
+// warp (one 16-byte load phase) then hit 8 different 4-bank groups.
+__device__ __forceinline__ int x_swizzle(int g, int t) { return ((g * 4 + t) >> 1) & 3; }
+
+// Pair table: 256 slots of 256 bytes (64 KB). k = 3, 4: slot = pair index i0 | i1 << 4, 32
+// copies of a 4-byte pair in its first 128 bytes (the byte permute yields slot * 256 + lane * 4
+// directly). k = 2: slot = quad index, 32 copies of an 8-byte quad. k = 5: slot = the two
+// low nibbles, then 4 (high bits) x 16 copies of a 4-byte pair (lane l uses copy l % 16).
+template <typename T> __device__ __forceinline__ uint32_t scale_pair(uint32_t code);
+
+template <int BITS, typename T>
+__device__ __forceinline__ void build_table(char* table, const float* codebook) {
+  constexpr int kLevels = 1 << BITS;
+  // After the pair table: the 256 E4M4 block scales as pairs of the activation dtype.
+  for (int i = threadIdx.x; i < 256; i += blockDim.x)
+    reinterpret_cast<uint32_t*>(table + kGemvTableBytes)[i] = scale_pair<T>(i);
+  for (int i = threadIdx.x; i < kGemvTableBytes / 16; i += blockDim.x) {
+    const int slot = i >> 4, within = (i & 15) * 16;
+    if (BITS == 3 || BITS == 4) {
+      if (within >= 128) continue;  // never read
+    }
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (BITS == 2) {
+      // quad index bits: [1:0] element A.lo, [3:2] B.lo, [5:4] A.hi, [7:6] B.hi
+      const uint32_t a = pack2<T>(__ldg(codebook + (slot & 3)), __ldg(codebook + ((slot >> 4) & 3)));
+      const uint32_t b = pack2<T>(__ldg(codebook + ((slot >> 2) & 3)), __ldg(codebook + ((slot >> 6) & 3)));
+      v = make_uint4(a, b, a, b);
+    } else if (BITS <= 4) {
+      const uint32_t a = pack2<T>(__ldg(codebook + (slot & (kLevels - 1))),
+                                  __ldg(codebook + ((slot >> 4) & (kLevels - 1))));
+      v = make_uint4(a, a, a, a);
+    } else {
+      const int hi = within >> 6;
+      const int i0 = (slot & 15) | ((hi & 1) << 4), i1 = (slot >> 4) | ((hi >> 1) << 4);
+      const uint32_t a = pack2<T>(__ldg(codebook + i0), __ldg(codebook + i1));
+      v = make_uint4(a, a, a, a);
+    }
+    *reinterpret_cast<uint4*>(table + i * 16) = v;
+  }
+}
+
+// Block scale (E4M4 code) as a pair of the activation dtype: exact in both (4-bit mantissa,
+// exponents 2^-18 .. 2^4).
+template <typename T> __device__ __forceinline__ uint32_t scale_pair(uint32_t code) {
+  const float s = e4m4_decode(code);
+  return pack2<T>(s, s);
+}
+
+template <int BITS> struct TileWords {
+  uint32_t w[2][BITS];  // plane words of (row g, block t) and (row g + 8, block t)
+  uint32_t sc[2];       // their E4M4 block scale codes
 };
 
-
-__device__ __forceinline__ uint32_t word_of(const uint4& v, int q) {
-  return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
-}
-
 template <int BITS>
-__device__ __forceinline__ void load_tile(const GemvParams& p, int64_t tile, int r, uint4 (&pl)[BITS], uint32_t& sc) {
+__device__ __forceinline__ void load_tile(const int32_t* planes_base, const uint8_t* scales_base, int tile,
+                                          int lane, TileWords<BITS>& tw) {
+  const uint32_t* planes = reinterpret_cast<const uint32_t*>(planes_base) + tile * BITS * 64 + lane;
 #pragma unroll
-  for (int j = 0; j < BITS; ++j)
-    pl[j] = __ldcs(reinterpret_cast<const uint4*>(p.planes) + (tile * BITS + j) * kTileN + r);
-  sc = __ldcs(reinterpret_cast<const uint32_t*>(p.block_scales) + tile * kTileN + r);
+  for (int j = 0; j < BITS; ++j) {
+    tw.w[0][j] = __ldcs(planes + j * 64);
+    tw.w[1][j] = __ldcs(planes + j * 64 + 32);
+  }
+  const unsigned char* sc = scales_base + tile * 64 + lane;
+  tw.sc[0] = __ldcs(sc);
+  tw.sc[1] = __ldcs(sc + 32);
 }
 
-// Decode one K tile (4 blocks of 32) of this lane's row and accumulate x . w into acc.
-template <int BITS, int M, typename Table>
-__device__ __forceinline__ void decode_tile(const uint4 (&pl)[BITS], uint32_t sc, const float* xk, int x_m_stride,
-                                            const char* table, uint32_t lane_bytes, float (&acc)[M]) {
+// Decode one K tile of this lane's two rows and run its 8 mma chunks against the staged
+// activations `xs` (this tile's B fragments, uint2 per (chunk, token, t)).
+template <int BITS, typename T, int NT>
+__device__ __forceinline__ void mma_tile(const TileWords<BITS>& tw, const uint2* xs, int m, int g, int t,
+                                         const char* table, uint32_t lane_word, float (&acc)[2][NT][4]) {
+  uint32_t s2[2];
 #pragma unroll
-    for (int q = 0; q < kBlocksPerTile; ++q) {
-      uint32_t w[4], hi[4];
+  for (int r = 0; r < 2; ++r) s2[r] = reinterpret_cast<const uint32_t*>(table + kGemvTableBytes)[tw.sc[r]];
+
+  // Index words. k = 2: q[r][0] byte b = quad 8b+{0,4,1,5}, q[r][1] = 8b+{2,6,3,7}.
+  // k >= 3: w[r][s] byte b = pair (8b+2s, 8b+2s+1), low nibbles (k = 5: high bits in hb).
+  uint32_t w[2][4];
+  uint32_t hb[2][4];
 #pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        uint32_t acc_w = 0;
-#pragma unroll
-        for (int j = 0; j < (BITS < 4 ? BITS : 4); ++j)
-          acc_w |= ((word_of(pl[j], q) >> s) & 0x11111111u) << j;
-        w[s] = acc_w;
-        if (BITS == 5) {
-          const uint32_t t = (word_of(pl[BITS - 1], q) >> s) & 0x11111111u;
-          hi[s] = (t | (t >> 3)) & 0x03030303u;  // byte b: bit 0 = hi bit of element 8b+2s, bit 1 = of 8b+2s+1
-        } else {
-          hi[s] = 0;
-        }
+  for (int r = 0; r < 2; ++r) {
+    const uint32_t* pw = tw.w[r];
+    if constexpr (BITS == 2) {
+      w[r][0] = lop3_or_and(pw[0], pw[1] << 1, 0x55555555u);
+      w[r][1] = lop3_or_and(pw[0] >> 1, pw[1], 0x55555555u);
+    } else {
+      // bit 2i / 2i+1 of u01 = planes 0 / 1 at bit 2i; v01 the same at bit 2i + 1.
+      const uint32_t u01 = lop3_or_and(pw[0], pw[1] << 1, 0x55555555u);
+      const uint32_t v01 = lop3_or_and(pw[0] >> 1, pw[1], 0x55555555u);
+      if constexpr (BITS == 3) {
+        // Nibble bit 3 is left as garbage: the table ignores it for k = 3.
+        w[r][0] = lop3_or_and(u01, pw[2] << 2, 0x33333333u);
+        w[r][2] = lop3_or_and(u01 >> 2, pw[2], 0x33333333u);
+        w[r][1] = lop3_or_and(v01, pw[2] << 1, 0x33333333u);
+        w[r][3] = lop3_or_and(v01 >> 2, pw[2] >> 1, 0x33333333u);
+      } else {
+        const uint32_t u23 = lop3_or_and(pw[2], pw[3] << 1, 0x55555555u);
+        const uint32_t v23 = lop3_or_and(pw[2] >> 1, pw[3], 0x55555555u);
+        w[r][0] = lop3_or_and(u01, u23 << 2, 0x33333333u);
+        w[r][2] = lop3_or_and(u01 >> 2, u23, 0x33333333u);
+        w[r][1] = lop3_or_and(v01, v23 << 2, 0x33333333u);
+        w[r][3] = lop3_or_and(v01 >> 2, v23, 0x33333333u);
       }
-      float part[M];
-#pragma unroll
-      for (int m = 0; m < M; ++m) part[m] = 0.f;
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        float2 wv[4];
+      if constexpr (BITS == 5) {
+        // byte b of hb: (high bit of element 8b+2s) << 6 | (of 8b+2s+1) << 7 | lane copy offset
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
-          uint32_t off;
-          if (BITS <= 4) {
-            // byte 0 = lane_bytes, byte 1 = pair index, bytes 2-3 = 0 -> index * 256 + lane_bytes
-            off = __byte_perm(lane_bytes, w[s], 0x1100u | ((4u + b) << 4));
-            if (Table::kHalf) off >>= 1;
-          } else {
-            const uint32_t idx = __byte_perm(w[s], hi[s], b | ((4u + b) << 4)) & 0x3FFu;
-            off = idx * static_cast<uint32_t>(Table::kStride) + lane_bytes;
-          }
-          if (Table::kHalf)
-            wv[s] = __half22float2(*reinterpret_cast<const __half2*>(table + off));
-          else
-            wv[s] = *reinterpret_cast<const float2*>(table + off);
-        }
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-          const float4 xa = *reinterpret_cast<const float4*>(xk + m * x_m_stride + q * kBlockSize + 8 * b);
-          const float4 xb = *reinterpret_cast<const float4*>(xk + m * x_m_stride + q * kBlockSize + 8 * b + 4);
-          float t = part[m];
-          t = fmaf(wv[0].x, xa.x, t);
-          t = fmaf(wv[0].y, xa.y, t);
-          t = fmaf(wv[1].x, xa.z, t);
-          t = fmaf(wv[1].y, xa.w, t);
-          t = fmaf(wv[2].x, xb.x, t);
-          t = fmaf(wv[2].y, xb.y, t);
-          t = fmaf(wv[3].x, xb.z, t);
-          t = fmaf(wv[3].y, xb.w, t);
-          part[m] = t;
+          // z keeps bits 0 and 4 of each byte, so z * 72 = z << 6 | z << 3 (no carries).
+          const uint32_t z = (pw[4] >> s) & 0x11111111u;
+          hb[r][s] = ((z * 72u) & 0xC0C0C0C0u) | lane_word;
         }
       }
-      const float bscale = e4m4_decode((sc >> (8 * q)) & 0xFFu);
-#pragma unroll
-      for (int m = 0; m < M; ++m) acc[m] = fmaf(part[m], bscale, acc[m]);
-    }
-}
-
-template <int BITS, typename T, int M>
-__global__ void __launch_bounds__(kGemvThreads, gemv_min_ctas(BITS, M)) gemv_kernel(GemvParams p, int sub_kt) {
-  using Table = PairTable<BITS>;
-  constexpr int kDepth = gemv_depth(BITS, M);  // plane-load stages per lane
-  constexpr int kLevels = 1 << BITS;
-  extern __shared__ float4 smem_f4[];
-  char* table = reinterpret_cast<char*>(smem_f4);
-  float* xs = reinterpret_cast<float*>(table + Table::kBytes);
-  float* red = xs + M * sub_kt * kXStride;
-
-  // Pair table: entry e, copy c at byte offset e * kStride + c * kEntryBytes. Each thread
-  // writes whole 16-byte chunks (several copies of one entry) so the build costs a few stores.
-  {
-    constexpr int kChunks = Table::kCopies * Table::kEntryBytes / 16;  // 16-byte chunks per entry
-    for (int i = threadIdx.x; i < Table::kEntries * kChunks; i += kGemvThreads) {
-      const int e = i / kChunks, c = i % kChunks;
-      int i0, i1;
-      if (BITS <= 4) {
-        i0 = e & 15;
-        i1 = e >> 4;
-      } else {
-        i0 = (e & 15) | (((e >> 8) & 1) << 4);
-        i1 = ((e >> 4) & 15) | (((e >> 9) & 1) << 4);
-      }
-      float a = 0.f, b = 0.f;
-      if (i0 < kLevels && i1 < kLevels) {
-        a = __ldg(p.codebook + i0);
-        b = __ldg(p.codebook + i1);
-      }
-      uint4 v;
-      if (Table::kHalf) {
-        const __half2 hv = __floats2half2_rn(a, b);
-        const uint32_t u = *reinterpret_cast<const uint32_t*>(&hv);
-        v = make_uint4(u, u, u, u);
-      } else {
-        v = make_uint4(__float_as_uint(a), __float_as_uint(b), __float_as_uint(a), __float_as_uint(b));
-      }
-      *reinterpret_cast<uint4*>(table + e * Table::kStride + c * 16) = v;
     }
   }
 
-  const int lane = threadIdx.x & 31, r = lane & 15, h = lane >> 4, warp = threadIdx.x >> 5;
-  const int k_warps = p.k_warps, row_tiles = p.row_tiles;
-  const int rt = warp / k_warps, kw = warp % k_warps;
-  const int64_t n_tiles = (p.n + kTileN - 1) / kTileN, k_tiles = (p.k + kTileK - 1) / kTileK;
-  const int64_t groups = (n_tiles + row_tiles - 1) / row_tiles;
-  const int64_t units = groups * p.splits;
-  const T* x = static_cast<const T*>(p.x);
-  const int x_m_stride = sub_kt * kXStride;
-  // This lane's table copy: k <= 4 -> byte 0 of the permute source is lane * 8.
-  const uint32_t lane_bytes = BITS <= 4 ? static_cast<uint32_t>(lane) * 8u
-                                        : static_cast<uint32_t>(lane % Table::kCopies) * Table::kEntryBytes;
-  const int step = 2 * k_warps;
-  // 16-byte activation loads need every row start aligned.
-  const bool vec_ok = (p.k % 8 == 0) && (reinterpret_cast<uintptr_t>(p.x) % 16 == 0);
-
-  for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
-    const int64_t group = u / p.splits;
-    const int split = static_cast<int>(u % p.splits);
-    const int64_t kc0 = static_cast<int64_t>(split) * p.chunk_kt;
-    const int64_t kc1 = min(k_tiles, kc0 + p.chunk_kt);
-    const int64_t tile_n = group * row_tiles + rt;
-    const bool active = tile_n < n_tiles;
-
-    float acc[M];
+  const uint4* xl = reinterpret_cast<const uint4*>(xs + (g * 4 + t) * 8);  // this lane's 8 chunks, token g
+  const int sw = x_swizzle(g, t);
+  uint4 bx[NT];
 #pragma unroll
-    for (int m = 0; m < M; ++m) acc[m] = 0.f;
-
-    for (int64_t ks = kc0; ks < kc1; ks += sub_kt) {
-      const int64_t ke = min(kc1, ks + sub_kt);
-      // The first kDepth - 1 K tiles' planes are issued before the staging barrier so that
-      // their latency overlaps the activation staging; the loop keeps kDepth - 1 in flight.
-      const int64_t tile_base = tile_n * k_tiles;
-      const int64_t kt0 = ks + 2 * kw + h;
-      uint4 buf[kDepth][BITS];
-      uint32_t sc[kDepth];
+  for (int c = 0; c < 8; ++c) {
+    if ((c & 1) == 0) {  // B fragments of chunks c, c + 1: one 16-byte load per token tile
 #pragma unroll
-      for (int d = 0; d < kDepth - 1; ++d) {
-        const int64_t ktd = kt0 + d * step;
-        sc[d] = 0;
-        if (active && ktd < ke) load_tile<BITS>(p, tile_base + ktd, r, buf[d], sc[d]);
+      for (int nt = 0; nt < NT; ++nt) {
+        bx[nt] = make_uint4(0, 0, 0, 0);
+        if (nt * 8 + g < m) bx[nt] = xl[nt * 8 * 4 * 4 + ((c >> 1) ^ sw)];
       }
-      __syncthreads();  // table built / previous sub-chunk's readers done with xs
-      // Stage x[:, ks*128 : ke*128) as float32, 8 elements (one 16-byte load) per thread and
-      // step. x beyond K is zero: padded weights of a partial block may decode to nonzero levels.
-      const int span8 = static_cast<int>(ke - ks) * (kTileK / 8);
+    }
+    uint32_t a[4];
 #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        const T* xm = x + m * p.k + ks * kTileK;
-        const int64_t left = p.k - ks * kTileK;  // valid elements from the chunk start
-        for (int v = threadIdx.x; v < span8; v += kGemvThreads) {
-          const int kk = v * 8;
-          float f[8];
-          if (vec_ok && kk + 8 <= left) {
-            union { uint4 u; T h[8]; } pack;
-            pack.u = __ldg(reinterpret_cast<const uint4*>(xm + kk));
+    for (int r = 0; r < 2; ++r) {
+      if constexpr (BITS == 2) {
+        const int b = c >> 1;
+        const uint32_t off = __byte_perm(lane_word, w[r][c & 1], 0x1100u | ((4u + b) << 4));
+        const uint2 e = *reinterpret_cast<const uint2*>(table + off);
+        a[r] = mul2<T>(e.x, s2[r]);
+        a[2 + r] = mul2<T>(e.y, s2[r]);
+      } else {
+        const int s = c & 3, b0 = 2 * (c >> 2);
 #pragma unroll
-            for (int e = 0; e < 8; ++e) f[e] = to_float(pack.h[e]);
+        for (int h = 0; h < 2; ++h) {
+          const int b = b0 + h;
+          uint32_t off;
+          if constexpr (BITS <= 4) {
+            off = __byte_perm(lane_word, w[r][s], 0x1100u | ((4u + b) << 4));
           } else {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) f[e] = kk + e < left ? to_float(xm[kk + e]) : 0.f;
+            // byte 0 = this pair's high bits and copy offset, byte 1 = low nibbles, bytes 2-3 = 0
+            const uint32_t hsrc = (b < 2) ? (hb[r][s] & 0xFFFFu) : (hb[r][s] >> 16);
+            off = __byte_perm(hsrc, w[r][s], 0x2200u | ((4u + b) << 4) | (b & 1));
           }
-          float* dst = xs + m * x_m_stride + (kk >> 7) * kXStride + (kk & (kTileK - 1));
-          *reinterpret_cast<float4*>(dst) = make_float4(f[0], f[1], f[2], f[3]);
-          *reinterpret_cast<float4*>(dst + 4) = make_float4(f[4], f[5], f[6], f[7]);
-        }
-      }
-      __syncthreads();
-      if (!active) continue;
-
-      for (int64_t kt = kt0; kt < ke; kt += kDepth * step) {
-#pragma unroll
-        for (int d = 0; d < kDepth; ++d) {
-          const int64_t ktd = kt + d * step;
-          if (ktd >= ke) break;
-          const int64_t ktn = ktd + (kDepth - 1) * step;
-          if (ktn < ke) load_tile<BITS>(p, tile_base + ktn, r, buf[(d + kDepth - 1) % kDepth], sc[(d + kDepth - 1) % kDepth]);
-          decode_tile<BITS, M, Table>(buf[d], sc[d], xs + (ktd - ks) * kXStride, x_m_stride, table, lane_bytes, acc);
+          a[2 * h + r] = mul2<T>(*reinterpret_cast<const uint32_t*>(table + off), s2[r]);
         }
       }
     }
-
-    // Reduce: the two half-warps, then the k_warps warps of each row tile.
 #pragma unroll
-    for (int m = 0; m < M; ++m) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], 16);
-    if (h == 0) {
-#pragma unroll
-      for (int m = 0; m < M; ++m) red[(warp * M + m) * kTileN + r] = acc[m];
+    for (int nt = 0; nt < NT; ++nt) {
+      const uint32_t b0 = (c & 1) ? bx[nt].z : bx[nt].x, b1 = (c & 1) ? bx[nt].w : bx[nt].y;
+      // NT = 1: two accumulator chains so that consecutive mma are independent (NT > 1 has NT).
+      mma_16816<T>(acc[NT == 1 ? (c & 1) : 0][nt], a, b0, b1);
     }
-    __syncthreads();
-    for (int i = threadIdx.x; i < row_tiles * M * kTileN; i += kGemvThreads) {
-      const int rt2 = i / (M * kTileN), m = (i / kTileN) % M, r2 = i % kTileN;
-      float v = 0.f;
-      for (int w2 = 0; w2 < k_warps; ++w2) v += red[((rt2 * k_warps + w2) * M + m) * kTileN + r2];
-      const int64_t n = (group * row_tiles + rt2) * kTileN + r2;
-      if (n < p.n) {
-        v *= p.row_scales[n];
-        if (p.splits == 1)
-          static_cast<T*>(p.out)[m * p.n + n] = from_float<T>(v);
-        else
-          p.workspace[(static_cast<int64_t>(split) * p.m + m) * p.n + n] = v;
+  }
+}
+
+// Stage activation rows x[row(0..m-1), kc0*128 : kc1*128) in B-fragment order: lane (g, t)'s
+// record of K tile j and token g holds its 8 chunks (64 bytes, pairs of chunks swizzled): 32-bit
+// word (((j * m + token) * 4 + t) * 4 + ((c / 2) ^ swizzle)) * 4 + (c % 2) * 2 + h holds the
+// pair at K = (kc0 + j) * 128 + 32 t + chunk_offset(c) + h * kPairB. Each thread moves 8 consecutive elements (one 16-byte load) per
+// step. x beyond K is zero: padded weights of a partial block may decode to nonzero levels.
+template <int BITS, typename T, typename RowOf>
+__device__ __forceinline__ void stage_x(const T* x, int64_t k, int m, RowOf row_of, uint32_t* xs, int64_t kc0,
+                                        int64_t kc1) {
+  constexpr int kUnroll = 4;  // loads issued before the first store: staging is latency-bound otherwise
+  const int groups = static_cast<int>(kc1 - kc0) * (kTileK / 8);  // 8-element groups per token
+  const int total = groups * m;
+  const bool vec_ok = (k % 8 == 0) && (reinterpret_cast<uintptr_t>(x) % 16 == 0);
+  for (int base = threadIdx.x; base < total; base += blockDim.x * kUnroll) {
+    union Pack { uint4 u; uint32_t w[4]; T e[8]; } pack[kUnroll];
+#pragma unroll
+    for (int r = 0; r < kUnroll; ++r) {
+      const int i = base + r * blockDim.x;
+      if (i >= total) break;
+      const int tok = i / groups, v = i - tok * groups;
+      const int64_t kk = (kc0 + (v >> 4)) * kTileK + (v & 15) * 8;
+      const T* src = x + row_of(tok) * k + kk;
+      if (vec_ok && kk + 8 <= k) {
+        pack[r].u = __ldg(reinterpret_cast<const uint4*>(src));
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) pack[r].e[e] = kk + e < k ? src[e] : from_float<T>(0.f);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kUnroll; ++r) {
+      const int i = base + r * blockDim.x;
+      if (i >= total) break;
+      const int tok = i / groups, v = i - tok * groups;
+      const int j = v >> 4, o = (v & 15) * 8, t = o >> 5, ob = o & 31;
+      uint32_t* dst = xs + ((j * m + tok) * 4 + t) * 16;
+      const int sw = x_swizzle(tok & 7, t);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        int c, h;
+        if (BITS == 2) {  // group ob = 8a: pairs -> (chunk 2a, A), (2a+1, A), (2a, B), (2a+1, B)
+          c = 2 * (ob >> 3) + (q & 1);
+          h = q >> 1;
+        } else {  // ob = 16a + 8h: pair q -> chunk 4a + q, half h
+          c = 4 * (ob >> 4) + q;
+          h = (ob >> 3) & 1;
+        }
+        dst[((c >> 1) ^ sw) * 4 + (c & 1) * 2 + h] = pack[r].w[q];
+      }
+    }
+  }
+}
+
+// Persistent, barrier-free after the staging: CTA c serves K split c % splits (its x is staged
+// once) and its warps walk row tiles of that split, each row tile over the whole split, with
+// the plane loads pipelined across row-tile boundaries. A finished row tile goes straight to
+// out (or to its split's workspace slice).
+template <int BITS, typename T, int NT>
+__global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(GemvParams p) {
+  constexpr int kDepth = kGemvDepth;
+  extern __shared__ float4 smem_f4[];
+  char* table = reinterpret_cast<char*>(smem_f4);
+  uint32_t* xs = reinterpret_cast<uint32_t*>(table + kGemvTableBytes + kGemvScaleBytes);
+  const int m = static_cast<int>(p.m);
+
+  // 32-bit tile arithmetic: the host guarantees n_tiles * k_tiles * BITS * 64 < 2^31.
+  const int split = static_cast<int>(blockIdx.x % p.splits);
+  const int k_tiles = static_cast<int>((p.k + kTileK - 1) / kTileK), n_tiles = static_cast<int>((p.n + kTileN - 1) / kTileN);
+  const int kc0 = split * p.chunk_kt;
+  const int kc1 = min(k_tiles, kc0 + p.chunk_kt);
+  const int chunk = kc1 - kc0;
+
+  build_table<BITS, T>(table, p.codebook);
+  stage_x<BITS, T>(static_cast<const T*>(p.x), p.k, m, [](int tok) { return static_cast<int64_t>(tok); }, xs, kc0,
+                   kc1);
+  __syncthreads();
+
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
+  const int warps_per_split = static_cast<int>(gridDim.x / p.splits) * kGemvWarps;
+  const int first_tile = static_cast<int>(blockIdx.x / p.splits) * kGemvWarps + warp;
+  if (first_tile >= n_tiles || chunk <= 0) return;
+  const int my_tiles = (n_tiles - first_tile + warps_per_split - 1) / warps_per_split;
+  const int items = my_tiles * chunk;
+  // Byte 0 of the permute source: this lane's table copy (k = 5: replicated in every byte).
+  const uint32_t lane_word = BITS == 2 ? lane * 8u : BITS <= 4 ? lane * 4u : (lane & 15u) * 4u * 0x01010101u;
+  const uint2* xs2 = reinterpret_cast<const uint2*>(xs);
+  T* out = static_cast<T*>(p.out);
+  float* ws = p.splits > 1 ? p.workspace + static_cast<int64_t>(split) * p.m * p.n : nullptr;
+  const int n = static_cast<int>(p.n);
+
+  // Load cursor (row tile, K tile) runs kDepth - 1 items ahead of the decode cursor.
+  int load_tile_idx = first_tile * k_tiles + kc0, load_kt = kc0, load_i = 0;
+  const int row_jump = warps_per_split * k_tiles - chunk;  // from the end of a row tile's range to the next's start
+  TileWords<BITS> buf[kDepth];
+  auto advance_load = [&](TileWords<BITS>& dst) {
+    if (load_i < items) load_tile<BITS>(p.planes, p.block_scales, load_tile_idx, lane, dst);
+    ++load_i;
+    ++load_tile_idx;
+    if (++load_kt == kc1) {
+      load_kt = kc0;
+      load_tile_idx += row_jump;
+    }
+  };
+#pragma unroll
+  for (int d = 0; d < kDepth - 1; ++d) advance_load(buf[d]);
+
+  float acc[2][NT][4];
+#pragma unroll
+  for (int a = 0; a < 2; ++a)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[a][nt][i] = 0.f;
+
+  int rt = first_tile;
+  int kt_rel = 0;
+  for (int i = 0; i < items; i += kDepth) {
+#pragma unroll
+    for (int d = 0; d < kDepth; ++d) {
+      if (i + d >= items) break;
+      advance_load(buf[(d + kDepth - 1) % kDepth]);
+      mma_tile<BITS, T, NT>(buf[d], xs2 + kt_rel * 8 * m * 4, m, g, t, table, lane_word, acc);
+      if (++kt_rel == chunk) {
+        // Row tile done: lane (g, t) holds rows g, g + 8 and tokens 8 nt + 2t, 8 nt + 2t + 1.
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int tok = nt * 8 + 2 * t + (e & 1);
+            const int row = rt * kTileN + g + 8 * (e >> 1);
+            const float v = acc[0][nt][e] + acc[1][nt][e];
+            acc[0][nt][e] = 0.f;
+            acc[1][nt][e] = 0.f;
+            if (tok < m && row < n) {
+              const float y = v * __ldg(p.row_scales + row);
+              if (ws) ws[tok * n + row] = y;
+              else out[tok * n + row] = from_float<T>(y);
+            }
+          }
+        }
+        kt_rel = 0;
+        rt += warps_per_split;
       }
     }
   }
@@ -269,9 +405,9 @@ __global__ void __launch_bounds__(256) gemv_reduce_kernel(GemvParams p) {
   static_cast<T*>(p.out)[i] = from_float<T>(v);
 }
 
-template <int BITS, typename T, int M>
-cudaError_t launch_gemv(const GemvParams& p, int sub_kt, int grid, cudaStream_t stream) {
-  const int smem = gemv_smem_bytes(BITS, M, sub_kt);
+template <int BITS, typename T, int NT>
+cudaError_t launch_gemv(const GemvParams& p, int grid, cudaStream_t stream) {
+  const int smem = gemv_smem_bytes(static_cast<int>(p.m), p.chunk_kt);
   cudaError_t err = cudaSuccess;
   // The dynamic shared-memory limit is raised once per device (and again if a larger plan
   // needs more): a driver call per launch costs about a microsecond of eager time.
@@ -279,11 +415,11 @@ cudaError_t launch_gemv(const GemvParams& p, int sub_kt, int grid, cudaStream_t 
   int dev = 0;
   cudaGetDevice(&dev);
   if (dev < 0 || dev >= 64 || raised[dev] < smem) {
-    err = cudaFuncSetAttribute(gemv_kernel<BITS, T, M>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    err = cudaFuncSetAttribute(gemv_kernel<BITS, T, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
     if (dev >= 0 && dev < 64) raised[dev] = smem;
   }
-  gemv_kernel<BITS, T, M><<<grid, kGemvThreads, smem, stream>>>(p, sub_kt);
+  gemv_kernel<BITS, T, NT><<<grid, kGemvThreads, smem, stream>>>(p);
   err = cudaGetLastError();
   if (err != cudaSuccess || p.splits == 1) return err;
   const int64_t mn = p.m * p.n;

@@ -16,7 +16,7 @@ namespace {
 
 using namespace kbit;
 
-constexpr int kAbiVersion = 1;
+constexpr int kAbiVersion = 2;
 constexpr int kMaxDevices = 64;
 
 thread_local char g_error[512] = "";
@@ -71,62 +71,99 @@ bool aligned(const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(pt
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 struct GemvPlan {
-  int splits, chunk_kt, row_tiles, k_warps, sub_kt, grid;
+  int splits, chunk_kt, grid;
 };
 
-// Work split of the GEMV. A CTA's 8 warps cover row_tiles x k_warps (row tile, K lane)
-// pairs; each warp's half-warps take alternate K tiles, so one step covers 2 * k_warps K
-// tiles. Long K: one row tile per CTA and all 16 half-warps on K, so every lane walks a
-// contiguous run of K tiles with its plane loads issued a few tiles ahead (and the first ones
-// before the activation staging). Short K: several row tiles per CTA so each half-warp still
-// owns at least one K tile. One CTA per unit (row group, K split): the hardware schedules
-// them as others finish. Split-K (partials to a workspace, reduced in split order) only
-// when the row groups alone would leave resident CTA slots idle.
-GemvPlan plan_gemv(int64_t m, int64_t n, int64_t k, int sms) {
-  const int64_t k_tiles = ceil_div(k, kTileK), n_tiles = ceil_div(n, kTileN);
-  const int64_t x_tile_bytes = m * kXStride * 4;
-  GemvPlan p{};
-  p.k_warps = k_tiles >= 16 ? 8 : k_tiles >= 8 ? 4 : k_tiles >= 4 ? 2 : 1;
-  p.row_tiles = kGemvWarps / p.k_warps;
-  const int step = 2 * p.k_warps;
-  p.sub_kt = step * static_cast<int>(std::max<int64_t>(1, kGemvXSmemBytes / (x_tile_bytes * step)));
-  const int64_t groups = ceil_div(n_tiles, p.row_tiles);
-  const int64_t slots = static_cast<int64_t>(sms) * kGemvCtasPerSm;
-  int64_t splits = 1;
-  if (4 * groups < 3 * slots) {
-    splits = std::min<int64_t>(ceil_div(slots, groups), std::max<int64_t>(1, k_tiles / step));
+int device_attribute(int device, cudaDeviceAttr attr, int fallback) {
+  int v = 0;
+  return cudaDeviceGetAttribute(&v, attr, device) == cudaSuccess && v > 0 ? v : fallback;
+}
+
+// Shared memory a GEMV CTA may use on this device and the CTAs per SM that leaves room for.
+struct GemvSmem {
+  int x_budget, ctas_per_sm;
+};
+
+GemvSmem gemv_smem(int device, int64_t m) {
+  static GemvSmem cache[kMaxDevices][kGemvMaxM + 1] = {};
+  const bool cached = device >= 0 && device < kMaxDevices;
+  if (cached && cache[device][m].ctas_per_sm) return cache[device][m];
+  const int per_block = device_attribute(device, cudaDevAttrMaxSharedMemoryPerBlockOptin, 48 * 1024);
+  const int per_sm = device_attribute(device, cudaDevAttrMaxSharedMemoryPerMultiprocessor, 64 * 1024);
+  const int fixed = gemv_smem_bytes(static_cast<int>(m), 0);
+  constexpr int kReserved = 1024;  // per-CTA system shared memory
+  // Largest staging budget that keeps kGemvCtasPerSm CTAs resident; one CTA where that is not possible.
+  int budget = std::min(kGemvXSmemBytes, per_sm / kGemvCtasPerSm - kReserved - fixed);
+  int ctas = kGemvCtasPerSm;
+  if (budget < 4 * gemv_x_tile_bytes(static_cast<int>(m))) {
+    budget = std::min(kGemvXSmemBytes, per_block - fixed);
+    ctas = 1;
   }
-  const int64_t chunk = ceil_div(k_tiles, splits);
-  splits = ceil_div(k_tiles, chunk);
-  // Stage no more of x than one split needs: less shared memory, more resident CTAs.
-  p.sub_kt = static_cast<int>(std::min<int64_t>(p.sub_kt, ceil_div(chunk, step) * step));
-  p.splits = static_cast<int>(splits);
-  p.chunk_kt = static_cast<int>(chunk);
-  p.grid = static_cast<int>(std::min<int64_t>(groups * splits, 0x7fffffff));
-  return p;
+  GemvSmem r{std::max(budget, 0), ctas};
+  if (cached) cache[device][m] = r;
+  return r;
+}
+
+// Work split of the GEMV (gemv_kernel.cuh): K is cut into `splits` ranges whose activations
+// fit the CTA's staging budget; the persistent grid (a multiple of splits, at most the resident
+// CTA slots) gives each range grid / splits CTAs, whose warps take that range's row tiles
+// round-robin. The plan maximizes the busy fraction of the warp slots over the rounds this
+// needs, preferring no split-K (partials to a workspace, reduced in split order by a second
+// kernel) by 5%.
+GemvPlan plan_gemv(int64_t m, int64_t n, int64_t k, int sms, const GemvSmem& smem) {
+  const int64_t k_tiles = ceil_div(k, kTileK), n_tiles = ceil_div(n, kTileN);
+  const int64_t slots = static_cast<int64_t>(sms) * smem.ctas_per_sm;
+  const int64_t x_tile = gemv_x_tile_bytes(static_cast<int>(m));
+  const int64_t max_chunk = std::max<int64_t>(1, smem.x_budget / x_tile);
+  const int64_t min_splits = ceil_div(k_tiles, max_chunk);
+  GemvPlan best{};
+  double best_score = -1.0;
+  for (int64_t splits = min_splits; splits <= std::max<int64_t>(min_splits, std::min<int64_t>(k_tiles, 64)); ++splits) {
+    const int64_t chunk = ceil_div(k_tiles, splits);
+    if (ceil_div(k_tiles, chunk) != splits || chunk > max_chunk) continue;  // an empty split / too much x
+    const int64_t per_split = std::max<int64_t>(1, slots / splits);
+    const int64_t warps = per_split * kGemvWarps;
+    const int64_t rounds = ceil_div(n_tiles, warps);
+    double score = static_cast<double>(n_tiles * k_tiles) / (static_cast<double>(rounds * chunk) * slots * kGemvWarps);
+    if (splits > 1) score *= 0.95;
+    if (score > best_score + 1e-9) {
+      best_score = score;
+      best.splits = static_cast<int>(splits);
+      best.chunk_kt = static_cast<int>(chunk);
+      // No more CTAs per split than it has row tiles for.
+      best.grid = static_cast<int>(std::min<int64_t>(per_split, ceil_div(n_tiles, kGemvWarps)) * splits);
+    }
+  }
+  return best;
 }
 
 template <int BITS, typename T>
-cudaError_t gemv_m(const GemvParams& p, int sub, int grid, cudaStream_t s) {
-  switch (p.m) {
-    case 1: return launch_gemv<BITS, T, 1>(p, sub, grid, s);
-    case 2: return launch_gemv<BITS, T, 2>(p, sub, grid, s);
-    case 3: return launch_gemv<BITS, T, 3>(p, sub, grid, s);
-    case 4: return launch_gemv<BITS, T, 4>(p, sub, grid, s);
-    case 5: return launch_gemv<BITS, T, 5>(p, sub, grid, s);
-    case 6: return launch_gemv<BITS, T, 6>(p, sub, grid, s);
-    case 7: return launch_gemv<BITS, T, 7>(p, sub, grid, s);
-    default: return launch_gemv<BITS, T, 8>(p, sub, grid, s);
-  }
+cudaError_t gemv_m(const GemvParams& p, int grid, cudaStream_t s) {
+  return p.m <= 8 ? launch_gemv<BITS, T, 1>(p, grid, s) : launch_gemv<BITS, T, 2>(p, grid, s);
 }
 
 template <typename T>
-cudaError_t gemv_bits(const GemvParams& p, int sub, int grid, cudaStream_t s) {
+cudaError_t gemv_bits(const GemvParams& p, int grid, cudaStream_t s) {
   switch (p.bits) {
-    case 2: return gemv_m<2, T>(p, sub, grid, s);
-    case 3: return gemv_m<3, T>(p, sub, grid, s);
-    case 4: return gemv_m<4, T>(p, sub, grid, s);
-    default: return gemv_m<5, T>(p, sub, grid, s);
+    case 2: return gemv_m<2, T>(p, grid, s);
+    case 3: return gemv_m<3, T>(p, grid, s);
+    case 4: return gemv_m<4, T>(p, grid, s);
+    default: return gemv_m<5, T>(p, grid, s);
+  }
+}
+
+template <int BITS, typename T>
+cudaError_t grouped_nt(const GroupedParams& p, int grid, cudaStream_t s) {
+  return p.order ? launch_grouped_gemv<BITS, T, kGroupedNt>(p, grid, s) : launch_grouped_gemv<BITS, T, 1>(p, grid, s);
+}
+
+template <typename T>
+cudaError_t grouped_bits(const GroupedParams& p, int grid, cudaStream_t s) {
+  switch (p.bits) {
+    case 2: return grouped_nt<2, T>(p, grid, s);
+    case 3: return grouped_nt<3, T>(p, grid, s);
+    case 4: return grouped_nt<4, T>(p, grid, s);
+    default: return grouped_nt<5, T>(p, grid, s);
   }
 }
 
@@ -207,7 +244,7 @@ int kbit_dequantize(int device, void* stream, const int32_t* planes, const uint8
 int64_t kbit_gemv_workspace_size(int device, int64_t m, int64_t n, int64_t k, int bits) {
   (void)bits;
   if (m <= 0 || n <= 0 || k <= 0 || m > kGemvMaxM) return 0;
-  const GemvPlan plan = plan_gemv(m, n, k, sm_count(device));
+  const GemvPlan plan = plan_gemv(m, n, k, sm_count(device), gemv_smem(device, m));
   return plan.splits > 1 ? static_cast<int64_t>(plan.splits) * m * n : 0;
 }
 
@@ -217,7 +254,7 @@ namespace {
 
 struct GemvCall {
   int device;
-  int sub_kt, grid;
+  int grid;
   GemvParams p;
 };
 
@@ -232,7 +269,10 @@ int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* bloc
     return fail("planes, block_scales, row_scales and codebook must be device pointers");
   if (!aligned(planes, 16)) return fail("planes must be 16-byte aligned");
   if (!aligned(block_scales, 4)) return fail("block_scales must be 4-byte aligned");
-  const GemvPlan plan = plan_gemv(m, n, k, sm_count(device));
+  if (ceil_div(n, kTileN) * ceil_div(k, kTileK) * bits * 64 >= (int64_t{1} << 31))
+    return fail("weight of %lld x %lld is too large for the GEMV's 32-bit tile indexing", static_cast<long long>(n),
+                static_cast<long long>(k));
+  const GemvPlan plan = plan_gemv(m, n, k, sm_count(device), gemv_smem(device, m));
   *need = plan.splits > 1 ? static_cast<int64_t>(plan.splits) * m * n : 0;
   GemvParams& p = call->p;
   p = GemvParams{};
@@ -247,10 +287,7 @@ int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* bloc
   p.dtype = dtype;
   p.splits = plan.splits;
   p.chunk_kt = plan.chunk_kt;
-  p.row_tiles = plan.row_tiles;
-  p.k_warps = plan.k_warps;
   call->device = device;
-  call->sub_kt = plan.sub_kt;
   call->grid = plan.grid;
   return KBIT_OK;
 }
@@ -264,8 +301,8 @@ int gemv_launch(const GemvCall& call, const void* x, void* out, float* workspace
   DeviceGuard guard(call.device);
   if (guard.error() != cudaSuccess) return cuda_fail(guard.error(), "selecting the device");
   const auto s = static_cast<cudaStream_t>(stream);
-  cudaError_t err = p.dtype == kFloat16 ? gemv_bits<__half>(p, call.sub_kt, call.grid, s)
-                                        : gemv_bits<__nv_bfloat16>(p, call.sub_kt, call.grid, s);
+  cudaError_t err = p.dtype == kFloat16 ? gemv_bits<__half>(p, call.grid, s)
+                                        : gemv_bits<__nv_bfloat16>(p, call.grid, s);
   return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_gemv launch");
 }
 
@@ -308,6 +345,74 @@ int kbit_gemv_run(const void* call, const void* x, void* out, float* workspace, 
   if (c.p.n > 0 && (!x || !out || (c.p.splits > 1 && !workspace)))
     return fail("x, out (and the workspace of a split-K plan) must be device pointers");
   return gemv_launch(c, x, out, workspace, stream);
+}
+
+int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const int64_t* expert_ids,
+                      const int64_t* order, const int64_t* offsets, const int32_t* planes,
+                      const uint8_t* block_scales, const float* row_scales, const float* codebook, int bits,
+                      int64_t s, int64_t e, int64_t n, int64_t k, void* out) {
+  if (int rc = check_common(bits, dtype, n, k)) return rc;
+  if (dtype == kFloat32) return fail("x must be float16 or bfloat16 for the grouped GEMV");
+  if (s < 0 || e < 1 || e > (1 << 20)) return fail("need s >= 0 and 1 <= e <= 2^20, got s=%lld e=%lld",
+                                                    static_cast<long long>(s), static_cast<long long>(e));
+  if (k == 0) return fail("in_features must be positive");
+  if (s == 0 || n == 0) return KBIT_OK;
+  if (!x || !out || !planes || !block_scales || !row_scales || !codebook)
+    return fail("x, out, planes, block_scales, row_scales and codebook must be device pointers");
+  if (order ? !offsets : !expert_ids)
+    return fail("give expert_ids (per-row mode) or order and offsets (grouped mode)");
+  if (!aligned(planes, 16)) return fail("planes must be 16-byte aligned");
+  if (ceil_div(n, kTileN) * ceil_div(k, kTileK) * bits * 64 >= (int64_t{1} << 31))
+    return fail("expert weight of %lld x %lld is too large for 32-bit tile indexing", static_cast<long long>(n),
+                static_cast<long long>(k));
+  DeviceGuard guard(device);
+  if (guard.error() != cudaSuccess) return cuda_fail(guard.error(), "selecting the device");
+
+  GroupedParams p{};
+  p.x = x;
+  p.expert_ids = expert_ids;
+  p.order = order;
+  p.offsets = offsets;
+  p.planes = planes;
+  p.block_scales = block_scales;
+  p.row_scales = row_scales;
+  p.codebook = codebook;
+  p.out = out;
+  p.s = s;
+  p.e = e;
+  p.n = n;
+  p.k = k;
+  p.bits = bits;
+  p.dtype = dtype;
+  // Per-row mode (decode): few units, so the 8 warps split K (at least 4 K tiles each) to keep
+  // more loads in flight. Grouped mode: units are plenty; each warp owns a row tile.
+  const int64_t k_tiles = ceil_div(k, kTileK);
+  int k_warps = 1;
+  if (!order)
+    while (k_warps < kGemvWarps && k_tiles >= 8 * k_warps) k_warps *= 2;
+  else if (k_tiles >= 8)
+    k_warps = 2;  // 8 row tiles x 2 K halves per unit: shorter units, better balance over the experts
+  p.k_warps = k_warps;
+  const int nt = order ? kGroupedNt : 1;
+  const int per_block = device_attribute(device, cudaDevAttrMaxSharedMemoryPerBlockOptin, 48 * 1024);
+  const int per_sm = device_attribute(device, cudaDevAttrMaxSharedMemoryPerMultiprocessor, 64 * 1024);
+  const int fixed = grouped_smem_bytes(nt, 0, order ? e : 0);
+  const int x_tile = gemv_x_tile_bytes(8 * nt);
+  // As much activation staging as the CTAs per SM leave room for (fewer K passes per unit).
+  int ctas = kGemvCtasPerSm;
+  int budget = per_sm / ctas - 1024 - fixed;
+  if (budget < x_tile * k_warps) {
+    ctas = 1;
+    budget = per_block - fixed;
+  }
+  budget = std::min(budget, per_block - fixed);
+  if (budget < x_tile * k_warps) return fail("too many experts (%lld) for the grouped GEMV's shared memory", static_cast<long long>(e));
+  const int64_t sub = std::min<int64_t>(budget / x_tile / k_warps * k_warps, ceil_div(k_tiles, k_warps) * k_warps);
+  p.sub_kt = static_cast<int>(sub);
+  const int grid = sm_count(device) * ctas;
+  const auto st = static_cast<cudaStream_t>(stream);
+  cudaError_t err = dtype == kFloat16 ? grouped_bits<__half>(p, grid, st) : grouped_bits<__nv_bfloat16>(p, grid, st);
+  return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_grouped_gemv launch");
 }
 
 }  // extern "C"

@@ -51,6 +51,17 @@ KBIT_API int kbit_gemv_prepare(int device, int dtype, const int32_t* planes, con
                                int64_t k, void* call, int64_t* workspace_size);
 KBIT_API int kbit_gemv_run(const void* call, const void* x, void* out, float* workspace, void* stream);
 
+/* Grouped MoE GEMV, all experts in one launch: out [s, n] row r = x [s, k] row r @ W[expert].T
+ * with W [e, n, k] packed (leading expert dim) and one shared codebook. Per-row mode
+ * (order = NULL): the expert of row r is expert_ids[r]; rows with ids outside [0, e) are not
+ * written. Grouped mode: rows grouped by expert, order [s] and offsets [e + 1] on the device
+ * (rows of expert i are order[offsets[i] : offsets[i + 1]]); rows of no expert are not written.
+ * The caller zero-fills out first. x/out float16 or bfloat16. */
+KBIT_API int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const int64_t* expert_ids,
+                               const int64_t* order, const int64_t* offsets, const int32_t* planes,
+                               const uint8_t* block_scales, const float* row_scales, const float* codebook,
+                               int bits, int64_t s, int64_t e, int64_t n, int64_t k, void* out);
+
 #ifdef __cplusplus
 }
 #endif

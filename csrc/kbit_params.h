@@ -50,46 +50,60 @@ struct GemvParams {
   int64_t m, n, k;
   int bits;
   int dtype;
-  // Plan (filled by plan_gemv): a CTA covers `row_tiles` row tiles and `chunk_kt` K tiles.
-  int splits, chunk_kt, row_tiles, k_warps;
+  // Plan (filled by plan_gemv): K is cut into `splits` ranges of `chunk_kt` K tiles; CTA c
+  // serves range c % splits.
+  int splits, chunk_kt;
+};
+
+// Grouped MoE GEMV: out[s] = x[s] @ W[expert of s].T (grouped_gemv_kernel.cuh).
+struct GroupedParams {
+  const void* x;                // [s, k] row-major, dtype `dtype`
+  const int64_t* expert_ids;    // [s]: per-row mode (order == nullptr)
+  const int64_t* order;         // [s]: rows grouped by expert (grouped mode), or nullptr
+  const int64_t* offsets;       // [e + 1]: rows of expert i are order[offsets[i] : offsets[i + 1]]
+  const int32_t* planes;        // [e, nt, kt, bits, 16, 4]
+  const uint8_t* block_scales;  // [e, nt, kt, 16, 4]
+  const float* row_scales;      // [e, n]
+  const float* codebook;        // [2^bits], shared by the experts
+  void* out;                    // [s, n], dtype `dtype`; rows of no expert keep the caller's values
+  int64_t s, e, n, k;
+  int bits;
+  int dtype;
+  // Plan: warps per row tile along K, and K tiles of activations staged per pass.
+  int k_warps, sub_kt;
 };
 
 // ---- GEMV geometry (host plan and kernel agree on these) ----
-constexpr int kGemvThreads = 256;
-constexpr int kGemvWarps = kGemvThreads / 32;
-constexpr int kGemvMaxM = 8;              // beyond this the weight is dequantized for cuBLAS
-constexpr int kXStride = kTileK + 4;      // floats per staged K tile: +4 moves the two half-warps
-                                          // (adjacent K tiles) onto different banks
-constexpr int kGemvXSmemBytes = 34 * 1024;  // activation staging budget per CTA
-constexpr int kGemvCtasPerSm = 2;           // 64 KB pair table + 34 KB staging each fit twice
-
-// Pair table of codebook values (float2), one copy per lane group so lookups never conflict.
-// k <= 4: pair index = i0 | i1 << 4 (the byte the SWAR extraction yields): 16 * 2^k entries,
-//         32 copies -> 256 bytes per entry, so index * 256 + lane * 8 is one byte permute.
-// k = 5:  pair index = low nibbles | hi0 << 8 | hi1 << 9: 1024 entries, 8 copies (64 KB).
-// Entries are half2 (kGemvHalfTable, default: half the shared-memory traffic per lookup; the
-// codebook values round to float16, ~2^-12 relative, far below the bf16/fp16 output rounding)
-// or float2; k <= 4: 32 lane-private copies, so an entry spans 128 or 256 bytes.
-#ifndef KBIT_GEMV_HALF_TABLE
-#define KBIT_GEMV_HALF_TABLE 1
+#ifndef KBIT_GEMV_THREADS  // build-time knobs for tuning experiments; the defaults are the measured choice
+#define KBIT_GEMV_THREADS 512
 #endif
-constexpr bool kGemvHalfTable = KBIT_GEMV_HALF_TABLE != 0;
-constexpr int pair_table_entries(int bits) { return bits <= 4 ? (16 << bits) : 1024; }
-constexpr int pair_table_copies(int bits) { return bits <= 4 ? 32 : 8; }
-constexpr int pair_table_bytes(int bits) {
-  return pair_table_entries(bits) * pair_table_copies(bits) * (kGemvHalfTable ? 4 : 8);
+#ifndef KBIT_GEMV_CTAS_PER_SM
+#define KBIT_GEMV_CTAS_PER_SM 1
+#endif
+#ifndef KBIT_GEMV_X_BYTES
+#define KBIT_GEMV_X_BYTES (96 * 1024)
+#endif
+#ifndef KBIT_GEMV_DEPTH
+#define KBIT_GEMV_DEPTH 3
+#endif
+constexpr int kGemvThreads = KBIT_GEMV_THREADS;
+constexpr int kGemvWarps = kGemvThreads / 32;
+constexpr int kGemvMaxM = 16;              // two mma token tiles; beyond this the weight is dequantized for cuBLAS
+constexpr int kGemvTableBytes = 64 * 1024; // codebook pair table: 256 slots x 256 bytes (gemv_kernel.cuh)
+constexpr int kGemvXSmemBytes = KBIT_GEMV_X_BYTES;  // activation staging cap per CTA (less where the GPU has less)
+constexpr int kGemvCtasPerSm = KBIT_GEMV_CTAS_PER_SM;  // one CTA of 16 warps per SM shares one table
+constexpr int kGemvDepth = KBIT_GEMV_DEPTH;  // plane-load stages per lane: kGemvDepth - 1 K tiles in flight
+constexpr int gemv_x_tile_bytes(int m) { return 256 * m; }  // staged activations per K tile
+constexpr int kGemvScaleBytes = 1024;      // the 256 block scales as activation-dtype pairs
+constexpr int gemv_smem_bytes(int m, int chunk_kt) {
+  return kGemvTableBytes + kGemvScaleBytes + chunk_kt * gemv_x_tile_bytes(m);
 }
-// Resident CTAs per SM the kernel is compiled for (register cap: 3 -> 85 registers) and the
-// plane-load stages per lane (kDepth - 1 K tiles in flight while one is decoded). Measured on
-// H100 (benchmarks/results/h100.md): 3 CTAs help M = 1 for k <= 4 and M = 2 for k = 4; k = 5
-// and M = 2 at k = 2, 3 lose more to the register cap than they gain. A third stage pays
-// where registers allow it without spills.
-constexpr int gemv_min_ctas(int bits, int m) { return (m == 1 && bits <= 4) || (m == 2 && bits == 4) ? 3 : 2; }
-constexpr int gemv_depth(int bits, int m) {
-  return m <= 2 && bits <= 4 && !(gemv_min_ctas(bits, m) == 3 && bits == 4) ? 3 : 2;
-}
-constexpr int gemv_smem_bytes(int bits, int m, int sub_kt) {
-  return pair_table_bytes(bits) + m * sub_kt * kXStride * 4 + kGemvWarps * m * kTileN * 4;
+constexpr int kGroupedNt = 4;  // grouped mode: an expert's rows in chunks of up to 32 (4 mma token tiles)
+// Grouped GEMV: table, `sub_kt` K tiles of x for 8 * nt rows, the k_warps reduction, the
+// unit's row indices and the per-expert chunk prefix sum (grouped mode).
+constexpr int grouped_smem_bytes(int nt, int sub_kt, int64_t num_experts) {
+  return kGemvTableBytes + kGemvScaleBytes + sub_kt * gemv_x_tile_bytes(8 * nt) + kGemvWarps * 8 * nt * kTileN * 4 +
+         8 * nt * 8 + static_cast<int>(num_experts + 1) * 4;
 }
 
 }  // namespace kbit

@@ -18,7 +18,7 @@ from pathlib import Path
 LIBRARY_NAME = "libhf_kbit_cuda.so"
 LIBRARY_ENV = "HF_KBIT_LIBRARY"  # an explicit path to the library; no search when set
 _PACKAGE_DIR = Path(__file__).resolve().parent
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
@@ -74,6 +74,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kbit_gemv_workspace_size.restype = c_i64
     lib.kbit_gemv.argtypes = [c_int, c_vp, c_vp, c_int, c_vp, c_vp, c_vp, c_vp, c_int, c_i64, c_i64, c_i64, c_vp, c_vp, c_i64]
     lib.kbit_gemv.restype = c_int
+    lib.kbit_grouped_gemv.argtypes = [c_int, c_vp, c_vp, c_int, c_vp, c_vp, c_vp, c_vp, c_vp, c_vp, c_vp, c_int,
+                                      c_i64, c_i64, c_i64, c_i64, c_vp]
+    lib.kbit_grouped_gemv.restype = c_int
     # Eager fast path (optional: a library without it still serves every op).
     try:
         lib.kbit_gemv_call_size.restype = c_i64
@@ -109,8 +112,10 @@ def load() -> ctypes.CDLL:
         raise KbitLibraryError(_load_error)
     try:
         lib = ctypes.CDLL(str(path))
-        _declare(lib)
+        lib.kbit_abi_version.restype = ctypes.c_int
         abi = lib.kbit_abi_version()
+        if abi == ABI_VERSION:
+            _declare(lib)
     except (OSError, AttributeError) as exc:
         _load_error = f"the kbit CUDA library at {path} could not be loaded: {exc}"
         raise KbitLibraryError(_load_error) from exc

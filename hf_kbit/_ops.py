@@ -25,8 +25,13 @@ _lib.define(
 )
 _lib.define(
     "grouped_mm(Tensor x, Tensor expert_ids, Tensor planes, Tensor block_scales, Tensor row_scales, "
-    "Tensor codebook, SymInt in_features) -> Tensor"
+    "Tensor codebook, SymInt in_features, Tensor? order=None, Tensor? offsets=None) -> Tensor"
 )
+
+# Rows (token, expert pairs) above which an experts layer groups its rows by expert on the
+# device once (expert_offsets) and hands the routing to both of its grouped_mm calls; at or
+# below it a kernel may serve each row on its own (decode) and needs no sort.
+GROUP_ROWS_ABOVE = 64
 
 
 def _bits(planes: torch.Tensor) -> int:
@@ -159,12 +164,31 @@ def _check_grouped(x, expert_ids, row_scales, codebook) -> None:
     )
 
 
+def _check_routing(expert_ids, order, offsets, num_experts) -> None:
+    torch._check(
+        (order is None) == (offsets is None), lambda: "give both order and offsets (expert_offsets) or neither"
+    )
+    if order is None:
+        return
+    torch._check(
+        tuple(order.shape) == tuple(expert_ids.shape) and order.dtype == torch.int64,
+        lambda: f"order must be int64 {tuple(expert_ids.shape)}, got {order.dtype} {tuple(order.shape)}",
+    )
+    torch._check(
+        tuple(offsets.shape) == (num_experts + 1,) and offsets.dtype == torch.int64,
+        lambda: f"offsets must be int64 [{num_experts + 1}], got {offsets.dtype} {tuple(offsets.shape)}",
+    )
+
+
 @torch.library.impl(_lib, "grouped_mm", "CompositeExplicitAutograd")
-def _grouped_mm_ref(x, expert_ids, planes, block_scales, row_scales, codebook, in_features):
+def _grouped_mm_ref(x, expert_ids, planes, block_scales, row_scales, codebook, in_features, order=None, offsets=None):
     """Row ``s`` of ``x [S, K]`` times expert ``expert_ids[s]``'s weight: ``[S, N]`` in x's dtype.
 
     Packed tensors carry one leading expert dim ``E``; codebook is ``[E, L]`` or ``[L]``.
     Rows whose id lies outside ``[0, E)`` come out as zeros. Accumulates in float32.
+
+    ``order``/``offsets``: :func:`expert_offsets` of ``expert_ids``, when the caller already has
+    them (an experts layer sorts once for its two projections).
 
     Reference: rows grouped by :func:`expert_offsets`, one expert's weight dequantized at a
     time (never ``[S, N, K]``). Reading the group sizes to slice is a host sync here; a
@@ -174,7 +198,9 @@ def _grouped_mm_ref(x, expert_ids, planes, block_scales, row_scales, codebook, i
     _check_packed(planes, block_scales, row_scales, codebook, in_features)
     _check_grouped(x, expert_ids, row_scales, codebook)
     num_experts = row_scales.shape[0]
-    order, offsets = expert_offsets(expert_ids, num_experts)
+    _check_routing(expert_ids, order, offsets, num_experts)
+    if order is None:
+        order, offsets = expert_offsets(expert_ids, num_experts)
     out = torch.zeros(x.shape[0], row_scales.shape[-1], dtype=torch.float32, device=x.device)
     bounds = offsets.tolist()
     for e in range(num_experts):
@@ -188,8 +214,9 @@ def _grouped_mm_ref(x, expert_ids, planes, block_scales, row_scales, codebook, i
 
 
 @torch.library.register_fake("kbit::grouped_mm")
-def _grouped_mm_fake(x, expert_ids, planes, block_scales, row_scales, codebook, in_features):
+def _grouped_mm_fake(x, expert_ids, planes, block_scales, row_scales, codebook, in_features, order=None, offsets=None):
     _check_mm_input(x, in_features)
     _check_packed(planes, block_scales, row_scales, codebook, in_features)
     _check_grouped(x, expert_ids, row_scales, codebook)
+    _check_routing(expert_ids, order, offsets, row_scales.shape[0])
     return x.new_empty((x.shape[0], row_scales.shape[-1]))

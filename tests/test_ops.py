@@ -54,6 +54,25 @@ def test_grouped_mm_matches_per_expert():
         torch.testing.assert_close(out[t], w[ids[t]] @ x[t], atol=1e-4, rtol=1e-4)
 
 
+def test_grouped_mm_takes_precomputed_routing():
+    """order/offsets from expert_offsets give the op's own result; malformed ones are refused."""
+    from hf_kbit import _ops
+
+    k = 70
+    _, (planes, scales, rows, cb) = packed(24, k, 3, lead=(4,))
+    x = torch.randn(7, k)
+    ids = torch.tensor([3, 3, 0, -1, 1, 3, 2])
+    order, offsets = _ops.expert_offsets(ids, 4)
+    out = torch.ops.kbit.grouped_mm(x, ids, planes, scales, rows, cb, k, order, offsets)
+    assert torch.equal(out, torch.ops.kbit.grouped_mm(x, ids, planes, scales, rows, cb, k))
+    assert torch.equal(out[3], torch.zeros(24))
+    torch.library.opcheck(torch.ops.kbit.grouped_mm.default, (x, ids, planes, scales, rows, cb, k, order, offsets))
+    with pytest.raises(RuntimeError, match="offsets must be int64 \\[5\\]"):
+        torch.ops.kbit.grouped_mm(x, ids, planes, scales, rows, cb, k, order, offsets[:4])
+    with pytest.raises(RuntimeError, match="give both order and offsets"):
+        torch.ops.kbit.grouped_mm(x, ids, planes, scales, rows, cb, k, order, None)
+
+
 def test_shape_mismatch_raises_before_compute():
     _, (planes, scales, rows, cb) = packed(16, 128, 4)
     with pytest.raises(RuntimeError, match="in_features=128"):

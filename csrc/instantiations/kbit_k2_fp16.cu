@@ -1,17 +1,14 @@
 // Instantiations for bits=2, dtype=__half (one file per (bits, dtype) keeps rebuilds small).
 #include "../dequantize_kernel.cuh"
 #include "../gemv_kernel.cuh"
+#include "../grouped_gemv_kernel.cuh"
 #include "../quantize_kernel.cuh"
 
 namespace kbit {
 template cudaError_t launch_quantize<__half, 2>(const QuantizeParams&, cudaStream_t);
 template cudaError_t launch_dequantize<__half, 2>(const DequantizeParams&, cudaStream_t);
-template cudaError_t launch_gemv<2, __half, 1>(const GemvParams&, int, int, cudaStream_t);
-template cudaError_t launch_gemv<2, __half, 2>(const GemvParams&, int, int, cudaStream_t);
-template cudaError_t launch_gemv<2, __half, 3>(const GemvParams&, int, int, cudaStream_t);
-template cudaError_t launch_gemv<2, __half, 4>(const GemvParams&, int, int, cudaStream_t);
-template cudaError_t launch_gemv<2, __half, 5>(const GemvParams&, int, int, cudaStream_t);
-template cudaError_t launch_gemv<2, __half, 6>(const GemvParams&, int, int, cudaStream_t);
-template cudaError_t launch_gemv<2, __half, 7>(const GemvParams&, int, int, cudaStream_t);
-template cudaError_t launch_gemv<2, __half, 8>(const GemvParams&, int, int, cudaStream_t);
+template cudaError_t launch_gemv<2, __half, 1>(const GemvParams&, int, cudaStream_t);
+template cudaError_t launch_grouped_gemv<2, __half, 1>(const GroupedParams&, int, cudaStream_t);
+template cudaError_t launch_gemv<2, __half, 2>(const GemvParams&, int, cudaStream_t);
+template cudaError_t launch_grouped_gemv<2, __half, 4>(const GroupedParams&, int, cudaStream_t);
 }  // namespace kbit

@@ -1,17 +1,14 @@
 // Instantiations for bits=3, dtype=__nv_bfloat16 (one file per (bits, dtype) keeps rebuilds small).
 #include "../dequantize_kernel.cuh"
 #include "../gemv_kernel.cuh"
+#include "../grouped_gemv_kernel.cuh"
 #include "../quantize_kernel.cuh"
 
 namespace kbit {
 template cudaError_t launch_quantize<__nv_bfloat16, 3>(const QuantizeParams&, cudaStream_t);
 template cudaError_t launch_dequantize<__nv_bfloat16, 3>(const DequantizeParams&, cudaStream_t);
-template cudaError_t launch_gemv<3, __nv_bfloat16, 1>(const GemvParams&, int, int, cudaStream_t);
-template cudaError_t launch_gemv<3, __nv_bfloat16, 2>(const GemvParams&, int, int, cudaStream_t);
-template cudaError_t launch_gemv<3, __nv_bfloat16, 3>(const GemvParams&, int, int, cudaStream_t);
-template cudaError_t launch_gemv<3, __nv_bfloat16, 4>(const GemvParams&, int, int, cudaStream_t);
-template cudaError_t launch_gemv<3, __nv_bfloat16, 5>(const GemvParams&, int, int, cudaStream_t);
-template cudaError_t launch_gemv<3, __nv_bfloat16, 6>(const GemvParams&, int, int, cudaStream_t);
-template cudaError_t launch_gemv<3, __nv_bfloat16, 7>(const GemvParams&, int, int, cudaStream_t);
-template cudaError_t launch_gemv<3, __nv_bfloat16, 8>(const GemvParams&, int, int, cudaStream_t);
+template cudaError_t launch_gemv<3, __nv_bfloat16, 1>(const GemvParams&, int, cudaStream_t);
+template cudaError_t launch_grouped_gemv<3, __nv_bfloat16, 1>(const GroupedParams&, int, cudaStream_t);
+template cudaError_t launch_gemv<3, __nv_bfloat16, 2>(const GemvParams&, int, cudaStream_t);
+template cudaError_t launch_grouped_gemv<3, __nv_bfloat16, 4>(const GroupedParams&, int, cudaStream_t);
 }  // namespace kbit

@@ -1,4 +1,4 @@
-"""CUDA implementations of ``kbit::quantize``, ``kbit::dequantize`` and ``kbit::mm``.
+"""CUDA implementations of ``kbit::quantize``, ``kbit::dequantize``, ``kbit::mm`` and ``kbit::grouped_mm``.
 
 Imported by ``hf_kbit/__init__.py`` only when the compiled library loads; registered for the
 ``CUDA`` dispatch key, so CPU tensors keep the reference and CUDA tensors take these.
@@ -11,7 +11,8 @@ costs one output allocation and one short ctypes call; everything else goes thro
 ``torch.ops.kbit.mm``.
 
 Dispatch of ``mm`` by M (rows of x after flattening the leading dims):
-  * ``M <= GEMV_MAX_M``: the GEMV kernel (no tensor cores, weight decoded once for all rows);
+  * ``M <= GEMV_MAX_M`` (16): the GEMV kernel (weight decoded once for all rows by the CUDA
+    cores, multiply-adds on the tensor cores; docs/kernels.md);
   * larger M, or float32 x: dequantize into a torch-allocated weight in x's dtype, then
     ``torch.matmul`` (cuBLAS).
 """
@@ -40,11 +41,11 @@ def gemv_wins(m: int, n: int, k: int, bits: int) -> bool:
 
 
 # Largest M at which the GEMV is faster than dequantize + torch.matmul, per bits, from
-# benchmarks/results/h100.md (H100, cold L2). The dequantize path costs about its M=16 time for
-# every M <= 256 (dequantize-bound), and the GEMV at M=8 beat it on every benchmarked shape
-# and k (e.g. 4096x14336 k=4: 70.6 vs 125.8 us; 2048x5120 k=4: 18.3 vs 23.3 us), so the
-# crossover is the GEMV's own limit for every k. Lower an entry here when a shape's GEMV
-# loses; a tensor-core path for mid M would add its own band.
+# benchmarks/results/h100.md (H100, cold L2). The dequantize path costs about its M=32 time for
+# every M <= 256 (dequantize-bound), and the GEMV at M=16 beats it on every benchmarked shape
+# and k (e.g. 4096x14336 k=4: 26.1 vs 122.7 us at M=32), so the crossover is the GEMV's own
+# limit for every k. Lower an entry here when a shape's GEMV loses; a fused GEMM for mid M
+# would add its own band.
 _GEMV_CROSSOVER = {2: GEMV_MAX_M, 3: GEMV_MAX_M, 4: GEMV_MAX_M, 5: GEMV_MAX_M}
 
 _workspace_sizes: dict[tuple, int] = {}
@@ -264,3 +265,46 @@ def _install_fast_path() -> None:
 
 
 _install_fast_path()
+
+
+# ---------------------------------------------------------------------------- grouped_mm
+
+@torch.library.impl(_ops._lib, "grouped_mm", "CUDA")
+def _grouped_mm_cuda(x, expert_ids, planes, block_scales, row_scales, codebook, in_features, order=None, offsets=None):
+    """Rows up to ``_ops.GROUP_ROWS_ABOVE``: each row its expert's GEMV (decode, no sort);
+    beyond it the rows grouped by expert on the device, so that a weight tile is decoded once
+    for up to 32 rows of its expert (``order``/``offsets`` when given, else sorted here)."""
+    _ops._check_mm_input(x, in_features)
+    _check_packed_once(planes, block_scales, row_scales, codebook, in_features)
+    _ops._check_grouped(x, expert_ids, row_scales, codebook)
+    _ops._check_routing(expert_ids, order, offsets, row_scales.shape[0])
+    _same_device(x, expert_ids=expert_ids, planes=planes, block_scales=block_scales, row_scales=row_scales,
+                 codebook=codebook)
+    if codebook.dim() != 1 or x.dtype not in _GEMV_DTYPES:
+        # Per-expert codebooks and float32 activations: the reference (it syncs the host).
+        return _ops._grouped_mm_ref(x, expert_ids, planes, block_scales, row_scales, codebook, in_features,
+                                    order, offsets)
+    s = x.shape[0]
+    num_experts, n = row_scales.shape
+    out = torch.zeros((s, n), dtype=x.dtype, device=x.device)
+    if s == 0 or n == 0:
+        return out
+    x = x.contiguous()
+    ids = expert_ids.to(torch.int64).contiguous()
+    planes, block_scales = planes.contiguous(), block_scales.contiguous()
+    row_scales, codebook = row_scales.contiguous(), codebook.contiguous()
+    if s <= _ops.GROUP_ROWS_ABOVE:
+        ids_ptr, order_ptr, offsets_ptr = ids.data_ptr(), None, None
+    else:
+        if order is None:
+            order, offsets = _ops.expert_offsets(ids, num_experts)
+        order, offsets = order.contiguous(), offsets.contiguous()
+        _same_device(x, order=order, offsets=offsets)
+        ids_ptr, order_ptr, offsets_ptr = None, order.data_ptr(), offsets.data_ptr()
+    rc = _LIB.kbit_grouped_gemv(
+        x.device.index, _stream(x.device), x.data_ptr(), _GEMV_DTYPES[x.dtype], ids_ptr, order_ptr, offsets_ptr,
+        planes.data_ptr(), block_scales.data_ptr(), row_scales.data_ptr(), codebook.data_ptr(), planes.shape[-3],
+        s, num_experts, n, in_features, out.data_ptr(),
+    )
+    _lib.check(rc, "grouped_mm")
+    return out

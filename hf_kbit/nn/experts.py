@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .. import _ops  # noqa: F401  (registers torch.ops.kbit)
+from .. import _ops
 from .. import format as fmt
 from ..config import KbitConfig
 from .linear import COMPUTE_DTYPES, FORMAT_TENSORS, KbitModule, quantize_weight
@@ -262,7 +262,7 @@ class KbitExperts(KbitModule):
         gate, up = gate_up.chunk(2, dim=-1)
         return self.act_fn(gate) * up
 
-    def _project(self, projection: str, x: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    def _project(self, projection: str, x: torch.Tensor, expert_ids: torch.Tensor, routing) -> torch.Tensor:
         prefix = PROJECTIONS[projection]
         out = torch.ops.kbit.grouped_mm(
             x,
@@ -272,6 +272,7 @@ class KbitExperts(KbitModule):
             getattr(self, f"{prefix}_row_scales"),
             getattr(self, f"{prefix}_codebook"),
             self.layout.linear_shape(projection)[1],
+            *routing,
         )
         bias = getattr(self, f"{projection}_bias")
         if bias is not None:
@@ -287,15 +288,20 @@ class KbitExperts(KbitModule):
         # S = T * k (token, expert) pairs; pair s is token s // k. The grouped op groups the rows
         # by expert on the device (no host sync, no data-dependent shapes).
         expert_ids = top_k_index.reshape(-1)
+        # Many rows: group them by expert once, for both projections (few rows: none needed).
+        routing = ()
+        if expert_ids.shape[0] > _ops.GROUP_ROWS_ABOVE:
+            routing = _ops.expert_offsets(expert_ids, self.num_experts)
         x = hidden_states.repeat_interleave(top_k, dim=0)
-        h = self._apply_gate(self._project("gate_up_proj", x, expert_ids))
-        out = self._project("down_proj", h, expert_ids)
+        h = self._apply_gate(self._project("gate_up_proj", x, expert_ids, routing))
+        out = self._project("down_proj", h, expert_ids, routing)
         if getattr(self, "has_post_expert_norm", False):
             out = self.post_expert_norm(out)
         valid = (expert_ids >= 0) & (expert_ids < self.num_experts)
-        weights = torch.where(valid, top_k_weights.reshape(-1).float(), 0.0)
-        out = (out.float() * weights[:, None]).view(num_tokens, top_k, -1).sum(dim=1)
-        return out.to(hidden_states.dtype)
+        weights = torch.where(valid, top_k_weights.reshape(-1), 0).to(out.dtype)
+        # Weighted sum over each token's k experts as one batched matmul (float32 accumulation).
+        out = torch.bmm(weights.view(num_tokens, 1, top_k), out.view(num_tokens, top_k, -1))
+        return out.view(num_tokens, -1).to(hidden_states.dtype)
 
     # ------------------------------------------------------------------ back to floats
 

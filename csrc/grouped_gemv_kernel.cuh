@@ -1,0 +1,175 @@
+// Grouped MoE GEMV on tensor cores: out[s, :] = x[s, :] @ W[expert(s)].T for every row s, all
+// experts in one launch, routing read on the device (no host sync: CUDA-graph capturable).
+//
+// The decode of a K tile is gemv_kernel.cuh's (pair table, mma_tile); what differs is the work:
+//  * per-row mode (decode, few rows): a unit is (row s, row group); its expert is
+//    expert_ids[s] (ids outside [0, E) leave the caller's zeros);
+//  * grouped mode (prefill): the caller groups rows by expert on the device
+//    (_ops.expert_offsets: order, offsets) and a unit is (expert, chunk of <= 8 NT of its rows,
+//    row group), so each weight tile is decoded once for up to 16 rows. Every CTA turns the
+//    offsets into a chunk prefix sum in shared memory and finds a unit's expert by binary search.
+// A CTA's 8 warps cover row_tiles x k_warps (row tile, K lane); activations are staged per unit
+// in K sub-chunks, the k_warps partial sums of a row tile are added in shared memory in warp
+// order (deterministic), and each output row is written once.
+#pragma once
+
+#include "gemv_kernel.cuh"
+
+namespace kbit {
+
+template <int BITS, typename T, int NT>
+__global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) grouped_gemv_kernel(GroupedParams p) {
+  constexpr int kDepth = kGemvDepth;
+  constexpr int kMaxTok = 8 * NT;
+  extern __shared__ float4 smem_f4[];
+  char* table = reinterpret_cast<char*>(smem_f4);
+  uint32_t* xs = reinterpret_cast<uint32_t*>(table + kGemvTableBytes + kGemvScaleBytes);
+  float* red = reinterpret_cast<float*>(xs + static_cast<int64_t>(p.sub_kt) * gemv_x_tile_bytes(kMaxTok) / 4);
+  int64_t* unit_rows = reinterpret_cast<int64_t*>(red + kGemvWarps * kMaxTok * kTileN);  // [kMaxTok]: x/out rows
+  int* chunk_start = reinterpret_cast<int*>(unit_rows + kMaxTok);  // [E + 1], grouped mode
+
+  build_table<BITS, T>(table, p.codebook);
+
+  const bool grouped = p.order != nullptr;
+  const int num_experts = static_cast<int>(p.e);
+  if (grouped) {
+    // chunk_start[e] = sum over e' < e of ceil(rows of e' / kMaxTok): each thread counts a run
+    // of experts, a block-wide scan (warp shuffles, then the 8 warp totals) offsets the runs.
+    __shared__ int warp_total[kGemvWarps];
+    const int per = (num_experts + kGemvThreads - 1) / kGemvThreads;
+    const int e0 = min(num_experts, static_cast<int>(threadIdx.x) * per), e1 = min(num_experts, e0 + per);
+    int local = 0;
+    for (int e = e0; e < e1; ++e)
+      local += static_cast<int>((p.offsets[e + 1] - p.offsets[e] + kMaxTok - 1) / kMaxTok);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int incl = local;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += v;
+    }
+    if (lane == 31) warp_total[warp] = incl;
+    __syncthreads();
+    int base = incl - local;
+    for (int w = 0; w < warp; ++w) base += warp_total[w];
+    if (threadIdx.x == 0) chunk_start[0] = 0;
+    for (int e = e0; e < e1; ++e) {
+      base += static_cast<int>((p.offsets[e + 1] - p.offsets[e] + kMaxTok - 1) / kMaxTok);
+      chunk_start[e + 1] = base;
+    }
+  }
+  __syncthreads();
+
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
+  const int k_warps = p.k_warps, row_tiles = kGemvWarps / k_warps;
+  const int rt = warp / k_warps, kw = warp % k_warps;
+  const int64_t n_tiles = (p.n + kTileN - 1) / kTileN, k_tiles = (p.k + kTileK - 1) / kTileK;
+  const int64_t groups = (n_tiles + row_tiles - 1) / row_tiles;
+  const int64_t work = grouped ? chunk_start[num_experts] : p.s;
+  const int64_t units = work * groups;
+  const int expert_tiles = static_cast<int>(n_tiles * k_tiles);
+  const uint32_t lane_word = BITS == 2 ? lane * 8u : BITS <= 4 ? lane * 4u : (lane & 15u) * 4u * 0x01010101u;
+  const T* x = static_cast<const T*>(p.x);
+  T* out = static_cast<T*>(p.out);
+
+  for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
+    const int64_t wi = u / groups, group = u % groups;
+    int64_t expert, first;  // grouped: rows order[first .. first + m); per-row: row first
+    int m;
+    if (grouped) {
+      int lo = 0, hi = num_experts;  // last e with chunk_start[e] <= wi
+      while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (chunk_start[mid] <= wi) lo = mid; else hi = mid;
+      }
+      expert = lo;
+      first = p.offsets[lo] + (wi - chunk_start[lo]) * kMaxTok;
+      m = static_cast<int>(min(static_cast<int64_t>(kMaxTok), p.offsets[lo + 1] - first));
+    } else {
+      expert = p.expert_ids[wi];
+      first = wi;
+      m = 1;
+      if (expert < 0 || expert >= p.e) continue;  // the caller's zeros stand (uniform over the CTA)
+    }
+    __syncthreads();  // the previous unit's output writes are done with unit_rows
+    if (static_cast<int>(threadIdx.x) < m) unit_rows[threadIdx.x] = grouped ? p.order[first + threadIdx.x] : first;
+    auto row_of = [&](int tok) -> int64_t { return unit_rows[tok]; };
+    const int32_t* planes = p.planes + expert * expert_tiles * (BITS * 64);
+    const uint8_t* scales = p.block_scales + expert * expert_tiles * 64;
+    const int64_t tile_n = group * row_tiles + rt;
+    const bool active = tile_n < n_tiles;
+
+    float acc[2][NT][4];
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[a][nt][i] = 0.f;
+
+    for (int64_t ks = 0; ks < k_tiles; ks += p.sub_kt) {
+      const int64_t ke = min(k_tiles, ks + p.sub_kt);
+      const int64_t tile_base = tile_n * k_tiles;
+      const int64_t kt0 = ks + kw;
+      TileWords<BITS> buf[kDepth];
+#pragma unroll
+      for (int d = 0; d < kDepth - 1; ++d) {
+        const int64_t ktd = kt0 + d * k_warps;
+        if (active && ktd < ke) load_tile<BITS>(planes, scales, static_cast<int>(tile_base + ktd), lane, buf[d]);
+      }
+      __syncthreads();  // the previous pass's / unit's readers are done with xs and red
+      stage_x<BITS, T>(x, p.k, m, row_of, xs, ks, ke);
+      __syncthreads();
+      if (!active) continue;
+      for (int64_t kt = kt0; kt < ke; kt += kDepth * k_warps) {
+#pragma unroll
+        for (int d = 0; d < kDepth; ++d) {
+          const int64_t ktd = kt + d * k_warps;
+          if (ktd >= ke) break;
+          const int64_t ktn = ktd + (kDepth - 1) * k_warps;
+          if (ktn < ke) load_tile<BITS>(planes, scales, static_cast<int>(tile_base + ktn), lane, buf[(d + kDepth - 1) % kDepth]);
+          mma_tile<BITS, T, NT>(buf[d], reinterpret_cast<const uint2*>(xs) + (ktd - ks) * 8 * m * 4, m, g, t, table,
+                                lane_word, acc);
+        }
+      }
+    }
+
+    // Lane (g, t) holds rows g, g + 8 and tokens 8 nt + 2t, 8 nt + 2t + 1 of its row tile.
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tok = nt * 8 + 2 * t + (e & 1), row = g + 8 * (e >> 1);
+        if (tok < m) red[(warp * kMaxTok + tok) * kTileN + row] = acc[0][nt][e] + acc[1][nt][e];
+      }
+    }
+    __syncthreads();
+    const float* rscale = p.row_scales + expert * p.n;
+    for (int i = threadIdx.x; i < row_tiles * m * kTileN; i += kGemvThreads) {
+      const int rt2 = i / (m * kTileN), tok = (i / kTileN) % m, r2 = i % kTileN;
+      const int64_t n = (group * row_tiles + rt2) * kTileN + r2;
+      if (n >= p.n) continue;
+      float v = 0.f;
+      for (int w2 = 0; w2 < k_warps; ++w2) v += red[((rt2 * k_warps + w2) * kMaxTok + tok) * kTileN + r2];
+      out[row_of(tok) * p.n + n] = from_float<T>(v * rscale[n]);
+    }
+  }
+}
+
+template <int BITS, typename T, int NT>
+cudaError_t launch_grouped_gemv(const GroupedParams& p, int grid, cudaStream_t stream) {
+  const int smem = grouped_smem_bytes(NT, p.sub_kt, p.order ? p.e : 0);
+  static int raised[64] = {0};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 0 || dev >= 64 || raised[dev] < smem) {
+    cudaError_t err =
+        cudaFuncSetAttribute(grouped_gemv_kernel<BITS, T, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return err;
+    if (dev >= 0 && dev < 64) raised[dev] = smem;
+  }
+  grouped_gemv_kernel<BITS, T, NT><<<grid, kGemvThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace kbit
