@@ -387,28 +387,40 @@ int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const 
   // Per-row mode (decode): few units, so the 8 warps split K (at least 4 K tiles each) to keep
   // more loads in flight. Grouped mode: units are plenty; each warp owns a row tile.
   const int64_t k_tiles = ceil_div(k, kTileK);
-  int k_warps = 1;
-  if (!order)
-    while (k_warps < kGemvWarps && k_tiles >= 8 * k_warps) k_warps *= 2;
-  else if (k_tiles >= 8)
-    k_warps = 2;  // 8 row tiles x 2 K halves per unit: shorter units, better balance over the experts
-  p.k_warps = k_warps;
-  const int nt = order ? kGroupedNt : 1;
   const int per_block = device_attribute(device, cudaDevAttrMaxSharedMemoryPerBlockOptin, 48 * 1024);
   const int per_sm = device_attribute(device, cudaDevAttrMaxSharedMemoryPerMultiprocessor, 64 * 1024);
-  const int fixed = grouped_smem_bytes(nt, 0, order ? e : 0);
-  const int x_tile = gemv_x_tile_bytes(8 * nt);
-  // As much activation staging as the CTAs per SM leave room for (fewer K passes per unit).
-  int ctas = kGemvCtasPerSm;
-  int budget = per_sm / ctas - 1024 - fixed;
-  if (budget < x_tile * k_warps) {
-    ctas = 1;
-    budget = per_block - fixed;
+  int ctas = 0;
+  // Grouped mode where its shared memory fits, else per-row mode (needs expert_ids).
+  for (int grouped = order ? 1 : 0; grouped >= 0 && ctas == 0; --grouped) {
+    if (!grouped && !expert_ids) break;
+    // Per-row mode (decode): few units, so the warps split K (at least 4 K tiles each) to keep
+    // more loads in flight. Grouped mode: 8 row tiles x 2 K halves per unit.
+    int k_warps = 1;
+    if (!grouped)
+      while (k_warps < kGemvWarps && k_tiles >= 8 * k_warps) k_warps *= 2;
+    else if (k_tiles >= 8)
+      k_warps = 2;
+    const int nt = grouped ? kGroupedNt : 1;
+    const int fixed = grouped_smem_bytes(nt, 0, grouped ? e : 0);
+    const int x_tile = gemv_x_tile_bytes(8 * nt);
+    // As much activation staging as the CTAs per SM leave room for (fewer K passes per unit).
+    int budget = std::min(per_sm / kGemvCtasPerSm - 1024, per_block) - fixed;
+    int c = kGemvCtasPerSm;
+    if (budget < x_tile * k_warps) {
+      budget = per_block - fixed;
+      c = 1;
+    }
+    if (budget < x_tile * k_warps) continue;
+    ctas = c;
+    p.order = grouped ? order : nullptr;
+    p.offsets = grouped ? offsets : nullptr;
+    p.k_warps = k_warps;
+    p.sub_kt = static_cast<int>(
+        std::min<int64_t>(budget / x_tile / k_warps * k_warps, ceil_div(k_tiles, k_warps) * k_warps));
   }
-  budget = std::min(budget, per_block - fixed);
-  if (budget < x_tile * k_warps) return fail("too many experts (%lld) for the grouped GEMV's shared memory", static_cast<long long>(e));
-  const int64_t sub = std::min<int64_t>(budget / x_tile / k_warps * k_warps, ceil_div(k_tiles, k_warps) * k_warps);
-  p.sub_kt = static_cast<int>(sub);
+  if (ctas == 0)
+    return fail("the grouped GEMV does not fit this GPU's shared memory (e=%lld; give expert_ids for per-row mode)",
+                static_cast<long long>(e));
   const int grid = sm_count(device) * ctas;
   const auto st = static_cast<cudaStream_t>(stream);
   cudaError_t err = dtype == kFloat16 ? grouped_bits<__half>(p, grid, st) : grouped_bits<__nv_bfloat16>(p, grid, st);

@@ -56,7 +56,8 @@ KBIT_API int kbit_gemv_run(const void* call, const void* x, void* out, float* wo
  * (order = NULL): the expert of row r is expert_ids[r]; rows with ids outside [0, e) are not
  * written. Grouped mode: rows grouped by expert, order [s] and offsets [e + 1] on the device
  * (rows of expert i are order[offsets[i] : offsets[i + 1]]); rows of no expert are not written.
- * The caller zero-fills out first. x/out float16 or bfloat16. */
+ * With expert_ids given too, a GPU whose shared memory cannot hold the grouped mode's staging
+ * falls back to per-row mode. The caller zero-fills out first. x/out float16 or bfloat16. */
 KBIT_API int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const int64_t* expert_ids,
                                const int64_t* order, const int64_t* offsets, const int32_t* planes,
                                const uint8_t* block_scales, const float* row_scales, const float* codebook,

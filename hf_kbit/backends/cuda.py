@@ -300,7 +300,7 @@ def _grouped_mm_cuda(x, expert_ids, planes, block_scales, row_scales, codebook, 
             order, offsets = _ops.expert_offsets(ids, num_experts)
         order, offsets = order.contiguous(), offsets.contiguous()
         _same_device(x, order=order, offsets=offsets)
-        ids_ptr, order_ptr, offsets_ptr = None, order.data_ptr(), offsets.data_ptr()
+        ids_ptr, order_ptr, offsets_ptr = ids.data_ptr(), order.data_ptr(), offsets.data_ptr()
     rc = _LIB.kbit_grouped_gemv(
         x.device.index, _stream(x.device), x.data_ptr(), _GEMV_DTYPES[x.dtype], ids_ptr, order_ptr, offsets_ptr,
         planes.data_ptr(), block_scales.data_ptr(), row_scales.data_ptr(), codebook.data_ptr(), planes.shape[-3],
