@@ -225,20 +225,45 @@ def test_detects_fused_experts_by_parameters(family):
             assert fused_experts_layout(module, name) is None, name
 
 
+# 40 tokens x top-2 = 80 rows > _ops.GROUP_ROWS_ABOVE: the layer sorts the rows once and hands
+# the routing to both grouped_mm calls.
+@pytest.mark.parametrize("num_tokens", [9, 40], ids=lambda t: f"T{t}")
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_module_equals_models_experts_with_dequantized_weights(family):
+def test_module_equals_models_experts_with_dequantized_weights(family, num_tokens):
     """Same gating, activation, layout and biases as the model's own forward."""
     name, experts = _float_experts(family)
     kbit = KbitExperts.from_experts(experts, gate_up_bits=4, down_bits=3, name=name)
     assert kbit.placeholders() == [] and kbit.bits == {"gate_up_proj": 4, "down_proj": 3}
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(9, 64, generator=g)
-    index, weights = _routing(9, 8, 2, g)
+    x = torch.randn(num_tokens, 64, generator=g)
+    index, weights = _routing(num_tokens, 8, 2, g)
     with torch.no_grad():
         for projection in PROJECTIONS:
             getattr(experts, projection).copy_(kbit.dequantize_weight(projection))
         expected = experts(x, index, weights)
     assert _rel(kbit(x, index, weights), expected) < SAME_MATH_REL_ERROR
+
+
+@pytest.mark.parametrize("num_tokens, sorts", [(20, 0), (40, 1)], ids=["40-rows", "80-rows"])
+def test_module_sorts_rows_once_for_both_projections(num_tokens, sorts, monkeypatch):
+    """Above GROUP_ROWS_ABOVE rows the layer groups them by expert once (not once per projection);
+    at or below it, not at all (a kernel may serve each row on its own)."""
+    from hf_kbit import _ops
+
+    name, experts = _float_experts("qwen3_moe")
+    kbit = KbitExperts.from_experts(experts, name=name)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(num_tokens, 64, generator=g)
+    index, weights = _routing(num_tokens, 8, 2, g)
+    expected = kbit(x, index, weights)
+    calls = []
+    original = _ops.expert_offsets
+    monkeypatch.setattr(_ops, "expert_offsets", lambda *a: calls.append(a) or original(*a))
+    monkeypatch.setattr(_ops, "GROUP_ROWS_ABOVE", 64)
+    out = kbit(x, index, weights)
+    # The reference op sorts by itself when it gets no routing: 2 calls without the layer's.
+    assert len(calls) == (1 if sorts else 2)
+    assert torch.equal(out, expected)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5], ids=lambda b: f"k{b}")
