@@ -11,12 +11,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 mkdir -p dist
-# pyproject.toml names README.md as the long description; until the project has one, build
-# with a stand-in (removed again) rather than fail.
-if [ ! -f README.md ]; then
-  printf '# hf-kbit\n\nk-bit codebook weight quantization for Hugging Face transformers.\n' > README.md
-  trap 'rm -f README.md' EXIT
-fi
 "$PYTHON" -m pip wheel . --no-deps -w dist \
   -C wheel.py-api=py3 \
   -C build-dir=build/wheel \
