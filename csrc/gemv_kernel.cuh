@@ -16,7 +16,7 @@
 //  * The dot product over K is order-free, so the mma's K order is chosen to match the
 //    decode: within a K tile, lane t's block supplies mma rows 2t, 2t+1, 2t+8, 2t+9 of every
 //    chunk. The activations are staged in shared memory already permuted into that B-fragment
-//    order (one 8-byte load per lane and chunk), with columns = tokens, so M <= 8 costs one
+//    order (one 16-byte load per lane and two chunks), with columns = tokens, so M <= 8 costs one
 //    mma per chunk and M <= 16 two.
 // Work split (plan_gemv in kbit_api.cu): K is cut into `splits` ranges; a persistent CTA serves
 // one range, stages its activations once, and its warps walk row tiles of it, each over the
