@@ -287,7 +287,7 @@ def _grouped_mm_cuda(x, expert_ids, planes, block_scales, row_scales, codebook, 
     s = x.shape[0]
     num_experts, n = row_scales.shape
     out = torch.zeros((s, n), dtype=x.dtype, device=x.device)
-    if s == 0 or n == 0:
+    if s == 0 or n == 0 or in_features == 0:  # an empty product is all zeros
         return out
     x = x.contiguous()
     ids = expert_ids.to(torch.int64).contiguous()
