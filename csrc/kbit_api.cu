@@ -79,6 +79,23 @@ int device_attribute(int device, cudaDeviceAttr attr, int fallback) {
   return cudaDeviceGetAttribute(&v, attr, device) == cudaSuccess && v > 0 ? v : fallback;
 }
 
+constexpr int kReservedSmem = 1024;  // per-CTA system shared memory
+
+// Shared-memory limits of a device (queried once: the GEMV launch plans run on every call).
+struct SmemLimits {
+  int per_block, per_sm;
+};
+
+SmemLimits smem_limits(int device) {
+  static SmemLimits cache[kMaxDevices] = {};
+  const bool cached = device >= 0 && device < kMaxDevices;
+  if (cached && cache[device].per_block) return cache[device];
+  const SmemLimits r{device_attribute(device, cudaDevAttrMaxSharedMemoryPerBlockOptin, 48 * 1024),
+                     device_attribute(device, cudaDevAttrMaxSharedMemoryPerMultiprocessor, 64 * 1024)};
+  if (cached) cache[device] = r;
+  return r;
+}
+
 // Shared memory a GEMV CTA may use on this device and the CTAs per SM that leaves room for.
 struct GemvSmem {
   int x_budget, ctas_per_sm;
@@ -88,15 +105,13 @@ GemvSmem gemv_smem(int device, int64_t m) {
   static GemvSmem cache[kMaxDevices][kGemvMaxM + 1] = {};
   const bool cached = device >= 0 && device < kMaxDevices;
   if (cached && cache[device][m].ctas_per_sm) return cache[device][m];
-  const int per_block = device_attribute(device, cudaDevAttrMaxSharedMemoryPerBlockOptin, 48 * 1024);
-  const int per_sm = device_attribute(device, cudaDevAttrMaxSharedMemoryPerMultiprocessor, 64 * 1024);
+  const SmemLimits lim = smem_limits(device);
   const int fixed = gemv_smem_bytes(static_cast<int>(m), 0);
-  constexpr int kReserved = 1024;  // per-CTA system shared memory
   // Largest staging budget that keeps kGemvCtasPerSm CTAs resident; one CTA where that is not possible.
-  int budget = std::min(kGemvXSmemBytes, per_sm / kGemvCtasPerSm - kReserved - fixed);
+  int budget = std::min(kGemvXSmemBytes, lim.per_sm / kGemvCtasPerSm - kReservedSmem - fixed);
   int ctas = kGemvCtasPerSm;
   if (budget < 4 * gemv_x_tile_bytes(static_cast<int>(m))) {
-    budget = std::min(kGemvXSmemBytes, per_block - fixed);
+    budget = std::min(kGemvXSmemBytes, lim.per_block - fixed);
     ctas = 1;
   }
   GemvSmem r{std::max(budget, 0), ctas};
@@ -384,11 +399,8 @@ int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const 
   p.k = k;
   p.bits = bits;
   p.dtype = dtype;
-  // Per-row mode (decode): few units, so the 8 warps split K (at least 4 K tiles each) to keep
-  // more loads in flight. Grouped mode: units are plenty; each warp owns a row tile.
   const int64_t k_tiles = ceil_div(k, kTileK);
-  const int per_block = device_attribute(device, cudaDevAttrMaxSharedMemoryPerBlockOptin, 48 * 1024);
-  const int per_sm = device_attribute(device, cudaDevAttrMaxSharedMemoryPerMultiprocessor, 64 * 1024);
+  const SmemLimits lim = smem_limits(device);
   int ctas = 0;
   // Grouped mode where its shared memory fits, else per-row mode (needs expert_ids).
   for (int grouped = order ? 1 : 0; grouped >= 0 && ctas == 0; --grouped) {
@@ -404,10 +416,10 @@ int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const 
     const int fixed = grouped_smem_bytes(nt, 0, grouped ? e : 0);
     const int x_tile = gemv_x_tile_bytes(8 * nt);
     // As much activation staging as the CTAs per SM leave room for (fewer K passes per unit).
-    int budget = std::min(per_sm / kGemvCtasPerSm - 1024, per_block) - fixed;
+    int budget = std::min(lim.per_sm / kGemvCtasPerSm - kReservedSmem, lim.per_block) - fixed;
     int c = kGemvCtasPerSm;
     if (budget < x_tile * k_warps) {
-      budget = per_block - fixed;
+      budget = lim.per_block - fixed;
       c = 1;
     }
     if (budget < x_tile * k_warps) continue;
