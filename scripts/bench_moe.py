@@ -48,6 +48,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_kernels import time_calls  # noqa: E402  (the kernel benchmark's CUDA-graph timing)
+
 SCHEMA = "hf_kbit.bench_moe/1"
 
 # Published config values (config.json of the Hub models; nothing is downloaded). Only one
@@ -286,34 +290,6 @@ def _cuda_events():
     return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
 
-def _graph_us(calls: list[Callable], replays: int) -> float:
-    """Median microseconds per call of a CUDA graph that runs ``calls`` once each."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in calls:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    e0, e1 = _cuda_events()
-    times = []
-    for _ in range(replays):
-        e0.record()
-        graph.replay()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3 / len(calls))
-    del graph
-    return statistics.median(times)
-
-
 def _eager_us(calls: list[Callable], replays: int, budget_s: float, cuda: bool) -> float:
     """Median microseconds per call over eager calls cycling through ``calls``: CUDA events on
     CUDA, the wall clock on CPU. As many calls as fit ``budget_s`` (at least 3, at most
@@ -349,7 +325,7 @@ def time_calls(calls: list[Callable], *, device: str, use_graph: bool, no_graph_
         return _eager_us(calls, replays, budget_s, cuda=False), "wall_clock"
     if use_graph:
         try:
-            return _graph_us(calls, replays), "cuda_graph"
+            return time_calls(calls, replays), "cuda_graph"
         except Exception as exc:  # noqa: BLE001 - any capture failure falls back, and is recorded
             import torch
 
