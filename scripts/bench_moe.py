@@ -50,6 +50,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_generate  # noqa: E402  (model presets)
 from bench_kernels import time_calls  # noqa: E402  (the kernel benchmark's CUDA-graph timing)
 
 SCHEMA = "hf_kbit.bench_moe/1"
@@ -57,26 +58,8 @@ SCHEMA = "hf_kbit.bench_moe/1"
 # Published config values (config.json of the Hub models; nothing is downloaded). Only one
 # decoder layer is built, on the meta device; its experts module is materialized.
 PRESETS: dict[str, dict[str, Any]] = {
-    "qwen3-30b-a3b": {
-        "model_type": "qwen3_moe",
-        "title": "Qwen3-30B-A3B",
-        "vocab_size": 151936,
-        "hidden_size": 2048,
-        "intermediate_size": 6144,
-        "moe_intermediate_size": 768,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 4,
-        "head_dim": 128,
-        "num_experts": 128,
-        "num_experts_per_tok": 8,
-        "norm_topk_prob": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 40960,
-        "tie_word_embeddings": False,
-    },
+    # The same published values as the decode benchmark (one source); make_config keeps one layer.
+    "qwen3-30b-a3b": bench_generate.PRESETS["qwen3-30b-a3b"],
     "qwen3-next": {
         "model_type": "qwen3_next",
         "title": "Qwen3-Next-80B-A3B / Qwen3-Coder-Next",
@@ -146,7 +129,7 @@ def make_config(preset: str):
     """One-layer transformers config of ``preset`` (published values, see PRESETS)."""
     from transformers import AutoConfig
 
-    values = {k: v for k, v in PRESETS[preset].items() if k != "title"}
+    values = {k: v for k, v in PRESETS[preset].items() if k not in ("title", "num_hidden_layers")}
     model_type = values.pop("model_type")
     return AutoConfig.for_model(model_type, num_hidden_layers=1, **values)
 
