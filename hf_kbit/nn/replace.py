@@ -60,14 +60,23 @@ def replace_kbit_with_linear(model: nn.Module, dtype: torch.dtype | None = None)
 
 
 def quantize_model(model: nn.Module, config: KbitConfig | None = None, modules_to_not_convert: list[str] | None = None) -> nn.Module:
-    """Quantize a model already in memory (outside ``from_pretrained``): Linear -> KbitLinear."""
+    """Quantize a model already in memory (outside ``from_pretrained``), in place; returns it.
+
+    Every ``nn.Linear`` becomes a :class:`KbitLinear` and every fused MoE experts module
+    (transformers v5 ``*.experts`` with 3-D ``gate_up_proj`` / ``down_proj``) a
+    :class:`~hf_kbit.nn.KbitExperts`, as quantize-on-load does. ``modules_to_not_convert``
+    (default: ``config.modules_to_not_convert``, else nothing) lists modules to keep in full
+    precision; unlike ``from_pretrained`` there is no default skip of the LM head here.
+    """
+    from .experts import quantize_experts  # experts.py imports this module
+
     config = config or KbitConfig()
     skip = modules_to_not_convert if modules_to_not_convert is not None else (config.modules_to_not_convert or [])
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and should_convert(name, skip):
             bits = config.bits_for(name)
             _set_submodule(model, name, KbitLinear.from_linear(module, bits, fmt.make_codebook(config.codebook, bits)))
-    return model
+    return quantize_experts(model, config, modules_to_not_convert)
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
