@@ -24,16 +24,6 @@ __host__ __device__ constexpr int bit_of_element(int e) {
   return 8 * (e / 8) + 4 * (e % 2) + (e % 8) / 2;
 }
 
-// Codebook index of block element E from the `BITS` plane words of its block.
-template <int BITS, int E>
-__device__ __forceinline__ uint32_t element_index(const uint32_t (&p)[BITS]) {
-  constexpr int kBit = bit_of_element(E);
-  uint32_t idx = 0;
-#pragma unroll
-  for (int j = 0; j < BITS; ++j) idx |= ((p[j] >> kBit) & 1u) << j;
-  return idx;
-}
-
 template <typename T> struct TypeOf;
 template <> struct TypeOf<float> { static constexpr int value = kFloat32; };
 template <> struct TypeOf<__half> { static constexpr int value = kFloat16; };
@@ -48,6 +38,18 @@ template <> __device__ __forceinline__ float from_float<float>(float v) { return
 template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
+}
+
+// Two 16-bit values packed as they lie in memory (element lo first), each rounded like
+// from_float.
+template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
 }
 
 }  // namespace kbit
