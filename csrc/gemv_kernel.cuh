@@ -142,42 +142,44 @@ __device__ __forceinline__ void load_tile(const int32_t* planes_base, const uint
   tw.sc[1] = __ldcs(sc + 32);
 }
 
-// Decode one K tile of this lane's two rows and run its 8 mma chunks against the staged
-// activations `xs` (this tile's B fragments, uint2 per (chunk, token, t)).
-template <int BITS, typename T, int NT>
-__device__ __forceinline__ void mma_tile(const TileWords<BITS>& tw, const uint2* xs, int m, int g, int t,
-                                         const char* table, uint32_t lane_word, float (&acc)[2][NT][4]) {
-  uint32_t s2[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) s2[r] = reinterpret_cast<const uint32_t*>(table + kGemvTableBytes)[tw.sc[r]];
-
-  // Index words. k = 2: q[r][0] byte b = quad 8b+{0,4,1,5}, q[r][1] = 8b+{2,6,3,7}.
+// A K tile of this lane's two rows (g, g + 8), ready for pair lookups: the SWAR index words
+// and the block scales as activation-dtype pairs.
+template <int BITS> struct TileIndex {
+  // k = 2: w[r][0] byte b = quad 8b+{0,4,1,5}, w[r][1] = 8b+{2,6,3,7}.
   // k >= 3: w[r][s] byte b = pair (8b+2s, 8b+2s+1), low nibbles (k = 5: high bits in hb).
   uint32_t w[2][4];
   uint32_t hb[2][4];
+  uint32_t s2[2];
+};
+
+template <int BITS>
+__device__ __forceinline__ void index_words(const TileWords<BITS>& tw, const char* table, uint32_t lane_word,
+                                            TileIndex<BITS>& ti) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) ti.s2[r] = reinterpret_cast<const uint32_t*>(table + kGemvTableBytes)[tw.sc[r]];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const uint32_t* pw = tw.w[r];
     if constexpr (BITS == 2) {
-      w[r][0] = lop3_or_and(pw[0], pw[1] << 1, 0x55555555u);
-      w[r][1] = lop3_or_and(pw[0] >> 1, pw[1], 0x55555555u);
+      ti.w[r][0] = lop3_or_and(pw[0], pw[1] << 1, 0x55555555u);
+      ti.w[r][1] = lop3_or_and(pw[0] >> 1, pw[1], 0x55555555u);
     } else {
       // bit 2i / 2i+1 of u01 = planes 0 / 1 at bit 2i; v01 the same at bit 2i + 1.
       const uint32_t u01 = lop3_or_and(pw[0], pw[1] << 1, 0x55555555u);
       const uint32_t v01 = lop3_or_and(pw[0] >> 1, pw[1], 0x55555555u);
       if constexpr (BITS == 3) {
         // Nibble bit 3 is left as garbage: the table ignores it for k = 3.
-        w[r][0] = lop3_or_and(u01, pw[2] << 2, 0x33333333u);
-        w[r][2] = lop3_or_and(u01 >> 2, pw[2], 0x33333333u);
-        w[r][1] = lop3_or_and(v01, pw[2] << 1, 0x33333333u);
-        w[r][3] = lop3_or_and(v01 >> 2, pw[2] >> 1, 0x33333333u);
+        ti.w[r][0] = lop3_or_and(u01, pw[2] << 2, 0x33333333u);
+        ti.w[r][2] = lop3_or_and(u01 >> 2, pw[2], 0x33333333u);
+        ti.w[r][1] = lop3_or_and(v01, pw[2] << 1, 0x33333333u);
+        ti.w[r][3] = lop3_or_and(v01 >> 2, pw[2] >> 1, 0x33333333u);
       } else {
         const uint32_t u23 = lop3_or_and(pw[2], pw[3] << 1, 0x55555555u);
         const uint32_t v23 = lop3_or_and(pw[2] >> 1, pw[3], 0x55555555u);
-        w[r][0] = lop3_or_and(u01, u23 << 2, 0x33333333u);
-        w[r][2] = lop3_or_and(u01 >> 2, u23, 0x33333333u);
-        w[r][1] = lop3_or_and(v01, v23 << 2, 0x33333333u);
-        w[r][3] = lop3_or_and(v01 >> 2, v23, 0x33333333u);
+        ti.w[r][0] = lop3_or_and(u01, u23 << 2, 0x33333333u);
+        ti.w[r][2] = lop3_or_and(u01 >> 2, u23, 0x33333333u);
+        ti.w[r][1] = lop3_or_and(v01, v23 << 2, 0x33333333u);
+        ti.w[r][3] = lop3_or_and(v01 >> 2, v23, 0x33333333u);
       }
       if constexpr (BITS == 5) {
         // byte b of hb: (high bit of element 8b+2s) << 6 | (of 8b+2s+1) << 7 | lane copy offset
@@ -185,11 +187,45 @@ __device__ __forceinline__ void mma_tile(const TileWords<BITS>& tw, const uint2*
         for (int s = 0; s < 4; ++s) {
           // z keeps bits 0 and 4 of each byte, so z * 72 = z << 6 | z << 3 (no carries).
           const uint32_t z = (pw[4] >> s) & 0x11111111u;
-          hb[r][s] = ((z * 72u) & 0xC0C0C0C0u) | lane_word;
+          ti.hb[r][s] = ((z * 72u) & 0xC0C0C0C0u) | lane_word;
         }
       }
     }
   }
+}
+
+// k >= 3: elements (8b+2s, 8b+2s+1) of row r (0: g, 1: g + 8), scaled: one byte permute, one
+// table load, one packed multiply.
+template <int BITS, typename T>
+__device__ __forceinline__ uint32_t decode_pair(const TileIndex<BITS>& ti, int r, int s, int b, const char* table,
+                                                uint32_t lane_word) {
+  uint32_t off;
+  if constexpr (BITS <= 4) {
+    off = __byte_perm(lane_word, ti.w[r][s], 0x1100u | ((4u + b) << 4));
+  } else {
+    // byte 0 = this pair's high bits and copy offset, byte 1 = low nibbles, bytes 2-3 = 0
+    const uint32_t hsrc = (b < 2) ? (ti.hb[r][s] & 0xFFFFu) : (ti.hb[r][s] >> 16);
+    off = __byte_perm(hsrc, ti.w[r][s], 0x2200u | ((4u + b) << 4) | (b & 1));
+  }
+  return mul2<T>(*reinterpret_cast<const uint32_t*>(table + off), ti.s2[r]);
+}
+
+// k = 2: the quad in byte b of word q of row r, scaled: pairs (8b + 2q, +1) and (8b + 2q + 4, +1).
+template <typename T>
+__device__ __forceinline__ uint2 decode_quad(const TileIndex<2>& ti, int r, int q, int b, const char* table,
+                                             uint32_t lane_word) {
+  const uint32_t off = __byte_perm(lane_word, ti.w[r][q], 0x1100u | ((4u + b) << 4));
+  const uint2 e = *reinterpret_cast<const uint2*>(table + off);
+  return make_uint2(mul2<T>(e.x, ti.s2[r]), mul2<T>(e.y, ti.s2[r]));
+}
+
+// Decode one K tile of this lane's two rows and run its 8 mma chunks against the staged
+// activations `xs` (this tile's B fragments, uint2 per (chunk, token, t)).
+template <int BITS, typename T, int NT>
+__device__ __forceinline__ void mma_tile(const TileWords<BITS>& tw, const uint2* xs, int m, int g, int t,
+                                         const char* table, uint32_t lane_word, float (&acc)[2][NT][4]) {
+  TileIndex<BITS> ti;
+  index_words<BITS>(tw, table, lane_word, ti);
 
   const uint4* xl = reinterpret_cast<const uint4*>(xs + (g * 4 + t) * 8);  // this lane's 8 chunks, token g
   const int sw = x_swizzle(g, t);
@@ -207,26 +243,12 @@ __device__ __forceinline__ void mma_tile(const TileWords<BITS>& tw, const uint2*
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       if constexpr (BITS == 2) {
-        const int b = c >> 1;
-        const uint32_t off = __byte_perm(lane_word, w[r][c & 1], 0x1100u | ((4u + b) << 4));
-        const uint2 e = *reinterpret_cast<const uint2*>(table + off);
-        a[r] = mul2<T>(e.x, s2[r]);
-        a[2 + r] = mul2<T>(e.y, s2[r]);
+        const uint2 e = decode_quad<T>(ti, r, c & 1, c >> 1, table, lane_word);
+        a[r] = e.x;
+        a[2 + r] = e.y;
       } else {
-        const int s = c & 3, b0 = 2 * (c >> 2);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int b = b0 + h;
-          uint32_t off;
-          if constexpr (BITS <= 4) {
-            off = __byte_perm(lane_word, w[r][s], 0x1100u | ((4u + b) << 4));
-          } else {
-            // byte 0 = this pair's high bits and copy offset, byte 1 = low nibbles, bytes 2-3 = 0
-            const uint32_t hsrc = (b < 2) ? (hb[r][s] & 0xFFFFu) : (hb[r][s] >> 16);
-            off = __byte_perm(hsrc, w[r][s], 0x2200u | ((4u + b) << 4) | (b & 1));
-          }
-          a[2 * h + r] = mul2<T>(*reinterpret_cast<const uint32_t*>(table + off), s2[r]);
-        }
+        for (int h = 0; h < 2; ++h) a[2 * h + r] = decode_pair<BITS, T>(ti, r, c & 3, 2 * (c >> 2) + h, table, lane_word);
       }
     }
 #pragma unroll
@@ -384,15 +406,22 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(Gemv
   }
 }
 
-// Sum of the split-K partials in split order, rounded once to the output dtype.
+// Sum of the split-K partials ws [splits, mn] in split order, rounded once to the output dtype
+// (the GEMV's and the GEMM's second kernel: deterministic, unlike atomics).
 template <typename T>
-__global__ void __launch_bounds__(256) gemv_reduce_kernel(GemvParams p) {
+__global__ void __launch_bounds__(256) splitk_reduce_kernel(const float* ws, T* out, int64_t mn, int splits) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t mn = p.m * p.n;
   if (i >= mn) return;
   float v = 0.f;
-  for (int s = 0; s < p.splits; ++s) v += p.workspace[s * mn + i];
-  static_cast<T*>(p.out)[i] = from_float<T>(v);
+  for (int s = 0; s < splits; ++s) v += ws[s * mn + i];
+  out[i] = from_float<T>(v);
+}
+
+template <typename T>
+cudaError_t launch_splitk_reduce(const float* ws, void* out, int64_t mn, int splits, cudaStream_t stream) {
+  splitk_reduce_kernel<T><<<static_cast<unsigned>((mn + 255) / 256), 256, 0, stream>>>(ws, static_cast<T*>(out), mn,
+                                                                                      splits);
+  return cudaGetLastError();
 }
 
 template <int BITS, typename T, int NT>
@@ -412,9 +441,7 @@ cudaError_t launch_gemv(const GemvParams& p, int grid, cudaStream_t stream) {
   gemv_kernel<BITS, T, NT><<<grid, kGemvThreads, smem, stream>>>(p);
   err = cudaGetLastError();
   if (err != cudaSuccess || p.splits == 1) return err;
-  const int64_t mn = p.m * p.n;
-  gemv_reduce_kernel<T><<<static_cast<unsigned>((mn + 255) / 256), 256, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_splitk_reduce<T>(p.workspace, p.out, p.m * p.n, p.splits, stream);
 }
 
 }  // namespace kbit

@@ -16,7 +16,7 @@ namespace {
 
 using namespace kbit;
 
-constexpr int kAbiVersion = 2;
+constexpr int kAbiVersion = 3;
 constexpr int kMaxDevices = 64;
 
 thread_local char g_error[512] = "";
@@ -164,6 +164,63 @@ cudaError_t gemv_bits(const GemvParams& p, int grid, cudaStream_t s) {
     case 3: return gemv_m<3, T>(p, grid, s);
     case 4: return gemv_m<4, T>(p, grid, s);
     default: return gemv_m<5, T>(p, grid, s);
+  }
+}
+
+// GEMM (gemm_kernel.cuh): NT token tiles of 8 per CTA by M; grid (token blocks, row blocks,
+// K splits). Splits are added only while the CTAs do not fill the GPU: the split whose
+// waves are fullest wins, and a split-K plan (a workspace write, read and a second kernel)
+// must be 3% better. Every split keeps >= 4 K tiles so that the cp.async pipeline fills.
+struct GemmPlan {
+  int nt, splits, chunk_kt;
+  dim3 grid;
+};
+
+int gemm_nt(int64_t m) { return m <= 16 ? 2 : m <= 32 ? 4 : m <= 64 ? 8 : 16; }
+
+GemmPlan plan_gemm(int64_t m, int64_t n, int64_t k, int sms) {
+  GemmPlan plan{};
+  plan.nt = gemm_nt(m);
+  const int64_t token_blocks = ceil_div(m, gemm_block_m(plan.nt)), row_blocks = ceil_div(n, kGemmRows);
+  const int64_t k_tiles = ceil_div(k, kTileK), ctas = token_blocks * row_blocks;
+  plan.splits = 1;
+  plan.chunk_kt = static_cast<int>(k_tiles);
+  double best = -1.0;
+  for (int64_t splits = 1; splits <= 8; ++splits) {
+    const int64_t chunk = ceil_div(k_tiles, splits);
+    if (ceil_div(k_tiles, chunk) != splits || (splits > 1 && chunk < 4)) continue;
+    const int64_t total = ctas * splits;
+    const double score = static_cast<double>(total) / static_cast<double>(ceil_div(total, sms) * sms) *
+                         (splits > 1 ? 0.97 : 1.0);
+    if (score > best + 1e-9) {
+      best = score;
+      plan.splits = static_cast<int>(splits);
+      plan.chunk_kt = static_cast<int>(chunk);
+    }
+    if (total >= sms) break;  // the GPU is full: more splits only add workspace traffic
+  }
+  plan.grid = dim3(static_cast<unsigned>(token_blocks), static_cast<unsigned>(row_blocks),
+                   static_cast<unsigned>(plan.splits));
+  return plan;
+}
+
+template <int BITS, typename T>
+cudaError_t gemm_nt_launch(const GemmParams& p, const GemmPlan& plan, cudaStream_t s) {
+  switch (plan.nt) {
+    case 2: return launch_gemm<BITS, T, 2>(p, plan.grid, s);
+    case 4: return launch_gemm<BITS, T, 4>(p, plan.grid, s);
+    case 8: return launch_gemm<BITS, T, 8>(p, plan.grid, s);
+    default: return launch_gemm<BITS, T, 16>(p, plan.grid, s);
+  }
+}
+
+template <typename T>
+cudaError_t gemm_bits(const GemmParams& p, const GemmPlan& plan, cudaStream_t s) {
+  switch (p.bits) {
+    case 2: return gemm_nt_launch<2, T>(p, plan, s);
+    case 3: return gemm_nt_launch<3, T>(p, plan, s);
+    case 4: return gemm_nt_launch<4, T>(p, plan, s);
+    default: return gemm_nt_launch<5, T>(p, plan, s);
   }
 }
 
@@ -437,6 +494,57 @@ int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const 
   const auto st = static_cast<cudaStream_t>(stream);
   cudaError_t err = dtype == kFloat16 ? grouped_bits<__half>(p, grid, st) : grouped_bits<__nv_bfloat16>(p, grid, st);
   return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_grouped_gemv launch");
+}
+
+int64_t kbit_gemm_workspace_size(int device, int64_t m, int64_t n, int64_t k, int bits) {
+  if (bits < 2 || bits > 5) return -1;
+  if (m <= 0 || n <= 0 || k <= 0) return 0;
+  const GemmPlan plan = plan_gemm(m, n, k, sm_count(device));
+  if (gemm_smem_bytes(bits, plan.nt) > smem_limits(device).per_block) return -1;
+  return plan.splits > 1 ? static_cast<int64_t>(plan.splits) * m * n : 0;
+}
+
+int kbit_gemm(int device, void* stream, const void* x, int dtype, const int32_t* planes, const uint8_t* block_scales,
+              const float* row_scales, const float* codebook, int bits, int64_t m, int64_t n, int64_t k, void* out,
+              float* workspace, int64_t workspace_size) {
+  if (int rc = check_common(bits, dtype, n, k)) return rc;
+  if (dtype == kFloat32) return fail("x must be float16 or bfloat16 for the GEMM (float32 goes through dequantize)");
+  if (m < 1 || m > (int64_t{1} << 31)) return fail("x has %lld rows, the GEMM takes 1..2^31", static_cast<long long>(m));
+  if (k == 0) return fail("in_features must be positive (an empty product is all zeros: handle it before the call)");
+  if (n == 0) return KBIT_OK;
+  if (!x || !out || !planes || !block_scales || !row_scales || !codebook)
+    return fail("x, out, planes, block_scales, row_scales and codebook must be device pointers");
+  if (!aligned(planes, 16) || !aligned(block_scales, 16)) return fail("planes and block_scales must be 16-byte aligned");
+  if (ceil_div(n, kTileN) > 65535 * kGemmTiles) return fail("out_features %lld is too large for the GEMM grid", static_cast<long long>(n));
+  const GemmPlan plan = plan_gemm(m, n, k, sm_count(device));
+  const int smem = gemm_smem_bytes(bits, plan.nt);
+  if (smem > smem_limits(device).per_block)
+    return fail("the GEMM needs %d bytes of shared memory per block, this GPU allows %d (kbit_gemm_workspace_size "
+                "returns -1 here: dequantize + matmul instead)", smem, smem_limits(device).per_block);
+  const int64_t need = plan.splits > 1 ? static_cast<int64_t>(plan.splits) * m * n : 0;
+  if (workspace_size < need || (need > 0 && !workspace))
+    return fail("workspace has %lld floats, this problem needs %lld (kbit_gemm_workspace_size)",
+                static_cast<long long>(workspace_size), static_cast<long long>(need));
+  DeviceGuard guard(device);
+  if (guard.error() != cudaSuccess) return cuda_fail(guard.error(), "selecting the device");
+  GemmParams p{};
+  p.x = x;
+  p.planes = planes;
+  p.block_scales = block_scales;
+  p.row_scales = row_scales;
+  p.codebook = codebook;
+  p.out = out;
+  p.workspace = workspace;
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.bits = bits;
+  p.dtype = dtype;
+  p.splits = plan.splits;
+  p.chunk_kt = plan.chunk_kt;
+  const auto st = static_cast<cudaStream_t>(stream);
+  cudaError_t err = dtype == kFloat16 ? gemm_bits<__half>(p, plan, st) : gemm_bits<__nv_bfloat16>(p, plan, st);
+  return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_gemm launch");
 }
 
 }  // extern "C"

@@ -40,6 +40,16 @@ KBIT_API int kbit_gemv(int device, void* stream, const void* x, int dtype, const
                        const uint8_t* block_scales, const float* row_scales, const float* codebook, int bits,
                        int64_t m, int64_t n, int64_t k, void* out, float* workspace, int64_t workspace_size);
 
+/* Floats of float32 workspace kbit_gemm needs for this problem (0: none); -1 when the GEMM
+ * cannot run on this GPU (too little shared memory per block: use dequantize + matmul). */
+KBIT_API int64_t kbit_gemm_workspace_size(int device, int64_t m, int64_t n, int64_t k, int bits);
+
+/* Mid-M tensor-core GEMM: out [m, n] = x [m, k] @ W.T, any m >= 1, x/out float16 or bfloat16,
+ * planes and block_scales 16-byte aligned. */
+KBIT_API int kbit_gemm(int device, void* stream, const void* x, int dtype, const int32_t* planes,
+                       const uint8_t* block_scales, const float* row_scales, const float* codebook, int bits,
+                       int64_t m, int64_t n, int64_t k, void* out, float* workspace, int64_t workspace_size);
+
 /* Eager fast path: kbit_gemv split in two. kbit_gemv_prepare validates the weight and the
  * problem once and writes an opaque call record (kbit_gemv_call_size() bytes, caller-owned)
  * plus the workspace floats it needs; kbit_gemv_run then launches with only the per-call

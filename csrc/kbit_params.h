@@ -55,6 +55,24 @@ struct GemvParams {
   int splits, chunk_kt;
 };
 
+// Mid-M tensor-core GEMM: out[m, n] = x[m, k] @ W.T with the weight decoded into mma operands
+// as x and the packed tiles stream through shared memory (gemm_kernel.cuh).
+struct GemmParams {
+  const void* x;               // [m, k] row-major, dtype `dtype`
+  const int32_t* planes;       // [nt, kt, bits, 16, 4]
+  const uint8_t* block_scales; // [nt, kt, 16, 4]
+  const float* row_scales;     // [n]
+  const float* codebook;       // [2^bits]
+  void* out;                   // [m, n], dtype `dtype`
+  float* workspace;            // [splits, m, n] partial sums when splits > 1, else unused
+  int64_t m, n, k;
+  int bits;
+  int dtype;
+  // Plan (plan_gemm): grid = (token blocks, row blocks, splits); split s covers K tiles
+  // [s * chunk_kt, min(k_tiles, (s + 1) * chunk_kt)).
+  int splits, chunk_kt;
+};
+
 // Grouped MoE GEMV: out[s] = x[s] @ W[expert of s].T (grouped_gemv_kernel.cuh).
 struct GroupedParams {
   const void* x;                // [s, k] row-major, dtype `dtype`
@@ -97,6 +115,23 @@ constexpr int gemv_x_tile_bytes(int m) { return 256 * m; }  // staged activation
 constexpr int kGemvScaleBytes = 1024;      // the 256 block scales as activation-dtype pairs
 constexpr int gemv_smem_bytes(int m, int chunk_kt) {
   return kGemvTableBytes + kGemvScaleBytes + chunk_kt * gemv_x_tile_bytes(m);
+}
+// ---- GEMM geometry ----
+// A CTA is kGemmWarps warps, each owning one row tile (16 rows) and all 8 * NT tokens of the
+// CTA's token block, so every weight pair is decoded once per token block (the decode, not
+// the tensor cores, bounds this design: docs/kernels.md). One CTA per SM (the 64 KB pair table).
+constexpr int kGemmWarps = 16;
+constexpr int kGemmThreads = 32 * kGemmWarps;
+constexpr int kGemmTiles = kGemmWarps;           // row tiles per CTA
+constexpr int kGemmRows = kGemmTiles * kTileN;   // 256 weight rows per CTA
+constexpr int gemm_block_m(int nt) { return 8 * nt; }  // tokens per CTA
+// cp.async stages: 2 K tiles in flight; 1 for the largest token block (shared memory).
+constexpr int gemm_stages(int nt) { return nt >= 16 ? 2 : 3; }
+constexpr int gemm_stage_bytes(int bits, int nt) {
+  return kGemmTiles * (bits * 256 + 64) + gemm_block_m(nt) * kTileK * 2;  // packed tiles + x tile
+}
+constexpr int gemm_smem_bytes(int bits, int nt) {
+  return kGemvTableBytes + kGemvScaleBytes + gemm_stages(nt) * gemm_stage_bytes(bits, nt);
 }
 constexpr int kGroupedNt = 4;  // grouped mode: an expert's rows in chunks of up to 32 (4 mma token tiles)
 // Grouped GEMV: table, `sub_kt` K tiles of x for 8 * nt rows, the k_warps reduction, the

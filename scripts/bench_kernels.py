@@ -7,6 +7,8 @@ device copy bandwidth measured in the same run). Writes JSON and a markdown tabl
 
     python scripts/bench_kernels.py --out benchmarks/results/h100
     python scripts/bench_kernels.py --quick      # a few shapes, for a smoke run
+    python scripts/bench_kernels.py --paths --out benchmarks/results/h100_paths
+                                                 # every kernel path per (shape, M, k): the crossovers
 """
 
 from __future__ import annotations
@@ -156,6 +158,48 @@ def bench_shape(name, k, n, ms, bits_list, bw, results, int4=True):
         print(f"{name:34s} M={m:5d} bf16={r['bf16_us']:7.1f}us  {line}", flush=True)
 
 
+def bench_paths(name, k, n, ms, bits_list, results):
+    """Time each kernel path of kbit::mm (GEMV, GEMM, dequantize + cuBLAS) for every M and k,
+    cold L2, to set the dispatch crossovers (hf_kbit.backends.cuda._CROSSOVERS)."""
+    from hf_kbit.backends import cuda as backend
+
+    for bits in bits_list:
+        ncopy = copies_for(packed_bytes(n, k, bits))
+        packs = random_packed(n, k, bits, ncopy)
+        ncalls = max(MIN_CALLS, ncopy)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            row = {"shape": name, "K": k, "N": n, "M": m, "bits": bits,
+                   "dispatch": backend.mm_path(m, n, k, bits, x.device.index)}
+            for path in backend.PATHS:
+                if path == "gemv" and m > backend.GEMV_MAX_M:
+                    continue
+                if path == "gemm" and backend._gemm_workspace(x.device.index, m, n, k, bits) < 0:
+                    continue
+                calls = [lambda p=packs[i % ncopy], x=x, path=path: backend.run_path(path, x, *p, k)
+                         for i in range(ncalls)]
+                row[f"{path}_us"] = time_calls(calls)
+            best = min((p for p in backend.PATHS if f"{p}_us" in row), key=lambda p: row[f"{p}_us"])
+            row["fastest"] = best
+            results.append(row)
+            cells = "  ".join(f"{p}={row[f'{p}_us']:7.1f}us" for p in backend.PATHS if f"{p}_us" in row)
+            print(f"{name:34s} k={bits} M={m:5d} {cells}  fastest={best} dispatch={row['dispatch']}", flush=True)
+        del packs
+        torch.cuda.empty_cache()
+
+
+def markdown_paths(results, meta) -> str:
+    lines = [f"# kbit::mm kernel paths — {meta['device']}", "", f"Command: `{meta['command']}`  ",
+             (f"torch {meta['torch']}, cold L2, CUDA-graph replays, median of 7; us per call (bf16 activations). "
+              "`dispatch` is the path kbit::mm takes with the crossovers in hf_kbit/backends/cuda.py."), "",
+             "| shape (K x N) | k | M | GEMV us | GEMM us | dequant + cuBLAS us | fastest | dispatch |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        cell = [f"{r[f'{p}_us']:.1f}" if f"{p}_us" in r else "-" for p in ("gemv", "gemm", "dequant")]
+        lines.append(f"| {r['shape']} | {r['bits']} | {r['M']} | " + " | ".join(cell) + f" | {r['fastest']} | {r['dispatch']} |")
+    return "\n".join(lines) + "\n"
+
+
 def _wall_us(fn, n: int = 3000) -> float:
     for _ in range(200):
         fn()
@@ -219,6 +263,8 @@ def main() -> None:
     ap.add_argument("--ms", type=int, nargs="*", default=None)
     ap.add_argument("--bits", type=int, nargs="*", default=list(BITS))
     ap.add_argument("--no-int4", action="store_true")
+    ap.add_argument("--paths", action="store_true",
+                    help="time every kernel path (GEMV, GEMM, dequantize + cuBLAS) instead of kbit::mm vs bf16")
     args = ap.parse_args()
 
     import hf_kbit
@@ -239,16 +285,22 @@ def main() -> None:
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     results = []
     for name, (k, n) in shapes.items():
-        bench_shape(name, k, n, ms, args.bits, bw, results, int4=not args.no_int4)
+        if args.paths:
+            bench_paths(name, k, n, ms, args.bits, results)
+        else:
+            bench_shape(name, k, n, ms, args.bits, bw, results, int4=not args.no_int4)
     meta = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "hf_kbit": hf_kbit.__version__,
         "python": platform.python_version(), "bandwidth_GBps": bw / 1e9,
         "command": "python scripts/bench_kernels.py " + " ".join(sys.argv[1:]), "cold_l2_bytes": COLD_BYTES,
         "gemv_max_m": getattr(sys.modules.get("hf_kbit.backends.cuda"), "GEMV_MAX_M", None),
     }
-    meta["eager_overhead"] = eager_overhead(bw)
-    print(f"eager overhead: {meta['eager_overhead']}", flush=True)
-    md = markdown(results, args.bits, meta)
+    if args.paths:
+        md = markdown_paths(results, meta)
+    else:
+        meta["eager_overhead"] = eager_overhead(bw)
+        print(f"eager overhead: {meta['eager_overhead']}", flush=True)
+        md = markdown(results, args.bits, meta)
     print(md)
     if args.out:
         with open(args.out + ".json", "w") as f:

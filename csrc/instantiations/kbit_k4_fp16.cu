@@ -1,5 +1,6 @@
 // Instantiations for bits=4, dtype=__half (one file per (bits, dtype) keeps rebuilds small).
 #include "../dequantize_kernel.cuh"
+#include "../gemm_kernel.cuh"
 #include "../gemv_kernel.cuh"
 #include "../grouped_gemv_kernel.cuh"
 #include "../quantize_kernel.cuh"
@@ -11,4 +12,8 @@ template cudaError_t launch_gemv<4, __half, 1>(const GemvParams&, int, cudaStrea
 template cudaError_t launch_grouped_gemv<4, __half, 1>(const GroupedParams&, int, cudaStream_t);
 template cudaError_t launch_gemv<4, __half, 2>(const GemvParams&, int, cudaStream_t);
 template cudaError_t launch_grouped_gemv<4, __half, 4>(const GroupedParams&, int, cudaStream_t);
+template cudaError_t launch_gemm<4, __half, 2>(const GemmParams&, dim3, cudaStream_t);
+template cudaError_t launch_gemm<4, __half, 4>(const GemmParams&, dim3, cudaStream_t);
+template cudaError_t launch_gemm<4, __half, 8>(const GemmParams&, dim3, cudaStream_t);
+template cudaError_t launch_gemm<4, __half, 16>(const GemmParams&, dim3, cudaStream_t);
 }  // namespace kbit

@@ -10,11 +10,14 @@ tracing with a per-module call record (validated once by ``kbit_gemv_prepare``),
 costs one output allocation and one short ctypes call; everything else goes through
 ``torch.ops.kbit.mm``.
 
-Dispatch of ``mm`` by M (rows of x after flattening the leading dims):
-  * ``M <= GEMV_MAX_M`` (16): the GEMV kernel (weight decoded once for all rows by the CUDA
-    cores, multiply-adds on the tensor cores; docs/kernels.md);
-  * larger M, or float32 x: dequantize into a torch-allocated weight in x's dtype, then
-    ``torch.matmul`` (cuBLAS).
+Dispatch of ``mm`` by M (rows of x after flattening the leading dims), from the measured
+crossovers in ``_CROSSOVERS`` (docs/kernels.md):
+  * small M: the GEMV kernel (weight decoded once for all rows by the CUDA cores, multiply-adds
+    on the tensor cores, all of x staged once);
+  * mid M: the GEMM kernel (x and the packed tiles stream through shared memory, the weight is
+    decoded into tensor-core operands, never written out);
+  * large M, float32 x, or a GPU without the GEMM's shared memory: dequantize into a
+    torch-allocated weight in x's dtype, then ``torch.matmul`` (cuBLAS).
 """
 
 from __future__ import annotations
@@ -31,24 +34,42 @@ _LIB = _lib.load()
 
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
-# Largest M for which the GEMV beats dequantize + cuBLAS (H100 measurement, benchmarks/results).
+# The GEMV kernel's own limit on M.
 GEMV_MAX_M = int(_LIB.kbit_gemv_max_m())
 
-def gemv_wins(m: int, n: int, k: int, bits: int) -> bool:
-    """True when the GEMV beats dequantize + cuBLAS for this problem (measured crossovers,
-    see ``_GEMV_CROSSOVER``)."""
-    return m <= _GEMV_CROSSOVER.get(bits, GEMV_MAX_M)
+# Measured crossovers (H100, cold L2, benchmarks/results/h100_paths.md from
+# `scripts/bench_kernels.py --paths`), per bits: the GEMV serves M <= GEMV, the GEMM
+# GEMV < M <= GEMM, dequantize + cuBLAS the rest. The GEMM is bound by its decode, paid once
+# per weight and 128-token block, so it wins longer on large weights, where dequantize +
+# cuBLAS pays for writing and reading the whole dequantized weight; on small weights
+# (hidden 2048) cuBLAS catches up from M = 64.
+_LARGE_WEIGHT = 16 * 2**20  # elements (N * K)
+_CROSSOVERS = {  # bits: (GEMV, GEMM on a large weight, GEMM on a small one)
+    2: (16, 128, 32), 3: (16, 128, 32), 4: (16, 128, 32), 5: (16, 128, 32),
+}
+
+PATHS = ("gemv", "gemm", "dequant")
 
 
-# Largest M at which the GEMV is faster than dequantize + torch.matmul, per bits, from
-# benchmarks/results/h100.md (H100, cold L2). The dequantize path costs about its M=32 time for
-# every M <= 256 (dequantize-bound), and the GEMV at M=16 beats it on every benchmarked shape
-# and k (e.g. 4096x14336 k=4: 26.1 vs 122.7 us at M=32), so the crossover is the GEMV's own
-# limit for every k. Lower an entry here when a shape's GEMV loses; a fused GEMM for mid M
-# would add its own band.
-_GEMV_CROSSOVER = {2: GEMV_MAX_M, 3: GEMV_MAX_M, 4: GEMV_MAX_M, 5: GEMV_MAX_M}
+def mm_path(m: int, n: int, k: int, bits: int, device: int) -> str:
+    """The kernel path ``kbit::mm`` takes for ``x [m, k]`` (bf16/fp16) and a ``[n, k]`` weight
+    on CUDA device index ``device``."""
+    gemv_max, gemm_large, gemm_small = _CROSSOVERS[bits]
+    if m <= min(gemv_max, GEMV_MAX_M):
+        return "gemv"
+    gemm_max = gemm_large if n * k >= _LARGE_WEIGHT else gemm_small
+    if m <= gemm_max and _gemm_workspace(device, m, n, k, bits) >= 0:
+        return "gemm"
+    return "dequant"
+
+
+def gemv_wins(m: int, n: int, k: int, bits: int, device: int) -> bool:
+    """True when the GEMV serves this problem (the eager fast path covers only the GEMV)."""
+    return mm_path(m, n, k, bits, device) == "gemv"
+
 
 _workspace_sizes: dict[tuple, int] = {}
+_gemm_workspace_sizes: dict[tuple, int] = {}
 _checked_shapes: set[tuple] = set()
 
 
@@ -62,6 +83,15 @@ except AttributeError:  # pragma: no cover - older torch
 
     def _stream(device: torch.device) -> int:
         return torch.cuda.current_stream(device).cuda_stream
+
+
+def _gemm_workspace(device: int, m: int, n: int, k: int, bits: int) -> int:
+    """Floats of workspace the GEMM needs on CUDA device index ``device``; -1 where it cannot run."""
+    key = (device, m, n, k, bits)
+    size = _gemm_workspace_sizes.get(key)
+    if size is None:
+        size = _gemm_workspace_sizes[key] = int(_LIB.kbit_gemm_workspace_size(device, m, n, k, bits))
+    return size
 
 
 def _same_device(x: torch.Tensor, x_name: str = "x", /, **tensors: torch.Tensor) -> None:
@@ -160,27 +190,50 @@ def _mm_cuda(x, planes, block_scales, row_scales, codebook, in_features):
     if m == 0 or n == 0 or k == 0:
         return x.new_zeros((*lead, n))
     bits = planes.shape[-3]
-    if m > GEMV_MAX_M or x.dtype == torch.float32 or not gemv_wins(m, n, k, bits):
-        w = torch.empty((n, k), dtype=x.dtype, device=x.device)
-        _dequantize_into(planes, block_scales, row_scales, codebook, k, w)
-        return torch.matmul(x2, w.t()).reshape(*lead, n)
+    path = "dequant" if x.dtype == torch.float32 else mm_path(m, n, k, bits, x.device.index)
+    return run_path(path, x2, planes, block_scales, row_scales, codebook, k).reshape(*lead, n)
+
+
+def _dequant_matmul(x2, planes, block_scales, row_scales, codebook, k: int) -> torch.Tensor:
+    # Whole-weight dequantize, then one cuBLAS call: measured faster than working through the
+    # weight in L2-sized row chunks (smaller cuBLAS calls lose more than the L2 saves).
+    w = torch.empty((row_scales.shape[0], k), dtype=x2.dtype, device=x2.device)
+    _dequantize_into(planes, block_scales, row_scales, codebook, k, w)
+    return torch.matmul(x2, w.t())
+
+
+def run_path(path: str, x2, planes, block_scales, row_scales, codebook, k: int) -> torch.Tensor:
+    """``x2 [m, k] @ W.T`` through one kernel path (``PATHS``); ``kbit::mm`` picks it by
+    :func:`mm_path`, benchmarks call it directly to measure the crossovers."""
+    m, n, bits = x2.shape[0], row_scales.shape[0], planes.shape[-3]
+    if path == "dequant":
+        return _dequant_matmul(x2, planes, block_scales, row_scales, codebook, k)
+    if path not in ("gemv", "gemm"):
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     x2 = x2.contiguous()
-    # The kernel reads the packed tensors as dense arrays: copy strided views (e.g. slices of a larger buffer).
+    # The kernels read the packed tensors as dense arrays: copy strided views (e.g. slices of a larger buffer).
     planes, block_scales, row_scales, codebook = (t.contiguous() for t in (planes, block_scales, row_scales, codebook))
-    device = x.device
-    key = (device.index, m, n, k, bits)
-    ws_size = _workspace_sizes.get(key)
-    if ws_size is None:
-        ws_size = _workspace_sizes[key] = int(_LIB.kbit_gemv_workspace_size(device.index, m, n, k, bits))
-    out = torch.empty((m, n), dtype=x.dtype, device=device)
-    ws = torch.empty(ws_size, dtype=torch.float32, device=device) if ws_size else None
-    rc = _LIB.kbit_gemv(
-        device.index, _stream(device), x2.data_ptr(), _DTYPE_CODE[x.dtype], planes.data_ptr(),
+    device = x2.device
+    if path == "gemm":
+        # The GEMM copies 16-byte units of the packed tiles: realign offset views.
+        planes, block_scales = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (planes, block_scales))
+        ws_size = _gemm_workspace(device.index, m, n, k, bits)
+        launch = _LIB.kbit_gemm
+    else:
+        key = (device.index, m, n, k, bits)
+        ws_size = _workspace_sizes.get(key)
+        if ws_size is None:
+            ws_size = _workspace_sizes[key] = int(_LIB.kbit_gemv_workspace_size(device.index, m, n, k, bits))
+        launch = _LIB.kbit_gemv
+    out = torch.empty((m, n), dtype=x2.dtype, device=device)
+    ws = torch.empty(ws_size, dtype=torch.float32, device=device) if ws_size > 0 else None
+    rc = launch(
+        device.index, _stream(device), x2.data_ptr(), _DTYPE_CODE[x2.dtype], planes.data_ptr(),
         block_scales.data_ptr(), row_scales.data_ptr(), codebook.data_ptr(), bits, m, n, k, out.data_ptr(),
         ws.data_ptr() if ws is not None else None, ws_size,
     )
     _lib.check(rc, "mm")
-    return out.reshape(*lead, n)
+    return out
 
 
 # ---------------------------------------------------------------------------- eager fast path
@@ -205,7 +258,7 @@ def _prepare(module, x, m):
     tensors = (planes, block_scales, row_scales, codebook)
     n = row_scales.shape[-1]
     if row_scales.dim() != 1 or not all(t.is_contiguous() for t in tensors) or n == 0 \
-            or not gemv_wins(m, n, k, planes.shape[-3]):
+            or not gemv_wins(m, n, k, planes.shape[-3], x.device.index):
         return (*tensors, None, None, 0, n)  # not for the fast path: the op serves it
 
     call = ctypes.create_string_buffer(_CALL_SIZE)

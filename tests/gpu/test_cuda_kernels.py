@@ -128,6 +128,46 @@ def test_mm_matches_reference(bits, dtype, shape, m):
     assert rel_err(out, ref) < MM_REL_TOL[dtype]
 
 
+PATH_MS = (1, 5, 16, 17, 33, 64, 65, 130, 300)
+
+
+@pytest.mark.parametrize("m", PATH_MS, ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("shape", MM_SHAPES + [(4100, 264)], ids=lambda s: f"N{s[0]}K{s[1]}")
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+@pytest.mark.parametrize("path", ["gemv", "gemm"])
+def test_each_kernel_path_matches_reference(path, bits, dtype, shape, m):
+    """Every kernel path at every M it can serve, whatever the dispatch picks (the crossovers
+    move with measurements); (4100, 264): many row blocks, K % 8 == 0 (16-byte x copies)."""
+    from hf_kbit.backends import cuda as backend
+
+    if path == "gemv" and m > backend.GEMV_MAX_M:
+        pytest.skip(f"the GEMV takes M <= {backend.GEMV_MAX_M}")
+    n, k = shape
+    (planes, scales, rs, cb), wq = packed_reference(n, k, bits)
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    out = backend.run_path(path, x, planes, scales, rs, cb, k)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert rel_err(out, x.double() @ wq.double().T) < MM_REL_TOL[dtype]
+
+
+def test_gemm_offset_x_and_packed_views():
+    """x not 16-byte aligned (the GEMM's element-wise x copies) and packed tensors that are
+    views at an odd offset (realigned) give the aligned result."""
+    from hf_kbit.backends import cuda as backend
+
+    n, k, m, bits = 300, 1024, 48, 4
+    (planes, scales, rs, cb), wq = packed_reference(n, k, bits)
+    x = torch.randn(m * k + 1, device=DEVICE, dtype=torch.bfloat16)[1:].view(m, k)
+    aligned = backend.run_path("gemm", x.clone(), planes, scales, rs, cb, k)
+    assert torch.equal(backend.run_path("gemm", x, planes, scales, rs, cb, k), aligned)
+    flat = torch.cat([torch.zeros(1, dtype=torch.uint8, device=DEVICE), scales.flatten()])
+    offset_scales = flat[1:].view(scales.shape)
+    assert offset_scales.data_ptr() % 16 != 0
+    assert torch.equal(backend.run_path("gemm", x, planes, offset_scales, rs, cb, k), aligned)
+    assert rel_err(aligned, x.double() @ wq.double().T) < MM_REL_TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("lead", [(2, 3), (1,), (4, 1, 2)], ids=str)
 def test_mm_leading_dims_and_noncontiguous(lead):
     n, k, bits = 300, 700, 4
@@ -164,9 +204,9 @@ def test_mm_rejects_bad_inputs_before_launch():
 # ---------------------------------------------------------------------------- graphs, compile
 
 
-@pytest.mark.parametrize("m", [1, 4, 32], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("m", [1, 4, 32, 100], ids=lambda m: f"M{m}")
 def test_cuda_graph_replay_equals_eager(m):
-    n, k = 40, 8200  # split-K path at small M
+    n, k = 40, 8200  # split-K plans (GEMV at small M, GEMM at mid M)
     (planes, scales, rs, cb), _ = packed_reference(n, k, 3)
     x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
     eager = torch.ops.kbit.mm(x, planes, scales, rs, cb, k)
