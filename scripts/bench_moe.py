@@ -51,7 +51,7 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_generate  # noqa: E402  (model presets)
-from bench_kernels import time_calls  # noqa: E402  (the kernel benchmark's CUDA-graph timing)
+from bench_kernels import time_calls as graph_us  # noqa: E402  (the kernel benchmark's CUDA-graph timing)
 
 SCHEMA = "hf_kbit.bench_moe/1"
 
@@ -308,7 +308,7 @@ def time_calls(calls: list[Callable], *, device: str, use_graph: bool, no_graph_
         return _eager_us(calls, replays, budget_s, cuda=False), "wall_clock"
     if use_graph:
         try:
-            return time_calls(calls, replays), "cuda_graph"
+            return graph_us(calls, replays), "cuda_graph"
         except Exception as exc:  # noqa: BLE001 - any capture failure falls back, and is recorded
             import torch
 
