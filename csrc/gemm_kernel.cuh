@@ -7,8 +7,9 @@
 // weight pairs straight into mma A fragments with the GEMV's decode (pair table, SWAR index
 // words: gemv_kernel.cuh), so no dequantized weight ever touches memory. A decoded pair feeds
 // NT mma (NT token tiles of 8), so the decode is paid once per weight and token block.
-//  * CTA: kGemmWarps warps; warp w owns row tile w of the CTA's 16 (256 rows) and every token
-//    of its token block (8 NT).
+//  * CTA: kGemmWarps (8) warps; warp w owns row tiles kGemmRowTiles w .. + kGemmRowTiles - 1
+//    of the CTA's 16 (256 rows) and every token of its token block (8 NT), so each B fragment
+//    it reads feeds kGemmRowTiles mma per chunk.
 //  * mma K order: within a K tile, lane t decodes block t (as in the GEMV); chunk c = 2 j + cc
 //    takes from byte j of its index words the pairs at K offsets 32 t + 8 j + 4 cc + {0, 2}
 //    (k >= 3; k = 2: + 2 cc + {0, 4}), so the B fragments of chunks 2 j, 2 j + 1 are exactly
@@ -93,17 +94,19 @@ __device__ __forceinline__ void gemm_load_stage(const GemmParams& p, char* stage
   }
 }
 
-// One K tile of warp `warp`: decode its row tile two chunks at a time into A fragments and
+// One K tile of warp `warp`: decode its row tiles two chunks at a time into A fragments and
 // run them against every token tile's B fragments.
 template <int BITS, typename T, int NT>
 __device__ __forceinline__ void gemm_mma_stage(const char* stage, const char* table, uint32_t lane_word, int lane,
-                                               int warp, float (&acc)[NT][4]) {
+                                               int warp, float (&acc)[kGemmRowTiles][NT][4]) {
   using Tile = GemmTile<BITS, T, NT>;
   const int g = lane >> 2, t = lane & 3;
-  TileIndex<BITS> ti;
-  {
-    const uint32_t* pw = reinterpret_cast<const uint32_t*>(stage + warp * BITS * 256) + lane;
-    const uint8_t* sc = reinterpret_cast<const uint8_t*>(stage + Tile::kPlaneBytes + warp * 64) + lane;
+  TileIndex<BITS> ti[kGemmRowTiles];
+#pragma unroll
+  for (int r = 0; r < kGemmRowTiles; ++r) {
+    const int tile = warp * kGemmRowTiles + r;
+    const uint32_t* pw = reinterpret_cast<const uint32_t*>(stage + tile * BITS * 256) + lane;
+    const uint8_t* sc = reinterpret_cast<const uint8_t*>(stage + Tile::kPlaneBytes + tile * 64) + lane;
     TileWords<BITS> tw;
 #pragma unroll
     for (int j = 0; j < BITS; ++j) {
@@ -112,24 +115,28 @@ __device__ __forceinline__ void gemm_mma_stage(const char* stage, const char* ta
     }
     tw.sc[0] = sc[0];
     tw.sc[1] = sc[32];
-    index_words<BITS>(tw, table, lane_word, ti);
+    index_words<BITS>(tw, table, lane_word, ti[r]);
   }
 
   const uint4* xrow = reinterpret_cast<const uint4*>(stage + Tile::kPlaneBytes + Tile::kScaleBytes) + g * 16;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    uint32_t a[2][4];  // chunks 2 j, 2 j + 1
+    uint32_t a[kGemmRowTiles][2][4];  // chunks 2 j, 2 j + 1 of each row tile
 #pragma unroll
-    for (int cc = 0; cc < 2; ++cc) {
+    for (int r = 0; r < kGemmRowTiles; ++r) {
 #pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        if constexpr (BITS == 2) {
-          const uint2 e = decode_quad<T>(ti, rr, cc, j, table, lane_word);
-          a[cc][rr] = e.x;
-          a[cc][2 + rr] = e.y;
-        } else {
+      for (int cc = 0; cc < 2; ++cc) {
 #pragma unroll
-          for (int h = 0; h < 2; ++h) a[cc][2 * h + rr] = decode_pair<BITS, T>(ti, rr, 2 * cc + h, j, table, lane_word);
+        for (int rr = 0; rr < 2; ++rr) {
+          if constexpr (BITS == 2) {
+            const uint2 e = decode_quad<T>(ti[r], rr, cc, j, table, lane_word);
+            a[r][cc][rr] = e.x;
+            a[r][cc][2 + rr] = e.y;
+          } else {
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+              a[r][cc][2 * h + rr] = decode_pair<BITS, T>(ti[r], rr, 2 * cc + h, j, table, lane_word);
+          }
         }
       }
     }
@@ -139,12 +146,15 @@ __device__ __forceinline__ void gemm_mma_stage(const char* stage, const char* ta
       // Natural-order record (pairs at 8 j + 0, 2, 4, 6 in x, y, z, w): k >= 3 takes
       // (x, y) / (z, w) for chunks 2 j / 2 j + 1, k = 2 takes (x, z) / (y, w).
       const uint4 bx = xrow[nt * 8 * 16 + unit];
-      if constexpr (BITS == 2) {
-        mma_16816<T>(acc[nt], a[0], bx.x, bx.z);
-        mma_16816<T>(acc[nt], a[1], bx.y, bx.w);
-      } else {
-        mma_16816<T>(acc[nt], a[0], bx.x, bx.y);
-        mma_16816<T>(acc[nt], a[1], bx.z, bx.w);
+#pragma unroll
+      for (int r = 0; r < kGemmRowTiles; ++r) {
+        if constexpr (BITS == 2) {
+          mma_16816<T>(acc[r][nt], a[r][0], bx.x, bx.z);
+          mma_16816<T>(acc[r][nt], a[r][1], bx.y, bx.w);
+        } else {
+          mma_16816<T>(acc[r][nt], a[r][0], bx.x, bx.y);
+          mma_16816<T>(acc[r][nt], a[r][1], bx.z, bx.w);
+        }
       }
     }
   }
@@ -172,11 +182,13 @@ __global__ void __launch_bounds__(kGemmThreads, 1) gemm_kernel(GemmParams p) {
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const uint32_t lane_word = BITS == 2 ? lane * 8u : BITS <= 4 ? lane * 4u : (lane & 15u) * 4u * 0x01010101u;
-  float acc[NT][4];
+  float acc[kGemmRowTiles][NT][4];
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
+  for (int r = 0; r < kGemmRowTiles; ++r)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[r][nt][e] = 0.f;
 
   for (int i = 0; i < steps; ++i) {
     cp_async_wait<Tile::kStages - 2>();
@@ -189,27 +201,30 @@ __global__ void __launch_bounds__(kGemmThreads, 1) gemm_kernel(GemmParams p) {
     gemm_mma_stage<BITS, T, NT>(stages + (i % Tile::kStages) * Tile::kStageBytes, table, lane_word, lane, warp, acc);
   }
 
-  // Lane (g, t) holds rows g, g + 8 of the warp's row tile and tokens 8 nt + 2 t, + 1.
+  // Lane (g, t) holds rows g, g + 8 of each of the warp's row tiles and tokens 8 nt + 2 t, + 1.
   const int g = lane >> 2, t = lane & 3;
   const int64_t m = p.m, n = p.n;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kGemmRows + warp * kTileN;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kGemmRows + warp * kGemmRowTiles * kTileN;
   const int64_t tok0 = static_cast<int64_t>(blockIdx.x) * Tile::kBlockM;
   float* ws = p.splits > 1 ? p.workspace + static_cast<int64_t>(blockIdx.z) * m * n : nullptr;
   T* out = static_cast<T*>(p.out);
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int64_t row = row0 + g + 8 * h;
-    if (row >= n) continue;
-    const float rs = __ldg(p.row_scales + row);
+  for (int r = 0; r < kGemmRowTiles; ++r) {
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = row0 + r * kTileN + g + 8 * h;
+      if (row >= n) continue;
+      const float rs = __ldg(p.row_scales + row);
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int64_t tok = tok0 + nt * 8 + 2 * t + e;
-        if (tok >= m) continue;
-        const float y = acc[nt][2 * h + e] * rs;
-        if (ws) ws[tok * n + row] = y;
-        else out[tok * n + row] = from_float<T>(y);
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int64_t tok = tok0 + nt * 8 + 2 * t + e;
+          if (tok >= m) continue;
+          const float y = acc[r][nt][2 * h + e] * rs;
+          if (ws) ws[tok * n + row] = y;
+          else out[tok * n + row] = from_float<T>(y);
+        }
       }
     }
   }

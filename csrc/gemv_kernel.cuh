@@ -59,6 +59,35 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
   }
 }
 
+// ---- pair-table addressing ----
+// A lookup's byte permute yields slot * 256 + lane copy offset. Relative mode adds the table's
+// shared-window base to that (one add per lookup, 32 per K tile at k = 4: the compiler keeps
+// the base in a register). Absolute mode (the GEMV, where shared memory allows) places the
+// table at window address kTableWindow, whose byte 2 the permute supplies from the lane word,
+// so its result is the address itself.
+constexpr uint32_t kTableWindow = 0x10000;
+
+// Byte 0: this lane's table copy (k = 5: replicated in every byte, for the high-bit words);
+// absolute mode: byte 2 = kTableWindow >> 16 (k = 5 adds it in decode_pair).
+template <int BITS, bool kAbs> __device__ __forceinline__ uint32_t table_lane_word(int lane) {
+  const uint32_t w = BITS == 2 ? lane * 8u : BITS <= 4 ? lane * 4u : (lane & 15u) * 4u * 0x01010101u;
+  return kAbs && BITS <= 4 ? w | kTableWindow : w;
+}
+
+template <bool kAbs> __device__ __forceinline__ uint32_t table_address(const char* table, uint32_t off) {
+  return kAbs ? off : static_cast<uint32_t>(__cvta_generic_to_shared(table)) + off;
+}
+__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
+  uint32_t v;
+  asm("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ uint2 lds64(uint32_t addr) {
+  uint2 v;
+  asm("ld.shared.v2.b32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+  return v;
+}
+
 // (a & mask) | (b & ~mask) as one LOP3 (the compiler otherwise splits it when b is a shift).
 __device__ __forceinline__ uint32_t lop3_or_and(uint32_t a, uint32_t b, uint32_t mask) {
   uint32_t d;
@@ -196,59 +225,63 @@ __device__ __forceinline__ void index_words(const TileWords<BITS>& tw, const cha
 
 // k >= 3: elements (8b+2s, 8b+2s+1) of row r (0: g, 1: g + 8), scaled: one byte permute, one
 // table load, one packed multiply.
-template <int BITS, typename T>
+template <int BITS, typename T, bool kAbs = false>
 __device__ __forceinline__ uint32_t decode_pair(const TileIndex<BITS>& ti, int r, int s, int b, const char* table,
                                                 uint32_t lane_word) {
+  // Permute: byte 0 from the lane word (copy offset), byte 1 = the index byte, bytes 2-3 zero
+  // (absolute mode: byte 2 = the window byte of the lane word).
   uint32_t off;
   if constexpr (BITS <= 4) {
-    off = __byte_perm(lane_word, ti.w[r][s], 0x1100u | ((4u + b) << 4));
+    off = __byte_perm(lane_word, ti.w[r][s], (kAbs ? 0x3200u : 0x1100u) | ((4u + b) << 4));
   } else {
-    // byte 0 = this pair's high bits and copy offset, byte 1 = low nibbles, bytes 2-3 = 0
-    const uint32_t hsrc = (b < 2) ? (ti.hb[r][s] & 0xFFFFu) : (ti.hb[r][s] >> 16);
-    off = __byte_perm(hsrc, ti.w[r][s], 0x2200u | ((4u + b) << 4) | (b & 1));
+    // byte 0 = this pair's high bits and copy offset, byte 1 = low nibbles
+    const uint32_t hsrc = ((b < 2) ? (ti.hb[r][s] & 0xFFFFu) : (ti.hb[r][s] >> 16)) | (kAbs ? kTableWindow : 0u);
+    off = __byte_perm(hsrc, ti.w[r][s], (kAbs ? 0x3200u : 0x2200u) | ((4u + b) << 4) | (b & 1));
   }
-  return mul2<T>(*reinterpret_cast<const uint32_t*>(table + off), ti.s2[r]);
+  return mul2<T>(lds32(table_address<kAbs>(table, off)), ti.s2[r]);
 }
 
 // k = 2: the quad in byte b of word q of row r, scaled: pairs (8b + 2q, +1) and (8b + 2q + 4, +1).
-template <typename T>
+template <typename T, bool kAbs = false>
 __device__ __forceinline__ uint2 decode_quad(const TileIndex<2>& ti, int r, int q, int b, const char* table,
                                              uint32_t lane_word) {
-  const uint32_t off = __byte_perm(lane_word, ti.w[r][q], 0x1100u | ((4u + b) << 4));
-  const uint2 e = *reinterpret_cast<const uint2*>(table + off);
+  const uint32_t off = __byte_perm(lane_word, ti.w[r][q], (kAbs ? 0x3200u : 0x1100u) | ((4u + b) << 4));
+  const uint2 e = lds64(table_address<kAbs>(table, off));
   return make_uint2(mul2<T>(e.x, ti.s2[r]), mul2<T>(e.y, ti.s2[r]));
 }
 
 // Decode one K tile of this lane's two rows and run its 8 mma chunks against the staged
 // activations `xs` (this tile's B fragments, uint2 per (chunk, token, t)).
-template <int BITS, typename T, int NT>
+template <int BITS, typename T, int NT, bool kAbs = false>
 __device__ __forceinline__ void mma_tile(const TileWords<BITS>& tw, const uint2* xs, int m, int g, int t,
                                          const char* table, uint32_t lane_word, float (&acc)[2][NT][4]) {
   TileIndex<BITS> ti;
   index_words<BITS>(tw, table, lane_word, ti);
 
-  const uint4* xl = reinterpret_cast<const uint4*>(xs + (g * 4 + t) * 8);  // this lane's 8 chunks, token g
-  const int sw = x_swizzle(g, t);
+  // Lanes of tokens past m read token m - 1 instead: their mma columns are never stored, so
+  // any finite values do, and the loads need neither a predicate nor zeroing.
+  const uint4* xs4 = reinterpret_cast<const uint4*>(xs);
   uint4 bx[NT];
 #pragma unroll
   for (int c = 0; c < 8; ++c) {
     if ((c & 1) == 0) {  // B fragments of chunks c, c + 1: one 16-byte load per token tile
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        bx[nt] = make_uint4(0, 0, 0, 0);
-        if (nt * 8 + g < m) bx[nt] = xl[nt * 8 * 4 * 4 + ((c >> 1) ^ sw)];
+        const int tok = min(nt * 8 + g, m - 1);
+        bx[nt] = xs4[(tok * 4 + t) * 4 + ((c >> 1) ^ x_swizzle(tok & 7, t))];
       }
     }
     uint32_t a[4];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       if constexpr (BITS == 2) {
-        const uint2 e = decode_quad<T>(ti, r, c & 1, c >> 1, table, lane_word);
+        const uint2 e = decode_quad<T, kAbs>(ti, r, c & 1, c >> 1, table, lane_word);
         a[r] = e.x;
         a[2 + r] = e.y;
       } else {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) a[2 * h + r] = decode_pair<BITS, T>(ti, r, c & 3, 2 * (c >> 2) + h, table, lane_word);
+        for (int h = 0; h < 2; ++h)
+          a[2 * h + r] = decode_pair<BITS, T, kAbs>(ti, r, c & 3, 2 * (c >> 2) + h, table, lane_word);
       }
     }
 #pragma unroll
@@ -316,11 +349,18 @@ __device__ __forceinline__ void stage_x(const T* x, int64_t k, int m, RowOf row_
 // once) and its warps walk row tiles of that split, each row tile over the whole split, with
 // the plane loads pipelined across row-tile boundaries. A finished row tile goes straight to
 // out (or to its split's workspace slice).
-template <int BITS, typename T, int NT>
+template <int BITS, typename T, int NT, bool kAbs>
 __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(GemvParams p) {
   constexpr int kDepth = kGemvDepth;
   extern __shared__ float4 smem_f4[];
   char* table = reinterpret_cast<char*>(smem_f4);
+  if constexpr (kAbs) {
+    // The host sized dynamic shared memory for a window base of 0; the real base (after the
+    // reserved and static shared memory, a few KB) only shortens the padding.
+    const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem_f4));
+    if (base > kTableWindow) __trap();  // cannot happen: static + reserved shared memory < 64 KB
+    table += kTableWindow - base;
+  }
   uint32_t* xs = reinterpret_cast<uint32_t*>(table + kGemvTableBytes + kGemvScaleBytes);
   const int m = static_cast<int>(p.m);
 
@@ -343,7 +383,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(Gemv
   const int my_tiles = (n_tiles - first_tile + warps_per_split - 1) / warps_per_split;
   const int items = my_tiles * chunk;
   // Byte 0 of the permute source: this lane's table copy (k = 5: replicated in every byte).
-  const uint32_t lane_word = BITS == 2 ? lane * 8u : BITS <= 4 ? lane * 4u : (lane & 15u) * 4u * 0x01010101u;
+  const uint32_t lane_word = table_lane_word<BITS, kAbs>(lane);
   const uint2* xs2 = reinterpret_cast<const uint2*>(xs);
   T* out = static_cast<T*>(p.out);
   float* ws = p.splits > 1 ? p.workspace + static_cast<int64_t>(split) * p.m * p.n : nullptr;
@@ -380,7 +420,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(Gemv
     for (int d = 0; d < kDepth; ++d) {
       if (i + d >= items) break;
       advance_load(buf[(d + kDepth - 1) % kDepth]);
-      mma_tile<BITS, T, NT>(buf[d], xs2 + kt_rel * 8 * m * 4, m, g, t, table, lane_word, acc);
+      mma_tile<BITS, T, NT, kAbs>(buf[d], xs2 + kt_rel * 8 * m * 4, m, g, t, table, lane_word, acc);
       if (++kt_rel == chunk) {
         // Row tile done: lane (g, t) holds rows g, g + 8 and tokens 8 nt + 2t, 8 nt + 2t + 1.
 #pragma unroll
@@ -424,9 +464,9 @@ cudaError_t launch_splitk_reduce(const float* ws, void* out, int64_t mn, int spl
   return cudaGetLastError();
 }
 
-template <int BITS, typename T, int NT>
-cudaError_t launch_gemv(const GemvParams& p, int grid, cudaStream_t stream) {
-  const int smem = gemv_smem_bytes(static_cast<int>(p.m), p.chunk_kt);
+template <int BITS, typename T, int NT, bool kAbs>
+cudaError_t launch_gemv_table(const GemvParams& p, int grid, cudaStream_t stream) {
+  const int smem = gemv_smem_bytes(static_cast<int>(p.m), p.chunk_kt, kAbs);
   cudaError_t err = cudaSuccess;
   // The dynamic shared-memory limit is raised once per device (and again if a larger plan
   // needs more): a driver call per launch costs about a microsecond of eager time.
@@ -434,14 +474,20 @@ cudaError_t launch_gemv(const GemvParams& p, int grid, cudaStream_t stream) {
   int dev = 0;
   cudaGetDevice(&dev);
   if (dev < 0 || dev >= 64 || raised[dev] < smem) {
-    err = cudaFuncSetAttribute(gemv_kernel<BITS, T, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    err = cudaFuncSetAttribute(gemv_kernel<BITS, T, NT, kAbs>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
     if (dev >= 0 && dev < 64) raised[dev] = smem;
   }
-  gemv_kernel<BITS, T, NT><<<grid, kGemvThreads, smem, stream>>>(p);
+  gemv_kernel<BITS, T, NT, kAbs><<<grid, kGemvThreads, smem, stream>>>(p);
   err = cudaGetLastError();
   if (err != cudaSuccess || p.splits == 1) return err;
   return launch_splitk_reduce<T>(p.workspace, p.out, p.m * p.n, p.splits, stream);
+}
+
+template <int BITS, typename T, int NT>
+cudaError_t launch_gemv(const GemvParams& p, int grid, cudaStream_t stream) {
+  return p.abs_table ? launch_gemv_table<BITS, T, NT, true>(p, grid, stream)
+                     : launch_gemv_table<BITS, T, NT, false>(p, grid, stream);
 }
 
 }  // namespace kbit

@@ -99,6 +99,7 @@ SmemLimits smem_limits(int device) {
 // Shared memory a GEMV CTA may use on this device and the CTAs per SM that leaves room for.
 struct GemvSmem {
   int x_budget, ctas_per_sm;
+  bool abs_table;
 };
 
 GemvSmem gemv_smem(int device, int64_t m) {
@@ -106,15 +107,24 @@ GemvSmem gemv_smem(int device, int64_t m) {
   const bool cached = device >= 0 && device < kMaxDevices;
   if (cached && cache[device][m].ctas_per_sm) return cache[device][m];
   const SmemLimits lim = smem_limits(device);
-  const int fixed = gemv_smem_bytes(static_cast<int>(m), 0);
-  // Largest staging budget that keeps kGemvCtasPerSm CTAs resident; one CTA where that is not possible.
-  int budget = std::min(kGemvXSmemBytes, lim.per_sm / kGemvCtasPerSm - kReservedSmem - fixed);
-  int ctas = kGemvCtasPerSm;
-  if (budget < 4 * gemv_x_tile_bytes(static_cast<int>(m))) {
-    budget = std::min(kGemvXSmemBytes, lim.per_block - fixed);
-    ctas = 1;
+  const int min_x = 4 * gemv_x_tile_bytes(static_cast<int>(m));
+  GemvSmem r{};
+  // Absolute table addressing (no add per lookup) where the padding still leaves the full
+  // staging budget (sm_90: 227 KB per block); else relative, with the largest staging budget
+  // that keeps kGemvCtasPerSm CTAs resident, or one CTA where that is not possible.
+  const int abs_fixed = gemv_smem_bytes(static_cast<int>(m), 0, true);
+  if (kGemvCtasPerSm == 1 && lim.per_block - abs_fixed >= kGemvXSmemBytes) {
+    r = GemvSmem{kGemvXSmemBytes, 1, true};
+  } else {
+    const int fixed = gemv_smem_bytes(static_cast<int>(m), 0);
+    int budget = std::min(kGemvXSmemBytes, lim.per_sm / kGemvCtasPerSm - kReservedSmem - fixed);
+    int ctas = kGemvCtasPerSm;
+    if (budget < min_x) {
+      budget = std::min(kGemvXSmemBytes, lim.per_block - fixed);
+      ctas = 1;
+    }
+    r = GemvSmem{std::max(budget, 0), ctas, false};
   }
-  GemvSmem r{std::max(budget, 0), ctas};
   if (cached) cache[device][m] = r;
   return r;
 }
@@ -344,7 +354,8 @@ int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* bloc
   if (ceil_div(n, kTileN) * ceil_div(k, kTileK) * bits * 64 >= (int64_t{1} << 31))
     return fail("weight of %lld x %lld is too large for the GEMV's 32-bit tile indexing", static_cast<long long>(n),
                 static_cast<long long>(k));
-  const GemvPlan plan = plan_gemv(m, n, k, sm_count(device), gemv_smem(device, m));
+  const GemvSmem smem = gemv_smem(device, m);
+  const GemvPlan plan = plan_gemv(m, n, k, sm_count(device), smem);
   *need = plan.splits > 1 ? static_cast<int64_t>(plan.splits) * m * n : 0;
   GemvParams& p = call->p;
   p = GemvParams{};
@@ -359,6 +370,7 @@ int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* bloc
   p.dtype = dtype;
   p.splits = plan.splits;
   p.chunk_kt = plan.chunk_kt;
+  p.abs_table = smem.abs_table;
   call->device = device;
   call->grid = plan.grid;
   return KBIT_OK;

@@ -51,8 +51,10 @@ struct GemvParams {
   int bits;
   int dtype;
   // Plan (filled by plan_gemv): K is cut into `splits` ranges of `chunk_kt` K tiles; CTA c
-  // serves range c % splits.
+  // serves range c % splits. abs_table: the pair table sits at a fixed shared-window address
+  // (gemv_kernel.cuh, absolute mode) where the GPU's shared memory allows the padding.
   int splits, chunk_kt;
+  bool abs_table;
 };
 
 // Mid-M tensor-core GEMM: out[m, n] = x[m, k] @ W.T with the weight decoded into mma operands
@@ -113,17 +115,29 @@ constexpr int kGemvCtasPerSm = KBIT_GEMV_CTAS_PER_SM;  // one CTA of 16 warps pe
 constexpr int kGemvDepth = KBIT_GEMV_DEPTH;  // plane-load stages per lane: kGemvDepth - 1 K tiles in flight
 constexpr int gemv_x_tile_bytes(int m) { return 256 * m; }  // staged activations per K tile
 constexpr int kGemvScaleBytes = 1024;      // the 256 block scales as activation-dtype pairs
-constexpr int gemv_smem_bytes(int m, int chunk_kt) {
-  return kGemvTableBytes + kGemvScaleBytes + chunk_kt * gemv_x_tile_bytes(m);
+// Absolute table mode pads dynamic shared memory so the table starts at window address 64 KB.
+constexpr int kGemvTablePad = 64 * 1024;
+constexpr int gemv_smem_bytes(int m, int chunk_kt, bool abs_table = false) {
+  return (abs_table ? kGemvTablePad : 0) + kGemvTableBytes + kGemvScaleBytes + chunk_kt * gemv_x_tile_bytes(m);
 }
 // ---- GEMM geometry ----
-// A CTA is kGemmWarps warps, each owning one row tile (16 rows) and all 8 * NT tokens of the
-// CTA's token block, so every weight pair is decoded once per token block (the decode, not
-// the tensor cores, bounds this design: docs/kernels.md). One CTA per SM (the 64 KB pair table).
-constexpr int kGemmWarps = 16;
+// A CTA is kGemmWarps warps, each owning kGemmRowTiles row tiles (16 rows each) and all 8 * NT
+// tokens of the CTA's token block, so every weight pair is decoded once per token block and
+// each B fragment read from shared memory feeds kGemmRowTiles mma. One CTA per SM (the 64 KB
+// pair table). Measured on H100 (k = 4, Llama-3-8B shapes, M = 32..256): 8 warps x 2 row
+// tiles beats 16 x 1 by 5-12% (half the B-fragment traffic; ncu: MIO throttle gone); 16 x 2
+// spills at 128 registers.
+#ifndef KBIT_GEMM_WARPS  // build-time knobs for tuning experiments; the defaults are the measured choice
+#define KBIT_GEMM_WARPS 8
+#endif
+#ifndef KBIT_GEMM_ROW_TILES
+#define KBIT_GEMM_ROW_TILES 2
+#endif
+constexpr int kGemmWarps = KBIT_GEMM_WARPS;
+constexpr int kGemmRowTiles = KBIT_GEMM_ROW_TILES;
 constexpr int kGemmThreads = 32 * kGemmWarps;
-constexpr int kGemmTiles = kGemmWarps;           // row tiles per CTA
-constexpr int kGemmRows = kGemmTiles * kTileN;   // 256 weight rows per CTA
+constexpr int kGemmTiles = kGemmWarps * kGemmRowTiles;  // row tiles per CTA
+constexpr int kGemmRows = kGemmTiles * kTileN;
 constexpr int gemm_block_m(int nt) { return 8 * nt; }  // tokens per CTA
 // cp.async stages: 2 K tiles in flight; 1 for the largest token block (shared memory).
 constexpr int gemm_stages(int nt) { return nt >= 16 ? 2 : 3; }
