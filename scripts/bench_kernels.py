@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -292,7 +293,7 @@ def main() -> None:
     meta = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "hf_kbit": hf_kbit.__version__,
         "python": platform.python_version(), "bandwidth_GBps": bw / 1e9,
-        "command": "python scripts/bench_kernels.py " + " ".join(sys.argv[1:]), "cold_l2_bytes": COLD_BYTES,
+        "command": shlex.join(["python", "scripts/bench_kernels.py", *sys.argv[1:]]), "cold_l2_bytes": COLD_BYTES,
         "gemv_max_m": getattr(sys.modules.get("hf_kbit.backends.cuda"), "GEMV_MAX_M", None),
     }
     if args.paths:
