@@ -55,7 +55,7 @@ struct GemmTile {
 // Issue the cp.async of K tile `kt` into `stage`: the CTA's packed tiles (rows past the last
 // tile read nothing, so they decode to zero-scale pairs) and its tokens' x (zero past m and k).
 template <int BITS, typename T, int NT>
-__device__ __forceinline__ void gemm_load_stage(const GemmParams& p, char* stage, int kt, int k_tiles, int n_tiles,
+__device__ __forceinline__ void gemm_load_stage(const MmParams& p, char* stage, int kt, int k_tiles, int n_tiles,
                                                 bool x_vec) {
   using Tile = GemmTile<BITS, T, NT>;
   const int row_tile0 = blockIdx.y * kGemmTiles;
@@ -161,7 +161,7 @@ __device__ __forceinline__ void gemm_mma_stage(const char* stage, const char* ta
 }
 
 template <int BITS, typename T, int NT>
-__global__ void __launch_bounds__(kGemmThreads, 1) gemm_kernel(GemmParams p) {
+__global__ void __launch_bounds__(kGemmThreads, 1) gemm_kernel(MmParams p) {
   using Tile = GemmTile<BITS, T, NT>;
   extern __shared__ float4 smem_f4[];
   char* table = reinterpret_cast<char*>(smem_f4);
@@ -231,7 +231,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1) gemm_kernel(GemmParams p) {
 }
 
 template <int BITS, typename T, int NT>
-cudaError_t launch_gemm(const GemmParams& p, dim3 grid, cudaStream_t stream) {
+cudaError_t launch_gemm(const MmParams& p, dim3 grid, cudaStream_t stream) {
   constexpr int kSmem = gemm_smem_bytes(BITS, NT);
   // Raised once per device: a driver call per launch costs about a microsecond.
   static bool raised[64] = {false};

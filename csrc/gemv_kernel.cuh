@@ -350,7 +350,7 @@ __device__ __forceinline__ void stage_x(const T* x, int64_t k, int m, RowOf row_
 // the plane loads pipelined across row-tile boundaries. A finished row tile goes straight to
 // out (or to its split's workspace slice).
 template <int BITS, typename T, int NT, bool kAbs>
-__global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(GemvParams p) {
+__global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmParams p) {
   constexpr int kDepth = kGemvDepth;
   extern __shared__ float4 smem_f4[];
   char* table = reinterpret_cast<char*>(smem_f4);
@@ -465,7 +465,7 @@ cudaError_t launch_splitk_reduce(const float* ws, void* out, int64_t mn, int spl
 }
 
 template <int BITS, typename T, int NT, bool kAbs>
-cudaError_t launch_gemv_table(const GemvParams& p, int grid, cudaStream_t stream) {
+cudaError_t launch_gemv_table(const MmParams& p, int grid, cudaStream_t stream) {
   const int smem = gemv_smem_bytes(static_cast<int>(p.m), p.chunk_kt, kAbs);
   cudaError_t err = cudaSuccess;
   // The dynamic shared-memory limit is raised once per device (and again if a larger plan
@@ -485,7 +485,7 @@ cudaError_t launch_gemv_table(const GemvParams& p, int grid, cudaStream_t stream
 }
 
 template <int BITS, typename T, int NT>
-cudaError_t launch_gemv(const GemvParams& p, int grid, cudaStream_t stream) {
+cudaError_t launch_gemv(const MmParams& p, int grid, cudaStream_t stream) {
   return p.abs_table ? launch_gemv_table<BITS, T, NT, true>(p, grid, stream)
                      : launch_gemv_table<BITS, T, NT, false>(p, grid, stream);
 }

@@ -163,12 +163,12 @@ GemvPlan plan_gemv(int64_t m, int64_t n, int64_t k, int sms, const GemvSmem& sme
 }
 
 template <int BITS, typename T>
-cudaError_t gemv_m(const GemvParams& p, int grid, cudaStream_t s) {
+cudaError_t gemv_m(const MmParams& p, int grid, cudaStream_t s) {
   return p.m <= 8 ? launch_gemv<BITS, T, 1>(p, grid, s) : launch_gemv<BITS, T, 2>(p, grid, s);
 }
 
 template <typename T>
-cudaError_t gemv_bits(const GemvParams& p, int grid, cudaStream_t s) {
+cudaError_t gemv_bits(const MmParams& p, int grid, cudaStream_t s) {
   switch (p.bits) {
     case 2: return gemv_m<2, T>(p, grid, s);
     case 3: return gemv_m<3, T>(p, grid, s);
@@ -215,7 +215,7 @@ GemmPlan plan_gemm(int64_t m, int64_t n, int64_t k, int sms) {
 }
 
 template <int BITS, typename T>
-cudaError_t gemm_nt_launch(const GemmParams& p, const GemmPlan& plan, cudaStream_t s) {
+cudaError_t gemm_nt_launch(const MmParams& p, const GemmPlan& plan, cudaStream_t s) {
   switch (plan.nt) {
     case 2: return launch_gemm<BITS, T, 2>(p, plan.grid, s);
     case 4: return launch_gemm<BITS, T, 4>(p, plan.grid, s);
@@ -225,7 +225,7 @@ cudaError_t gemm_nt_launch(const GemmParams& p, const GemmPlan& plan, cudaStream
 }
 
 template <typename T>
-cudaError_t gemm_bits(const GemmParams& p, const GemmPlan& plan, cudaStream_t s) {
+cudaError_t gemm_bits(const MmParams& p, const GemmPlan& plan, cudaStream_t s) {
   switch (p.bits) {
     case 2: return gemm_nt_launch<2, T>(p, plan, s);
     case 3: return gemm_nt_launch<3, T>(p, plan, s);
@@ -334,10 +334,28 @@ int64_t kbit_gemv_workspace_size(int device, int64_t m, int64_t n, int64_t k, in
 
 namespace {
 
+// The weight and problem of a GEMV or GEMM call; x, out and workspace are set per launch.
+MmParams mm_params(int dtype, const int32_t* planes, const uint8_t* block_scales, const float* row_scales,
+                   const float* codebook, int bits, int64_t m, int64_t n, int64_t k, int splits, int chunk_kt) {
+  MmParams p{};
+  p.planes = planes;
+  p.block_scales = block_scales;
+  p.row_scales = row_scales;
+  p.codebook = codebook;
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.bits = bits;
+  p.dtype = dtype;
+  p.splits = splits;
+  p.chunk_kt = chunk_kt;
+  return p;
+}
+
 struct GemvCall {
   int device;
   int grid;
-  GemvParams p;
+  MmParams p;
 };
 
 // Checks of the weight and the problem shared by kbit_gemv and kbit_gemv_prepare; fills the call.
@@ -357,19 +375,8 @@ int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* bloc
   const GemvSmem smem = gemv_smem(device, m);
   const GemvPlan plan = plan_gemv(m, n, k, sm_count(device), smem);
   *need = plan.splits > 1 ? static_cast<int64_t>(plan.splits) * m * n : 0;
-  GemvParams& p = call->p;
-  p = GemvParams{};
-  p.planes = planes;
-  p.block_scales = block_scales;
-  p.row_scales = row_scales;
-  p.codebook = codebook;
-  p.m = m;
-  p.n = n;
-  p.k = k;
-  p.bits = bits;
-  p.dtype = dtype;
-  p.splits = plan.splits;
-  p.chunk_kt = plan.chunk_kt;
+  MmParams& p = call->p;
+  p = mm_params(dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, plan.splits, plan.chunk_kt);
   p.abs_table = smem.abs_table;
   call->device = device;
   call->grid = plan.grid;
@@ -378,7 +385,7 @@ int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* bloc
 
 int gemv_launch(const GemvCall& call, const void* x, void* out, float* workspace, void* stream) {
   if (call.p.n == 0) return KBIT_OK;
-  GemvParams p = call.p;
+  MmParams p = call.p;
   p.x = x;
   p.out = out;
   p.workspace = workspace;
@@ -539,21 +546,10 @@ int kbit_gemm(int device, void* stream, const void* x, int dtype, const int32_t*
                 static_cast<long long>(workspace_size), static_cast<long long>(need));
   DeviceGuard guard(device);
   if (guard.error() != cudaSuccess) return cuda_fail(guard.error(), "selecting the device");
-  GemmParams p{};
+  MmParams p = mm_params(dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, plan.splits, plan.chunk_kt);
   p.x = x;
-  p.planes = planes;
-  p.block_scales = block_scales;
-  p.row_scales = row_scales;
-  p.codebook = codebook;
   p.out = out;
   p.workspace = workspace;
-  p.m = m;
-  p.n = n;
-  p.k = k;
-  p.bits = bits;
-  p.dtype = dtype;
-  p.splits = plan.splits;
-  p.chunk_kt = plan.chunk_kt;
   const auto st = static_cast<cudaStream_t>(stream);
   cudaError_t err = dtype == kFloat16 ? gemm_bits<__half>(p, plan, st) : gemm_bits<__nv_bfloat16>(p, plan, st);
   return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_gemm launch");

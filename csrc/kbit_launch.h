@@ -15,10 +15,10 @@ template <typename T, int BITS>
 cudaError_t launch_dequantize(const DequantizeParams& p, cudaStream_t stream);
 
 template <int BITS, typename T, int M>
-cudaError_t launch_gemv(const GemvParams& p, int grid, cudaStream_t stream);
+cudaError_t launch_gemv(const MmParams& p, int grid, cudaStream_t stream);
 
 template <int BITS, typename T, int NT>
-cudaError_t launch_gemm(const GemmParams& p, dim3 grid, cudaStream_t stream);
+cudaError_t launch_gemm(const MmParams& p, dim3 grid, cudaStream_t stream);
 
 template <int BITS, typename T, int NT>
 cudaError_t launch_grouped_gemv(const GroupedParams& p, int grid, cudaStream_t stream);

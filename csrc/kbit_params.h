@@ -38,8 +38,9 @@ struct DequantizeParams {
   int dtype;
 };
 
-// Small-M GEMV: out[m, n] = sum_k x[m, k] * W[n, k]; no tensor cores.
-struct GemvParams {
+// out[m, n] = sum_k x[m, k] * W[n, k] for the small-M GEMV (gemv_kernel.cuh) and the mid-M
+// GEMM (gemm_kernel.cuh).
+struct MmParams {
   const void* x;               // [m, k] row-major, dtype `dtype`
   const int32_t* planes;       // [nt, kt, bits, 16, 4]
   const uint8_t* block_scales; // [nt, kt, 16, 4]
@@ -50,29 +51,13 @@ struct GemvParams {
   int64_t m, n, k;
   int bits;
   int dtype;
-  // Plan (filled by plan_gemv): K is cut into `splits` ranges of `chunk_kt` K tiles; CTA c
-  // serves range c % splits. abs_table: the pair table sits at a fixed shared-window address
-  // (gemv_kernel.cuh, absolute mode) where the GPU's shared memory allows the padding.
+  // Plan: K is cut into `splits` ranges of `chunk_kt` K tiles (split s covers K tiles
+  // [s * chunk_kt, min(k_tiles, (s + 1) * chunk_kt))). GEMV (plan_gemv): CTA c serves range
+  // c % splits. GEMM (plan_gemm): grid = (token blocks, row blocks, splits).
   int splits, chunk_kt;
+  // GEMV only: the pair table sits at a fixed shared-window address (gemv_kernel.cuh,
+  // absolute mode) where the GPU's shared memory allows the padding.
   bool abs_table;
-};
-
-// Mid-M tensor-core GEMM: out[m, n] = x[m, k] @ W.T with the weight decoded into mma operands
-// as x and the packed tiles stream through shared memory (gemm_kernel.cuh).
-struct GemmParams {
-  const void* x;               // [m, k] row-major, dtype `dtype`
-  const int32_t* planes;       // [nt, kt, bits, 16, 4]
-  const uint8_t* block_scales; // [nt, kt, 16, 4]
-  const float* row_scales;     // [n]
-  const float* codebook;       // [2^bits]
-  void* out;                   // [m, n], dtype `dtype`
-  float* workspace;            // [splits, m, n] partial sums when splits > 1, else unused
-  int64_t m, n, k;
-  int bits;
-  int dtype;
-  // Plan (plan_gemm): grid = (token blocks, row blocks, splits); split s covers K tiles
-  // [s * chunk_kt, min(k_tiles, (s + 1) * chunk_kt)).
-  int splits, chunk_kt;
 };
 
 // Grouped MoE GEMV: out[s] = x[s] @ W[expert of s].T (grouped_gemv_kernel.cuh).

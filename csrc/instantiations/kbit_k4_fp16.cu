@@ -8,12 +8,12 @@
 namespace kbit {
 template cudaError_t launch_quantize<__half, 4>(const QuantizeParams&, cudaStream_t);
 template cudaError_t launch_dequantize<__half, 4>(const DequantizeParams&, cudaStream_t);
-template cudaError_t launch_gemv<4, __half, 1>(const GemvParams&, int, cudaStream_t);
+template cudaError_t launch_gemv<4, __half, 1>(const MmParams&, int, cudaStream_t);
 template cudaError_t launch_grouped_gemv<4, __half, 1>(const GroupedParams&, int, cudaStream_t);
-template cudaError_t launch_gemv<4, __half, 2>(const GemvParams&, int, cudaStream_t);
+template cudaError_t launch_gemv<4, __half, 2>(const MmParams&, int, cudaStream_t);
 template cudaError_t launch_grouped_gemv<4, __half, 4>(const GroupedParams&, int, cudaStream_t);
-template cudaError_t launch_gemm<4, __half, 2>(const GemmParams&, dim3, cudaStream_t);
-template cudaError_t launch_gemm<4, __half, 4>(const GemmParams&, dim3, cudaStream_t);
-template cudaError_t launch_gemm<4, __half, 8>(const GemmParams&, dim3, cudaStream_t);
-template cudaError_t launch_gemm<4, __half, 16>(const GemmParams&, dim3, cudaStream_t);
+template cudaError_t launch_gemm<4, __half, 2>(const MmParams&, dim3, cudaStream_t);
+template cudaError_t launch_gemm<4, __half, 4>(const MmParams&, dim3, cudaStream_t);
+template cudaError_t launch_gemm<4, __half, 8>(const MmParams&, dim3, cudaStream_t);
+template cudaError_t launch_gemm<4, __half, 16>(const MmParams&, dim3, cudaStream_t);
 }  // namespace kbit
