@@ -30,8 +30,8 @@ MM_SHAPES = [(257, 515), (40, 8200), (1000, 333)]
 QUANT_SHAPES = [(1, 1), (7, 31), (33, 257), (100, 1000), (3, 20, 300)]
 
 # ||out - ref|| / ||ref|| against a float64 product of the reference weight: the output's
-# rounding in the activation dtype, plus the weight's (GEMV: codebook pairs and their block
-# scaling in the activation dtype; above GEMV_MAX_M: the dequantized weight).
+# rounding in the activation dtype, plus the weight's (GEMV and GEMM: codebook pairs and their
+# block scaling in the activation dtype; dequantize + cuBLAS: the dequantized weight).
 MM_REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 DEVICE = "cuda"
 
