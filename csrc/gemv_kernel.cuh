@@ -74,6 +74,9 @@ template <int BITS, bool kAbs> __device__ __forceinline__ uint32_t table_lane_wo
   return kAbs && BITS <= 4 ? w | kTableWindow : w;
 }
 
+// The loads are plain (not volatile) asm so the compiler may schedule them freely: the table
+// is written once before the kernels' first barrier, and every lookup's address depends on
+// plane words loaded after it.
 template <bool kAbs> __device__ __forceinline__ uint32_t table_address(const char* table, uint32_t off) {
   return kAbs ? off : static_cast<uint32_t>(__cvta_generic_to_shared(table)) + off;
 }
