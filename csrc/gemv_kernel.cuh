@@ -65,7 +65,7 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
 // the base in a register). Absolute mode (the GEMV, where shared memory allows) places the
 // table at window address kTableWindow, whose byte 2 the permute supplies from the lane word,
 // so its result is the address itself.
-constexpr uint32_t kTableWindow = 0x10000;
+constexpr uint32_t kTableWindow = kGemvTablePad;  // 64 KB: byte 2 of the address is 1
 
 // Byte 0: this lane's table copy (k = 5: replicated in every byte, for the high-bit words);
 // absolute mode: byte 2 = kTableWindow >> 16 (k = 5 adds it in decode_pair).

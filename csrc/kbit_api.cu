@@ -107,7 +107,6 @@ GemvSmem gemv_smem(int device, int64_t m) {
   const bool cached = device >= 0 && device < kMaxDevices;
   if (cached && cache[device][m].ctas_per_sm) return cache[device][m];
   const SmemLimits lim = smem_limits(device);
-  const int min_x = 4 * gemv_x_tile_bytes(static_cast<int>(m));
   GemvSmem r{};
   // Absolute table addressing (no add per lookup) where the padding still leaves the full
   // staging budget (sm_90: 227 KB per block); else relative, with the largest staging budget
@@ -119,7 +118,7 @@ GemvSmem gemv_smem(int device, int64_t m) {
     const int fixed = gemv_smem_bytes(static_cast<int>(m), 0);
     int budget = std::min(kGemvXSmemBytes, lim.per_sm / kGemvCtasPerSm - kReservedSmem - fixed);
     int ctas = kGemvCtasPerSm;
-    if (budget < min_x) {
+    if (budget < 4 * gemv_x_tile_bytes(static_cast<int>(m))) {
       budget = std::min(kGemvXSmemBytes, lim.per_block - fixed);
       ctas = 1;
     }
