@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1) gemm_kernel(MmParams p) {
     if (s < steps) gemm_load_stage<BITS, T, NT>(p, stages + s * Tile::kStageBytes, kt0 + s, k_tiles, n_tiles, x_vec);
     cp_async_commit();
   }
-  build_table<BITS, T>(table, p.codebook);
+  build_table<BITS, T>(table, codebook_lane<BITS>(p.codebook, threadIdx.x & 31));
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const uint32_t lane_word = BITS == 2 ? lane * 8u : BITS <= 4 ? lane * 4u : (lane & 15u) * 4u * 0x01010101u;

@@ -117,31 +117,37 @@ __device__ __forceinline__ int x_swizzle(int g, int t) { return ((g * 4 + t) >> 
 // low nibbles, then 4 (high bits) x 16 copies of a 4-byte pair (lane l uses copy l % 16).
 template <typename T> __device__ __forceinline__ uint32_t scale_pair(uint32_t code);
 
+// Codebook level lane % 2^BITS of this lane: build_table reads the levels from the warp's
+// registers, so a kernel can load them first and let that load's latency overlap others.
+template <int BITS> __device__ __forceinline__ float codebook_lane(const float* codebook, int lane) {
+  return __ldg(codebook + (lane & ((1 << BITS) - 1)));
+}
+
+// Every warp of the block takes part (the levels come by shuffle from `levels`, the lane's
+// codebook_lane); a warp's trip count is uniform because the table is a multiple of 32 x 16 bytes.
 template <int BITS, typename T>
-__device__ __forceinline__ void build_table(char* table, const float* codebook) {
+__device__ __forceinline__ void build_table(char* table, float levels) {
   constexpr int kLevels = 1 << BITS;
+  const auto level = [&](int i) { return __shfl_sync(0xffffffffu, levels, i & (kLevels - 1)); };
   // After the pair table: the 256 E4M4 block scales as pairs of the activation dtype.
   for (int i = threadIdx.x; i < 256; i += blockDim.x)
     reinterpret_cast<uint32_t*>(table + kGemvTableBytes)[i] = scale_pair<T>(i);
+  static_assert(kGemvTableBytes % (32 * 16) == 0, "build_table's shuffles need whole warps");
   for (int i = threadIdx.x; i < kGemvTableBytes / 16; i += blockDim.x) {
     const int slot = i >> 4, within = (i & 15) * 16;
-    if (BITS == 3 || BITS == 4) {
-      if (within >= 128) continue;  // never read
-    }
     uint4 v = make_uint4(0, 0, 0, 0);
     if (BITS == 2) {
       // quad index bits: [1:0] element A.lo, [3:2] B.lo, [5:4] A.hi, [7:6] B.hi
-      const uint32_t a = pack2<T>(__ldg(codebook + (slot & 3)), __ldg(codebook + ((slot >> 4) & 3)));
-      const uint32_t b = pack2<T>(__ldg(codebook + ((slot >> 2) & 3)), __ldg(codebook + ((slot >> 6) & 3)));
+      const uint32_t a = pack2<T>(level(slot), level(slot >> 4));
+      const uint32_t b = pack2<T>(level(slot >> 2), level(slot >> 6));
       v = make_uint4(a, b, a, b);
     } else if (BITS <= 4) {
-      const uint32_t a = pack2<T>(__ldg(codebook + (slot & (kLevels - 1))),
-                                  __ldg(codebook + ((slot >> 4) & (kLevels - 1))));
+      const uint32_t a = pack2<T>(level(slot), level(slot >> 4));
       v = make_uint4(a, a, a, a);
+      if (within >= 128) continue;  // never read (after the shuffles, which need every lane)
     } else {
       const int hi = within >> 6;
-      const int i0 = (slot & 15) | ((hi & 1) << 4), i1 = (slot >> 4) | ((hi >> 1) << 4);
-      const uint32_t a = pack2<T>(__ldg(codebook + i0), __ldg(codebook + i1));
+      const uint32_t a = pack2<T>(level((slot & 15) | ((hi & 1) << 4)), level((slot >> 4) | ((hi >> 1) << 4)));
       v = make_uint4(a, a, a, a);
     }
     *reinterpret_cast<uint4*>(table + i * 16) = v;
@@ -373,26 +379,19 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
   const int kc0 = split * p.chunk_kt;
   const int kc1 = min(k_tiles, kc0 + p.chunk_kt);
   const int chunk = kc1 - kc0;
-
-  build_table<BITS, T>(table, p.codebook);
-  stage_x<BITS, T>(static_cast<const T*>(p.x), p.k, m, [](int tok) { return static_cast<int64_t>(tok); }, xs, kc0,
-                   kc1);
-  __syncthreads();
+  const int n = static_cast<int>(p.n);
 
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
   const int warps_per_split = static_cast<int>(gridDim.x / p.splits) * kGemvWarps;
   const int first_tile = static_cast<int>(blockIdx.x / p.splits) * kGemvWarps + warp;
-  if (first_tile >= n_tiles || chunk <= 0) return;
-  const int my_tiles = (n_tiles - first_tile + warps_per_split - 1) / warps_per_split;
+  // A warp without a row tile still helps to build the table and stage x.
+  const int my_tiles =
+      first_tile < n_tiles && chunk > 0 ? (n_tiles - first_tile + warps_per_split - 1) / warps_per_split : 0;
   const int items = my_tiles * chunk;
-  // Byte 0 of the permute source: this lane's table copy (k = 5: replicated in every byte).
-  const uint32_t lane_word = table_lane_word<BITS, kAbs>(lane);
-  const uint2* xs2 = reinterpret_cast<const uint2*>(xs);
-  T* out = static_cast<T*>(p.out);
-  float* ws = p.splits > 1 ? p.workspace + static_cast<int64_t>(split) * p.m * p.n : nullptr;
-  const int n = static_cast<int>(p.n);
 
-  // Load cursor (row tile, K tile) runs kDepth - 1 items ahead of the decode cursor.
+  // Load cursor (row tile, K tile) runs kDepth - 1 items ahead of the decode cursor. The first
+  // loads (and the first row tile's scales, below) go out before the table build and the
+  // staging, so their latency overlaps that prologue.
   int load_tile_idx = first_tile * k_tiles + kc0, load_kt = kc0, load_i = 0;
   const int row_jump = warps_per_split * k_tiles - chunk;  // from the end of a row tile's range to the next's start
   TileWords<BITS> buf[kDepth];
@@ -407,6 +406,30 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
   };
 #pragma unroll
   for (int d = 0; d < kDepth - 1; ++d) advance_load(buf[d]);
+  // Row scales of this lane's rows (g, g + 8) in the row tile being decoded.
+  float rs[2];
+  auto load_row_scales = [&](int tile) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = tile * kTileN + g + 8 * h;
+      rs[h] = items > 0 && row < n ? __ldg(p.row_scales + row) : 0.f;
+    }
+  };
+  load_row_scales(first_tile);
+
+  // One round trip for the prologue: the codebook load flies with the staging's x loads.
+  const float levels = codebook_lane<BITS>(p.codebook, lane);
+  stage_x<BITS, T>(static_cast<const T*>(p.x), p.k, m, [](int tok) { return static_cast<int64_t>(tok); }, xs, kc0,
+                   kc1);
+  build_table<BITS, T>(table, levels);
+  __syncthreads();
+  if (items == 0) return;
+
+  // Byte 0 of the permute source: this lane's table copy (k = 5: replicated in every byte).
+  const uint32_t lane_word = table_lane_word<BITS, kAbs>(lane);
+  const uint2* xs2 = reinterpret_cast<const uint2*>(xs);
+  T* out = static_cast<T*>(p.out);
+  float* ws = p.splits > 1 ? p.workspace + static_cast<int64_t>(split) * p.m * p.n : nullptr;
 
   float acc[2][NT][4];
 #pragma unroll
@@ -436,7 +459,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
             acc[0][nt][e] = 0.f;
             acc[1][nt][e] = 0.f;
             if (tok < m && row < n) {
-              const float y = v * __ldg(p.row_scales + row);
+              const float y = v * rs[e >> 1];
               if (ws) ws[tok * n + row] = y;
               else out[tok * n + row] = from_float<T>(y);
             }
@@ -444,6 +467,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
         }
         kt_rel = 0;
         rt += warps_per_split;
+        load_row_scales(rt);
       }
     }
   }

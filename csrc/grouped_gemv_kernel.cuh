@@ -28,7 +28,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) grouped_gemv_ker
   int64_t* unit_rows = reinterpret_cast<int64_t*>(red + kGemvWarps * kMaxTok * kTileN);  // [kMaxTok]: x/out rows
   int* chunk_start = reinterpret_cast<int*>(unit_rows + kMaxTok);  // [E + 1], grouped mode
 
-  build_table<BITS, T>(table, p.codebook);
+  build_table<BITS, T>(table, codebook_lane<BITS>(p.codebook, threadIdx.x & 31));
 
   const bool grouped = p.order != nullptr;
   const int num_experts = static_cast<int>(p.e);
