@@ -483,3 +483,204 @@ def measure_speed(
         "decode_tok_s": batch * (new_tokens - 1) / decode_s,
         "ms_per_decode_step": 1000 * decode_s / (new_tokens - 1),
     }
+
+
+class GreedyDecodeStep:
+    """One greedy decode step on static tensors: replaying it (eager, compiled or in a CUDA graph) chains tokens.
+
+    Building it prefills ``prompt`` ([batch, prompt_len] int64) into a fresh ``transformers.StaticCache`` of
+    ``max_cache_len`` positions. Then each call feeds one token per sequence and updates, in place:
+
+    - ``ids``: [batch, 1] int64, the token fed; overwritten by the argmax of the step's logits.
+    - ``position``: [1, 1] int64, that token's position (the forward's ``position_ids``, which the rotary
+      embedding reads); advanced by one.
+    - the cache's write position: each StaticLayer's ``cumulative_length``, a 0-dim device tensor that the
+      cache update advances. transformers 5.x forwards take no ``cache_position``; the causal mask and the KV
+      write position come from this counter, so it must move in step with ``position``.
+
+    ``rewind()`` puts all three back to the state right after prefill, so a captured graph can be replayed
+    from the same start; KV entries past the start are stale but masked until overwritten.
+    """
+
+    def __init__(self, model, prompt, max_cache_len: int):
+        import torch
+        from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer
+
+        if prompt.dim() != 2 or prompt.dtype != torch.long:
+            raise ValueError(
+                f"prompt must be int64 token ids [batch, prompt_len], got {prompt.dtype} {tuple(prompt.shape)}"
+            )
+        prompt_len = prompt.shape[1]
+        if max_cache_len <= prompt_len:
+            raise ValueError(
+                f"max_cache_len must exceed prompt_len ({prompt_len}) to leave room to decode, got {max_cache_len}"
+            )
+        self.model, self.max_cache_len, self.start = model, max_cache_len, prompt_len
+        self.cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+        kinds = {type(layer).__name__ for layer in self.cache.layers if type(layer) is not StaticLayer}
+        if kinds:  # sliding-window layers keep a host-side counter a replayed graph would not advance
+            raise ValueError(
+                f"the decode step supports full-attention static caches only; {model.config.model_type} "
+                f"has {sorted(kinds)} layers (run with --no-graph-step)"
+            )
+        with torch.inference_mode():
+            positions = torch.arange(prompt_len, device=prompt.device)[None]
+            out = model(
+                input_ids=prompt, position_ids=positions, past_key_values=self.cache, use_cache=True, logits_to_keep=1
+            )
+            self.first_token = out.logits[:, -1].argmax(-1, keepdim=True)
+            self.ids = self.first_token.clone()
+            self.position = torch.full((1, 1), prompt_len, dtype=torch.long, device=prompt.device)
+
+    def forward(self, ids, position):
+        """Logits [batch, vocab] of the token ``ids`` at ``position``; writes its keys and values into the cache."""
+        out = self.model(
+            input_ids=ids, position_ids=position, past_key_values=self.cache, use_cache=True, logits_to_keep=1
+        )
+        return out.logits[:, -1]
+
+    def __call__(self) -> None:
+        import torch
+
+        with torch.inference_mode():  # the cache holds inference tensors: updating them needs the mode
+            logits = self.forward(self.ids, self.position)
+            self.ids.copy_(logits.argmax(-1, keepdim=True))
+            self.position.add_(1)
+
+    def rewind(self) -> None:
+        """Back to the state right after prefill: first token, position and cache write position at prompt_len."""
+        import torch
+
+        with torch.inference_mode():
+            self.ids.copy_(self.first_token)
+            self.position.fill_(self.start)
+            for layer in self.cache.layers:
+                layer.cumulative_length.fill_(self.start)
+
+    def tokens(self, n: int):
+        """The first ``n`` greedy tokens [batch, n]: the prefill's, then ``n - 1`` steps (rewinds first)."""
+        import torch
+
+        if not 1 <= n <= self.max_cache_len - self.start + 1:
+            raise ValueError(f"n must be in [1, {self.max_cache_len - self.start + 1}] for this cache, got {n}")
+        self.rewind()
+        out = [self.ids.clone()]
+        for _ in range(n - 1):
+            self()
+            out.append(self.ids.clone())
+        return torch.cat(out, dim=1)
+
+
+def _eager_step_seconds(step: GreedyDecodeStep, steps: int, repeats: int, warmup: int) -> float:
+    import statistics
+    import time
+
+    times = []
+    for i in range(warmup + repeats):
+        step.rewind()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if i >= warmup:
+            times.append((time.perf_counter() - start) / steps)
+    return statistics.median(times)
+
+
+def _cuda_graph_step_seconds(step: GreedyDecodeStep, steps: int, repeats: int, warmup: int) -> tuple[float, bool]:
+    """Compile the step's forward, capture ``steps`` chained steps in one CUDA graph, time replays with events.
+
+    Returns (median seconds per step, the fraction of sequences whose last token after the first replay
+    equals the one the compiled steps reached before capture). A replay that does not advance the
+    position by ``steps`` raises. Random-weight logits are nearly flat, so a sequence can diverge
+    on a near-tie when a captured kernel rounds differently (cuBLAS may pick other kernels under
+    capture): the fraction, not equality, is reported.
+    """
+    import statistics
+
+    import torch
+
+    # Default mode, not reduce-overhead: the graph is captured here, around whole steps (forward, argmax, updates).
+    step.forward = torch.compile(step.forward, fullgraph=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the first call compiles; the rest leave nothing lazy for the capture
+        for _ in range(max(warmup, 2)):
+            step.rewind()
+            try:
+                for _ in range(steps):
+                    step()
+            except torch._dynamo.exc.TorchDynamoException as e:  # a graph break under fullgraph, or inductor failed
+                raise RuntimeError(
+                    f"graph step: torch.compile(fullgraph=True) failed on {step.model.config.model_type}'s decode step "
+                    f"(run with --no-graph-step to skip it): {e}"
+                ) from e
+    torch.cuda.current_stream().wait_stream(side)
+    expected = step.ids.clone()
+    graph = torch.cuda.CUDAGraph()
+    step.rewind()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(steps):
+                step()
+    except RuntimeError as e:
+        raise RuntimeError(
+            "graph step: capturing the compiled decode step in a CUDA graph failed (commonly an op that syncs with "
+            f"the host or launches off the current stream; run with --no-graph-step to skip it): {e}"
+        ) from e
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times, matches = [], None
+    for i in range(warmup + repeats):
+        # Each replay advances the position and the cache's write position by ``steps`` in place: rewinding
+        # first starts every replay at prompt_len, so positions stay inside the cache.
+        step.rewind()
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        if matches is None:
+            if step.position.item() != step.start + steps:
+                raise RuntimeError(f"graph step: a replay moved the position to {step.position.item()}, "
+                                   f"expected {step.start + steps}: the captured steps do not chain")
+            matches = (step.ids == expected).float().mean().item()
+        if i >= warmup:
+            times.append(begin.elapsed_time(end) / 1000 / steps)
+    return statistics.median(times), matches
+
+
+def measure_graph_step(
+    model,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    device: str,
+    repeats: int = 3,
+    steps_per_graph: int = 16,
+    warmup: int = 2,
+) -> dict[str, Any]:
+    """Device time of one greedy decode step (``batch`` sequences, one token each), without ``generate``'s host work.
+
+    A ``GreedyDecodeStep`` over a StaticCache of ``prompt_len + new_tokens`` positions, prefilled with a
+    random prompt. On CUDA the step's forward is compiled (``torch.compile(fullgraph=True)``, default mode),
+    ``min(steps_per_graph, new_tokens)`` chained steps are captured in one CUDA graph and each replay is
+    timed with CUDA events: what a serving engine that captures its decode step sees. On CPU the same steps
+    run eagerly, timed by wall clock (a smoke test of the pipeline). Medians over ``repeats`` after ``warmup``.
+    ``graph_replay_tokens_match`` (CUDA only, else None): the fraction of sequences whose replay ends on
+    the token that the same steps, compiled but not captured, reached (see _cuda_graph_step_seconds).
+    """
+    if steps_per_graph < 1:
+        raise ValueError(f"steps_per_graph must be >= 1, got {steps_per_graph}")
+    if new_tokens < 1:
+        raise ValueError(f"new_tokens must be >= 1 to time a decode step, got {new_tokens}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    steps = min(steps_per_graph, new_tokens)  # positions prompt_len..prompt_len+steps-1 stay inside the cache
+    ids = random_prompt(model.config.get_text_config().vocab_size, batch, prompt_len, device)
+    step = GreedyDecodeStep(model, ids, prompt_len + new_tokens)
+    matches = None
+    if device.startswith("cuda"):
+        step_s, matches = _cuda_graph_step_seconds(step, steps, repeats, warmup)
+    else:
+        step_s = _eager_step_seconds(step, steps, repeats, warmup)
+    return {"graph_step_ms": 1000 * step_s, "graph_decode_tok_s": batch / step_s, "graph_steps": steps,
+            "graph_replay_tokens_match": matches}

@@ -79,17 +79,26 @@ def plot_perplexity(payloads: list[dict[str, Any]], out: Path) -> Path:
 
 
 def plot_bench(p: dict[str, Any], out: Path) -> Path:
-    """Decode tokens/s vs bits (one line per batch size, bf16 dashed) and vs batch size (one line per variant)."""
+    """Decode tokens/s vs bits (one line per batch size, bf16 dashed) and vs batch size (one line per
+    variant); where the JSON has graph-step numbers, those as square markers / dotted lines."""
     plt = _plt()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     batches = sorted({r["batch"] for r in p["results"]})
+    graph = any(r.get("graph_decode_tok_s") for r in p["results"])
     for i, b in enumerate(batches):
         color = f"C{i}"
         kbit = sorted((r for r in p["results"] if r["batch"] == b and r["bits"] is not None), key=lambda r: r["bits"])
-        left.plot([r["bits"] for r in kbit], [r["decode_tok_s"] for r in kbit], "o-", color=color, label=f"kbit, batch {b}")
+        left.plot([r["bits"] for r in kbit], [r["decode_tok_s"] for r in kbit], "o-", color=color,
+                  label=f"kbit, batch {b}" + (", generate()" if graph else ""))
+        if graph:
+            left.plot([r["bits"] for r in kbit], [r["graph_decode_tok_s"] for r in kbit], "s:", color=color,
+                      label=f"kbit, batch {b}, graph step")
         base = next((r for r in p["results"] if r["batch"] == b and r["bits"] is None), None)
         if base:
             left.axhline(base["decode_tok_s"], color=color, linestyle="--", label=f"bf16, batch {b}")
+            if graph:
+                left.axhline(base["graph_decode_tok_s"], color=color, linestyle=":", alpha=0.6,
+                             label=f"bf16, batch {b}, graph step")
     left.set_xlabel("bits per weight index (k)")
     left.set_ylabel("decode throughput (tokens/s, all sequences)")
     left.set_xticks(sorted({r["bits"] for r in p["results"] if r["bits"] is not None}))
@@ -100,7 +109,11 @@ def plot_bench(p: dict[str, Any], out: Path) -> Path:
     for v in variants:
         rows = sorted((r for r in p["results"] if r["variant"] == v), key=lambda r: r["batch"])
         style = "--" if v == "bf16" else "-"
-        right.plot([r["batch"] for r in rows], [r["decode_tok_s"] for r in rows], style, marker="o", label=v)
+        line = right.plot([r["batch"] for r in rows], [r["decode_tok_s"] for r in rows], style, marker="o",
+                          label=v + (", generate()" if graph else ""))[0]
+        if graph:
+            right.plot([r["batch"] for r in rows], [r["graph_decode_tok_s"] for r in rows], ":", marker="s",
+                       color=line.get_color(), label=f"{v}, graph step")
     right.set_xscale("log", base=2)
     right.set_xticks(batches, [str(b) for b in batches])
     right.set_xlabel("batch size (sequences)")
@@ -150,11 +163,22 @@ def perplexity_markdown(p: dict[str, Any]) -> str:
 
 
 def bench_markdown(p: dict[str, Any]) -> str:
-    rows = [
-        [r["variant"], f"{r['bits_per_weight']:.3f}", r["batch"], f"{r['decode_tok_s']:.1f}", f"{r['ms_per_decode_step']:.2f}",
-         f"{r['decode_speedup_vs_bf16']:.2f}x" if r["decode_speedup_vs_bf16"] else "-", f"{r['prefill_tok_s']:.0f}"]
-        for r in p["results"]
-    ]
+    graph = any(r.get("graph_decode_tok_s") for r in p["results"])
+
+    def speedup(v):
+        return f"{v:.2f}x" if v else "-"
+
+    rows = []
+    for r in p["results"]:
+        row = [r["variant"], f"{r['bits_per_weight']:.3f}", r["batch"], f"{r['decode_tok_s']:.1f}",
+               f"{r['ms_per_decode_step']:.2f}", speedup(r["decode_speedup_vs_bf16"])]
+        if graph:
+            row += [f"{r['graph_decode_tok_s']:.1f}", f"{r['graph_step_ms']:.2f}", speedup(r.get("graph_decode_speedup_vs_bf16"))]
+        rows.append(row + [f"{r['prefill_tok_s']:.0f}"])
+    headers = ["variant", "bits/weight", "batch", "generate() tok/s", "ms/step", "x bf16"]
+    if graph:
+        headers += ["graph-step tok/s", "ms/step", "x bf16"]
+    headers.append("prefill tok/s")
     how = "static KV cache + torch.compile" if p["static_cache_and_compile"] else "eager, dynamic cache"
     lines = [
         f"### {p['model']}: {p['layers']} of {p['layers_full']} layers, random weights",
@@ -162,15 +186,24 @@ def bench_markdown(p: dict[str, Any]) -> str:
         f"{p['environment'].get('gpu', p['device'])}, {p['compute_dtype']}, {how}; prompt {p['setup']['prompt_len']} "
         f"tokens, {p['setup']['new_tokens']} new tokens, median of {p['setup']['repeats']}. From `results/{p['_file']}`.",
         "",
-        common.format_table(["variant", "bits/weight", "batch", "decode tok/s", "ms/step", "decode x bf16", "prefill tok/s"], rows),
+        common.format_table(headers, rows),
     ]
+    if graph:
+        lines += ["", "generate(): `model.generate` decode tokens/s, prefill subtracted; it includes generate's host "
+                      "work per token. Graph step: device time of one compiled greedy decode step, "
+                      f"{p['graph_step']['steps_per_graph']} chained steps replayed in one CUDA graph (what a serving "
+                      "engine that captures its decode step sees). The LM head stays bf16 in both."]
     unq = {r["unquantized_expert_params"] for r in p["results"] if r["bits"]}
     if unq - {None, 0}:
         lines += ["", f"Note: {max(unq - {None})} expert weights stayed bf16 (experts not converted by this build)."]
     if p.get("checks"):
         c = p["checks"]
-        lines += ["", f"Acceptance: kbit4 batch-1 decode {c['llama3-8b_kbit4_batch1_decode_speedup']:.2f}x bf16 "
-                      f"(target {c['target']}x): {'passed' if c['passed'] else 'NOT passed'}."]
+        line = (f"Acceptance: kbit4 batch-1 decode {c['llama3-8b_kbit4_batch1_decode_speedup']:.2f}x bf16 "
+                f"(target {c['target']}x): {'passed' if c['passed'] else 'NOT passed'}")
+        if c.get("llama3-8b_kbit4_batch1_graph_decode_speedup") is not None:
+            line += (f"; graph step {c['llama3-8b_kbit4_batch1_graph_decode_speedup']:.2f}x: "
+                     f"{'passed' if c['graph_passed'] else 'NOT passed'}")
+        lines += ["", line + "."]
     lines += ["", "```bash", p["command"], "```", ""]
     return "\n".join(lines)
 

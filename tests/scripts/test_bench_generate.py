@@ -1,0 +1,125 @@
+"""bench_generate.py's graph step on the CPU: the step chains the tokens ``generate`` picks greedily (eager and
+traced by dynamo with fullgraph=True), ``run`` reports it beside generate() end to end, the acceptance dict
+shows both speedups, and bad arguments are named. The CUDA-graph capture itself runs on the GPU machine only.
+No timing assertions beyond "positive and finite"."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import _eval_common as common
+import bench_generate as bench
+import pytest
+import torch
+
+GRAPH_KEYS = ("graph_step_ms", "graph_decode_tok_s", "graph_decode_speedup_vs_bf16")
+PROMPT_LEN, NEW_TOKENS = 8, 5
+
+
+def tiny_model(dtype, bits=None):
+    config = bench.make_config("tiny-llama")
+    config.initializer_range = 0.1  # the default 0.02 makes a tiny random model repeat one token
+    model = bench.build_model(config, "cpu", dtype)
+    return bench.quantize(model, bits) if bits else model
+
+
+def greedy_generate(model, prompt, n):
+    with torch.inference_mode():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0, disable_compile=True)
+    return out[:, prompt.shape[1]:]
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "dynamo-fullgraph"])
+@pytest.mark.parametrize(
+    "dtype, bits", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, 4)], ids=["fp32", "bf16", "kbit4"]
+)
+def test_step_chains_generates_greedy_tokens(dtype, bits, traced, fresh_dynamo):
+    model = tiny_model(dtype, bits)
+    prompt = common.random_prompt(model.config.vocab_size, 2, PROMPT_LEN, "cpu")
+    expected = greedy_generate(model, prompt, NEW_TOKENS)
+    assert len(set(expected.flatten().tolist())) > 2, "the test needs a model whose greedy tokens vary"
+
+    step = common.GreedyDecodeStep(model, prompt, PROMPT_LEN + NEW_TOKENS)
+    if traced:  # what the CUDA path compiles, traced here without inductor: no graph breaks allowed
+        step.forward = torch.compile(step.forward, fullgraph=True, backend="eager")
+    assert torch.equal(step.tokens(NEW_TOKENS), expected)
+    # rewind() restores token, position and the cache's write position: a second pass repeats the first.
+    assert torch.equal(step.tokens(NEW_TOKENS), expected)
+    assert step.position.item() == PROMPT_LEN + NEW_TOKENS - 1
+    assert all(layer.cumulative_length.item() == PROMPT_LEN + NEW_TOKENS - 1 for layer in step.cache.layers)
+
+
+def test_step_rejects_bad_arguments():
+    model = tiny_model(torch.float32)
+    prompt = common.random_prompt(model.config.vocab_size, 1, PROMPT_LEN, "cpu")
+    with pytest.raises(ValueError, match="max_cache_len must exceed prompt_len"):
+        common.GreedyDecodeStep(model, prompt, PROMPT_LEN)
+    with pytest.raises(ValueError, match="prompt must be int64"):
+        common.GreedyDecodeStep(model, prompt.float(), PROMPT_LEN + 2)
+    step = common.GreedyDecodeStep(model, prompt, PROMPT_LEN + 2)
+    with pytest.raises(ValueError, match=r"n must be in \[1, 3\]"):
+        step.tokens(4)
+    with pytest.raises(ValueError, match="steps_per_graph must be >= 1"):
+        common.measure_graph_step(model, 1, PROMPT_LEN, 2, "cpu", steps_per_graph=0)
+
+
+@pytest.fixture(scope="module")
+def payload():
+    return bench.run("tiny-llama", [4], "cpu", torch.bfloat16, batch_sizes=(1,), prompt_len=PROMPT_LEN,
+                     new_tokens=4, repeats=1, log=lambda *_: None)
+
+
+def test_run_reports_graph_step_beside_generate(payload):
+    assert [r["variant"] for r in payload["results"]] == ["bf16", "kbit4"]
+    for r in payload["results"]:
+        for key in GRAPH_KEYS + ("decode_tok_s", "decode_speedup_vs_bf16"):
+            assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] > 0, (r["variant"], key)
+        assert r["graph_decode_tok_s"] == pytest.approx(r["batch"] * 1000 / r["graph_step_ms"])
+        assert r["graph_replay_tokens_match"] is None  # a CUDA-graph check; the CPU runs the steps eagerly
+    assert payload["results"][0]["graph_decode_speedup_vs_bf16"] == 1.0
+    assert payload["graph_step"] == {"timing": "eager_wall_clock", "compiled": False, "steps_per_graph": 4}
+    assert payload["checks"] == {}  # the acceptance bar applies to Llama-3-8B on CUDA only
+    table = bench.render_table(payload)
+    assert "| graph tok/s | graph ms/step | graph x bf16 |" in table and "| kbit4 |" in table
+    json.dumps(payload)
+
+
+def test_no_graph_step_leaves_the_keys_empty():
+    p = bench.run("tiny-llama", [4], "cpu", torch.bfloat16, layers=1, batch_sizes=(1,), prompt_len=4, new_tokens=2,
+                  repeats=1, graph_step=False, log=lambda *_: None)
+    assert p["graph_step"] is None
+    assert all(r[key] is None for r in p["results"] for key in GRAPH_KEYS + ("graph_replay_tokens_match",))
+    assert all(r["decode_tok_s"] > 0 for r in p["results"])
+    assert "| - | - | - |" in bench.render_table(p)
+
+
+def test_acceptance_shows_generate_and_graph_speedups():
+    def row(bits, decode, graph):
+        return {"bits": bits, "batch": 1, "decode_tok_s": decode, "prefill_tok_s": 1.0, "graph_decode_tok_s": graph}
+
+    results = [row(None, 100.0, 120.0), row(4, 150.0, 360.0)]
+    bench.add_speedups(results)
+    checks = bench.acceptance({"preset": "llama3-8b", "device": "cuda", "results": results})
+    assert checks == {
+        "llama3-8b_kbit4_batch1_decode_speedup": 1.5, "target": 2.5, "passed": False,
+        "llama3-8b_kbit4_batch1_graph_decode_speedup": 3.0, "graph_passed": True,
+    }
+    results = [row(None, 100.0, None), row(4, 300.0, None)]  # --no-graph-step
+    bench.add_speedups(results)
+    checks = bench.acceptance({"preset": "llama3-8b", "device": "cuda", "results": results})
+    assert checks["passed"] is True and checks["llama3-8b_kbit4_batch1_graph_decode_speedup"] is None
+    assert checks["graph_passed"] is None
+
+
+def test_cli_names_a_bad_steps_per_graph():
+    with pytest.raises(ValueError, match="--steps-per-graph must be >= 1, got 0"):
+        bench.main(["--preset", "tiny-llama", "--device", "cpu", "--steps-per-graph", "0"])
