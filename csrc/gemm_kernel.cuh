@@ -166,6 +166,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1) gemm_kernel(MmParams p) {
   extern __shared__ float4 smem_f4[];
   char* table = reinterpret_cast<char*>(smem_f4);
   char* stages = table + kGemvTableBytes + kGemvScaleBytes;
+  allow_dependent_launch();
 
   const int k_tiles = static_cast<int>((p.k + kTileK - 1) / kTileK), n_tiles = static_cast<int>((p.n + kTileN - 1) / kTileN);
   const int kt0 = blockIdx.z * p.chunk_kt;

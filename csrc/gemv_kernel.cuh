@@ -372,6 +372,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
   }
   uint32_t* xs = reinterpret_cast<uint32_t*>(table + kGemvTableBytes + kGemvScaleBytes);
   const int m = static_cast<int>(p.m);
+  allow_dependent_launch();
 
   // 32-bit tile arithmetic: the host guarantees n_tiles * k_tiles * BITS * 64 < 2^31.
   const int split = static_cast<int>(blockIdx.x % p.splits);
@@ -477,6 +478,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
 // (the GEMV's and the GEMM's second kernel: deterministic, unlike atomics).
 template <typename T>
 __global__ void __launch_bounds__(256) splitk_reduce_kernel(const float* ws, T* out, int64_t mn, int splits) {
+  wait_for_primary_grid();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= mn) return;
   float v = 0.f;
@@ -484,11 +486,30 @@ __global__ void __launch_bounds__(256) splitk_reduce_kernel(const float* ws, T* 
   out[i] = from_float<T>(v);
 }
 
+// Whether the current device takes programmatic dependent launches (compute capability >= 9).
+inline bool device_has_pdl() {
+  static int cache[64] = {0};  // 0: not asked yet, 1: no, 2: yes
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  if (cache[dev] == 0) {
+    int major = 0;
+    cache[dev] = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9 ? 2 : 1;
+  }
+  return cache[dev] == 2;
+}
+
 template <typename T>
 cudaError_t launch_splitk_reduce(const float* ws, void* out, int64_t mn, int splits, cudaStream_t stream) {
-  splitk_reduce_kernel<T><<<static_cast<unsigned>((mn + 255) / 256), 256, 0, stream>>>(ws, static_cast<T*>(out), mn,
-                                                                                      splits);
-  return cudaGetLastError();
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>((mn + 255) / 256));
+  cfg.blockDim = dim3(256);
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = device_has_pdl() ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, splitk_reduce_kernel<T>, ws, static_cast<T*>(out), mn, splits);
 }
 
 template <int BITS, typename T, int NT, bool kAbs>

@@ -52,4 +52,19 @@ template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, f
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// Programmatic dependent launch (sm_90+): a split-K kernel lets its reduce kernel launch early
+// (launch_dependents at its start), and the reduce waits in griddepcontrol.wait until the split-K
+// grid has completed and its writes are visible, so the reduce's launch latency overlaps the
+// split-K kernel's tail. Elsewhere both are no-ops and the launch is an ordinary one.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_primary_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 }  // namespace kbit
