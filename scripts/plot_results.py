@@ -192,7 +192,12 @@ def bench_markdown(p: dict[str, Any]) -> str:
         lines += ["", "generate(): `model.generate` decode tokens/s, prefill subtracted; it includes generate's host "
                       "work per token. Graph step: device time of one compiled greedy decode step, "
                       f"{p['graph_step']['steps_per_graph']} chained steps replayed in one CUDA graph (what a serving "
-                      "engine that captures its decode step sees). The LM head stays bf16 in both."]
+                      "engine that captures its decode step sees). The LM head stays bf16 in both. Replay check "
+                      "(sequences whose 16th replayed token equals the uncaptured compiled steps'): "
+                      + ", ".join(f"{r['variant']} batch {r['batch']} {r['graph_replay_tokens_match']:.0%}"
+                                  for r in p["results"] if r.get("graph_replay_tokens_match") is not None)
+                      + " (random-weight logits are nearly flat: one rounding difference under capture flips a "
+                        "near-tie, and the chain carries it on)."]
     unq = {r["unquantized_expert_params"] for r in p["results"] if r["bits"]}
     if unq - {None, 0}:
         lines += ["", f"Note: {max(unq - {None})} expert weights stayed bf16 (experts not converted by this build)."]
