@@ -4,7 +4,8 @@ The models are built from their published configs (values written below, nothing
 downloaded) with random weights, so any architecture size can be timed without a checkpoint.
 ``--layers N`` keeps only the first N decoder layers (stated in the output) to fit memory or
 time. Every variant is built from the same seed; kbit variants are quantized in memory with
-``hf_kbit.quantize_model`` (the LM head stays bf16, as in quantize-on-load, in both numbers below).
+``hf_kbit.quantize_model``. The LM head stays bf16, as in quantize-on-load, unless
+``--quantize-lm-head`` (then it takes the same k; the JSON records ``lm_head_quantized``).
 
 Two decode numbers, reported side by side:
 
@@ -140,10 +141,11 @@ def unquantized_expert_params(model) -> int:
     return sum(p.numel() for name, p in model.named_parameters() if p.dim() == 3 and ".experts." in f".{name}")
 
 
-def quantize(model, bits: int):
+def quantize(model, bits: int, lm_head: bool = False):
     import hf_kbit
 
-    return hf_kbit.quantize_model(model, hf_kbit.KbitConfig(bits=bits), modules_to_not_convert=["lm_head"])
+    skip = [] if lm_head else ["lm_head"]
+    return hf_kbit.quantize_model(model, hf_kbit.KbitConfig(bits=bits), modules_to_not_convert=skip)
 
 
 def reset_compiled(model=None) -> None:
@@ -169,6 +171,7 @@ def run(
     include_bf16: bool = True,
     graph_step: bool = True,
     steps_per_graph: int = 16,
+    quantize_lm_head: bool = False,
     log=print,
 ) -> dict[str, Any]:
     import torch
@@ -191,7 +194,7 @@ def run(
         if bits is None:
             info.update({"bits_per_weight": 16.0, "quantized_fraction": 0.0})
         else:
-            model = quantize(model, bits)
+            model = quantize(model, bits, lm_head=quantize_lm_head)
             info.update(common.kbit_summary(model))
         info["unquantized_expert_params"] = unquantized_expert_params(model) if bits is not None else None
         info["setup_seconds"] = round(time.perf_counter() - start, 1)
@@ -227,6 +230,7 @@ def run(
         "device": device,
         "compute_dtype": common.dtype_name(dtype),
         "static_cache_and_compile": static_compile,
+        "lm_head_quantized": quantize_lm_head,
         "graph_step": None if not graph_step else {
             "timing": "cuda_graph_events" if device.startswith("cuda") else "eager_wall_clock",
             "compiled": device.startswith("cuda"),
@@ -296,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip the graph step (compiled decode step replayed in a CUDA graph)")
     parser.add_argument("--steps-per-graph", type=int, default=16,
                         help="graph step: chained decode steps per CUDA graph (default 16, at most --new-tokens)")
+    parser.add_argument("--quantize-lm-head", action="store_true",
+                        help="quantize the LM head too (default: it stays bf16, as in quantize-on-load)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
     parser.add_argument("--dtype", default="bf16", help="compute dtype (default bf16)")
     parser.add_argument("--out", default=None, help="JSON path (default: results/bench_generate_<preset>_<device>.json)")
@@ -312,10 +318,12 @@ def main(argv: list[str] | None = None) -> int:
         args.preset, bits_list, device, dtype, args.layers, batch_sizes, args.prompt_len, args.new_tokens,
         args.repeats, static_compile=False if args.no_compile else None, include_bf16=not args.no_bf16,
         graph_step=not args.no_graph_step, steps_per_graph=args.steps_per_graph,
+        quantize_lm_head=args.quantize_lm_head,
     )
     payload["command"] = common.command_line()
     payload["environment"] = common.environment()
-    out = args.out or f"results/bench_generate_{args.preset}_{device.split(':')[0]}.json"
+    head = "_lmhead" if args.quantize_lm_head else ""
+    out = args.out or f"results/bench_generate_{args.preset}_{device.split(':')[0]}{head}.json"
     common.write_json(out, payload)
     print()
     layers = f"{payload['layers']} of {payload['layers_full']} layers"

@@ -3,8 +3,8 @@
     python scripts/plot_results.py                       # results/*.json -> results/*.png + docs/results.md
 
 Perplexity files (``perplexity_*.json``) give ``perplexity_vs_bits.png``; decode benchmarks
-(``bench_generate_*.json``) give ``decode_speed_<preset>_<device>.png`` (tokens/s vs bits and
-vs batch size).
+(``bench_generate_*.json``) give ``decode_speed_<preset>_<device>[_lmhead].png`` (tokens/s vs bits
+and vs batch size).
 """
 
 from __future__ import annotations
@@ -78,6 +78,11 @@ def plot_perplexity(payloads: list[dict[str, Any]], out: Path) -> Path:
     return out
 
 
+def bench_plot_name(p: dict[str, Any]) -> str:
+    head = "_lmhead" if p.get("lm_head_quantized") else ""
+    return f"decode_speed_{p['preset']}_{p['device'].split(':')[0]}{head}.png"
+
+
 def plot_bench(p: dict[str, Any], out: Path) -> Path:
     """Decode tokens/s vs bits (one line per batch size, bf16 dashed) and vs batch size (one line per
     variant); where the JSON has graph-step numbers, those as square markers / dotted lines."""
@@ -119,7 +124,8 @@ def plot_bench(p: dict[str, Any], out: Path) -> Path:
     right.set_xlabel("batch size (sequences)")
     right.set_ylabel("decode throughput (tokens/s, all sequences)")
     how = "static cache + torch.compile" if p["static_cache_and_compile"] else "eager"
-    fig.suptitle(f"{p['model']}, {p['layers']}/{p['layers_full']} layers, random weights, "
+    head = "LM head quantized, " if p.get("lm_head_quantized") else ""
+    fig.suptitle(f"{p['model']}, {p['layers']}/{p['layers_full']} layers, random weights, {head}"
                  f"{p['environment'].get('gpu', p['device'])}, {how}", fontsize=10)
     for ax in (left, right):
         ax.grid(True, alpha=0.3)
@@ -181,7 +187,8 @@ def bench_markdown(p: dict[str, Any]) -> str:
     headers.append("prefill tok/s")
     how = "static KV cache + torch.compile" if p["static_cache_and_compile"] else "eager, dynamic cache"
     lines = [
-        f"### {p['model']}: {p['layers']} of {p['layers_full']} layers, random weights",
+        f"### {p['model']}: {p['layers']} of {p['layers_full']} layers, random weights"
+        + (", LM head quantized" if p.get("lm_head_quantized") else ""),
         "",
         f"{p['environment'].get('gpu', p['device'])}, {p['compute_dtype']}, {how}; prompt {p['setup']['prompt_len']} "
         f"tokens, {p['setup']['new_tokens']} new tokens, median of {p['setup']['repeats']}. From `results/{p['_file']}`.",
@@ -192,7 +199,10 @@ def bench_markdown(p: dict[str, Any]) -> str:
         lines += ["", "generate(): `model.generate` decode tokens/s, prefill subtracted; it includes generate's host "
                       "work per token. Graph step: device time of one compiled greedy decode step, "
                       f"{p['graph_step']['steps_per_graph']} chained steps replayed in one CUDA graph (what a serving "
-                      "engine that captures its decode step sees). The LM head stays bf16 in both. Replay check "
+                      "engine that captures its decode step sees). "
+                      + ("The LM head is quantized with the same k in both. " if p.get("lm_head_quantized")
+                         else "The LM head stays bf16 in both. ")
+                      + "Replay check "
                       "(sequences whose 16th replayed token equals the uncaptured compiled steps'): "
                       + ", ".join(f"{r['variant']} batch {r['batch']} {r['graph_replay_tokens_match']:.0%}"
                                   for r in p["results"] if r.get("graph_replay_tokens_match") is not None)
@@ -242,7 +252,7 @@ def render_results_md(groups: dict[str, list[dict[str, Any]]], plots: list[str])
                   "", "```bash", GPU_COMMAND, "```", ""]
     for p in groups["bench"]:
         parts.append(bench_markdown(p))
-        name = f"decode_speed_{p['preset']}_{p['device'].split(':')[0]}.png"
+        name = bench_plot_name(p)
         if name in plots:
             parts += [f"![decode speed]({'../results/' + name})", ""]
     if groups["generation"]:
@@ -263,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     if groups["perplexity"]:
         plots.append(plot_perplexity(groups["perplexity"], folder / "perplexity_vs_bits.png").name)
     for p in groups["bench"]:
-        plots.append(plot_bench(p, folder / f"decode_speed_{p['preset']}_{p['device'].split(':')[0]}.png").name)
+        plots.append(plot_bench(p, folder / bench_plot_name(p)).name)
     for name in plots:
         print(f"wrote {folder / name}")
     if args.markdown:

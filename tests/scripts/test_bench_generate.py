@@ -102,6 +102,17 @@ def test_no_graph_step_leaves_the_keys_empty():
     assert "| - | - | - |" in bench.render_table(p)
 
 
+def test_quantize_lm_head_converts_the_head_too():
+    kwargs = dict(layers=1, batch_sizes=(1,), prompt_len=4, new_tokens=2, repeats=1, graph_step=False,
+                  include_bf16=False, log=lambda *_: None)
+    kept = bench.run("tiny-llama", [4], "cpu", torch.bfloat16, **kwargs)
+    converted = bench.run("tiny-llama", [4], "cpu", torch.bfloat16, quantize_lm_head=True, **kwargs)
+    assert kept["lm_head_quantized"] is False and converted["lm_head_quantized"] is True
+    assert converted["results"][0]["quantized_fraction"] > kept["results"][0]["quantized_fraction"]
+    model = bench.quantize(bench.build_model(bench.make_config("tiny-llama", 1), "cpu", torch.bfloat16), 4, lm_head=True)
+    assert type(model.lm_head).__name__ == "KbitLinear"
+
+
 def test_acceptance_shows_generate_and_graph_speedups():
     def row(bits, decode, graph):
         return {"bits": bits, "batch": 1, "decode_tok_s": decode, "prefill_tok_s": 1.0, "graph_decode_tok_s": graph}
