@@ -200,7 +200,7 @@ def bench_markdown(p: dict[str, Any]) -> str:
                       "work per token. Graph step: device time of one compiled greedy decode step, "
                       f"{p['graph_step']['steps_per_graph']} chained steps replayed in one CUDA graph (what a serving "
                       "engine that captures its decode step sees). "
-                      + ("The LM head is quantized with the same k in both. " if p.get("lm_head_quantized")
+                      + ("The kbit variants' LM head is quantized too, with the same k. " if p.get("lm_head_quantized")
                          else "The LM head stays bf16 in both. ")
                       + "Replay check "
                       "(sequences whose 16th replayed token equals the uncaptured compiled steps'): "
