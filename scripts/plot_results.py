@@ -196,18 +196,17 @@ def bench_markdown(p: dict[str, Any]) -> str:
         common.format_table(headers, rows),
     ]
     if graph:
+        steps = p["graph_step"]["steps_per_graph"]
+        head = ("The kbit variants' LM head is quantized too, with the same k." if p.get("lm_head_quantized")
+                else "The LM head stays bf16 in both.")
+        matches = ", ".join(f"{r['variant']} batch {r['batch']} {r['graph_replay_tokens_match']:.0%}"
+                            for r in p["results"] if r.get("graph_replay_tokens_match") is not None)
         lines += ["", "generate(): `model.generate` decode tokens/s, prefill subtracted; it includes generate's host "
-                      "work per token. Graph step: device time of one compiled greedy decode step, "
-                      f"{p['graph_step']['steps_per_graph']} chained steps replayed in one CUDA graph (what a serving "
-                      "engine that captures its decode step sees). "
-                      + ("The kbit variants' LM head is quantized too, with the same k. " if p.get("lm_head_quantized")
-                         else "The LM head stays bf16 in both. ")
-                      + "Replay check "
-                      "(sequences whose 16th replayed token equals the uncaptured compiled steps'): "
-                      + ", ".join(f"{r['variant']} batch {r['batch']} {r['graph_replay_tokens_match']:.0%}"
-                                  for r in p["results"] if r.get("graph_replay_tokens_match") is not None)
-                      + " (random-weight logits are nearly flat: one rounding difference under capture flips a "
-                        "near-tie, and the chain carries it on)."]
+                      f"work per token. Graph step: device time of one compiled greedy decode step, {steps} chained "
+                      "steps replayed in one CUDA graph (what a serving engine that captures its decode step sees). "
+                      f"{head} Replay check (sequences whose last replayed token equals the uncaptured compiled "
+                      f"steps'): {matches}. Random-weight logits are nearly flat, so a rounding difference under "
+                      "capture most likely flips a near-tie, and the chain carries it on."]
     unq = {r["unquantized_expert_params"] for r in p["results"] if r["bits"]}
     if unq - {None, 0}:
         lines += ["", f"Note: {max(unq - {None})} expert weights stayed bf16 (experts not converted by this build)."]
