@@ -273,6 +273,24 @@ def _prepare(module, x, m):
     return (planes, block_scales, row_scales, codebook, ctypes.addressof(call), call, int(ws.value), n)
 
 
+# Split-K workspaces of the eager fast path, one per (device, stream), shared by every layer:
+# kernels on one stream run in order. One that grows is replaced, and the old one is kept
+# alive, because a CUDA graph captured from eager code may still point at it.
+_stream_workspaces: dict[tuple[int, int], torch.Tensor] = {}
+_retired_workspaces: list[torch.Tensor] = []
+
+
+def _stream_workspace(device: torch.device, stream: int, floats: int) -> torch.Tensor:
+    key = (device.index, stream)
+    ws = _stream_workspaces.get(key)
+    if ws is None or ws.numel() < floats:
+        if ws is not None:
+            _retired_workspaces.append(ws)
+            floats = max(floats, 2 * ws.numel())
+        ws = _stream_workspaces[key] = torch.empty(floats, dtype=torch.float32, device=device)
+    return ws
+
+
 def linear_fast(module, x: torch.Tensor):
     """``x @ W.T`` for a KbitLinear on CUDA in eager mode, or None when the op path must serve
     (compiling/tracing, tensor subclasses, autograd on x, float32, non-contiguous x, M past
@@ -302,10 +320,9 @@ def linear_fast(module, x: torch.Tensor):
     if entry[4] is None:
         return None
     out = torch.empty((*shape[:-1], entry[7]), dtype=x.dtype, device=x.device)
-    ws_size = entry[6]
-    ws = torch.empty(ws_size, dtype=torch.float32, device=x.device) if ws_size else None  # alive until launched
     stream = _raw_stream_of(dev) if _raw_stream_of is not None else torch.cuda.current_stream(dev).cuda_stream
-    rc = _run(entry[4], x.data_ptr(), out.data_ptr(), ws.data_ptr() if ws is not None else None, stream)
+    ws = _stream_workspace(x.device, stream, entry[6]).data_ptr() if entry[6] else None
+    rc = _run(entry[4], x.data_ptr(), out.data_ptr(), ws, stream)
     if rc:
         _lib.check(rc, "mm")
     return out

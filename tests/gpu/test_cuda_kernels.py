@@ -318,6 +318,43 @@ def test_kbit_linear_fast_path_autograd_input_uses_op():
     assert torch.equal(out.detach(), expect)
 
 
+def test_kbit_linear_fast_path_workspace_growth_keeps_captured_graph():
+    """The eager split-K workspace is shared per stream and grows for a larger plan; a graph
+    captured with the smaller one still replays right after the growth."""
+    from hf_kbit.backends import cuda as backend
+
+    small = hf_kbit.KbitLinear.from_linear(
+        torch.nn.Linear(8200, 40, bias=False, device=DEVICE, dtype=torch.bfloat16), bits=2)
+    big = hf_kbit.KbitLinear.from_linear(
+        torch.nn.Linear(8200, 3000, bias=False, device=DEVICE, dtype=torch.bfloat16), bits=2)
+    x_small = torch.randn(2, 8200, device=DEVICE, dtype=torch.bfloat16)
+    x_big = torch.randn(16, 8200, device=DEVICE, dtype=torch.bfloat16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    key = (torch.device(DEVICE).index or 0, s.cuda_stream)
+    with torch.cuda.stream(s), torch.inference_mode():
+        small(x_small)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=s), torch.inference_mode():
+        captured = small(x_small)
+    before = backend._stream_workspaces[key]
+    (small_need,) = {e[6] for e in small.__dict__["_kbit_fast"].values()}
+    with torch.cuda.stream(s), torch.inference_mode():
+        got_big = big(x_big)
+    (big_need,) = {e[6] for e in big.__dict__["_kbit_fast"].values()}
+    assert 0 < small_need < big_need, "the shapes must give two split-K plans, the second larger"
+    assert backend._stream_workspaces[key] is not before and backend._stream_workspaces[key].numel() >= big_need
+    torch.cuda.current_stream().wait_stream(s)
+    x_small.copy_(torch.randn_like(x_small))
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.inference_mode():
+        assert torch.equal(captured, small(x_small))
+        assert torch.equal(got_big, torch.ops.kbit.mm(x_big, big.planes, big.block_scales, big.row_scales,
+                                                      big.codebook, 8200))
+
+
 def test_kbit_linear_fast_path_cuda_graph_capture():
     """The eager fast path is graph-safe: a captured KbitLinear replays on new inputs."""
     lin = torch.nn.Linear(8200, 40, bias=True, device=DEVICE, dtype=torch.bfloat16)  # split-K plan
