@@ -234,18 +234,10 @@ __global__ void __launch_bounds__(kGemmThreads, 1) gemm_kernel(MmParams p) {
 template <int BITS, typename T, int NT>
 cudaError_t launch_gemm(const MmParams& p, dim3 grid, cudaStream_t stream) {
   constexpr int kSmem = gemm_smem_bytes(BITS, NT);
-  // Raised once per device: a driver call per launch costs about a microsecond.
-  static bool raised[64] = {false};
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev < 0 || dev >= 64 || !raised[dev]) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(gemm_kernel<BITS, T, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    if (err != cudaSuccess) return err;
-    if (dev >= 0 && dev < 64) raised[dev] = true;
-  }
+  cudaError_t err = raise_smem_limit<gemm_kernel<BITS, T, NT>>(kSmem);
+  if (err != cudaSuccess) return err;
   gemm_kernel<BITS, T, NT><<<grid, kGemmThreads, kSmem, stream>>>(p);
-  cudaError_t err = cudaGetLastError();
+  err = cudaGetLastError();
   if (err != cudaSuccess || p.splits == 1) return err;
   return launch_splitk_reduce<T>(p.workspace, p.out, p.m * p.n, p.splits, stream);
 }

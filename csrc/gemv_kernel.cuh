@@ -27,6 +27,7 @@
 #include <type_traits>
 
 #include "kbit_common.cuh"
+#include "kbit_launch.h"
 
 namespace kbit {
 
@@ -68,10 +69,12 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
 constexpr uint32_t kTableWindow = kGemvTablePad;  // 64 KB: byte 2 of the address is 1
 
 // Byte 0: this lane's table copy (k = 5: replicated in every byte, for the high-bit words);
-// absolute mode: byte 2 = kTableWindow >> 16 (k = 5 adds it in decode_pair).
-template <int BITS, bool kAbs> __device__ __forceinline__ uint32_t table_lane_word(int lane) {
+// absolute mode: byte 2 = kTableWindow >> 16 (k = 5 adds it in decode_pair) and byte 3 the
+// window's top byte, `window_hi` (in a cluster launch CTA rank r's shared window starts at
+// r << 24; k <= 4 only: k = 5 takes relative mode there).
+template <int BITS, bool kAbs> __device__ __forceinline__ uint32_t table_lane_word(int lane, uint32_t window_hi) {
   const uint32_t w = BITS == 2 ? lane * 8u : BITS <= 4 ? lane * 4u : (lane & 15u) * 4u * 0x01010101u;
-  return kAbs && BITS <= 4 ? w | kTableWindow : w;
+  return kAbs && BITS <= 4 ? w | kTableWindow | window_hi : w;
 }
 
 // The loads are plain (not volatile) asm so the compiler may schedule them freely: the table
@@ -363,12 +366,15 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
   constexpr int kDepth = kGemvDepth;
   extern __shared__ float4 smem_f4[];
   char* table = reinterpret_cast<char*>(smem_f4);
+  uint32_t window_hi = 0;
   if constexpr (kAbs) {
     // The host sized dynamic shared memory for a window base of 0; the real base (after the
     // reserved and static shared memory, a few KB) only shortens the padding.
     const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem_f4));
-    if (base > kTableWindow) __trap();  // cannot happen: static + reserved shared memory < 64 KB
-    table += kTableWindow - base;
+    window_hi = base & 0xFF000000u;
+    if ((base & 0xFFFFFFu) > kTableWindow) __trap();  // cannot happen: static + reserved shared memory < 64 KB
+    if (BITS == 5 && window_hi != 0) __trap();        // the host launches k = 5 clusters in relative mode
+    table += kTableWindow - (base & 0xFFFFFFu);
   }
   uint32_t* xs = reinterpret_cast<uint32_t*>(table + kGemvTableBytes + kGemvScaleBytes);
   const int m = static_cast<int>(p.m);
@@ -424,13 +430,14 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
                    kc1);
   build_table<BITS, T>(table, levels);
   __syncthreads();
-  if (items == 0) return;
+  if (p.cluster) cluster_arrive_relaxed();  // this CTA has started (waited for before the first remote store)
+  else if (items == 0) return;
 
   // Byte 0 of the permute source: this lane's table copy (k = 5: replicated in every byte).
-  const uint32_t lane_word = table_lane_word<BITS, kAbs>(lane);
+  const uint32_t lane_word = table_lane_word<BITS, kAbs>(lane, window_hi);
   const uint2* xs2 = reinterpret_cast<const uint2*>(xs);
   T* out = static_cast<T*>(p.out);
-  float* ws = p.splits > 1 ? p.workspace + static_cast<int64_t>(split) * p.m * p.n : nullptr;
+  float* ws = p.splits > 1 && !p.cluster ? p.workspace + static_cast<int64_t>(split) * p.m * p.n : nullptr;
 
   float acc[2][NT][4];
 #pragma unroll
@@ -440,6 +447,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[a][nt][i] = 0.f;
 
+  float sent[NT][4];  // cluster plans: the scaled partials of this warp's (only) row tile
   int rt = first_tile;
   int kt_rel = 0;
   for (int i = 0; i < items; i += kDepth) {
@@ -456,11 +464,11 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
           for (int e = 0; e < 4; ++e) {
             const int tok = nt * 8 + 2 * t + (e & 1);
             const int row = rt * kTileN + g + 8 * (e >> 1);
-            const float v = acc[0][nt][e] + acc[1][nt][e];
+            const float y = (acc[0][nt][e] + acc[1][nt][e]) * rs[e >> 1];
             acc[0][nt][e] = 0.f;
             acc[1][nt][e] = 0.f;
-            if (tok < m && row < n) {
-              const float y = v * rs[e >> 1];
+            sent[nt][e] = y;
+            if (!p.cluster && tok < m && row < n) {
               if (ws) ws[tok * n + row] = y;
               else out[tok * n + row] = from_float<T>(y);
             }
@@ -469,6 +477,41 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
         kt_rel = 0;
         rt += warps_per_split;
         load_row_scales(rt);
+      }
+    }
+  }
+  if (p.cluster) {
+    // Split-K through distributed shared memory: the warp sends its partials to the slot
+    // (warp / splits, split) of cluster CTA warp % splits, whose warp of the same index sums
+    // the slots in split order (the order of splitk_reduce_kernel: the same result bits).
+    float4* recv = reinterpret_cast<float4*>(reinterpret_cast<char*>(xs) + p.chunk_kt * gemv_x_tile_bytes(m));
+    const int owner = warp % p.splits, slot0 = warp / p.splits * p.splits;
+    cluster_wait();
+    if (items > 0) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        st_cluster(recv + ((slot0 + split) * NT + nt) * 32 + lane, owner,
+                   make_float4(sent[nt][0], sent[nt][1], sent[nt][2], sent[nt][3]));
+    }
+    cluster_arrive();
+    cluster_wait();
+    if (owner == split && items > 0) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        float v[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int s = 0; s < p.splits; ++s) {
+          const float4 y = recv[((slot0 + s) * NT + nt) * 32 + lane];
+          v[0] += y.x;
+          v[1] += y.y;
+          v[2] += y.z;
+          v[3] += y.w;
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tok = nt * 8 + 2 * t + (e & 1);
+          const int row = first_tile * kTileN + g + 8 * (e >> 1);
+          if (tok < m && row < n) out[tok * n + row] = from_float<T>(v[e]);
+        }
       }
     }
   }
@@ -484,18 +527,6 @@ __global__ void __launch_bounds__(256) splitk_reduce_kernel(const float* ws, T* 
   float v = 0.f;
   for (int s = 0; s < splits; ++s) v += ws[s * mn + i];
   out[i] = from_float<T>(v);
-}
-
-// Whether the current device takes programmatic dependent launches (compute capability >= 9).
-inline bool device_has_pdl() {
-  static int cache[64] = {0};  // 0: not asked yet, 1: no, 2: yes
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
-  if (cache[dev] == 0) {
-    int major = 0;
-    cache[dev] = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9 ? 2 : 1;
-  }
-  return cache[dev] == 2;
 }
 
 template <typename T>
@@ -514,17 +545,12 @@ cudaError_t launch_splitk_reduce(const float* ws, void* out, int64_t mn, int spl
 
 template <int BITS, typename T, int NT, bool kAbs>
 cudaError_t launch_gemv_table(const MmParams& p, int grid, cudaStream_t stream) {
-  const int smem = gemv_smem_bytes(static_cast<int>(p.m), p.chunk_kt, kAbs);
-  cudaError_t err = cudaSuccess;
-  // The dynamic shared-memory limit is raised once per device (and again if a larger plan
-  // needs more): a driver call per launch costs about a microsecond of eager time.
-  static int raised[64] = {0};
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev < 0 || dev >= 64 || raised[dev] < smem) {
-    err = cudaFuncSetAttribute(gemv_kernel<BITS, T, NT, kAbs>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (err != cudaSuccess) return err;
-    if (dev >= 0 && dev < 64) raised[dev] = smem;
+  const int smem = gemv_smem_bytes(static_cast<int>(p.m), p.chunk_kt, kAbs, p.cluster ? p.splits : 0);
+  cudaError_t err = raise_smem_limit<gemv_kernel<BITS, T, NT, kAbs>>(smem);
+  if (err != cudaSuccess) return err;
+  if (p.cluster) {
+    const ClusterLaunch launch(grid, kGemvThreads, smem, stream, p.splits);
+    return cudaLaunchKernelEx(&launch.config, gemv_kernel<BITS, T, NT, kAbs>, p);
   }
   gemv_kernel<BITS, T, NT, kAbs><<<grid, kGemvThreads, smem, stream>>>(p);
   err = cudaGetLastError();
@@ -534,7 +560,9 @@ cudaError_t launch_gemv_table(const MmParams& p, int grid, cudaStream_t stream) 
 
 template <int BITS, typename T, int NT>
 cudaError_t launch_gemv(const MmParams& p, int grid, cudaStream_t stream) {
-  return p.abs_table ? launch_gemv_table<BITS, T, NT, true>(p, grid, stream)
+  // k = 5 keeps byte 3 of its permute source for the high bits: its cluster plans, whose
+  // shared windows start at rank << 24, take relative table addressing.
+  return p.abs_table && (BITS <= 4 || !p.cluster) ? launch_gemv_table<BITS, T, NT, true>(p, grid, stream)
                      : launch_gemv_table<BITS, T, NT, false>(p, grid, stream);
 }
 

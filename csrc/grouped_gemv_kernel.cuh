@@ -159,15 +159,8 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) grouped_gemv_ker
 template <int BITS, typename T, int NT>
 cudaError_t launch_grouped_gemv(const GroupedParams& p, int grid, cudaStream_t stream) {
   const int smem = grouped_smem_bytes(NT, p.sub_kt, p.order ? p.e : 0);
-  static int raised[64] = {0};
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev < 0 || dev >= 64 || raised[dev] < smem) {
-    cudaError_t err =
-        cudaFuncSetAttribute(grouped_gemv_kernel<BITS, T, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (err != cudaSuccess) return err;
-    if (dev >= 0 && dev < 64) raised[dev] = smem;
-  }
+  const cudaError_t err = raise_smem_limit<grouped_gemv_kernel<BITS, T, NT>>(smem);
+  if (err != cudaSuccess) return err;
   grouped_gemv_kernel<BITS, T, NT><<<grid, kGemvThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }

@@ -16,7 +16,7 @@ namespace {
 
 using namespace kbit;
 
-constexpr int kAbiVersion = 3;
+constexpr int kAbiVersion = 4;
 constexpr int kMaxDevices = 64;
 
 thread_local char g_error[512] = "";
@@ -72,6 +72,10 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 struct GemvPlan {
   int splits, chunk_kt, grid;
+  bool cluster;  // split-K through a thread-block cluster (MmParams::cluster)
+
+  // Floats of split-K workspace the plan needs.
+  int64_t workspace(int64_t m, int64_t n) const { return splits > 1 && !cluster ? int64_t{splits} * m * n : 0; }
 };
 
 int device_attribute(int device, cudaDeviceAttr attr, int fallback) {
@@ -128,36 +132,98 @@ GemvSmem gemv_smem(int device, int64_t m) {
   return r;
 }
 
+__global__ void cluster_probe_kernel() {}
+
+// CTAs that run at once as clusters of 2..kGemvClusterMax CTAs of one per SM (the GEMV's shared
+// memory), by cluster size: the GPCs have different SM counts, so not every SM takes part.
+// All zero where clusters are unavailable: before sm_90, or a library without sm_90+ code for
+// this device (the cluster instructions would trap).
+struct ClusterCtas {
+  int ctas[kGemvClusterMax + 1];
+};
+
+#ifndef KBIT_GEMV_CLUSTER  // build-time knob for A/B measurements: 0 turns cluster plans off
+#define KBIT_GEMV_CLUSTER 1
+#endif
+ClusterCtas cluster_ctas(int device) {
+  static ClusterCtas cache[kMaxDevices] = {};
+  static bool known[kMaxDevices] = {};
+  const bool cached = device >= 0 && device < kMaxDevices;
+  if (cached && known[device]) return cache[device];
+  ClusterCtas r{};
+  DeviceGuard guard(device);  // the occupancy query asks the current device
+  cudaFuncAttributes fa{};
+  int smem_per_sm = 0;
+  if (KBIT_GEMV_CLUSTER && guard.error() == cudaSuccess && device_attribute(device, cudaDevAttrComputeCapabilityMajor, 0) >= 9 &&
+      cudaFuncGetAttributes(&fa, cluster_probe_kernel) == cudaSuccess && fa.ptxVersion >= 90 &&
+      cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) == cudaSuccess) {
+    const int smem = smem_limits(device).per_block;  // more than half an SM's: one CTA per SM
+    if (cudaFuncSetAttribute(cluster_probe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess &&
+        2 * smem > smem_per_sm) {
+      for (int size = 2; size <= kGemvClusterMax; ++size) {
+        const ClusterLaunch launch(size, kGemvThreads, smem, nullptr, size);
+        int clusters = 0;
+        if (cudaOccupancyMaxActiveClusters(&clusters, cluster_probe_kernel, &launch.config) == cudaSuccess)
+          r.ctas[size] = clusters * size;
+      }
+    }
+  }
+  cudaGetLastError();  // a failed query leaves no sticky error behind: clusters are just not used
+  if (cached) {
+    cache[device] = r;
+    known[device] = true;
+  }
+  return r;
+}
+
 // Work split of the GEMV (gemv_kernel.cuh): K is cut into `splits` ranges whose activations
 // fit the CTA's staging budget; the persistent grid (a multiple of splits, at most the resident
 // CTA slots) gives each range grid / splits CTAs, whose warps take that range's row tiles
-// round-robin. The plan maximizes the busy fraction of the warp slots over the rounds this
-// needs, preferring no split-K (partials to a workspace, reduced in split order by a second
-// kernel) by 5%.
-GemvPlan plan_gemv(int64_t m, int64_t n, int64_t k, int sms, const GemvSmem& smem) {
+// round-robin. The splits of a plan sum through a workspace and a second kernel or, where
+// every warp has at most one row tile and the device runs clusters, through a thread-block
+// cluster (no workspace, no second kernel; at most as many CTAs as run at once as clusters).
+// The cost of a plan is the K tiles a warp walks (rounds x chunk), weighted by how its splits
+// sum. A cluster plan must also keep 85% of the CTAs of the best workspace plan: on large
+// weights the GEMV is bandwidth-bound and fewer SMs cost more than the second kernel saves.
+// Measured on H100 (k = 4, Llama-3-8B and hidden-2048 shapes, M = 1 and 16): cluster plans
+// with up to ~1.4x the K tiles of the workspace plan won by 3-11% (4096x14336), those with
+// 1.5-2x lost by 5-11%, and one on 96 of 128 CTAs lost by 7-16% (14336x4096).
+constexpr double kWorkspaceSplitCost = 1 / 0.95;  // per K tile, against 1 for a single split
+constexpr double kClusterSplitCost = 0.75;
+constexpr int kClusterMinCtaPercent = 85;
+
+GemvPlan plan_gemv(int64_t m, int64_t n, int64_t k, int sms, const GemvSmem& smem, const ClusterCtas& clusters) {
   const int64_t k_tiles = ceil_div(k, kTileK), n_tiles = ceil_div(n, kTileN);
   const int64_t slots = static_cast<int64_t>(sms) * smem.ctas_per_sm;
   const int64_t x_tile = gemv_x_tile_bytes(static_cast<int>(m));
   const int64_t max_chunk = std::max<int64_t>(1, smem.x_budget / x_tile);
   const int64_t min_splits = ceil_div(k_tiles, max_chunk);
-  GemvPlan best{};
-  double best_score = -1.0;
+  GemvPlan best{}, best_cluster{};
+  double best_cost = 0.0, best_cluster_cost = 0.0;
+  const auto consider = [&](GemvPlan& into, double& into_cost, int64_t splits, int64_t chunk, int64_t per_split,
+                            double weight, bool cluster) {
+    const double cost = static_cast<double>(ceil_div(n_tiles, per_split * kGemvWarps) * chunk) * weight;
+    if (into.splits != 0 && cost >= into_cost - 1e-9) return;
+    into_cost = cost;
+    into.splits = static_cast<int>(splits);
+    into.chunk_kt = static_cast<int>(chunk);
+    into.cluster = cluster;
+    // No more CTAs per split than it has row tiles for.
+    into.grid = static_cast<int>(std::min<int64_t>(per_split, ceil_div(n_tiles, kGemvWarps)) * splits);
+  };
   for (int64_t splits = min_splits; splits <= std::max<int64_t>(min_splits, std::min<int64_t>(k_tiles, 64)); ++splits) {
     const int64_t chunk = ceil_div(k_tiles, splits);
     if (ceil_div(k_tiles, chunk) != splits || chunk > max_chunk) continue;  // an empty split / too much x
-    const int64_t per_split = std::max<int64_t>(1, slots / splits);
-    const int64_t warps = per_split * kGemvWarps;
-    const int64_t rounds = ceil_div(n_tiles, warps);
-    double score = static_cast<double>(n_tiles * k_tiles) / (static_cast<double>(rounds * chunk) * slots * kGemvWarps);
-    if (splits > 1) score *= 0.95;
-    if (score > best_score + 1e-9) {
-      best_score = score;
-      best.splits = static_cast<int>(splits);
-      best.chunk_kt = static_cast<int>(chunk);
-      // No more CTAs per split than it has row tiles for.
-      best.grid = static_cast<int>(std::min<int64_t>(per_split, ceil_div(n_tiles, kGemvWarps)) * splits);
-    }
+    consider(best, best_cost, splits, chunk, std::max<int64_t>(1, slots / splits),
+             splits == 1 ? 1.0 : kWorkspaceSplitCost, false);
+    const int64_t per_cluster = splits > 1 && splits <= kGemvClusterMax ? clusters.ctas[splits] / splits : 0;
+    if (per_cluster > 0 && smem.ctas_per_sm == 1 && n_tiles <= per_cluster * kGemvWarps &&
+        chunk * x_tile + gemv_cluster_bytes(static_cast<int>(m), static_cast<int>(splits)) <= smem.x_budget)
+      consider(best_cluster, best_cluster_cost, splits, chunk, per_cluster, kClusterSplitCost, true);
   }
+  if (best_cluster.splits != 0 && best_cluster_cost < best_cost - 1e-9 &&
+      best_cluster.grid * 100 >= kClusterMinCtaPercent * best.grid)
+    return best_cluster;
   return best;
 }
 
@@ -325,8 +391,7 @@ int kbit_dequantize(int device, void* stream, const int32_t* planes, const uint8
 int64_t kbit_gemv_workspace_size(int device, int64_t m, int64_t n, int64_t k, int bits) {
   (void)bits;
   if (m <= 0 || n <= 0 || k <= 0 || m > kGemvMaxM) return 0;
-  const GemvPlan plan = plan_gemv(m, n, k, sm_count(device), gemv_smem(device, m));
-  return plan.splits > 1 ? static_cast<int64_t>(plan.splits) * m * n : 0;
+  return plan_gemv(m, n, k, sm_count(device), gemv_smem(device, m), cluster_ctas(device)).workspace(m, n);
 }
 
 }  // extern "C"
@@ -372,11 +437,12 @@ int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* bloc
     return fail("weight of %lld x %lld is too large for the GEMV's 32-bit tile indexing", static_cast<long long>(n),
                 static_cast<long long>(k));
   const GemvSmem smem = gemv_smem(device, m);
-  const GemvPlan plan = plan_gemv(m, n, k, sm_count(device), smem);
-  *need = plan.splits > 1 ? static_cast<int64_t>(plan.splits) * m * n : 0;
+  const GemvPlan plan = plan_gemv(m, n, k, sm_count(device), smem, cluster_ctas(device));
+  *need = plan.workspace(m, n);
   MmParams& p = call->p;
   p = mm_params(dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, plan.splits, plan.chunk_kt);
   p.abs_table = smem.abs_table;
+  p.cluster = plan.cluster;
   call->device = device;
   call->grid = plan.grid;
   return KBIT_OK;
@@ -415,6 +481,19 @@ int kbit_gemv(int device, void* stream, const void* x, int dtype, const int32_t*
   return gemv_launch(call, x, out, workspace, stream);
 }
 
+int kbit_gemv_plan(int device, int64_t m, int64_t n, int64_t k, int* splits, int* chunk_kt, int* grid, int* cluster) {
+  if (!splits || !chunk_kt || !grid || !cluster) return fail("splits, chunk_kt, grid and cluster must be host pointers");
+  if (m < 1 || m > kGemvMaxM || n < 1 || k < 1)
+    return fail("need 1 <= m <= %d, n >= 1 and k >= 1, got m=%lld n=%lld k=%lld", kGemvMaxM,
+                static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k));
+  const GemvPlan plan = plan_gemv(m, n, k, sm_count(device), gemv_smem(device, m), cluster_ctas(device));
+  *splits = plan.splits;
+  *chunk_kt = plan.chunk_kt;
+  *grid = plan.grid;
+  *cluster = plan.cluster ? 1 : 0;
+  return KBIT_OK;
+}
+
 int64_t kbit_gemv_call_size(void) { return static_cast<int64_t>(sizeof(GemvCall)); }
 
 int kbit_gemv_prepare(int device, int dtype, const int32_t* planes, const uint8_t* block_scales,
@@ -432,7 +511,7 @@ int kbit_gemv_prepare(int device, int dtype, const int32_t* planes, const uint8_
 int kbit_gemv_run(const void* call, const void* x, void* out, float* workspace, void* stream) {
   if (!call) return fail("call is a null pointer (kbit_gemv_prepare)");
   const GemvCall& c = *static_cast<const GemvCall*>(call);
-  if (c.p.n > 0 && (!x || !out || (c.p.splits > 1 && !workspace)))
+  if (c.p.n > 0 && (!x || !out || (c.p.splits > 1 && !c.p.cluster && !workspace)))
     return fail("x, out (and the workspace of a split-K plan) must be device pointers");
   return gemv_launch(c, x, out, workspace, stream);
 }

@@ -50,6 +50,12 @@ KBIT_API int kbit_gemm(int device, void* stream, const void* x, int dtype, const
                        const uint8_t* block_scales, const float* row_scales, const float* codebook, int bits,
                        int64_t m, int64_t n, int64_t k, void* out, float* workspace, int64_t workspace_size);
 
+/* The GEMV's launch plan for this problem on `device` (for tests and benchmarks): K splits,
+ * K tiles per split, CTAs, and whether the splits sum through a thread-block cluster (1) or a
+ * workspace and a second kernel (0). Returns KBIT_OK or an error code. */
+KBIT_API int kbit_gemv_plan(int device, int64_t m, int64_t n, int64_t k, int* splits, int* chunk_kt, int* grid,
+                            int* cluster);
+
 /* Eager fast path: kbit_gemv split in two. kbit_gemv_prepare validates the weight and the
  * problem once and writes an opaque call record (kbit_gemv_call_size() bytes, caller-owned)
  * plus the workspace floats it needs; kbit_gemv_run then launches with only the per-call

@@ -67,4 +67,72 @@ __device__ __forceinline__ void wait_for_primary_grid() {
 #endif
 }
 
+// Thread-block clusters (sm_90+). A cluster barrier is arrive + wait, executed by every thread
+// of every CTA of the cluster; wait acquires what the other CTAs wrote before their
+// (releasing) arrive. Remote shared memory may be written only after a barrier phase that
+// every CTA entered (they have all started), and read by its owner after the next.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+// Stores v at `local` (a shared-memory pointer of this CTA's layout) in CTA `rank` of the cluster.
+__device__ __forceinline__ void st_cluster(const void* local, int rank, float4 v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(local));
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(remote), "f"(v.x), "f"(v.y), "f"(v.z),
+               "f"(v.w)
+               : "memory");
+#else
+  __trap();
+#endif
+}
+
+// Host: raises kKernel's dynamic shared-memory limit to `smem` on the current device, once per
+// device (and again if a larger launch needs more): a driver call per launch costs about a
+// microsecond of eager time.
+template <auto kKernel>
+cudaError_t raise_smem_limit(int smem) {
+  constexpr int kDevices = 64;
+  static int raised[kDevices] = {0};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  const bool cached = dev >= 0 && dev < kDevices;
+  if (cached && raised[dev] >= smem) return cudaSuccess;
+  const cudaError_t err = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err == cudaSuccess && cached) raised[dev] = smem;
+  return err;
+}
+
+// Host: whether the current device takes programmatic dependent launches (compute capability >= 9).
+inline bool device_has_pdl() {
+  constexpr int kDevices = 64;
+  static int cache[kDevices] = {0};  // 0: not asked yet, 1: no, 2: yes
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kDevices) return false;
+  if (cache[dev] == 0) {
+    int major = 0;
+    cache[dev] = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9 ? 2 : 1;
+  }
+  return cache[dev] == 2;
+}
+
 }  // namespace kbit

@@ -8,6 +8,27 @@
 
 namespace kbit {
 
+// A launch of `grid` CTAs of `block` threads in clusters of `cluster` CTAs along x, for
+// cudaLaunchKernelEx and cudaOccupancyMaxActiveClusters (config points at attr: not copyable).
+struct ClusterLaunch {
+  cudaLaunchAttribute attr{};
+  cudaLaunchConfig_t config{};
+  ClusterLaunch(int grid, int block, int smem, cudaStream_t stream, int cluster) {
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = static_cast<unsigned>(cluster);
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    config.gridDim = dim3(static_cast<unsigned>(grid));
+    config.blockDim = dim3(static_cast<unsigned>(block));
+    config.dynamicSmemBytes = static_cast<size_t>(smem);
+    config.stream = stream;
+    config.attrs = &attr;
+    config.numAttrs = 1;
+  }
+  ClusterLaunch(const ClusterLaunch&) = delete;
+  ClusterLaunch& operator=(const ClusterLaunch&) = delete;
+};
+
 template <typename T, int BITS>
 cudaError_t launch_quantize(const QuantizeParams& p, cudaStream_t stream);
 

@@ -58,6 +58,10 @@ struct MmParams {
   // GEMV only: the pair table sits at a fixed shared-window address (gemv_kernel.cuh,
   // absolute mode) where the GPU's shared memory allows the padding.
   bool abs_table;
+  // GEMV only (sm_90+): the `splits` CTAs of a row-tile group form a thread-block cluster and
+  // sum their partials through distributed shared memory: no workspace, no second kernel.
+  // Plans where every warp has at most one row tile.
+  bool cluster;
 };
 
 // Grouped MoE GEMV: out[s] = x[s] @ W[expert of s].T (grouped_gemv_kernel.cuh).
@@ -102,8 +106,15 @@ constexpr int gemv_x_tile_bytes(int m) { return 256 * m; }  // staged activation
 constexpr int kGemvScaleBytes = 1024;      // the 256 block scales as activation-dtype pairs
 // Absolute table mode pads dynamic shared memory so the table starts at window address 64 KB.
 constexpr int kGemvTablePad = 64 * 1024;
-constexpr int gemv_smem_bytes(int m, int chunk_kt, bool abs_table = false) {
-  return (abs_table ? kGemvTablePad : 0) + kGemvTableBytes + kGemvScaleBytes + chunk_kt * gemv_x_tile_bytes(m);
+// Cluster split-K: CTA r of a cluster sums the row tiles of its warps w with w % splits == r,
+// receiving one slot per (such warp, split): 32 lanes x 16 bytes per mma token tile.
+constexpr int kGemvClusterMax = 8;  // portable cluster size
+constexpr int gemv_cluster_slots(int splits) { return splits > 1 ? (kGemvWarps + splits - 1) / splits * splits : 0; }
+constexpr int gemv_cluster_bytes(int m, int splits) { return gemv_cluster_slots(splits) * 32 * 16 * (m <= 8 ? 1 : 2); }
+// cluster_splits: the splits of a cluster plan, else 0.
+constexpr int gemv_smem_bytes(int m, int chunk_kt, bool abs_table = false, int cluster_splits = 0) {
+  return (abs_table ? kGemvTablePad : 0) + kGemvTableBytes + kGemvScaleBytes + chunk_kt * gemv_x_tile_bytes(m) +
+         gemv_cluster_bytes(m, cluster_splits);
 }
 // ---- GEMM geometry ----
 // A CTA is kGemmWarps warps, each owning kGemmRowTiles row tiles (16 rows each) and all 8 * NT

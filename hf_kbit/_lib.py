@@ -18,7 +18,7 @@ from pathlib import Path
 LIBRARY_NAME = "libhf_kbit_cuda.so"
 LIBRARY_ENV = "HF_KBIT_LIBRARY"  # an explicit path to the library; no search when set
 _PACKAGE_DIR = Path(__file__).resolve().parent
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
@@ -81,6 +81,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kbit_grouped_gemv.argtypes = [c_int, c_vp, c_vp, c_int, c_vp, c_vp, c_vp, c_vp, c_vp, c_vp, c_vp, c_int,
                                       c_i64, c_i64, c_i64, c_i64, c_vp]
     lib.kbit_grouped_gemv.restype = c_int
+    c_ip = ctypes.POINTER(c_int)
+    lib.kbit_gemv_plan.argtypes = [c_int, c_i64, c_i64, c_i64, c_ip, c_ip, c_ip, c_ip]
+    lib.kbit_gemv_plan.restype = c_int
     # Eager fast path (optional: a library without it still serves every op).
     try:
         lib.kbit_gemv_call_size.restype = c_i64

@@ -33,7 +33,7 @@ N, K, BITS = 300, 700, 4  # partial row tile (300 % 16) and partial K tile/block
 # weight too above the GEMV's M, in the activation dtype.
 REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 # Library functions that launch nothing (queries); any other kbit_* call counts as a launch.
-_QUERY = re.compile(r"(_size|_last_error|_max_m|_abi_version)$")
+_QUERY = re.compile(r"(_size|_last_error|_max_m|_abi_version|_plan)$")
 
 
 def _backend():

@@ -129,6 +129,46 @@ def test_mm_matches_reference(bits, dtype, shape, m):
 
 
 PATH_MS = (1, 5, 16, 17, 33, 64, 65, 130, 300)
+# (N, K) whose GEMV plans on sm_90+ sum split-K through a thread-block cluster (at most 8 K
+# tiles: every split count is a cluster size; every warp gets at most one row tile), with
+# partial row tiles, K tiles and blocks. (40, 8200) above keeps the workspace split-K (65 K tiles).
+CLUSTER_SHAPES = [(2000, 1000), (300, 700)]
+
+
+def gemv_plan(n: int, k: int, m: int) -> dict:
+    import ctypes
+
+    lib = _lib.load()
+    vals = [ctypes.c_int() for _ in range(4)]
+    rc = lib.kbit_gemv_plan(torch.cuda.current_device(), m, n, k, *(ctypes.byref(v) for v in vals))
+    _lib.check(rc, "kbit_gemv_plan")
+    return dict(zip(("splits", "chunk_kt", "grid", "cluster"), (v.value for v in vals)))
+
+
+@pytest.mark.parametrize("m", (1, 5, 8, 9, 16), ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("shape", CLUSTER_SHAPES, ids=lambda s: f"N{s[0]}K{s[1]}")
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+def test_gemv_cluster_split_k_matches_reference(bits, dtype, shape, m):
+    """The cluster split-K GEMV (partials summed through distributed shared memory) where the
+    device has clusters; elsewhere the same shapes through the workspace."""
+    from hf_kbit.backends import cuda as backend
+
+    n, k = shape
+    plan = gemv_plan(n, k, m)
+    if torch.cuda.get_device_capability()[0] >= 9:
+        assert plan["splits"] > 1 and plan["cluster"] == 1, plan
+    (planes, scales, rs, cb), wq = packed_reference(n, k, bits)
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    out = backend.run_path("gemv", x, planes, scales, rs, cb, k)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert rel_err(out, x.double() @ wq.double().T) < MM_REL_TOL[dtype]
+
+
+def test_gemv_plans_keep_workspace_split_k():
+    """Plans with more K splits than a cluster holds go through the workspace (and are tested above)."""
+    plan = gemv_plan(40, 8200, 1)
+    assert plan["splits"] > 8 and plan["cluster"] == 0, plan
 
 
 @pytest.mark.parametrize("m", PATH_MS, ids=lambda m: f"M{m}")
