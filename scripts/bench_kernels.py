@@ -236,6 +236,8 @@ def eager_overhead(bw) -> dict:
                "backend_wall_us": _wall_us(lambda: backend._mm_cuda(*args))}
         if getattr(backend, "linear_fast", None) is not None:
             out["fast_wall_us"] = _wall_us(lambda: backend.linear_fast(layer, x))
+        # The host's own pace: the same wall time of a bf16 nn.Linear (one cuBLAS launch).
+        out["bf16_linear_wall_us"] = _wall_us(lambda: lin(x))
     out["overhead_us"] = max(out["wall_us"] - gpu_us, 0.0)
     return out
 
@@ -258,7 +260,10 @@ def markdown(results, bits_list, meta) -> str:
                   f"overhead {ov['overhead_us']:.1f} us (wall of torch.ops.kbit.mm alone {ov['op_wall_us']:.1f} us, "
                   f"of the backend function without the dispatcher {ov['backend_wall_us']:.1f} us"
                   + (f", of the eager fast path KbitLinear.forward takes {ov['fast_wall_us']:.1f} us" if "fast_wall_us" in ov else "")
-                  + ")."]
+                  + ")."
+                  + (f" On this host a bf16 nn.Linear of the same shape takes {ov['bf16_linear_wall_us']:.1f} us wall per call:"
+                     " host speed varied up to ~1.8x between sessions on the same machine kind, so compare the two."
+                     if "bf16_linear_wall_us" in ov else "")]
     return "\n".join(lines) + "\n"
 
 
