@@ -3,7 +3,7 @@
     python scripts/plot_results.py                       # results/*.json -> results/*.png + docs/results.md
 
 Perplexity files (``perplexity_*.json``) give ``perplexity_vs_bits.png``; decode benchmarks
-(``bench_generate_*.json``) give ``decode_speed_<preset>_<device>[_lmhead].png`` (tokens/s vs bits
+(``bench_generate_<name>.json``) give ``decode_speed_<name>.png`` (tokens/s vs bits
 and vs batch size).
 """
 
@@ -79,16 +79,23 @@ def plot_perplexity(payloads: list[dict[str, Any]], out: Path) -> Path:
 
 
 def bench_plot_name(p: dict[str, Any]) -> str:
+    """``decode_speed_<name>.png`` for ``bench_generate_<name>.json`` (one plot per result file)."""
+    if "_file" in p:
+        return "decode_speed_" + Path(p["_file"]).stem.removeprefix("bench_generate_") + ".png"
     head = "_lmhead" if p.get("lm_head_quantized") else ""
     return f"decode_speed_{p['preset']}_{p['device'].split(':')[0]}{head}.png"
 
 
 def plot_bench(p: dict[str, Any], out: Path) -> Path:
-    """Decode tokens/s vs bits (one line per batch size, bf16 dashed) and vs batch size (one line per
-    variant); where the JSON has graph-step numbers, those as square markers / dotted lines."""
+    """Decode tokens/s vs bits (one line per batch size, bf16 dashed) and, where the file has several
+    batch sizes, vs batch size (one line per variant); graph-step numbers as square markers / dotted lines."""
     plt = _plt()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     batches = sorted({r["batch"] for r in p["results"]})
+    if len(batches) > 1:
+        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    else:  # one batch size: no throughput-vs-batch panel
+        fig, left = plt.subplots(1, 1, figsize=(6.5, 4.2))
+        right = None
     graph = any(r.get("graph_decode_tok_s") for r in p["results"])
     for i, b in enumerate(batches):
         color = f"C{i}"
@@ -107,27 +114,30 @@ def plot_bench(p: dict[str, Any], out: Path) -> Path:
     left.set_xlabel("bits per weight index (k)")
     left.set_ylabel("decode throughput (tokens/s, all sequences)")
     left.set_xticks(sorted({r["bits"] for r in p["results"] if r["bits"] is not None}))
-    variants = []
-    for r in p["results"]:
-        if r["variant"] not in variants:
-            variants.append(r["variant"])
-    for v in variants:
-        rows = sorted((r for r in p["results"] if r["variant"] == v), key=lambda r: r["batch"])
-        style = "--" if v == "bf16" else "-"
-        line = right.plot([r["batch"] for r in rows], [r["decode_tok_s"] for r in rows], style, marker="o",
-                          label=v + (", generate()" if graph else ""))[0]
-        if graph:
-            right.plot([r["batch"] for r in rows], [r["graph_decode_tok_s"] for r in rows], ":", marker="s",
-                       color=line.get_color(), label=f"{v}, graph step")
-    right.set_xscale("log", base=2)
-    right.set_xticks(batches, [str(b) for b in batches])
-    right.set_xlabel("batch size (sequences)")
-    right.set_ylabel("decode throughput (tokens/s, all sequences)")
+    axes = [left] if right is None else [left, right]
+    if right is not None:
+        variants = []
+        for r in p["results"]:
+            if r["variant"] not in variants:
+                variants.append(r["variant"])
+        for v in variants:
+            rows = sorted((r for r in p["results"] if r["variant"] == v), key=lambda r: r["batch"])
+            style = "--" if v == "bf16" else "-"
+            line = right.plot([r["batch"] for r in rows], [r["decode_tok_s"] for r in rows], style, marker="o",
+                              label=v + (", generate()" if graph else ""))[0]
+            if graph:
+                right.plot([r["batch"] for r in rows], [r["graph_decode_tok_s"] for r in rows], ":", marker="s",
+                           color=line.get_color(), label=f"{v}, graph step")
+        right.set_xscale("log", base=2)
+        right.set_xticks(batches, [str(b) for b in batches])
+        right.set_xlabel("batch size (sequences)")
+        right.set_ylabel("decode throughput (tokens/s, all sequences)")
     how = "static cache + torch.compile" if p["static_cache_and_compile"] else "eager"
     head = "LM head quantized, " if p.get("lm_head_quantized") else ""
-    fig.suptitle(f"{p['model']}, {p['layers']}/{p['layers_full']} layers, random weights, {head}"
-                 f"{p['environment'].get('gpu', p['device'])}, {how}", fontsize=10)
-    for ax in (left, right):
+    sep = ", " if right is not None else "\n"  # one panel: the title on two lines
+    fig.suptitle(f"{p['model']}, {p['layers']}/{p['layers_full']} layers, random weights, {head}".rstrip(", ")
+                 + f"{sep}{p['environment'].get('gpu', p['device'])}, {how}", fontsize=10)
+    for ax in axes:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -188,7 +198,9 @@ def bench_markdown(p: dict[str, Any]) -> str:
     how = "static KV cache + torch.compile" if p["static_cache_and_compile"] else "eager, dynamic cache"
     lines = [
         f"### {p['model']}: {p['layers']} of {p['layers_full']} layers, random weights"
-        + (", LM head quantized" if p.get("lm_head_quantized") else ""),
+        + (", LM head quantized" if p.get("lm_head_quantized") else "")
+        + f"; k = {', '.join(str(b) for b in sorted({r['bits'] for r in p['results'] if r['bits']}))}"
+        + f"; batch {', '.join(str(b) for b in sorted({r['batch'] for r in p['results']}))}",
         "",
         f"{p['environment'].get('gpu', p['device'])}, {p['compute_dtype']}, {how}; prompt {p['setup']['prompt_len']} "
         f"tokens, {p['setup']['new_tokens']} new tokens, median of {p['setup']['repeats']}. From `results/{p['_file']}`.",

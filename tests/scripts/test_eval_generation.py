@@ -87,3 +87,18 @@ def test_bench_plot_and_markdown(tmp_path):
     text = plot_results.bench_markdown(payload)
     for r in payload["results"]:
         assert f"{r['decode_tok_s']:.1f}" in text
+    assert "; k = 4, 5; batch 1, 2" in text
+
+
+def test_bench_plot_one_batch_size_and_names(tmp_path):
+    """A file of one batch size plots throughput vs bits only; each result file names its own plot."""
+    import plot_results
+
+    payload = bench.run("tiny-llama", [4], "cpu", torch.bfloat16, layers=1, batch_sizes=(1,), prompt_len=4,
+                        new_tokens=3, repeats=1, log=lambda *_: None)
+    payload.update({"command": "python scripts/bench_generate.py", "_file": "bench_generate_tiny_cpu_bits.json",
+                    "environment": {}})
+    assert plot_results.bench_plot_name(payload) == "decode_speed_tiny_cpu_bits.png"
+    png = plot_results.plot_bench(payload, tmp_path / plot_results.bench_plot_name(payload))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "; k = 4; batch 1" in plot_results.bench_markdown(payload)
