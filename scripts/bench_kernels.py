@@ -84,6 +84,19 @@ def time_calls(calls, replays: int = 7) -> float:
     return statistics.median(times)
 
 
+# Pause before each block of timings. The large-M cells (cuBLAS near peak) drive the GPU into
+# its power cap: an H100 run logged 1320-1410 MHz SM clocks at ~700 W (throttle reason
+# SW power cap) against 1980 MHz idle, recovering within a second after the load stopped.
+# cuBLAS bf16 at small M is HBM-bound and hardly moves (+2%), but the kbit GEMV is SM-bound:
+# 4096x14336 M=1 k=3 took 15.6 us at full clock and 19.1-20.4 us right after such load.
+SETTLE_S = 1.0
+
+
+def settle() -> None:
+    torch.cuda.synchronize()
+    time.sleep(SETTLE_S)
+
+
 def copies_for(nbytes: int) -> int:
     return max(2, math.ceil(COLD_BYTES / max(nbytes, 1)))
 
@@ -115,6 +128,7 @@ def bench_shape(name, k, n, ms, bits_list, bw, results, int4=True):
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(ncopy)]
     ncalls = max(MIN_CALLS, ncopy)
     rows = {m: {"shape": name, "K": k, "N": n, "M": m} for m in ms}
+    settle()
     for m in ms:
         x = xs[m]
         calls = [lambda w=ws[i % ncopy], x=x: torch.nn.functional.linear(x, w) for i in range(ncalls)]
@@ -129,6 +143,7 @@ def bench_shape(name, k, n, ms, bits_list, bw, results, int4=True):
                 packs.append(torch.ops.aten._convert_weight_to_int4pack(wq, 8))
             sz = torch.rand(k // 128, n, 2, device="cuda", dtype=torch.bfloat16)
             ncalls4 = max(MIN_CALLS, ncopy4)
+            settle()
             for m in ms:
                 x = xs[m]
                 calls = [lambda p=packs[i % ncopy4], x=x: torch.ops.aten._weight_int4pack_mm(x, p, 128, sz)
@@ -142,6 +157,7 @@ def bench_shape(name, k, n, ms, bits_list, bw, results, int4=True):
         ncopy = copies_for(kb)
         packs = random_packed(n, k, bits, ncopy)
         ncalls = max(MIN_CALLS, ncopy)
+        settle()
         for m in ms:
             x = xs[m]
             calls = [lambda p=packs[i % ncopy], x=x: torch.ops.kbit.mm(x, *p, k) for i in range(ncalls)]
@@ -168,6 +184,7 @@ def bench_paths(name, k, n, ms, bits_list, results):
         ncopy = copies_for(packed_bytes(n, k, bits))
         packs = random_packed(n, k, bits, ncopy)
         ncalls = max(MIN_CALLS, ncopy)
+        settle()
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row = {"shape": name, "K": k, "N": n, "M": m, "bits": bits,
@@ -228,6 +245,7 @@ def eager_overhead(bw) -> dict:
     layer = hf_kbit.KbitLinear.from_linear(lin, bits=4)
     x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
     args = (x, layer.planes, layer.block_scales, layer.row_scales, layer.codebook, 1024)
+    settle()
     gpu_us = time_calls([lambda: layer(x)] * 50)
     with torch.inference_mode():
         out = {"layer": "KbitLinear 1024x1024 k=4, M=1, bf16, inference_mode", "gpu_us": gpu_us,
@@ -246,7 +264,8 @@ def markdown(results, bits_list, meta) -> str:
     lines = [f"# kbit kernels vs cuBLAS bf16 — {meta['device']}", "",
              f"Command: `{meta['command']}`  ", f"torch {meta['torch']}, measured copy bandwidth "
              f"{meta['bandwidth_GBps']:.0f} GB/s (read+write), cold L2 (weight copies >= {COLD_BYTES >> 20} MiB per "
-             "graph), CUDA-graph replays, median of 7.", "",
+             f"graph), CUDA-graph replays, median of 7; {SETTLE_S:g} s idle before each block of a shape's cells "
+             "(ascending M) so that the power cap reached by the large-M cells does not lower the clocks of the next.", "",
              "Cells: time in us, speed-up over bf16 (x), % of the HBM roofline for the kbit bytes.", ""]
     head = "| shape (K x N) | M | bf16 us | int4pack us (x) | " + " | ".join(f"k={b}" for b in bits_list) + " |"
     lines += [head, "|" + "---|" * (4 + len(bits_list))]
