@@ -21,7 +21,9 @@
 // Work split (plan_gemv in kbit_api.cu): K is cut into `splits` ranges; a persistent CTA serves
 // one range, stages its activations once, and its warps walk row tiles of it, each over the
 // whole range, with no barrier after the staging. Split-K partials go to a float32 workspace
-// that a second kernel reduces in split order (deterministic).
+// that a second kernel reduces in split order (deterministic), or, in plans where each warp has
+// at most one row tile, through distributed shared memory within a thread-block cluster of the
+// splits' CTAs (sm_90+), summed in the same order.
 #pragma once
 
 #include <type_traits>
