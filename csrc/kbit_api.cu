@@ -17,7 +17,6 @@ namespace {
 using namespace kbit;
 
 constexpr int kAbiVersion = 4;
-constexpr int kMaxDevices = 64;
 
 thread_local char g_error[512] = "";
 
@@ -72,7 +71,8 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 struct GemvPlan {
   int splits, chunk_kt, grid;
-  bool cluster;  // split-K through a thread-block cluster (MmParams::cluster)
+  bool cluster;    // split-K through a thread-block cluster (MmParams::cluster)
+  bool abs_table;  // the pair table at a fixed shared-window address (MmParams::abs_table)
 
   // Floats of split-K workspace the plan needs.
   int64_t workspace(int64_t m, int64_t n) const { return splits > 1 && !cluster ? int64_t{splits} * m * n : 0; }
@@ -153,15 +153,15 @@ ClusterCtas cluster_ctas(int device) {
   ClusterCtas r{};
   DeviceGuard guard(device);  // the occupancy query asks the current device
   cudaFuncAttributes fa{};
-  int smem_per_sm = 0;
+  const SmemLimits lim = smem_limits(device);
   if (KBIT_GEMV_CLUSTER && guard.error() == cudaSuccess && device_attribute(device, cudaDevAttrComputeCapabilityMajor, 0) >= 9 &&
-      cudaFuncGetAttributes(&fa, cluster_probe_kernel) == cudaSuccess && fa.ptxVersion >= 90 &&
-      cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) == cudaSuccess) {
-    const int smem = smem_limits(device).per_block;  // more than half an SM's: one CTA per SM
-    if (cudaFuncSetAttribute(cluster_probe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess &&
-        2 * smem > smem_per_sm) {
+      cudaFuncGetAttributes(&fa, cluster_probe_kernel) == cudaSuccess && fa.ptxVersion >= 90) {
+    // More than half an SM's shared memory per CTA: one CTA per SM, as the GEMV.
+    if (2 * lim.per_block > lim.per_sm &&
+        cudaFuncSetAttribute(cluster_probe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, lim.per_block) ==
+            cudaSuccess) {
       for (int size = 2; size <= kGemvClusterMax; ++size) {
-        const ClusterLaunch launch(size, kGemvThreads, smem, nullptr, size);
+        const ClusterLaunch launch(size, kGemvThreads, lim.per_block, nullptr, size);
         int clusters = 0;
         if (cudaOccupancyMaxActiveClusters(&clusters, cluster_probe_kernel, &launch.config) == cudaSuccess)
           r.ctas[size] = clusters * size;
@@ -225,6 +225,14 @@ GemvPlan plan_gemv(int64_t m, int64_t n, int64_t k, int sms, const GemvSmem& sme
       best_cluster.grid * 100 >= kClusterMinCtaPercent * best.grid)
     return best_cluster;
   return best;
+}
+
+// The GEMV plan for this problem on `device`.
+GemvPlan device_gemv_plan(int device, int64_t m, int64_t n, int64_t k) {
+  const GemvSmem smem = gemv_smem(device, m);
+  GemvPlan plan = plan_gemv(m, n, k, sm_count(device), smem, cluster_ctas(device));
+  plan.abs_table = smem.abs_table;
+  return plan;
 }
 
 template <int BITS, typename T>
@@ -391,7 +399,7 @@ int kbit_dequantize(int device, void* stream, const int32_t* planes, const uint8
 int64_t kbit_gemv_workspace_size(int device, int64_t m, int64_t n, int64_t k, int bits) {
   (void)bits;
   if (m <= 0 || n <= 0 || k <= 0 || m > kGemvMaxM) return 0;
-  return plan_gemv(m, n, k, sm_count(device), gemv_smem(device, m), cluster_ctas(device)).workspace(m, n);
+  return device_gemv_plan(device, m, n, k).workspace(m, n);
 }
 
 }  // extern "C"
@@ -436,12 +444,11 @@ int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* bloc
   if (ceil_div(n, kTileN) * ceil_div(k, kTileK) * bits * 64 >= (int64_t{1} << 31))
     return fail("weight of %lld x %lld is too large for the GEMV's 32-bit tile indexing", static_cast<long long>(n),
                 static_cast<long long>(k));
-  const GemvSmem smem = gemv_smem(device, m);
-  const GemvPlan plan = plan_gemv(m, n, k, sm_count(device), smem, cluster_ctas(device));
+  const GemvPlan plan = device_gemv_plan(device, m, n, k);
   *need = plan.workspace(m, n);
   MmParams& p = call->p;
   p = mm_params(dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, plan.splits, plan.chunk_kt);
-  p.abs_table = smem.abs_table;
+  p.abs_table = plan.abs_table;
   p.cluster = plan.cluster;
   call->device = device;
   call->grid = plan.grid;
@@ -486,7 +493,7 @@ int kbit_gemv_plan(int device, int64_t m, int64_t n, int64_t k, int* splits, int
   if (m < 1 || m > kGemvMaxM || n < 1 || k < 1)
     return fail("need 1 <= m <= %d, n >= 1 and k >= 1, got m=%lld n=%lld k=%lld", kGemvMaxM,
                 static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k));
-  const GemvPlan plan = plan_gemv(m, n, k, sm_count(device), gemv_smem(device, m), cluster_ctas(device));
+  const GemvPlan plan = device_gemv_plan(device, m, n, k);
   *splits = plan.splits;
   *chunk_kt = plan.chunk_kt;
   *grid = plan.grid;

@@ -111,11 +111,10 @@ __device__ __forceinline__ void st_cluster(const void* local, int rank, float4 v
 // microsecond of eager time.
 template <auto kKernel>
 cudaError_t raise_smem_limit(int smem) {
-  constexpr int kDevices = 64;
-  static int raised[kDevices] = {0};
+  static int raised[kMaxDevices] = {0};
   int dev = 0;
   cudaGetDevice(&dev);
-  const bool cached = dev >= 0 && dev < kDevices;
+  const bool cached = dev >= 0 && dev < kMaxDevices;
   if (cached && raised[dev] >= smem) return cudaSuccess;
   const cudaError_t err = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err == cudaSuccess && cached) raised[dev] = smem;
@@ -124,10 +123,9 @@ cudaError_t raise_smem_limit(int smem) {
 
 // Host: whether the current device takes programmatic dependent launches (compute capability >= 9).
 inline bool device_has_pdl() {
-  constexpr int kDevices = 64;
-  static int cache[kDevices] = {0};  // 0: not asked yet, 1: no, 2: yes
+  static int cache[kMaxDevices] = {0};  // 0: not asked yet, 1: no, 2: yes
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kDevices) return false;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return false;
   if (cache[dev] == 0) {
     int major = 0;
     cache[dev] = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9 ? 2 : 1;

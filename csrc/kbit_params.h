@@ -82,6 +82,8 @@ struct GroupedParams {
   int k_warps, sub_kt;
 };
 
+constexpr int kMaxDevices = 64;  // per-device host caches (launch plans, raised shared-memory limits)
+
 // ---- GEMV geometry (host plan and kernel agree on these) ----
 #ifndef KBIT_GEMV_THREADS  // build-time knobs for tuning experiments; the defaults are the measured choice
 #define KBIT_GEMV_THREADS 512

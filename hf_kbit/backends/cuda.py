@@ -280,14 +280,14 @@ _stream_workspaces: dict[tuple[int, int], torch.Tensor] = {}
 _retired_workspaces: list[torch.Tensor] = []
 
 
-def _stream_workspace(device: torch.device, stream: int, floats: int) -> torch.Tensor:
-    key = (device.index, stream)
+def _stream_workspace(device: int, stream: int, floats: int) -> torch.Tensor:
+    key = (device, stream)
     ws = _stream_workspaces.get(key)
     if ws is None or ws.numel() < floats:
         if ws is not None:
             _retired_workspaces.append(ws)
             floats = max(floats, 2 * ws.numel())
-        ws = _stream_workspaces[key] = torch.empty(floats, dtype=torch.float32, device=device)
+        ws = _stream_workspaces[key] = torch.empty(floats, dtype=torch.float32, device=torch.device("cuda", device))
     return ws
 
 
@@ -321,7 +321,7 @@ def linear_fast(module, x: torch.Tensor):
         return None
     out = torch.empty((*shape[:-1], entry[7]), dtype=x.dtype, device=x.device)
     stream = _raw_stream_of(dev) if _raw_stream_of is not None else torch.cuda.current_stream(dev).cuda_stream
-    ws = _stream_workspace(x.device, stream, entry[6]).data_ptr() if entry[6] else None
+    ws = _stream_workspace(dev, stream, entry[6]).data_ptr() if entry[6] else None
     rc = _run(entry[4], x.data_ptr(), out.data_ptr(), ws, stream)
     if rc:
         _lib.check(rc, "mm")
