@@ -264,6 +264,25 @@ __device__ __forceinline__ uint2 decode_quad(const TileIndex<2>& ti, int r, int 
   return make_uint2(mul2<T>(e.x, ti.s2[r]), mul2<T>(e.y, ti.s2[r]));
 }
 
+// The mma A fragment (rows g, g + 8; K positions 2t, 2t + 1, 2t + 8, 2t + 9) of chunk c of this
+// lane's two rows: register 2 h + r holds row g + 8 r, positions 2t + 8 h + {0, 1}.
+template <int BITS, typename T, bool kAbs>
+__device__ __forceinline__ void decode_chunk(const TileIndex<BITS>& ti, int c, const char* table, uint32_t lane_word,
+                                             uint32_t (&a)[4]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if constexpr (BITS == 2) {
+      const uint2 e = decode_quad<T, kAbs>(ti, r, c & 1, c >> 1, table, lane_word);
+      a[r] = e.x;
+      a[2 + r] = e.y;
+    } else {
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        a[2 * h + r] = decode_pair<BITS, T, kAbs>(ti, r, c & 3, 2 * (c >> 2) + h, table, lane_word);
+    }
+  }
+}
+
 // Decode one K tile of this lane's two rows and run its 8 mma chunks against the staged
 // activations `xs` (this tile's B fragments, uint2 per (chunk, token, t)).
 template <int BITS, typename T, int NT, bool kAbs = false>
@@ -286,18 +305,7 @@ __device__ __forceinline__ void mma_tile(const TileWords<BITS>& tw, const uint2*
       }
     }
     uint32_t a[4];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      if constexpr (BITS == 2) {
-        const uint2 e = decode_quad<T, kAbs>(ti, r, c & 1, c >> 1, table, lane_word);
-        a[r] = e.x;
-        a[2 + r] = e.y;
-      } else {
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          a[2 * h + r] = decode_pair<BITS, T, kAbs>(ti, r, c & 3, 2 * (c >> 2) + h, table, lane_word);
-      }
-    }
+    decode_chunk<BITS, T, kAbs>(ti, c, table, lane_word, a);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       const uint32_t b0 = (c & 1) ? bx[nt].z : bx[nt].x, b1 = (c & 1) ? bx[nt].w : bx[nt].y;

@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cstdarg>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 
 #include "kbit_launch.h"
 
@@ -16,7 +18,7 @@ namespace {
 
 using namespace kbit;
 
-constexpr int kAbiVersion = 4;
+constexpr int kAbiVersion = 5;
 
 thread_local char g_error[512] = "";
 
@@ -250,22 +252,32 @@ cudaError_t gemv_bits(const MmParams& p, int grid, cudaStream_t s) {
   }
 }
 
-// GEMM (gemm_kernel.cuh): NT token tiles of 8 per CTA by M; grid (token blocks, row blocks,
-// K splits). Splits are added only while the CTAs do not fill the GPU: the split whose
-// waves are fullest wins, and a split-K plan (a workspace write, read and a second kernel)
-// must be 3% better. Every split keeps >= 4 K tiles so that the cp.async pipeline fills.
+// GEMM plans: the wgmma GEMM (wgmma_kernel.cuh: 64 NB tokens x 128 rows per CTA) on sm_90
+// where the library holds sm_90a code, else the mma.sync GEMM (gemm_kernel.cuh: 8 NT tokens x
+// 256 rows); grid (token blocks, row blocks, K splits). Splits are added only while the CTAs
+// do not fill the GPU: the split whose waves are fullest wins, and a split-K plan (a workspace
+// write, read and a second kernel) must be 3% better. Every split keeps >= 4 K tiles so that
+// the pipelines fill.
 struct GemmPlan {
-  int nt, splits, chunk_kt;
+  bool wgmma;
+  int tile;  // NT (mma.sync GEMM) or NB (wgmma GEMM)
+  int splits, chunk_kt, smem;
   dim3 grid;
+  int64_t x_perm_floats;  // wgmma: x rewritten into the stage layout, at the head of the workspace
+
+  int64_t workspace(int64_t m, int64_t n) const { return x_perm_floats + (splits > 1 ? int64_t{splits} * m * n : 0); }
 };
 
 int gemm_nt(int64_t m) { return m <= 16 ? 2 : m <= 32 ? 4 : m <= 64 ? 8 : 16; }
 
-GemmPlan plan_gemm(int64_t m, int64_t n, int64_t k, int sms) {
+GemmPlan plan_gemm(int64_t m, int64_t n, int64_t k, int bits, int sms, bool wgmma) {
   GemmPlan plan{};
-  plan.nt = gemm_nt(m);
-  const int64_t token_blocks = ceil_div(m, gemm_block_m(plan.nt)), row_blocks = ceil_div(n, kGemmRows);
+  plan.wgmma = wgmma;
+  plan.tile = wgmma ? wgmma_nb(m) : gemm_nt(m);
+  const int64_t block_m = wgmma ? int64_t{plan.tile} * kWgmmaTokens : gemm_block_m(plan.tile);
+  const int64_t token_blocks = ceil_div(m, block_m), row_blocks = ceil_div(n, wgmma ? kWgmmaRows : kGemmRows);
   const int64_t k_tiles = ceil_div(k, kTileK), ctas = token_blocks * row_blocks;
+  const int64_t slots = int64_t{sms} * (wgmma ? wgmma_ctas_per_sm(plan.tile) : 1);
   plan.splits = 1;
   plan.chunk_kt = static_cast<int>(k_tiles);
   double best = -1.0;
@@ -273,23 +285,77 @@ GemmPlan plan_gemm(int64_t m, int64_t n, int64_t k, int sms) {
     const int64_t chunk = ceil_div(k_tiles, splits);
     if (ceil_div(k_tiles, chunk) != splits || (splits > 1 && chunk < 4)) continue;
     const int64_t total = ctas * splits;
-    const double score = static_cast<double>(total) / static_cast<double>(ceil_div(total, sms) * sms) *
+    const double score = static_cast<double>(total) / static_cast<double>(ceil_div(total, slots) * slots) *
                          (splits > 1 ? 0.97 : 1.0);
     if (score > best + 1e-9) {
       best = score;
       plan.splits = static_cast<int>(splits);
       plan.chunk_kt = static_cast<int>(chunk);
     }
-    if (total >= sms) break;  // the GPU is full: more splits only add workspace traffic
+    if (total >= slots) break;  // the GPU is full: more splits only add workspace traffic
   }
   plan.grid = dim3(static_cast<unsigned>(token_blocks), static_cast<unsigned>(row_blocks),
                    static_cast<unsigned>(plan.splits));
+  plan.smem = wgmma ? wgmma_smem_bytes(plan.tile) : gemm_smem_bytes(bits, plan.tile);
+  plan.x_perm_floats = wgmma ? token_blocks * k_tiles * (wgmma_stage_bytes(plan.tile) / 4) : 0;
   return plan;
+}
+
+// Static shared memory of this kernel: 2 KB where the device code holds sm_90a instructions
+// (wgmma), 1 KB elsewhere. The host reads it with cudaFuncGetAttributes (no launch).
+__global__ void wgmma_probe_kernel(int* out) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kWords = 512;
+#else
+  constexpr int kWords = 256;
+#endif
+  __shared__ int s[kWords];
+  s[threadIdx.x % kWords] = static_cast<int>(threadIdx.x);
+  __syncthreads();
+  out[threadIdx.x] = s[(threadIdx.x + 1) % kWords];
+}
+
+// The wgmma GEMM serves `device` when it is an sm_90 GPU, the library holds sm_90a code for it,
+// and HF_KBIT_GEMM_KERNEL is not "mma" (which keeps the mma.sync GEMM, for A/B measurements).
+bool use_wgmma(int device) {
+  static const bool forced_mma = [] {
+    const char* v = std::getenv("HF_KBIT_GEMM_KERNEL");
+    return v && std::strcmp(v, "mma") == 0;
+  }();
+  static int cache[kMaxDevices] = {0};  // 0: not asked yet, 1: no, 2: yes
+  if (forced_mma || device < 0 || device >= kMaxDevices) return false;
+  if (cache[device] == 0) {
+    int major = 0, minor = -1;
+    bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+              cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
+              major == 9 && minor == 0;
+    if (ok) {
+      DeviceGuard guard(device);
+      cudaFuncAttributes attr{};
+      ok = guard.error() == cudaSuccess && cudaFuncGetAttributes(&attr, wgmma_probe_kernel) == cudaSuccess &&
+           attr.sharedSizeBytes >= 2048;
+    }
+    cache[device] = ok ? 2 : 1;
+  }
+  return cache[device] == 2;
+}
+
+GemmPlan device_gemm_plan(int device, int64_t m, int64_t n, int64_t k, int bits) {
+  // The wgmma GEMM indexes tiles in 32 bits (as the GEMV): larger weights take the mma.sync GEMM.
+  const bool small_index = ceil_div(n, kTileN) * ceil_div(k, kTileK) * bits * 64 < (int64_t{1} << 31);
+  return plan_gemm(m, n, k, bits, sm_count(device), small_index && use_wgmma(device));
 }
 
 template <int BITS, typename T>
 cudaError_t gemm_nt_launch(const MmParams& p, const GemmPlan& plan, cudaStream_t s) {
-  switch (plan.nt) {
+  if (plan.wgmma) {
+    switch (plan.tile) {
+      case 1: return launch_wgmma_gemm<BITS, T, 1>(p, plan.grid, s);
+      case 2: return launch_wgmma_gemm<BITS, T, 2>(p, plan.grid, s);
+      default: return launch_wgmma_gemm<BITS, T, 4>(p, plan.grid, s);
+    }
+  }
+  switch (plan.tile) {
     case 2: return launch_gemm<BITS, T, 2>(p, plan.grid, s);
     case 4: return launch_gemm<BITS, T, 4>(p, plan.grid, s);
     case 8: return launch_gemm<BITS, T, 8>(p, plan.grid, s);
@@ -603,9 +669,24 @@ int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const 
 int64_t kbit_gemm_workspace_size(int device, int64_t m, int64_t n, int64_t k, int bits) {
   if (bits < 2 || bits > 5) return -1;
   if (m <= 0 || n <= 0 || k <= 0) return 0;
-  const GemmPlan plan = plan_gemm(m, n, k, sm_count(device));
-  if (gemm_smem_bytes(bits, plan.nt) > smem_limits(device).per_block) return -1;
-  return plan.splits > 1 ? static_cast<int64_t>(plan.splits) * m * n : 0;
+  const GemmPlan plan = device_gemm_plan(device, m, n, k, bits);
+  if (plan.smem > smem_limits(device).per_block) return -1;
+  return plan.workspace(m, n);
+}
+
+int kbit_gemm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int* wgmma, int* block_m, int* splits,
+                   int* ctas) {
+  if (!wgmma || !block_m || !splits || !ctas) return fail("wgmma, block_m, splits and ctas must be host pointers");
+  if (bits < 2 || bits > 5) return fail("bits must be in 2..5, got %d", bits);
+  if (m < 1 || n < 1 || k < 1)
+    return fail("need m, n and k >= 1, got m=%lld n=%lld k=%lld", static_cast<long long>(m), static_cast<long long>(n),
+                static_cast<long long>(k));
+  const GemmPlan plan = device_gemm_plan(device, m, n, k, bits);
+  *wgmma = plan.wgmma ? 1 : 0;
+  *block_m = plan.wgmma ? plan.tile * kWgmmaTokens : gemm_block_m(plan.tile);
+  *splits = plan.splits;
+  *ctas = static_cast<int>(plan.grid.x * plan.grid.y * plan.grid.z);
+  return KBIT_OK;
 }
 
 int kbit_gemm(int device, void* stream, const void* x, int dtype, const int32_t* planes, const uint8_t* block_scales,
@@ -619,13 +700,13 @@ int kbit_gemm(int device, void* stream, const void* x, int dtype, const int32_t*
   if (!x || !out || !planes || !block_scales || !row_scales || !codebook)
     return fail("x, out, planes, block_scales, row_scales and codebook must be device pointers");
   if (!aligned(planes, 16) || !aligned(block_scales, 16)) return fail("planes and block_scales must be 16-byte aligned");
-  if (ceil_div(n, kTileN) > 65535 * kGemmTiles) return fail("out_features %lld is too large for the GEMM grid", static_cast<long long>(n));
-  const GemmPlan plan = plan_gemm(m, n, k, sm_count(device));
-  const int smem = gemm_smem_bytes(bits, plan.nt);
-  if (smem > smem_limits(device).per_block)
+  const GemmPlan plan = device_gemm_plan(device, m, n, k, bits);
+  if (ceil_div(n, plan.wgmma ? kWgmmaRows : kGemmRows) > 65535)
+    return fail("out_features %lld is too large for the GEMM grid", static_cast<long long>(n));
+  if (plan.smem > smem_limits(device).per_block)
     return fail("the GEMM needs %d bytes of shared memory per block, this GPU allows %d (kbit_gemm_workspace_size "
-                "returns -1 here: dequantize + matmul instead)", smem, smem_limits(device).per_block);
-  const int64_t need = plan.splits > 1 ? static_cast<int64_t>(plan.splits) * m * n : 0;
+                "returns -1 here: dequantize + matmul instead)", plan.smem, smem_limits(device).per_block);
+  const int64_t need = plan.workspace(m, n);
   if (workspace_size < need || (need > 0 && !workspace))
     return fail("workspace has %lld floats, this problem needs %lld (kbit_gemm_workspace_size)",
                 static_cast<long long>(workspace_size), static_cast<long long>(need));
@@ -634,7 +715,8 @@ int kbit_gemm(int device, void* stream, const void* x, int dtype, const int32_t*
   MmParams p = mm_params(dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, plan.splits, plan.chunk_kt);
   p.x = x;
   p.out = out;
-  p.workspace = workspace;
+  p.x_perm = reinterpret_cast<char*>(workspace);
+  p.workspace = workspace ? workspace + plan.x_perm_floats : nullptr;
   const auto st = static_cast<cudaStream_t>(stream);
   cudaError_t err = dtype == kFloat16 ? gemm_bits<__half>(p, plan, st) : gemm_bits<__nv_bfloat16>(p, plan, st);
   return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_gemm launch");

@@ -40,9 +40,15 @@ KBIT_API int kbit_gemv(int device, void* stream, const void* x, int dtype, const
                        const uint8_t* block_scales, const float* row_scales, const float* codebook, int bits,
                        int64_t m, int64_t n, int64_t k, void* out, float* workspace, int64_t workspace_size);
 
-/* Floats of float32 workspace kbit_gemm needs for this problem (0: none); -1 when the GEMM
- * cannot run on this GPU (too little shared memory per block: use dequantize + matmul). */
+/* Floats of float32 workspace kbit_gemm needs for this problem (0: none): split-K partials and,
+ * for the wgmma kernel, x rewritten into its stage layout; -1 when the GEMM cannot run on this
+ * GPU (too little shared memory per block: use dequantize + matmul). */
 KBIT_API int64_t kbit_gemm_workspace_size(int device, int64_t m, int64_t n, int64_t k, int bits);
+
+/* The GEMM's launch plan for this problem on `device` (for tests and benchmarks): whether it
+ * runs the wgmma kernel (sm_90a) or the mma.sync one, tokens per CTA, K splits and CTAs. */
+KBIT_API int kbit_gemm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int* wgmma, int* block_m,
+                            int* splits, int* ctas);
 
 /* Mid-M tensor-core GEMM: out [m, n] = x [m, k] @ W.T, any m >= 1, x/out float16 or bfloat16,
  * planes and block_scales 16-byte aligned. */

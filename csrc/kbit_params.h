@@ -62,6 +62,9 @@ struct MmParams {
   // sum their partials through distributed shared memory: no workspace, no second kernel.
   // Plans where every warp has at most one row tile.
   bool cluster;
+  // wgmma GEMM only: x rewritten into the GEMM's shared-memory stage layout (wgmma_kernel.cuh),
+  // the first bytes of the caller's workspace; `workspace` then points past it.
+  char* x_perm;
 };
 
 // Grouped MoE GEMV: out[s] = x[s] @ W[expert of s].T (grouped_gemv_kernel.cuh).
@@ -145,6 +148,22 @@ constexpr int gemm_stage_bytes(int bits, int nt) {
 constexpr int gemm_smem_bytes(int bits, int nt) {
   return kGemvTableBytes + kGemvScaleBytes + gemm_stages(nt) * gemm_stage_bytes(bits, nt);
 }
+// ---- wgmma GEMM geometry (sm_90a, wgmma_kernel.cuh) ----
+// A CTA is 2 warpgroups: 8 warps, one 16-row tile each (128 rows), and NB sub-blocks of 64
+// tokens (the wgmma N); x comes in 2 shared-memory stages of NB x 16 KB (2 swizzle atoms of
+// 64 K x 64 NB tokens per K tile).
+constexpr int kWgmmaThreads = 256;
+constexpr int kWgmmaTiles = kWgmmaThreads / 32;
+constexpr int kWgmmaRows = kWgmmaTiles * kTileN;
+constexpr int kWgmmaTokens = 64;
+constexpr int kWgmmaStages = 2;
+constexpr int wgmma_nb(int64_t m) { return m <= 64 ? 1 : m <= 128 ? 2 : 4; }
+constexpr int wgmma_stage_bytes(int nb) { return nb * kWgmmaTokens * kTileK * 2; }
+// 1 KB to align the stages to the swizzle atom, the stages, the pair table and scale pairs.
+constexpr int wgmma_smem_bytes(int nb) {
+  return 1024 + kWgmmaStages * wgmma_stage_bytes(nb) + kGemvTableBytes + kGemvScaleBytes;
+}
+constexpr int wgmma_ctas_per_sm(int nb) { return nb == 1 ? 2 : 1; }
 constexpr int kGroupedNt = 4;  // grouped mode: an expert's rows in chunks of up to 32 (4 mma token tiles)
 // Grouped GEMV: table, `sub_kt` K tiles of x for 8 * nt rows, the k_warps reduction, the
 // unit's row indices and the per-expert chunk prefix sum (grouped mode).

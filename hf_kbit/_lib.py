@@ -18,7 +18,7 @@ from pathlib import Path
 LIBRARY_NAME = "libhf_kbit_cuda.so"
 LIBRARY_ENV = "HF_KBIT_LIBRARY"  # an explicit path to the library; no search when set
 _PACKAGE_DIR = Path(__file__).resolve().parent
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
@@ -84,6 +84,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     c_ip = ctypes.POINTER(c_int)
     lib.kbit_gemv_plan.argtypes = [c_int, c_i64, c_i64, c_i64, c_ip, c_ip, c_ip, c_ip]
     lib.kbit_gemv_plan.restype = c_int
+    lib.kbit_gemm_plan.argtypes = [c_int, c_i64, c_i64, c_i64, c_int, c_ip, c_ip, c_ip, c_ip]
+    lib.kbit_gemm_plan.restype = c_int
     # Eager fast path (optional: a library without it still serves every op).
     try:
         lib.kbit_gemv_call_size.restype = c_i64

@@ -4,6 +4,7 @@
 #include "../gemv_kernel.cuh"
 #include "../grouped_gemv_kernel.cuh"
 #include "../quantize_kernel.cuh"
+#include "../wgmma_kernel.cuh"
 
 namespace kbit {
 template cudaError_t launch_quantize<__half, 2>(const QuantizeParams&, cudaStream_t);
@@ -16,4 +17,7 @@ template cudaError_t launch_gemm<2, __half, 2>(const MmParams&, dim3, cudaStream
 template cudaError_t launch_gemm<2, __half, 4>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_gemm<2, __half, 8>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_gemm<2, __half, 16>(const MmParams&, dim3, cudaStream_t);
+template cudaError_t launch_wgmma_gemm<2, __half, 1>(const MmParams&, dim3, cudaStream_t);
+template cudaError_t launch_wgmma_gemm<2, __half, 2>(const MmParams&, dim3, cudaStream_t);
+template cudaError_t launch_wgmma_gemm<2, __half, 4>(const MmParams&, dim3, cudaStream_t);
 }  // namespace kbit

@@ -8,6 +8,8 @@ product of the reference weight with named tolerances.
 from __future__ import annotations
 
 import functools
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,6 +191,55 @@ def test_each_kernel_path_matches_reference(path, bits, dtype, shape, m):
     out = backend.run_path(path, x, planes, scales, rs, cb, k)
     assert out.shape == (m, n) and out.dtype == dtype
     assert rel_err(out, x.double() @ wq.double().T) < MM_REL_TOL[dtype]
+
+
+def gemm_plan(n: int, k: int, m: int, bits: int = 4) -> dict:
+    import ctypes
+
+    lib = _lib.load()
+    vals = [ctypes.c_int() for _ in range(4)]
+    rc = lib.kbit_gemm_plan(torch.cuda.current_device(), m, n, k, bits, *(ctypes.byref(v) for v in vals))
+    _lib.check(rc, "kbit_gemm_plan")
+    return dict(zip(("wgmma", "block_m", "splits", "ctas"), (v.value for v in vals)))
+
+
+@pytest.mark.parametrize("m, block_m", [(17, 64), (64, 64), (65, 128), (128, 128), (129, 256), (1024, 256)])
+def test_gemm_plans_take_wgmma_on_sm90(m, block_m):
+    """On an sm_90 GPU the GEMM path runs the wgmma kernel (and test_each_kernel_path covers
+    it); elsewhere the mma.sync kernel."""
+    plan = gemm_plan(4096, 4096, m)
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert plan["wgmma"] == 1 and plan["block_m"] == block_m, plan
+    else:
+        assert plan["wgmma"] == 0, plan
+
+
+def test_mma_gemm_kernel_matches_reference_when_forced():
+    """HF_KBIT_GEMM_KERNEL=mma keeps the mma.sync GEMM (the only one before sm_90) on any GPU:
+    a fresh process, since the library reads the variable once."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import torch
+        from hf_kbit.backends import cuda as backend
+        from tests.gpu.test_cuda_kernels import MM_REL_TOL, gemm_plan, packed_reference, rel_err
+        for bits, dtype, (n, k), m in [(2, torch.bfloat16, (257, 515), 33), (3, torch.float16, (40, 8200), 64),
+                                       (4, torch.bfloat16, (1000, 333), 130), (5, torch.bfloat16, (4100, 264), 17)]:
+            assert gemm_plan(n, k, m, bits)["wgmma"] == 0
+            (planes, scales, rs, cb), wq = packed_reference(n, k, bits)
+            x = torch.randn(m, k, device="cuda").to(dtype)
+            out = backend.run_path("gemm", x, planes, scales, rs, cb, k)
+            err = rel_err(out, x.double() @ wq.double().T)
+            assert err < MM_REL_TOL[dtype], (bits, dtype, n, k, m, err)
+        print("ok")
+    """)
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, HF_KBIT_GEMM_KERNEL="mma")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(root)) if p)
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr
 
 
 def test_gemm_offset_x_and_packed_views():

@@ -1,0 +1,340 @@
+// Mid/large-M GEMM on Hopper's asynchronous tensor cores (sm_90a): out[m, n] = sum_k x[m, k] * W[n, k].
+//
+// The weight is the wgmma A operand, straight from registers: each warp of a warpgroup decodes
+// its 16-row tile with the GEMV's decode (gemv_kernel.cuh: plane words loaded per lane
+// kGemvDepth - 1 K tiles ahead, SWAR index words, pair-table lookups, block scale), which yields
+// exactly the m64k16 A fragment of a chunk. Tokens are the wgmma N dimension (sub-blocks of 64,
+// NB per CTA), read from shared memory through a matrix descriptor. So each weight is decoded
+// once per CTA (64 NB tokens), no dequantized weight touches shared memory, and chunk c + 2 is
+// decoded while the tensor cores work on chunks c and c + 1.
+//  * K order: the chunk's K positions are the GEMV's (lane t's block supplies rows 2t, 2t+1,
+//    2t+8, 2t+9 of every chunk), so x must lie in that order. wgmma_x_kernel rewrites x once per
+//    call into x_perm (the head of the workspace), byte for byte the shared-memory stage of each
+//    (token block, K tile): 2 atoms (chunks 0-3, 4-7) of 64 NB token rows x 128 bytes, 16-byte
+//    unit u of row r at u ^ (r % 8) (the 128-byte swizzle; K-major B, no transpose). The GEMM
+//    copies stages with 16-byte cp.async, 2 stages deep.
+//  * CTA: 2 warpgroups (8 row tiles, 128 rows) x 64 NB tokens; grid (token blocks, row blocks,
+//    K splits), token blocks fastest so that CTAs decoding the same weight run together. Split-K
+//    partials go to the float32 workspace and splitk_reduce_kernel (split order: deterministic).
+//  * The GEMM is a programmatic dependent launch of wgmma_x_kernel: its prologue (first plane
+//    loads, pair table) overlaps the rewrite, and griddepcontrol.wait precedes the first x_perm
+//    read. Everything it reads before that wait was written before wgmma_x_kernel started,
+//    which is an ordinary launch.
+#pragma once
+
+#include "gemm_kernel.cuh"
+#include "gemv_kernel.cuh"
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define KBIT_HAS_WGMMA 1
+#else
+#define KBIT_HAS_WGMMA 0  // other targets: the kernel is a trap the host never launches
+#endif
+
+namespace kbit {
+
+// ---- wgmma primitives (sm_90a) ----
+
+__device__ __forceinline__ void wgmma_fence() {
+#if KBIT_HAS_WGMMA
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#if KBIT_HAS_WGMMA
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+#endif
+}
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+#if KBIT_HAS_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+#endif
+}
+// Generic-proxy writes to shared memory (cp.async here) before async-proxy reads (wgmma).
+__device__ __forceinline__ void fence_proxy_async() {
+#if KBIT_HAS_WGMMA
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+// Pins registers at this point of the program: wgmma reads and writes them asynchronously, so
+// the compiler must not move their other uses across the fences and waits.
+template <typename R, int N> __device__ __forceinline__ void pin(R (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    if constexpr (std::is_same_v<R, float>) asm volatile("" : "+f"(r[i])::"memory");
+    else asm volatile("" : "+r"(r[i])::"memory");
+  }
+}
+
+// Descriptor of a K-major operand in 128-byte-swizzled atoms (8 rows x 128 bytes, rows of
+// consecutive atoms 1024 bytes apart); `addr` = atom base + 32 bytes per k16 step.
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
+         (uint64_t{1} << 62);
+}
+
+// d[64 rows, 64 tokens] += a (registers, m64k16: the mma.m16n8k16 A fragment in each warp) * B
+// (descriptor, k16 x 64 tokens), float32 accumulation. d[4 j + 2 h + e] is row 16 (warp % 4) +
+// g + 8 h, token 8 j + 2 t + e. (One m64n128 / m64n256 wgmma per chunk instead of 2 / 4 of
+// these measured the same.)
+#define KBIT_ACC8(i)                                                                                           \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
+      "+f"(d[i + 7])
+#define KBIT_WGMMA_N64(TYPE)                                                                                   \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." \
+               TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"                                    \
+               : KBIT_ACC8(0), KBIT_ACC8(8), KBIT_ACC8(16), KBIT_ACC8(24)                                      \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc))
+template <typename T>
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
+#if KBIT_HAS_WGMMA
+  if constexpr (std::is_same_v<T, __half>) KBIT_WGMMA_N64("f16");
+  else KBIT_WGMMA_N64("bf16");
+#else
+  __trap();
+#endif
+}
+#undef KBIT_WGMMA_N64
+#undef KBIT_ACC8
+
+// ---- x rewrite ----
+
+// 16-byte unit (of a stage atom row) of pair j of x's 8-element group q in each block: chunk
+// c, positions 2t + 8h + {0, 1} of K offset 32t + 8q + 2j + {0, 1} (the GEMV's chunk order,
+// gemv_kernel.cuh chunk_offset / kPairB), unit 2 (c % 4) + h, word t; the atom is q / 2.
+template <int BITS> __device__ __forceinline__ int x_perm_unit(int q, int j) {
+  return BITS == 2 ? 4 * (q & 1) + 2 * (j & 1) + (j >> 1) : 2 * j + (q & 1);
+}
+
+// Group q (8 elements) of token `tok`'s 4 blocks in K tile kt, zero past m and k.
+template <typename T>
+__device__ __forceinline__ void load_x_groups(const T* x, int64_t m, int64_t k, bool vec_ok, int64_t tok, int kt,
+                                              int q, uint4 (&v)[4]) {
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    const int64_t kk = static_cast<int64_t>(kt) * kTileK + 32 * t + 8 * q;
+    const T* src = x + tok * k + kk;
+    if (tok < m && vec_ok && kk + 8 <= k) {
+      v[t] = __ldg(reinterpret_cast<const uint4*>(src));
+    } else {
+      union { uint4 u; T e[8]; } g;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) g.e[e] = tok < m && kk + e < k ? src[e] : from_float<T>(0.f);
+      v[t] = g.u;
+    }
+  }
+}
+
+// Transposes the 4 groups into their 4 stage units (word t from block t) in row r of a stage
+// whose atoms are atom_bytes apart.
+template <int BITS>
+__device__ __forceinline__ void store_x_groups(char* stage, int atom_bytes, int r, int q, const uint4 (&v)[4]) {
+  char* row = stage + (q >> 1) * atom_bytes + r * 128;
+  const uint32_t w[4][4] = {{v[0].x, v[1].x, v[2].x, v[3].x}, {v[0].y, v[1].y, v[2].y, v[3].y},
+                            {v[0].z, v[1].z, v[2].z, v[3].z}, {v[0].w, v[1].w, v[2].w, v[3].w}};
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    *reinterpret_cast<uint4*>(row + ((x_perm_unit<BITS>(q, j) ^ (r & 7)) * 16)) = make_uint4(w[j][0], w[j][1], w[j][2], w[j][3]);
+}
+
+// One thread per (token, K tile, group q) of every token block.
+template <int BITS, typename T>
+__global__ void __launch_bounds__(256) wgmma_x_kernel(const T* x, int64_t m, int64_t k, int k_tiles, int nb,
+                                                      int64_t tokens_padded, char* x_perm) {
+  allow_dependent_launch();
+  const int block_tokens = nb * kWgmmaTokens;
+  const bool vec_ok = (k % 8 == 0) && (reinterpret_cast<uintptr_t>(x) % 16 == 0);
+  const int64_t total = tokens_padded * k_tiles * 4;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int q = static_cast<int>(i & 3);
+    const int64_t rest = i >> 2;
+    const int kt = static_cast<int>(rest % k_tiles);
+    const int64_t tok = rest / k_tiles;
+    uint4 v[4];
+    load_x_groups<T>(x, m, k, vec_ok, tok, kt, q, v);
+    const int64_t tb = tok / block_tokens;
+    const int r = static_cast<int>(tok - tb * block_tokens);
+    store_x_groups<BITS>(x_perm + (tb * k_tiles + kt) * 2 * (block_tokens * 128), block_tokens * 128, r, q, v);
+  }
+}
+
+// ---- the GEMM ----
+
+// The NB wgmma of chunk c against `stage` (descriptor of its first atom): token sub-block nb is
+// 64 rows (8 KB) further on, chunks 4-7 one atom further, and each chunk 32 bytes along the row.
+template <typename T, int NB>
+__device__ __forceinline__ void wgmma_chunk(float (&acc)[NB][32], uint32_t (&a)[4], uint64_t stage_desc, int c) {
+  constexpr int kAtomBytes = NB * kWgmmaTokens * 128;
+  pin(a);
+  wgmma_fence();
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb)
+    wgmma_m64n64k16<T>(acc[nb], a, stage_desc + (((c >> 2) * kAtomBytes + nb * kWgmmaTokens * 128 + (c & 3) * 32) >> 4));
+  wgmma_commit();
+}
+
+template <int BITS, typename T, int NB>
+__global__ void __launch_bounds__(kWgmmaThreads, wgmma_ctas_per_sm(NB)) wgmma_gemm_kernel(MmParams p) {
+#if KBIT_HAS_WGMMA
+  // Plane loads kDepth - 1 K tiles ahead: the GEMV's depth where a K tile is short (64 tokens),
+  // 2 for larger token blocks (half the unrolled code).
+  constexpr int kDepth = NB == 1 ? kGemvDepth : 2;
+  constexpr int kStageBytes = wgmma_stage_bytes(NB);
+  extern __shared__ float4 smem_f4[];
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_f4));
+  const uint32_t pad = (1024u - (raw & 1023u)) & 1023u;  // stages start on a swizzle atom
+  char* stages = reinterpret_cast<char*>(smem_f4) + pad;
+  const uint32_t stages_addr = raw + pad;
+  char* table = stages + kWgmmaStages * kStageBytes;
+  allow_dependent_launch();
+
+  const int k_tiles = static_cast<int>((p.k + kTileK - 1) / kTileK), n_tiles = static_cast<int>((p.n + kTileN - 1) / kTileN);
+  const int kt0 = blockIdx.z * p.chunk_kt;
+  const int steps = max(0, min(k_tiles, kt0 + p.chunk_kt) - kt0);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int row_tile = blockIdx.y * kWgmmaTiles + warp;
+  // A row tile past n still takes part in its warpgroup's wgmma: it decodes the last tile (finite
+  // values) into rows that are never stored.
+  const int tile0 = min(row_tile, n_tiles - 1) * k_tiles + kt0;
+
+  TileWords<BITS> buf[kDepth];
+  int load_i = 0;
+  auto advance_load = [&](TileWords<BITS>& dst) {
+    if (load_i < steps) load_tile<BITS>(p.planes, p.block_scales, tile0 + load_i, lane, dst);
+    ++load_i;
+  };
+#pragma unroll
+  for (int d = 0; d < kDepth - 1; ++d) advance_load(buf[d]);
+  build_table<BITS, T>(table, codebook_lane<BITS>(p.codebook, lane));
+
+  // This thread's 16-byte units of a stage: threadIdx.x + i * kWgmmaThreads.
+  const char* x_src = p.x_perm + (static_cast<int64_t>(blockIdx.x) * k_tiles + kt0) * kStageBytes + 16 * threadIdx.x;
+  char* x_dst = stages + 16 * threadIdx.x;
+  auto load_stage = [&](int s) {
+    char* dst = x_dst + (s % kWgmmaStages) * kStageBytes;
+    const char* src = x_src + static_cast<int64_t>(s) * kStageBytes;
+#pragma unroll
+    for (int i = 0; i < kStageBytes / (16 * kWgmmaThreads); ++i)
+      cp_async16(dst + i * 16 * kWgmmaThreads, src + i * 16 * kWgmmaThreads, 16);
+  };
+  wait_for_primary_grid();  // x_perm is written by wgmma_x_kernel
+#pragma unroll
+  for (int s = 0; s < kWgmmaStages - 1; ++s) {
+    if (s < steps) load_stage(s);
+    cp_async_commit();
+  }
+
+  const uint32_t lane_word = table_lane_word<BITS, false>(lane, 0);
+  float acc[NB][32];
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc[nb][i] = 0.f;
+
+  // Software pipeline over chunks, across K tiles: chunk q + 2 is decoded (into the fourth of
+  // four A fragment buffers) while the wgmma groups of chunks q and q + 1 may run, so its table
+  // loads have two chunks' time to land; the wait before it retires chunk q - 2, whose buffer it
+  // takes. A K tile ends with every group retired, so that the barrier of the next frees its
+  // stage for the refill.
+  TileIndex<BITS> ti;
+  uint32_t a[4][4];
+  __syncthreads();  // the table is built: the first chunks are decoded before the loop's barrier
+  if (steps > 0) {
+    index_words<BITS>(buf[0], table, lane_word, ti);
+    decode_chunk<BITS, T, false>(ti, 0, table, lane_word, a[0]);
+    decode_chunk<BITS, T, false>(ti, 1, table, lane_word, a[1]);
+  }
+  for (int i = 0; i < steps; i += kDepth) {
+#pragma unroll
+    for (int d = 0; d < kDepth; ++d) {
+      const int s = i + d;
+      if (s >= steps) break;
+      cp_async_wait<kWgmmaStages - 2>();
+      fence_proxy_async();
+      __syncthreads();  // stage s landed for everyone; stage s - 1 is free
+      if (s + kWgmmaStages - 1 < steps) load_stage(s + kWgmmaStages - 1);
+      cp_async_commit();
+      advance_load(buf[(d + kDepth - 1) % kDepth]);
+      const uint64_t stage_desc = sw128_desc(stages_addr + (s % kWgmmaStages) * kStageBytes);
+#pragma unroll
+      for (int c = 0; c < 8; ++c) {
+        static_assert(8 * kDepth % 4 == 0, "the buffer rotation restarts with each unrolled pass");
+        const int q = 8 * d + c;  // chunk q of this pass uses buffer q % 4
+        wgmma_chunk<T, NB>(acc, a[q % 4], stage_desc, c);
+        wgmma_wait<2>();
+        if (c < 6) {
+          decode_chunk<BITS, T, false>(ti, c + 2, table, lane_word, a[(q + 2) % 4]);
+        } else if (s + 1 < steps) {
+          if (c == 6) index_words<BITS>(buf[(d + 1) % kDepth], table, lane_word, ti);
+          decode_chunk<BITS, T, false>(ti, c - 6, table, lane_word, a[(q + 2) % 4]);
+        }
+      }
+      wgmma_wait<0>();
+    }
+  }
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) pin(acc[nb]);
+
+  // Lane (g, t) holds rows g, g + 8 of the warp's tile; acc[nb][4 j + 2 h + e] is row g + 8 h,
+  // token 64 nb + 8 j + 2 t + e.
+  const int64_t m = p.m, n = p.n;
+  const int64_t tok0 = static_cast<int64_t>(blockIdx.x) * NB * kWgmmaTokens;
+  float* ws = p.splits > 1 ? p.workspace + static_cast<int64_t>(blockIdx.z) * m * n : nullptr;
+  T* out = static_cast<T*>(p.out);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t row = static_cast<int64_t>(row_tile) * kTileN + g + 8 * h;
+    if (row >= n) continue;
+    const float rs = __ldg(p.row_scales + row);
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int64_t tok = tok0 + nb * kWgmmaTokens + 8 * j + 2 * t + e;
+          if (tok >= m) continue;
+          const float y = acc[nb][4 * j + 2 * h + e] * rs;
+          if (ws) ws[tok * n + row] = y;
+          else out[tok * n + row] = from_float<T>(y);
+        }
+      }
+    }
+  }
+#else
+  __trap();
+#endif
+}
+
+// x rewrite, then the GEMM as its programmatic dependent launch, then the split-K reduce.
+template <int BITS, typename T, int NB>
+cudaError_t launch_wgmma_gemm(const MmParams& p, dim3 grid, cudaStream_t stream) {
+  const int k_tiles = static_cast<int>((p.k + kTileK - 1) / kTileK);
+  const int64_t tokens_padded = static_cast<int64_t>(grid.x) * NB * kWgmmaTokens;
+  const int64_t threads = tokens_padded * k_tiles * 4;
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((threads + 255) / 256, int64_t{1} << 20));
+  wgmma_x_kernel<BITS, T><<<blocks, 256, 0, stream>>>(static_cast<const T*>(p.x), p.m, p.k, k_tiles, NB, tokens_padded,
+                                                     p.x_perm);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+
+  constexpr int kSmem = wgmma_smem_bytes(NB);
+  err = raise_smem_limit<wgmma_gemm_kernel<BITS, T, NB>>(kSmem);
+  if (err != cudaSuccess) return err;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kWgmmaThreads);
+  cfg.dynamicSmemBytes = kSmem;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  err = cudaLaunchKernelEx(&cfg, wgmma_gemm_kernel<BITS, T, NB>, p);
+  if (err != cudaSuccess || p.splits == 1) return err;
+  return launch_splitk_reduce<T>(p.workspace, p.out, p.m * p.n, p.splits, stream);
+}
+
+}  // namespace kbit
