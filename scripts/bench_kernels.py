@@ -206,9 +206,17 @@ def bench_paths(name, k, n, ms, bits_list, results):
         torch.cuda.empty_cache()
 
 
+def gemm_kernel_name() -> str:
+    """The GEMM kernel of this GPU: "wgmma" (sm_90) or "mma" (elsewhere, or HF_KBIT_GEMM_KERNEL=mma)."""
+    from hf_kbit.backends import cuda as backend
+
+    return backend._gemm_kernel(torch.cuda.current_device())
+
+
 def markdown_paths(results, meta) -> str:
     lines = [f"# kbit::mm kernel paths — {meta['device']}", "", f"Command: `{meta['command']}`  ",
              (f"torch {meta['torch']}, cold L2, CUDA-graph replays, median of 7; us per call (bf16 activations). "
+              f"GEMM kernel: {meta.get('gemm_kernel', 'mma')}. "
               "`dispatch` is the path kbit::mm takes with the crossovers in hf_kbit/backends/cuda.py."), "",
              "| shape (K x N) | k | M | GEMV us | GEMM us | dequant + cuBLAS us | fastest | dispatch |",
              "|---|---|---|---|---|---|---|---|"]
@@ -265,7 +273,8 @@ def markdown(results, bits_list, meta) -> str:
              f"Command: `{meta['command']}`  ", f"torch {meta['torch']}, measured copy bandwidth "
              f"{meta['bandwidth_GBps']:.0f} GB/s (read+write), cold L2 (weight copies >= {COLD_BYTES >> 20} MiB per "
              f"graph), CUDA-graph replays, median of 7; {SETTLE_S:g} s idle before each block of a shape's cells "
-             "(ascending M) so that the power cap reached by the large-M cells does not lower the clocks of the next.", "",
+             "(ascending M) so that the power cap reached by the large-M cells does not lower the clocks of the next. "
+             f"GEMM kernel: {meta.get('gemm_kernel', 'mma')}.", "",
              "Cells: time in us, speed-up over bf16 (x), % of the HBM roofline for the kbit bytes.", ""]
     head = "| shape (K x N) | M | bf16 us | int4pack us (x) | " + " | ".join(f"k={b}" for b in bits_list) + " |"
     lines += [head, "|" + "---|" * (4 + len(bits_list))]
@@ -325,6 +334,7 @@ def main() -> None:
         "python": platform.python_version(), "bandwidth_GBps": bw / 1e9,
         "command": shlex.join(["python", "scripts/bench_kernels.py", *sys.argv[1:]]), "cold_l2_bytes": COLD_BYTES,
         "gemv_max_m": getattr(sys.modules.get("hf_kbit.backends.cuda"), "GEMV_MAX_M", None),
+        "gemm_kernel": gemm_kernel_name(),
     }
     if args.paths:
         md = markdown_paths(results, meta)

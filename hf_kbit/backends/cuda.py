@@ -14,8 +14,9 @@ Dispatch of ``mm`` by M (rows of x after flattening the leading dims), from the 
 crossovers in ``_CROSSOVERS`` (docs/kernels.md):
   * small M: the GEMV kernel (weight decoded once for all rows by the CUDA cores, multiply-adds
     on the tensor cores, all of x staged once);
-  * mid M: the GEMM kernel (x and the packed tiles stream through shared memory, the weight is
-    decoded into tensor-core operands, never written out);
+  * mid M: a GEMM kernel (the weight is decoded into tensor-core operands, never written out):
+    on sm_90 the wgmma GEMM (csrc/wgmma_kernel.cuh), elsewhere the mma.sync GEMM
+    (csrc/gemm_kernel.cuh);
   * large M, float32 x, or a GPU without the GEMM's shared memory: dequantize into a
     torch-allocated weight in x's dtype, then ``torch.matmul`` (cuBLAS).
 """
@@ -39,13 +40,15 @@ GEMV_MAX_M = int(_LIB.kbit_gemv_max_m())
 
 # Measured crossovers (H100, cold L2, benchmarks/results/h100_paths.md from
 # `scripts/bench_kernels.py --paths`), per bits: the GEMV serves M <= GEMV, the GEMM
-# GEMV < M <= GEMM, dequantize + cuBLAS the rest. The GEMM is bound by its decode, paid once
-# per weight and 128-token block, so it wins longer on large weights, where dequantize +
-# cuBLAS pays for writing and reading the whole dequantized weight; on small weights
-# (hidden 2048) cuBLAS catches up from M = 64.
+# GEMV < M <= GEMM, dequantize + cuBLAS the rest. The GEMM is bound by its decode and tensor
+# work, paid once per weight and token block, so it wins longer on large weights, where
+# dequantize + cuBLAS pays for writing and reading the whole dequantized weight. Two GEMM
+# kernels, two tables: the wgmma GEMM (sm_90) and the mma.sync GEMM (every other GPU; on the
+# H100 with HF_KBIT_GEMM_KERNEL=mma, where its crossovers were measured).
 _LARGE_WEIGHT = 16 * 2**20  # elements (N * K)
 _CROSSOVERS = {  # bits: (GEMV, GEMM on a large weight, GEMM on a small one)
-    2: (16, 128, 32), 3: (16, 128, 32), 4: (16, 128, 32), 5: (16, 128, 32),
+    "wgmma": {bits: (16, 512, 128) for bits in fmt.SUPPORTED_BITS},
+    "mma": {bits: (16, 128, 32) for bits in fmt.SUPPORTED_BITS},
 }
 
 PATHS = ("gemv", "gemm", "dequant")
@@ -54,13 +57,26 @@ PATHS = ("gemv", "gemm", "dequant")
 def mm_path(m: int, n: int, k: int, bits: int, device: int) -> str:
     """The kernel path ``kbit::mm`` takes for ``x [m, k]`` (bf16/fp16) and a ``[n, k]`` weight
     on CUDA device index ``device``."""
-    gemv_max, gemm_large, gemm_small = _CROSSOVERS[bits]
+    gemv_max, gemm_large, gemm_small = _CROSSOVERS[_gemm_kernel(device)][bits]
     if m <= min(gemv_max, GEMV_MAX_M):
         return "gemv"
     gemm_max = gemm_large if n * k >= _LARGE_WEIGHT else gemm_small
     if m <= gemm_max and _gemm_workspace(device, m, n, k, bits) >= 0:
         return "gemm"
     return "dequant"
+
+
+_gemm_kernels: dict[int, str] = {}
+
+
+def _gemm_kernel(device: int) -> str:
+    """``"wgmma"`` or ``"mma"``: the GEMM kernel that CUDA device index ``device`` runs."""
+    kernel = _gemm_kernels.get(device)
+    if kernel is None:
+        vals = [ctypes.c_int() for _ in range(4)]
+        _lib.check(_LIB.kbit_gemm_plan(device, 64, 4096, 4096, 4, *(ctypes.byref(v) for v in vals)), "gemm_plan")
+        kernel = _gemm_kernels[device] = "wgmma" if vals[0].value else "mma"
+    return kernel
 
 
 def gemv_wins(m: int, n: int, k: int, bits: int, device: int) -> bool:
