@@ -12,7 +12,8 @@
 //    call into x_perm (the head of the workspace), byte for byte the shared-memory stage of each
 //    (token block, K tile): 2 atoms (chunks 0-3, 4-7) of 64 NB token rows x 128 bytes, 16-byte
 //    unit u of row r at u ^ (r % 8) (the 128-byte swizzle; K-major B, no transpose). The GEMM
-//    copies stages with 16-byte cp.async, 2 stages deep.
+//    copies each stage with 16-byte cp.async during the K tile before it, into 3 slots (2 for
+//    NB >= 2, which then retire their wgmma groups at the end of each K tile).
 //  * CTA: 2 warpgroups (8 row tiles, 128 rows) x 64 NB tokens; grid (token blocks, row blocks,
 //    K splits), token blocks fastest so that CTAs decoding the same weight run together. Split-K
 //    partials go to the float32 workspace and splitk_reduce_kernel (split order: deterministic).
@@ -182,11 +183,12 @@ __global__ void __launch_bounds__(kWgmmaThreads, wgmma_ctas_per_sm(NB)) wgmma_ge
   constexpr int kDepth = NB == 1 ? kGemvDepth : 2;
   constexpr int kStageBytes = wgmma_stage_bytes(NB);
   extern __shared__ float4 smem_f4[];
-  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_f4));
-  const uint32_t pad = (1024u - (raw & 1023u)) & 1023u;  // stages start on a swizzle atom
-  char* stages = reinterpret_cast<char*>(smem_f4) + pad;
-  const uint32_t stages_addr = raw + pad;
-  char* table = stages + kWgmmaStages * kStageBytes;
+  constexpr int kStages = wgmma_stages(NB);
+  char* table = reinterpret_cast<char*>(smem_f4);
+  char* stages = table + kGemvTableBytes + kGemvScaleBytes;
+  const uint32_t stages_addr = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
+  // Dynamic shared memory starts after the reserved 1 KB (no static shared memory here).
+  if (stages_addr & 1023u) __trap();  // the swizzle atoms need 1 KB alignment
   allow_dependent_launch();
 
   const int k_tiles = static_cast<int>((p.k + kTileK - 1) / kTileK), n_tiles = static_cast<int>((p.n + kTileN - 1) / kTileN);
@@ -212,18 +214,16 @@ __global__ void __launch_bounds__(kWgmmaThreads, wgmma_ctas_per_sm(NB)) wgmma_ge
   const char* x_src = p.x_perm + (static_cast<int64_t>(blockIdx.x) * k_tiles + kt0) * kStageBytes + 16 * threadIdx.x;
   char* x_dst = stages + 16 * threadIdx.x;
   auto load_stage = [&](int s) {
-    char* dst = x_dst + (s % kWgmmaStages) * kStageBytes;
+    char* dst = x_dst + (s % kStages) * kStageBytes;
     const char* src = x_src + static_cast<int64_t>(s) * kStageBytes;
 #pragma unroll
     for (int i = 0; i < kStageBytes / (16 * kWgmmaThreads); ++i)
       cp_async16(dst + i * 16 * kWgmmaThreads, src + i * 16 * kWgmmaThreads, 16);
   };
   wait_for_primary_grid();  // x_perm is written by wgmma_x_kernel
-#pragma unroll
-  for (int s = 0; s < kWgmmaStages - 1; ++s) {
-    if (s < steps) load_stage(s);
-    cp_async_commit();
-  }
+  // Stage s is copied during K tile s - 1 (into slot s % kStages).
+  if (steps > 0) load_stage(0);
+  cp_async_commit();
 
   const uint32_t lane_word = table_lane_word<BITS, false>(lane, 0);
   float acc[NB][32];
@@ -235,8 +235,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, wgmma_ctas_per_sm(NB)) wgmma_ge
   // Software pipeline over chunks, across K tiles: chunk q + 2 is decoded (into the fourth of
   // four A fragment buffers) while the wgmma groups of chunks q and q + 1 may run, so its table
   // loads have two chunks' time to land; the wait before it retires chunk q - 2, whose buffer it
-  // takes. A K tile ends with every group retired, so that the barrier of the next frees its
-  // stage for the refill.
+  // takes.
   TileIndex<BITS> ti;
   uint32_t a[4][4];
   __syncthreads();  // the table is built: the first chunks are decoded before the loop's barrier
@@ -250,13 +249,13 @@ __global__ void __launch_bounds__(kWgmmaThreads, wgmma_ctas_per_sm(NB)) wgmma_ge
     for (int d = 0; d < kDepth; ++d) {
       const int s = i + d;
       if (s >= steps) break;
-      cp_async_wait<kWgmmaStages - 2>();
+      cp_async_wait<0>();
       fence_proxy_async();
-      __syncthreads();  // stage s landed for everyone; stage s - 1 is free
-      if (s + kWgmmaStages - 1 < steps) load_stage(s + kWgmmaStages - 1);
+      __syncthreads();  // stage s landed for everyone; the slot of stage s + 1 is free
+      if (s + 1 < steps) load_stage(s + 1);
       cp_async_commit();
       advance_load(buf[(d + kDepth - 1) % kDepth]);
-      const uint64_t stage_desc = sw128_desc(stages_addr + (s % kWgmmaStages) * kStageBytes);
+      const uint64_t stage_desc = sw128_desc(stages_addr + (s % kStages) * kStageBytes);
 #pragma unroll
       for (int c = 0; c < 8; ++c) {
         static_assert(8 * kDepth % 4 == 0, "the buffer rotation restarts with each unrolled pass");
@@ -270,9 +269,12 @@ __global__ void __launch_bounds__(kWgmmaThreads, wgmma_ctas_per_sm(NB)) wgmma_ge
           decode_chunk<BITS, T, false>(ti, c - 6, table, lane_word, a[(q + 2) % 4]);
         }
       }
-      wgmma_wait<0>();
+      // With 2 stages the next barrier frees this one for the refill: retire its groups. With 3
+      // the refill goes to the stage of 2 K tiles back, whose groups the chunk waits retired.
+      if (kStages == 2) wgmma_wait<0>();
     }
   }
+  wgmma_wait<0>();
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) pin(acc[nb]);
 
