@@ -150,20 +150,23 @@ constexpr int gemm_smem_bytes(int bits, int nt) {
 }
 // ---- wgmma GEMM geometry (sm_90a, wgmma_kernel.cuh) ----
 // A CTA is 2 warpgroups: 8 warps, one 16-row tile each (128 rows), and NB sub-blocks of 64
-// tokens (the wgmma N); x comes in shared-memory stages of NB x 16 KB (2 swizzle atoms of
-// 64 K x 64 NB tokens per K tile), 3 deep for NB = 1, else 2 (measured: 3 stages were 2-3%
-// faster at NB = 1 and 4-7% slower at NB = 2, where they fit too).
+// tokens (the wgmma N). x comes in parts of a K tile through shared-memory slots: NB = 1 in
+// whole K tiles (2 swizzle atoms, 16 KB) and 3 slots; NB >= 2 in half K tiles (one atom,
+// NB x 8 KB) and 4 slots. Measured (H100, k = 4): halves were 4-9% faster at M = 256-512 and
+// 5% slower at M = 32-64 (twice the barriers on short K tiles).
 constexpr int kWgmmaThreads = 256;
 constexpr int kWgmmaTiles = kWgmmaThreads / 32;
 constexpr int kWgmmaRows = kWgmmaTiles * kTileN;
 constexpr int kWgmmaTokens = 64;
 constexpr int wgmma_nb(int64_t m) { return m <= 64 ? 1 : m <= 128 ? 2 : 4; }
-constexpr int wgmma_stages(int nb) { return nb == 1 ? 3 : 2; }
-constexpr int wgmma_stage_bytes(int nb) { return nb * kWgmmaTokens * kTileK * 2; }
-// The pair table and scale pairs (65 KB: the stages after them stay on 1 KB swizzle atoms),
-// then the stages. NB = 1: exactly half an H100 SM's shared memory with the reserved 1 KB.
+constexpr int wgmma_parts(int nb) { return nb == 1 ? 1 : 2; }  // x parts per K tile
+constexpr int wgmma_slots(int nb) { return nb == 1 ? 3 : 4; }
+constexpr int wgmma_atom_bytes(int nb) { return nb * kWgmmaTokens * 128; }  // 64 K of every token
+constexpr int wgmma_stage_bytes(int nb) { return 2 * wgmma_atom_bytes(nb); }  // x_perm per K tile
+// The pair table and scale pairs (65 KB: the slots after them stay on 1 KB swizzle atoms),
+// then the slots.
 constexpr int wgmma_smem_bytes(int nb) {
-  return kGemvTableBytes + kGemvScaleBytes + wgmma_stages(nb) * wgmma_stage_bytes(nb);
+  return kGemvTableBytes + kGemvScaleBytes + wgmma_slots(nb) * wgmma_stage_bytes(nb) / wgmma_parts(nb);
 }
 constexpr int wgmma_ctas_per_sm(int nb) { return nb == 1 ? 2 : 1; }
 constexpr int kGroupedNt = 4;  // grouped mode: an expert's rows in chunks of up to 32 (4 mma token tiles)

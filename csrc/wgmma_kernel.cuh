@@ -12,8 +12,9 @@
 //    call into x_perm (the head of the workspace), byte for byte the shared-memory stage of each
 //    (token block, K tile): 2 atoms (chunks 0-3, 4-7) of 64 NB token rows x 128 bytes, 16-byte
 //    unit u of row r at u ^ (r % 8) (the 128-byte swizzle; K-major B, no transpose). The GEMM
-//    copies each stage with 16-byte cp.async during the K tile before it, into 3 slots (2 for
-//    NB >= 2, which then retire their wgmma groups at the end of each K tile).
+//    copies x with 16-byte cp.async one K tile ahead, in whole K tiles (NB = 1, 3 slots) or
+//    half K tiles (one atom, 4 slots), so that a slot is refilled only after its wgmma groups
+//    retired without a drain at the end of a K tile.
 //  * CTA: 2 warpgroups (8 row tiles, 128 rows) x 64 NB tokens; grid (token blocks, row blocks,
 //    K splits), token blocks fastest so that CTAs decoding the same weight run together. Split-K
 //    partials go to the float32 workspace and splitk_reduce_kernel (split order: deterministic).
@@ -162,16 +163,17 @@ __global__ void __launch_bounds__(256) wgmma_x_kernel(const T* x, int64_t m, int
 
 // ---- the GEMM ----
 
-// The NB wgmma of chunk c against `stage` (descriptor of its first atom): token sub-block nb is
-// 64 rows (8 KB) further on, chunks 4-7 one atom further, and each chunk 32 bytes along the row.
+// The NB wgmma of chunk c of an x part (descriptor of its first atom): chunks 4-7 of a whole K
+// tile are one atom further on, token sub-block nb 64 rows (8 KB), each chunk 32 bytes along
+// the row.
 template <typename T, int NB>
-__device__ __forceinline__ void wgmma_chunk(float (&acc)[NB][32], uint32_t (&a)[4], uint64_t stage_desc, int c) {
-  constexpr int kAtomBytes = NB * kWgmmaTokens * 128;
+__device__ __forceinline__ void wgmma_chunk(float (&acc)[NB][32], uint32_t (&a)[4], uint64_t part_desc, int c) {
   pin(a);
   wgmma_fence();
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb)
-    wgmma_m64n64k16<T>(acc[nb], a, stage_desc + (((c >> 2) * kAtomBytes + nb * kWgmmaTokens * 128 + (c & 3) * 32) >> 4));
+    wgmma_m64n64k16<T>(acc[nb],
+                       a, part_desc + (((c >> 2) * wgmma_atom_bytes(NB) + nb * kWgmmaTokens * 128 + (c & 3) * 32) >> 4));
   wgmma_commit();
 }
 
@@ -181,14 +183,14 @@ __global__ void __launch_bounds__(kWgmmaThreads, wgmma_ctas_per_sm(NB)) wgmma_ge
   // Plane loads kDepth - 1 K tiles ahead: the GEMV's depth where a K tile is short (64 tokens),
   // 2 for larger token blocks (half the unrolled code).
   constexpr int kDepth = NB == 1 ? kGemvDepth : 2;
-  constexpr int kStageBytes = wgmma_stage_bytes(NB);
+  constexpr int kParts = wgmma_parts(NB), kSlots = wgmma_slots(NB);
+  constexpr int kPartBytes = wgmma_stage_bytes(NB) / kParts, kPartChunks = 8 / kParts;
   extern __shared__ float4 smem_f4[];
-  constexpr int kStages = wgmma_stages(NB);
   char* table = reinterpret_cast<char*>(smem_f4);
-  char* stages = table + kGemvTableBytes + kGemvScaleBytes;
-  const uint32_t stages_addr = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
+  char* slots = table + kGemvTableBytes + kGemvScaleBytes;
+  const uint32_t slots_addr = static_cast<uint32_t>(__cvta_generic_to_shared(slots));
   // Dynamic shared memory starts after the reserved 1 KB (no static shared memory here).
-  if (stages_addr & 1023u) __trap();  // the swizzle atoms need 1 KB alignment
+  if (slots_addr & 1023u) __trap();  // the swizzle atoms need 1 KB alignment
   allow_dependent_launch();
 
   const int k_tiles = static_cast<int>((p.k + kTileK - 1) / kTileK), n_tiles = static_cast<int>((p.n + kTileN - 1) / kTileN);
@@ -210,20 +212,27 @@ __global__ void __launch_bounds__(kWgmmaThreads, wgmma_ctas_per_sm(NB)) wgmma_ge
   for (int d = 0; d < kDepth - 1; ++d) advance_load(buf[d]);
   build_table<BITS, T>(table, codebook_lane<BITS>(p.codebook, lane));
 
-  // This thread's 16-byte units of a stage: threadIdx.x + i * kWgmmaThreads.
-  const char* x_src = p.x_perm + (static_cast<int64_t>(blockIdx.x) * k_tiles + kt0) * kStageBytes + 16 * threadIdx.x;
-  char* x_dst = stages + 16 * threadIdx.x;
-  auto load_stage = [&](int s) {
-    char* dst = x_dst + (s % kStages) * kStageBytes;
-    const char* src = x_src + static_cast<int64_t>(s) * kStageBytes;
+  // x parts (consecutive in x_perm), copied one K tile ahead: part j goes to the slot of part
+  // j + kParts - kSlots (2 parts back), whose wgmma groups have retired (at most 2 chunk groups
+  // are ever pending), so no K tile waits for its wgmma to drain. This thread's 16-byte units
+  // are threadIdx.x + i * kWgmmaThreads.
+  const int parts = kParts * steps;
+  const char* x_src = p.x_perm + (static_cast<int64_t>(blockIdx.x) * k_tiles + kt0) * wgmma_stage_bytes(NB) +
+                      16 * threadIdx.x;
+  char* x_dst = slots + 16 * threadIdx.x;
+  auto load_part = [&](int j) {
+    if (j < parts) {
+      char* dst = x_dst + (j % kSlots) * kPartBytes;
+      const char* src = x_src + static_cast<int64_t>(j) * kPartBytes;
 #pragma unroll
-    for (int i = 0; i < kStageBytes / (16 * kWgmmaThreads); ++i)
-      cp_async16(dst + i * 16 * kWgmmaThreads, src + i * 16 * kWgmmaThreads, 16);
+      for (int i = 0; i < kPartBytes / (16 * kWgmmaThreads); ++i)
+        cp_async16(dst + i * 16 * kWgmmaThreads, src + i * 16 * kWgmmaThreads, 16);
+    }
+    cp_async_commit();
   };
   wait_for_primary_grid();  // x_perm is written by wgmma_x_kernel
-  // Stage s is copied during K tile s - 1 (into slot s % kStages).
-  if (steps > 0) load_stage(0);
-  cp_async_commit();
+#pragma unroll
+  for (int j = 0; j < kParts; ++j) load_part(j);
 
   const uint32_t lane_word = table_lane_word<BITS, false>(lane, 0);
   float acc[NB][32];
@@ -249,18 +258,19 @@ __global__ void __launch_bounds__(kWgmmaThreads, wgmma_ctas_per_sm(NB)) wgmma_ge
     for (int d = 0; d < kDepth; ++d) {
       const int s = i + d;
       if (s >= steps) break;
-      cp_async_wait<0>();
-      fence_proxy_async();
-      __syncthreads();  // stage s landed for everyone; the slot of stage s + 1 is free
-      if (s + 1 < steps) load_stage(s + 1);
-      cp_async_commit();
       advance_load(buf[(d + kDepth - 1) % kDepth]);
-      const uint64_t stage_desc = sw128_desc(stages_addr + (s % kStages) * kStageBytes);
 #pragma unroll
       for (int c = 0; c < 8; ++c) {
         static_assert(8 * kDepth % 4 == 0, "the buffer rotation restarts with each unrolled pass");
         const int q = 8 * d + c;  // chunk q of this pass uses buffer q % 4
-        wgmma_chunk<T, NB>(acc, a[q % 4], stage_desc, c);
+        const int j = kParts * s + c / kPartChunks;  // the x part of chunk c
+        if (c % kPartChunks == 0) {
+          cp_async_wait<kParts - 1>();
+          fence_proxy_async();
+          __syncthreads();  // part j landed for everyone
+          load_part(j + kParts);
+        }
+        wgmma_chunk<T, NB>(acc, a[q % 4], sw128_desc(slots_addr + (j % kSlots) * kPartBytes), c % kPartChunks);
         wgmma_wait<2>();
         if (c < 6) {
           decode_chunk<BITS, T, false>(ti, c + 2, table, lane_word, a[(q + 2) % 4]);
@@ -269,9 +279,6 @@ __global__ void __launch_bounds__(kWgmmaThreads, wgmma_ctas_per_sm(NB)) wgmma_ge
           decode_chunk<BITS, T, false>(ti, c - 6, table, lane_word, a[(q + 2) % 4]);
         }
       }
-      // With 2 stages the next barrier frees this one for the refill: retire its groups. With 3
-      // the refill goes to the stage of 2 K tiles back, whose groups the chunk waits retired.
-      if (kStages == 2) wgmma_wait<0>();
     }
   }
   wgmma_wait<0>();
