@@ -38,17 +38,20 @@ _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 # The GEMV kernel's own limit on M.
 GEMV_MAX_M = int(_LIB.kbit_gemv_max_m())
 
-# Measured crossovers (H100, cold L2, benchmarks/results/h100_paths.md from
+# Measured crossovers (H100, cold L2, benchmarks/results/h100_paths*.md from
 # `scripts/bench_kernels.py --paths`), per bits: the GEMV serves M <= GEMV, the GEMM
 # GEMV < M <= GEMM, dequantize + cuBLAS the rest. The GEMM is bound by its decode and tensor
 # work, paid once per weight and token block, so it wins longer on large weights, where
-# dequantize + cuBLAS pays for writing and reading the whole dequantized weight. Two GEMM
-# kernels, two tables: the wgmma GEMM (sm_90) and the mma.sync GEMM (every other GPU; on the
-# H100 with HF_KBIT_GEMM_KERNEL=mma, where its crossovers were measured).
-_LARGE_WEIGHT = 16 * 2**20  # elements (N * K)
-_CROSSOVERS = {  # bits: (GEMV, GEMM on a large weight, GEMM on a small one)
-    "wgmma": {bits: (16, 512, 128) for bits in fmt.SUPPORTED_BITS},
-    "mma": {bits: (16, 128, 32) for bits in fmt.SUPPORTED_BITS},
+# dequantize + cuBLAS pays for writing and reading the whole dequantized weight; on tiny ones
+# (2048x512) dequantize + cuBLAS, a few microseconds, wins from M = 32 against the wgmma GEMM's
+# two launches. Two GEMM kernels, two tables: the wgmma GEMM (sm_90) and the mma.sync GEMM
+# (every other GPU; on the H100 with HF_KBIT_GEMM_KERNEL=mma, where its crossovers were
+# measured, on no tiny weight).
+_LARGE_WEIGHT = 16 * 2**20  # elements (N * K): 4096x14336, 4096x6144 measured large, 2048x5120 small
+_TINY_WEIGHT = 2 * 2**20  # 2048x512 measured tiny, 2048x4096 small
+_CROSSOVERS = {  # bits: (GEMV, GEMM on a large weight, on a small one, on a tiny one)
+    "wgmma": {bits: (16, 512, 128, 16) for bits in fmt.SUPPORTED_BITS},
+    "mma": {bits: (16, 128, 32, 32) for bits in fmt.SUPPORTED_BITS},
 }
 
 PATHS = ("gemv", "gemm", "dequant")
@@ -57,10 +60,11 @@ PATHS = ("gemv", "gemm", "dequant")
 def mm_path(m: int, n: int, k: int, bits: int, device: int) -> str:
     """The kernel path ``kbit::mm`` takes for ``x [m, k]`` (bf16/fp16) and a ``[n, k]`` weight
     on CUDA device index ``device``."""
-    gemv_max, gemm_large, gemm_small = _CROSSOVERS[_gemm_kernel(device)][bits]
+    gemv_max, gemm_large, gemm_small, gemm_tiny = _CROSSOVERS[_gemm_kernel(device)][bits]
     if m <= min(gemv_max, GEMV_MAX_M):
         return "gemv"
-    gemm_max = gemm_large if n * k >= _LARGE_WEIGHT else gemm_small
+    weight = n * k
+    gemm_max = gemm_large if weight >= _LARGE_WEIGHT else gemm_small if weight >= _TINY_WEIGHT else gemm_tiny
     if m <= gemm_max and _gemm_workspace(device, m, n, k, bits) >= 0:
         return "gemm"
     return "dequant"
