@@ -185,6 +185,8 @@ __global__ void __launch_bounds__(kWgmmaThreads, wgmma_ctas_per_sm(NB)) wgmma_ge
   constexpr int kDepth = NB == 1 ? kGemvDepth : 2;
   constexpr int kParts = wgmma_parts(NB), kSlots = wgmma_slots(NB);
   constexpr int kPartBytes = wgmma_stage_bytes(NB) / kParts, kPartChunks = 8 / kParts;
+  static_assert(kPartBytes % (16 * kWgmmaThreads) == 0, "every thread copies the same number of 16-byte units");
+  static_assert(kSlots - kParts == 2, "a slot is refilled 2 parts after its use: the chunk waits leave 2 pending");
   extern __shared__ float4 smem_f4[];
   char* table = reinterpret_cast<char*>(smem_f4);
   char* slots = table + kGemvTableBytes + kGemvScaleBytes;
