@@ -219,6 +219,8 @@ def bench_markdown(p: dict[str, Any]) -> str:
                       f"{head} Replay check (sequences whose last replayed token equals the uncaptured compiled "
                       f"steps'): {matches}. Random-weight logits are nearly flat, so a rounding difference under "
                       "capture most likely flips a near-tie, and the chain carries it on."]
+    lines += ["", "Prefill: one eager forward over the prompts (not compiled, no cache), host dispatch included; "
+                  "at batch 1 it follows the host's speed more than the kernels'."]
     unq = {r["unquantized_expert_params"] for r in p["results"] if r["bits"]}
     if unq - {None, 0}:
         lines += ["", f"Note: {max(unq - {None})} expert weights stayed bf16 (experts not converted by this build)."]
