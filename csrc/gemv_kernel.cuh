@@ -434,11 +434,14 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
   };
   load_row_scales(first_tile);
 
-  // One round trip for the prologue: the codebook load flies with the staging's x loads.
-  const float levels = codebook_lane<BITS>(p.codebook, lane);
+  // Everything above reads only the weight and its codebook, never written by a kernel that
+  // may still be running before this one (a programmatic dependent launch, KBIT_PDL): so
+  // the plane loads, row scales and table build overlap the previous kernel's tail, and x is
+  // read after it has completed.
+  build_table<BITS, T>(table, codebook_lane<BITS>(p.codebook, lane));
+  wait_for_primary_grid();
   stage_x<BITS, T>(static_cast<const T*>(p.x), p.k, m, [](int tok) { return static_cast<int64_t>(tok); }, xs, kc0,
                    kc1);
-  build_table<BITS, T>(table, levels);
   __syncthreads();
   if (p.cluster) cluster_arrive_relaxed();  // this CTA has started (waited for before the first remote store)
   else if (items == 0) return;
@@ -558,13 +561,10 @@ cudaError_t launch_gemv_table(const MmParams& p, int grid, cudaStream_t stream) 
   const int smem = gemv_smem_bytes(static_cast<int>(p.m), p.chunk_kt, kAbs, p.cluster ? p.splits : 0);
   cudaError_t err = raise_smem_limit<gemv_kernel<BITS, T, NT, kAbs>>(smem);
   if (err != cudaSuccess) return err;
-  if (p.cluster) {
-    const ClusterLaunch launch(grid, kGemvThreads, smem, stream, p.splits);
-    return cudaLaunchKernelEx(&launch.config, gemv_kernel<BITS, T, NT, kAbs>, p);
-  }
-  gemv_kernel<BITS, T, NT, kAbs><<<grid, kGemvThreads, smem, stream>>>(p);
-  err = cudaGetLastError();
-  if (err != cudaSuccess || p.splits == 1) return err;
+  const bool pdl = KBIT_PDL && device_has_pdl();
+  const KernelLaunch launch(grid, kGemvThreads, smem, stream, p.cluster ? p.splits : 1, pdl);
+  err = cudaLaunchKernelEx(&launch.config, gemv_kernel<BITS, T, NT, kAbs>, p);
+  if (err != cudaSuccess || p.splits == 1 || p.cluster) return err;
   return launch_splitk_reduce<T>(p.workspace, p.out, p.m * p.n, p.splits, stream);
 }
 

@@ -28,7 +28,12 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) grouped_gemv_ker
   int64_t* unit_rows = reinterpret_cast<int64_t*>(red + kGemvWarps * kMaxTok * kTileN);  // [kMaxTok]: x/out rows
   int* chunk_start = reinterpret_cast<int*>(unit_rows + kMaxTok);  // [E + 1], grouped mode
 
+  allow_dependent_launch();
+  // The table reads only the codebook, never written by a kernel that may still be running
+  // before this one (a programmatic dependent launch, KBIT_PDL); the routing and x are
+  // read after it has completed.
   build_table<BITS, T>(table, codebook_lane<BITS>(p.codebook, threadIdx.x & 31));
+  wait_for_primary_grid();
 
   const bool grouped = p.order != nullptr;
   const int num_experts = static_cast<int>(p.e);
@@ -161,8 +166,8 @@ cudaError_t launch_grouped_gemv(const GroupedParams& p, int grid, cudaStream_t s
   const int smem = grouped_smem_bytes(NT, p.sub_kt, p.order ? p.e : 0);
   const cudaError_t err = raise_smem_limit<grouped_gemv_kernel<BITS, T, NT>>(smem);
   if (err != cudaSuccess) return err;
-  grouped_gemv_kernel<BITS, T, NT><<<grid, kGemvThreads, smem, stream>>>(p);
-  return cudaGetLastError();
+  const KernelLaunch launch(grid, kGemvThreads, smem, stream, 1, KBIT_PDL && device_has_pdl());
+  return cudaLaunchKernelEx(&launch.config, grouped_gemv_kernel<BITS, T, NT>, p);
 }
 
 }  // namespace kbit

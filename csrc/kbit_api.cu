@@ -163,7 +163,7 @@ ClusterCtas cluster_ctas(int device) {
         cudaFuncSetAttribute(cluster_probe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, lim.per_block) ==
             cudaSuccess) {
       for (int size = 2; size <= kGemvClusterMax; ++size) {
-        const ClusterLaunch launch(size, kGemvThreads, lim.per_block, nullptr, size);
+        const KernelLaunch launch(size, kGemvThreads, lim.per_block, nullptr, size);
         int clusters = 0;
         if (cudaOccupancyMaxActiveClusters(&clusters, cluster_probe_kernel, &launch.config) == cudaSuccess)
           r.ctas[size] = clusters * size;

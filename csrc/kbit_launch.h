@@ -8,25 +8,34 @@
 
 namespace kbit {
 
-// A launch of `grid` CTAs of `block` threads in clusters of `cluster` CTAs along x, for
-// cudaLaunchKernelEx and cudaOccupancyMaxActiveClusters (config points at attr: not copyable).
-struct ClusterLaunch {
-  cudaLaunchAttribute attr{};
+// A launch of `grid` CTAs of `block` threads for cudaLaunchKernelEx (config points at attrs:
+// not copyable): in clusters of `cluster` CTAs along x where cluster > 1 (also the query of
+// cudaOccupancyMaxActiveClusters), and as a programmatic dependent launch of the stream's
+// previous kernel where `pdl`.
+struct KernelLaunch {
+  cudaLaunchAttribute attrs[2]{};
   cudaLaunchConfig_t config{};
-  ClusterLaunch(int grid, int block, int smem, cudaStream_t stream, int cluster) {
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = static_cast<unsigned>(cluster);
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
+  KernelLaunch(int grid, int block, int smem, cudaStream_t stream, int cluster, bool pdl = false) {
     config.gridDim = dim3(static_cast<unsigned>(grid));
     config.blockDim = dim3(static_cast<unsigned>(block));
     config.dynamicSmemBytes = static_cast<size_t>(smem);
     config.stream = stream;
-    config.attrs = &attr;
-    config.numAttrs = 1;
+    config.attrs = attrs;
+    if (cluster > 1) {
+      cudaLaunchAttribute& a = attrs[config.numAttrs++];
+      a.id = cudaLaunchAttributeClusterDimension;
+      a.val.clusterDim.x = static_cast<unsigned>(cluster);
+      a.val.clusterDim.y = 1;
+      a.val.clusterDim.z = 1;
+    }
+    if (pdl) {
+      cudaLaunchAttribute& a = attrs[config.numAttrs++];
+      a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      a.val.programmaticStreamSerializationAllowed = 1;
+    }
   }
-  ClusterLaunch(const ClusterLaunch&) = delete;
-  ClusterLaunch& operator=(const ClusterLaunch&) = delete;
+  KernelLaunch(const KernelLaunch&) = delete;
+  KernelLaunch& operator=(const KernelLaunch&) = delete;
 };
 
 template <typename T, int BITS>

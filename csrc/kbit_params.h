@@ -100,6 +100,9 @@ constexpr int kMaxDevices = 64;  // per-device host caches (launch plans, raised
 #ifndef KBIT_GEMV_DEPTH
 #define KBIT_GEMV_DEPTH 3
 #endif
+#ifndef KBIT_PDL  // 0: the GEMVs and the wgmma GEMM's x rewrite launch as ordinary kernels (A/B of the overlap)
+#define KBIT_PDL 1
+#endif
 constexpr int kGemvThreads = KBIT_GEMV_THREADS;
 constexpr int kGemvWarps = kGemvThreads / 32;
 constexpr int kGemvMaxM = 16;              // two mma token tiles; beyond this the weight is dequantized for cuBLAS

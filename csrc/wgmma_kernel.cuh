@@ -20,8 +20,9 @@
 //    partials go to the float32 workspace and splitk_reduce_kernel (split order: deterministic).
 //  * The GEMM is a programmatic dependent launch of wgmma_x_kernel: its prologue (first plane
 //    loads, pair table) overlaps the rewrite, and griddepcontrol.wait precedes the first x_perm
-//    read. Everything it reads before that wait was written before wgmma_x_kernel started,
-//    which is an ordinary launch.
+//    read. Before that wait it reads only the packed weight and codebook, which no kernel
+//    writes. wgmma_x_kernel is itself a programmatic dependent launch of the stream's previous
+//    kernel (KBIT_PDL) and waits for it before reading x.
 #pragma once
 
 #include "gemm_kernel.cuh"
@@ -144,6 +145,7 @@ template <int BITS, typename T>
 __global__ void __launch_bounds__(256) wgmma_x_kernel(const T* x, int64_t m, int64_t k, int k_tiles, int nb,
                                                       int64_t tokens_padded, char* x_perm) {
   allow_dependent_launch();
+  wait_for_primary_grid();  // a programmatic dependent launch (KBIT_PDL): x may be the previous kernel's output
   const int block_tokens = nb * kWgmmaTokens;
   const bool vec_ok = (k % 8 == 0) && (reinterpret_cast<uintptr_t>(x) % 16 == 0);
   const int64_t total = tokens_padded * k_tiles * 4;
@@ -325,9 +327,9 @@ cudaError_t launch_wgmma_gemm(const MmParams& p, dim3 grid, cudaStream_t stream)
   const int64_t tokens_padded = static_cast<int64_t>(grid.x) * NB * kWgmmaTokens;
   const int64_t threads = tokens_padded * k_tiles * 4;
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((threads + 255) / 256, int64_t{1} << 20));
-  wgmma_x_kernel<BITS, T><<<blocks, 256, 0, stream>>>(static_cast<const T*>(p.x), p.m, p.k, k_tiles, NB, tokens_padded,
-                                                     p.x_perm);
-  cudaError_t err = cudaGetLastError();
+  const KernelLaunch x_launch(static_cast<int>(blocks), 256, 0, stream, 1, KBIT_PDL && device_has_pdl());
+  cudaError_t err = cudaLaunchKernelEx(&x_launch.config, wgmma_x_kernel<BITS, T>, static_cast<const T*>(p.x), p.m, p.k,
+                                       k_tiles, NB, tokens_padded, p.x_perm);
   if (err != cudaSuccess) return err;
 
   constexpr int kSmem = wgmma_smem_bytes(NB);

@@ -243,9 +243,27 @@ def _wall_us(fn, n: int = 2000, repeats: int = 5) -> float:
     return min(runs)
 
 
+def _kernel_us(fn, calls: int = 200) -> float:
+    """GPU time of one eager call: the summed durations of its kernels (CUPTI, through
+    torch.profiler) over ``calls`` eager calls. Not a CUDA graph of back-to-back calls: there each
+    kbit kernel, a programmatic dependent launch on sm_90, overlaps the previous call's tail,
+    which eager calls spaced by the host's launch time do not."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / calls
+
+
 def eager_overhead(bw) -> dict:
-    """Wall time per eager call minus its GPU time, on a small layer: KbitLinear.forward,
-    the torch.ops.kbit.mm op, and the CUDA backend function without the dispatcher."""
+    """Wall time per eager call minus its GPU time (the kernels' durations in eager calls), on a
+    small layer: KbitLinear.forward, the torch.ops.kbit.mm op, and the CUDA backend function
+    without the dispatcher."""
     import hf_kbit
     from hf_kbit.backends import cuda as backend
 
@@ -254,9 +272,13 @@ def eager_overhead(bw) -> dict:
     x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
     args = (x, layer.planes, layer.block_scales, layer.row_scales, layer.codebook, 1024)
     settle()
-    gpu_us = time_calls([lambda: layer(x)] * 50)
+    graph_us = time_calls([lambda: layer(x)] * 50)
     with torch.inference_mode():
+        gpu_us = _kernel_us(lambda: layer(x))
+        if not gpu_us > 0:
+            raise RuntimeError("torch.profiler recorded no kernel time for the eager calls")
         out = {"layer": "KbitLinear 1024x1024 k=4, M=1, bf16, inference_mode", "gpu_us": gpu_us,
+               "graph_us": graph_us,
                "wall_us": _wall_us(lambda: layer(x)),
                "op_wall_us": _wall_us(lambda: torch.ops.kbit.mm(*args)),
                "backend_wall_us": _wall_us(lambda: backend._mm_cuda(*args))}
@@ -275,7 +297,10 @@ def markdown(results, bits_list, meta) -> str:
              f"graph), CUDA-graph replays, median of 7; {SETTLE_S:g} s idle before each block of a shape's cells "
              "(ascending M) so that the power cap reached by the large-M cells does not lower the clocks of the next. "
              f"GEMM kernel: {meta.get('gemm_kernel', 'mma')}.", "",
-             "Cells: time in us, speed-up over bf16 (x), % of the HBM roofline for the kbit bytes.", ""]
+             "Cells: time in us, speed-up over bf16 (x), % of the HBM roofline for the kbit bytes. On sm_90 the "
+             "kbit GEMV and the wgmma GEMM's first kernel are programmatic dependent launches, so back to back "
+             "(as here) a call's prologue overlaps the previous call's tail; docs/kernels.md gives the gain with "
+             "another kernel in between, as in a model.", ""]
     head = "| shape (K x N) | M | bf16 us | int4pack us (x) | " + " | ".join(f"k={b}" for b in bits_list) + " |"
     lines += [head, "|" + "---|" * (4 + len(bits_list))]
     for r in results:
@@ -284,7 +309,10 @@ def markdown(results, bits_list, meta) -> str:
         lines.append(f"| {r['shape']} | {r['M']} | {r['bf16_us']:.1f} | {i4} | " + " | ".join(cells) + " |")
     ov = meta.get("eager_overhead")
     if ov:
-        lines += ["", f"Eager overhead ({ov['layer']}; wall: least of 5 runs of 2000 calls): wall {ov['wall_us']:.1f} us/call, GPU {ov['gpu_us']:.1f} us, "
+        lines += ["", f"Eager overhead ({ov['layer']}; wall: least of 5 runs of 2000 calls; GPU: kernel durations of "
+                  f"200 eager calls, CUPTI): wall {ov['wall_us']:.1f} us/call, GPU {ov['gpu_us']:.1f} us"
+                  + (f" ({ov['graph_us']:.1f} us per call in a CUDA graph of back-to-back calls)" if "graph_us" in ov else "")
+                  + ", "
                   f"overhead {ov['overhead_us']:.1f} us (wall of torch.ops.kbit.mm alone {ov['op_wall_us']:.1f} us, "
                   f"of the backend function without the dispatcher {ov['backend_wall_us']:.1f} us"
                   + (f", of the eager fast path KbitLinear.forward takes {ov['fast_wall_us']:.1f} us" if "fast_wall_us" in ov else "")
