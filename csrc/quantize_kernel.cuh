@@ -89,6 +89,10 @@ __global__ void __launch_bounds__(kQuantizeThreads) quantize_blocks_kernel(Quant
   for (int j = 0; j < BITS; ++j)
     p.planes[((tile * BITS + j) * kTileN + r) * kBlocksPerTile + q] = static_cast<int32_t>(planes[j]);
   p.block_scales[(tile * kTileN + r) * kBlocksPerTile + q] = static_cast<uint8_t>(code);
+  // The GEMVs and the wgmma GEMM read the packed weight before griddepcontrol.wait (they are
+  // programmatic dependent launches, which may start once this grid's blocks have exited):
+  // the stores are performed GPU-wide before this thread exits.
+  __threadfence();
 }
 
 template <typename T, int BITS>
