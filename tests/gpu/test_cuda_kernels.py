@@ -316,6 +316,28 @@ def test_cuda_graph_replay_equals_eager(m):
     assert not torch.equal(captured, eager)
 
 
+@pytest.mark.parametrize("m", [1, 16, 64], ids=lambda m: f"M{m}")
+def test_mm_right_after_the_kernels_that_write_its_operands(m):
+    """On sm_90 the GEMVs and the wgmma GEMM's x rewrite are programmatic dependent launches:
+    they read the packed weight before griddepcontrol.wait and x after it. Each round calls
+    kbit::mm straight after the GPU quantize that wrote its weight (into memory that held the
+    previous round's weight), then straight after the elementwise kernel that wrote its x."""
+    n, k = 2048, 4096  # GEMV at M <= 16, wgmma GEMM at M = 64 (mma.sync GEMM off sm_90)
+    cb = fmt.make_codebook(None, 4).to(DEVICE)
+    x0 = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+    for r in range(6):
+        w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16)
+        x1 = x0 * (r + 1)
+        planes, scales, rs = torch.ops.kbit.quantize(w, cb)
+        after_quantize = torch.ops.kbit.mm(x1, planes, scales, rs, cb, k)
+        x2 = x0 * -(r + 2)
+        after_x = torch.ops.kbit.mm(x2, planes, scales, rs, cb, k)
+        wq = torch.ops.kbit.dequantize(planes, scales, rs, cb, k, torch.float32).double()
+        assert rel_err(after_quantize, x1.double() @ wq.T) < MM_REL_TOL[torch.bfloat16], f"round {r}"
+        assert rel_err(after_x, x2.double() @ wq.T) < MM_REL_TOL[torch.bfloat16], f"round {r}"
+        del planes, scales, rs, wq
+
+
 def test_torch_compile_fullgraph_kbit_linear_model():
     torch.manual_seed(0)
     model = torch.nn.Sequential(
