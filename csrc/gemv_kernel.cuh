@@ -434,10 +434,10 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
   };
   load_row_scales(first_tile);
 
-  // Everything above reads only the weight and its codebook, never written by a kernel that
-  // may still be running before this one (a programmatic dependent launch, KBIT_PDL): so
-  // the plane loads, row scales and table build overlap the previous kernel's tail, and x is
-  // read after it has completed.
+  // A programmatic dependent launch (KBIT_PDL): everything above reads only the packed weight
+  // and its codebook, copied in or written by the quantize kernel, which fences its stores
+  // (quantize_kernel.cuh), so the plane loads, row scales and table build overlap the previous
+  // kernel's tail; x is read after that kernel has completed.
   build_table<BITS, T>(table, codebook_lane<BITS>(p.codebook, lane));
   wait_for_primary_grid();
   stage_x<BITS, T>(static_cast<const T*>(p.x), p.k, m, [](int tok) { return static_cast<int64_t>(tok); }, xs, kc0,

@@ -29,9 +29,8 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) grouped_gemv_ker
   int* chunk_start = reinterpret_cast<int*>(unit_rows + kMaxTok);  // [E + 1], grouped mode
 
   allow_dependent_launch();
-  // The table reads only the codebook, never written by a kernel that may still be running
-  // before this one (a programmatic dependent launch, KBIT_PDL); the routing and x are
-  // read after it has completed.
+  // A programmatic dependent launch (KBIT_PDL): the table build reads only the codebook and
+  // overlaps the previous kernel's tail; the routing and x are read after it has completed.
   build_table<BITS, T>(table, codebook_lane<BITS>(p.codebook, threadIdx.x & 31));
   wait_for_primary_grid();
 

@@ -20,9 +20,10 @@
 //    partials go to the float32 workspace and splitk_reduce_kernel (split order: deterministic).
 //  * The GEMM is a programmatic dependent launch of wgmma_x_kernel: its prologue (first plane
 //    loads, pair table) overlaps the rewrite, and griddepcontrol.wait precedes the first x_perm
-//    read. Before that wait it reads only the packed weight and codebook, which no kernel
-//    writes. wgmma_x_kernel is itself a programmatic dependent launch of the stream's previous
-//    kernel (KBIT_PDL) and waits for it before reading x.
+//    read. Before that wait it reads only the packed weight and codebook (copied in, or written
+//    by the quantize kernel, which fences its stores). wgmma_x_kernel is itself a programmatic
+//    dependent launch of the stream's previous kernel (KBIT_PDL) and waits for it before
+//    reading x.
 #pragma once
 
 #include "gemm_kernel.cuh"
