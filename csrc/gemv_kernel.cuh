@@ -544,16 +544,8 @@ __global__ void __launch_bounds__(256) splitk_reduce_kernel(const float* ws, T* 
 
 template <typename T>
 cudaError_t launch_splitk_reduce(const float* ws, void* out, int64_t mn, int splits, cudaStream_t stream) {
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>((mn + 255) / 256));
-  cfg.blockDim = dim3(256);
-  cfg.stream = stream;
-  cfg.attrs = &attr;
-  cfg.numAttrs = device_has_pdl() ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, splitk_reduce_kernel<T>, ws, static_cast<T*>(out), mn, splits);
+  const KernelLaunch launch(static_cast<unsigned>((mn + 255) / 256), 256, 0, stream, 1, device_has_pdl());
+  return cudaLaunchKernelEx(&launch.config, splitk_reduce_kernel<T>, ws, static_cast<T*>(out), mn, splits);
 }
 
 template <int BITS, typename T, int NT, bool kAbs>
@@ -561,8 +553,8 @@ cudaError_t launch_gemv_table(const MmParams& p, int grid, cudaStream_t stream) 
   const int smem = gemv_smem_bytes(static_cast<int>(p.m), p.chunk_kt, kAbs, p.cluster ? p.splits : 0);
   cudaError_t err = raise_smem_limit<gemv_kernel<BITS, T, NT, kAbs>>(smem);
   if (err != cudaSuccess) return err;
-  const bool pdl = KBIT_PDL && device_has_pdl();
-  const KernelLaunch launch(grid, kGemvThreads, smem, stream, p.cluster ? p.splits : 1, pdl);
+  const KernelLaunch launch(static_cast<unsigned>(grid), kGemvThreads, smem, stream, p.cluster ? p.splits : 1,
+                            use_pdl());
   err = cudaLaunchKernelEx(&launch.config, gemv_kernel<BITS, T, NT, kAbs>, p);
   if (err != cudaSuccess || p.splits == 1 || p.cluster) return err;
   return launch_splitk_reduce<T>(p.workspace, p.out, p.m * p.n, p.splits, stream);

@@ -165,7 +165,7 @@ cudaError_t launch_grouped_gemv(const GroupedParams& p, int grid, cudaStream_t s
   const int smem = grouped_smem_bytes(NT, p.sub_kt, p.order ? p.e : 0);
   const cudaError_t err = raise_smem_limit<grouped_gemv_kernel<BITS, T, NT>>(smem);
   if (err != cudaSuccess) return err;
-  const KernelLaunch launch(grid, kGemvThreads, smem, stream, 1, KBIT_PDL && device_has_pdl());
+  const KernelLaunch launch(static_cast<unsigned>(grid), kGemvThreads, smem, stream, 1, use_pdl());
   return cudaLaunchKernelEx(&launch.config, grouped_gemv_kernel<BITS, T, NT>, p);
 }
 

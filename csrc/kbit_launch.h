@@ -8,15 +8,15 @@
 
 namespace kbit {
 
-// A launch of `grid` CTAs of `block` threads for cudaLaunchKernelEx (config points at attrs:
+// A launch of a `grid` of CTAs of `block` threads for cudaLaunchKernelEx (config points at attrs:
 // not copyable): in clusters of `cluster` CTAs along x where cluster > 1 (also the query of
 // cudaOccupancyMaxActiveClusters), and as a programmatic dependent launch of the stream's
 // previous kernel where `pdl`.
 struct KernelLaunch {
   cudaLaunchAttribute attrs[2]{};
   cudaLaunchConfig_t config{};
-  KernelLaunch(int grid, int block, int smem, cudaStream_t stream, int cluster, bool pdl = false) {
-    config.gridDim = dim3(static_cast<unsigned>(grid));
+  KernelLaunch(dim3 grid, int block, int smem, cudaStream_t stream, int cluster, bool pdl = false) {
+    config.gridDim = grid;
     config.blockDim = dim3(static_cast<unsigned>(block));
     config.dynamicSmemBytes = static_cast<size_t>(smem);
     config.stream = stream;

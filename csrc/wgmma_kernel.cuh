@@ -328,7 +328,7 @@ cudaError_t launch_wgmma_gemm(const MmParams& p, dim3 grid, cudaStream_t stream)
   const int64_t tokens_padded = static_cast<int64_t>(grid.x) * NB * kWgmmaTokens;
   const int64_t threads = tokens_padded * k_tiles * 4;
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((threads + 255) / 256, int64_t{1} << 20));
-  const KernelLaunch x_launch(static_cast<int>(blocks), 256, 0, stream, 1, KBIT_PDL && device_has_pdl());
+  const KernelLaunch x_launch(blocks, 256, 0, stream, 1, use_pdl());
   cudaError_t err = cudaLaunchKernelEx(&x_launch.config, wgmma_x_kernel<BITS, T>, static_cast<const T*>(p.x), p.m, p.k,
                                        k_tiles, NB, tokens_padded, p.x_perm);
   if (err != cudaSuccess) return err;
@@ -336,17 +336,8 @@ cudaError_t launch_wgmma_gemm(const MmParams& p, dim3 grid, cudaStream_t stream)
   constexpr int kSmem = wgmma_smem_bytes(NB);
   err = raise_smem_limit<wgmma_gemm_kernel<BITS, T, NB>>(kSmem);
   if (err != cudaSuccess) return err;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(kWgmmaThreads);
-  cfg.dynamicSmemBytes = kSmem;
-  cfg.stream = stream;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  err = cudaLaunchKernelEx(&cfg, wgmma_gemm_kernel<BITS, T, NB>, p);
+  const KernelLaunch launch(grid, kWgmmaThreads, kSmem, stream, 1, true);  // sm_90 only: always PDL
+  err = cudaLaunchKernelEx(&launch.config, wgmma_gemm_kernel<BITS, T, NB>, p);
   if (err != cudaSuccess || p.splits == 1) return err;
   return launch_splitk_reduce<T>(p.workspace, p.out, p.m * p.n, p.splits, stream);
 }
