@@ -23,7 +23,10 @@
 // whole range, with no barrier after the staging. Split-K partials go to a float32 workspace
 // that a second kernel reduces in split order (deterministic), or, in plans where each warp has
 // at most one row tile, through distributed shared memory within a thread-block cluster of the
-// splits' CTAs (sm_90+), summed in the same order.
+// splits' CTAs (sm_90+), summed in the same order. Balanced plans (one split) give each CTA a
+// contiguous range of row tiles and its warps equal contiguous shares of that range's (row tile,
+// K tile) items, so no warp walks more than ceil(items / warps) K tiles: a row tile cut between
+// warps is summed in shared memory after the main loop, in warp order.
 #pragma once
 
 #include <type_traits>
@@ -399,18 +402,34 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
   const int n = static_cast<int>(p.n);
 
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
-  const int warps_per_split = static_cast<int>(gridDim.x / p.splits) * kGemvWarps;
-  const int first_tile = static_cast<int>(blockIdx.x / p.splits) * kGemvWarps + warp;
-  // A warp without a row tile still helps to build the table and stage x.
-  const int my_tiles =
-      first_tile < n_tiles && chunk > 0 ? (n_tiles - first_tile + warps_per_split - 1) / warps_per_split : 0;
-  const int items = my_tiles * chunk;
+  // This warp's items (row tile, K tile of the split), row tile by row tile: `items` of them from
+  // K tile kc0 + kt_start of first_tile, the next row tile `row_stride` further on.
+  int first_tile, items, kt_start = 0, row_stride;
+  // Balanced plans: the CTA's row tiles [r0, r0 + cta_items / chunk) and its warps' shares.
+  int r0 = 0, cta_items = 0;
+  const auto share_begin = [&](int w) { return w * cta_items / kGemvWarps; };
+  if (p.balanced) {
+    r0 = static_cast<int>(static_cast<int64_t>(blockIdx.x) * n_tiles / gridDim.x);
+    cta_items = (static_cast<int>(static_cast<int64_t>(blockIdx.x + 1) * n_tiles / gridDim.x) - r0) * chunk;
+    const int i0 = share_begin(warp);
+    first_tile = r0 + i0 / chunk;
+    kt_start = i0 % chunk;
+    items = share_begin(warp + 1) - i0;
+    row_stride = 1;
+  } else {
+    row_stride = static_cast<int>(gridDim.x / p.splits) * kGemvWarps;
+    first_tile = static_cast<int>(blockIdx.x / p.splits) * kGemvWarps + warp;
+    // A warp without a row tile still helps to build the table and stage x.
+    const int my_tiles =
+        first_tile < n_tiles && chunk > 0 ? (n_tiles - first_tile + row_stride - 1) / row_stride : 0;
+    items = my_tiles * chunk;
+  }
 
   // Load cursor (row tile, K tile) runs kDepth - 1 items ahead of the decode cursor. The first
   // loads (and the first row tile's scales, below) go out before the table build and the
   // staging, so their latency overlaps that prologue.
-  int load_tile_idx = first_tile * k_tiles + kc0, load_kt = kc0, load_i = 0;
-  const int row_jump = warps_per_split * k_tiles - chunk;  // from the end of a row tile's range to the next's start
+  int load_tile_idx = first_tile * k_tiles + kc0 + kt_start, load_kt = kc0 + kt_start, load_i = 0;
+  const int row_jump = row_stride * k_tiles - chunk;  // from the end of a row tile's range to the next's start
   TileWords<BITS> buf[kDepth];
   auto advance_load = [&](TileWords<BITS>& dst) {
     if (load_i < items) load_tile<BITS>(p.planes, p.block_scales, load_tile_idx, lane, dst);
@@ -444,7 +463,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
                    kc1);
   __syncthreads();
   if (p.cluster) cluster_arrive_relaxed();  // this CTA has started (waited for before the first remote store)
-  else if (items == 0) return;
+  else if (items == 0 && !p.balanced) return;  // balanced plans: every warp meets the epilogue's barriers
 
   // Byte 0 of the permute source: this lane's table copy (k = 5: replicated in every byte).
   const uint32_t lane_word = table_lane_word<BITS, kAbs>(lane, window_hi);
@@ -460,9 +479,45 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[a][nt][i] = 0.f;
 
-  float sent[NT][4];  // cluster plans: the scaled partials of this warp's (only) row tile
+  // Lane (g, t) holds rows g, g + 8 and tokens 8 nt + 2t, 8 nt + 2t + 1 of a row tile: element
+  // e of token tile nt is row g + 8 (e / 2), token 8 nt + 2t + e % 2.
+  const auto take_sums = [&](float (&y)[NT][4]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        y[nt][e] = acc[0][nt][e] + acc[1][nt][e];
+        acc[0][nt][e] = 0.f;
+        acc[1][nt][e] = 0.f;
+      }
+  };
+  const auto store = [&](int tile, const float (&y)[NT][4]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tok = nt * 8 + 2 * t + (e & 1);
+        const int row = tile * kTileN + g + 8 * (e >> 1);
+        if (tok < m && row < n) {
+          if (ws) ws[tok * n + row] = y[nt][e];
+          else out[tok * n + row] = from_float<T>(y[nt][e]);
+        }
+      }
+  };
+  const auto scale = [&](float (&y)[NT][4]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) y[nt][e] *= rs[e >> 1];
+  };
+
+  // Cluster plans: the scaled partials of this warp's (only) row tile. Balanced plans: the
+  // unscaled sums of the warp's first segment where it starts inside its row tile (`sent_head`).
+  float sent[NT][4];
+  bool sent_head = false;
+  bool from_start = kt_start == 0;  // the current segment began at the row tile's first K tile
   int rt = first_tile;
-  int kt_rel = 0;
+  int kt_rel = kt_start;
   for (int i = 0; i < items; i += kDepth) {
 #pragma unroll
     for (int d = 0; d < kDepth; ++d) {
@@ -470,27 +525,55 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
       advance_load(buf[(d + kDepth - 1) % kDepth]);
       mma_tile<BITS, T, NT, kAbs>(buf[d], xs2 + kt_rel * 8 * m * 4, m, g, t, table, lane_word, acc);
       if (++kt_rel == chunk) {
-        // Row tile done: lane (g, t) holds rows g, g + 8 and tokens 8 nt + 2t, 8 nt + 2t + 1.
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int tok = nt * 8 + 2 * t + (e & 1);
-            const int row = rt * kTileN + g + 8 * (e >> 1);
-            const float y = (acc[0][nt][e] + acc[1][nt][e]) * rs[e >> 1];
-            acc[0][nt][e] = 0.f;
-            acc[1][nt][e] = 0.f;
-            sent[nt][e] = y;
-            if (!p.cluster && tok < m && row < n) {
-              if (ws) ws[tok * n + row] = y;
-              else out[tok * n + row] = from_float<T>(y);
-            }
-          }
+        take_sums(sent);
+        if (from_start) {
+          scale(sent);
+          if (!p.cluster) store(rt, sent);
+        } else {
+          sent_head = true;
         }
+        from_start = true;
         kt_rel = 0;
-        rt += warps_per_split;
+        rt += row_stride;
         load_row_scales(rt);
       }
+    }
+  }
+  if (p.balanced) {
+    // A segment that stops inside its row tile: begun at the tile's first K tile, this warp owns
+    // the tile and adds the shares of the next warps that start inside it (their head segments),
+    // in warp order; begun inside, it is such a head itself. The table is free once every warp
+    // has left the main loop.
+    const bool owner = items > 0 && kt_rel != 0 && from_start;
+    if (items > 0 && kt_rel != 0 && !from_start) {
+      take_sums(sent);
+      sent_head = true;
+    }
+    float4* heads = reinterpret_cast<float4*>(table);  // [warp][nt][lane]
+    __syncthreads();
+    if (sent_head) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        heads[(warp * NT + nt) * 32 + lane] = make_float4(sent[nt][0], sent[nt][1], sent[nt][2], sent[nt][3]);
+    }
+    __syncthreads();
+    if (owner) {
+      float y[NT][4];
+      take_sums(y);
+      const int tile_end = (rt - r0 + 1) * chunk;
+      for (int w = warp + 1; w < kGemvWarps && share_begin(w) < tile_end; ++w) {
+        if (share_begin(w) == share_begin(w + 1)) continue;  // a warp without items
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const float4 h = heads[(w * NT + nt) * 32 + lane];
+          y[nt][0] += h.x;
+          y[nt][1] += h.y;
+          y[nt][2] += h.z;
+          y[nt][3] += h.w;
+        }
+      }
+      scale(y);
+      store(rt, y);
     }
   }
   if (p.cluster) {

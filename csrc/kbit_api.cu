@@ -18,7 +18,7 @@ namespace {
 
 using namespace kbit;
 
-constexpr int kAbiVersion = 5;
+constexpr int kAbiVersion = 6;
 
 thread_local char g_error[512] = "";
 
@@ -74,6 +74,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 struct GemvPlan {
   int splits, chunk_kt, grid;
   bool cluster;    // split-K through a thread-block cluster (MmParams::cluster)
+  bool balanced;   // one split, equal shares of each CTA's items per warp (MmParams::balanced)
   bool abs_table;  // the pair table at a fixed shared-window address (MmParams::abs_table)
 
   // Floats of split-K workspace the plan needs.
@@ -190,9 +191,24 @@ ClusterCtas cluster_ctas(int device) {
 // Measured on H100 (k = 4, Llama-3-8B and hidden-2048 shapes, M = 1 and 16): cluster plans
 // with up to ~1.4x the K tiles of the workspace plan won by 3-11% (4096x14336), those with
 // 1.5-2x lost by 5-11%, and one on 96 of 128 CTAs lost by 7-16% (14336x4096).
+// Where one CTA can stage the activations of all of K, the balanced plan (one split, every
+// CTA, each warp an equal share of its CTA's row tiles' K tiles, cut row tiles summed in shared
+// memory) is weighed against that choice in K tiles of the busiest warp, plus the x staging
+// (K tiles per KB a CTA stages), plus the reduce kernel of a workspace split-K plan; a cluster
+// plan's K tiles count 0.93 (bandwidth-bound large weights). Fitted to same-session A/B pairs
+// (H100, k = 4, M = 1-16; 4096x14336, 14336x4096, 4096x6144, 2048x5120, 5120x2048), all of which
+// it orders right, e.g. 4096x14336 M = 1 balanced 14.5 us vs cluster 15.1, M = 8 16.7 vs 16.2
+// (64 KB of x per CTA); 5120x2048 M = 4 7.9 vs workspace 8.3, M = 8 9.5 vs 8.3 (80 KB).
+// docs/kernels.md lists them.
 constexpr double kWorkspaceSplitCost = 1 / 0.95;  // per K tile, against 1 for a single split
 constexpr double kClusterSplitCost = 0.75;
 constexpr int kClusterMinCtaPercent = 85;
+constexpr double kStagingTilesPerKb = 0.046;
+constexpr double kReduceKernelTiles = 3.0;
+constexpr double kClusterTileCost = 0.93;
+#ifndef KBIT_GEMV_BALANCED  // build-time knob for A/B measurements: 0 turns balanced plans off
+#define KBIT_GEMV_BALANCED 1
+#endif
 
 GemvPlan plan_gemv(int64_t m, int64_t n, int64_t k, int sms, const GemvSmem& smem, const ClusterCtas& clusters) {
   const int64_t k_tiles = ceil_div(k, kTileK), n_tiles = ceil_div(n, kTileN);
@@ -225,7 +241,24 @@ GemvPlan plan_gemv(int64_t m, int64_t n, int64_t k, int sms, const GemvSmem& sme
   }
   if (best_cluster.splits != 0 && best_cluster_cost < best_cost - 1e-9 &&
       best_cluster.grid * 100 >= kClusterMinCtaPercent * best.grid)
-    return best_cluster;
+    best = best_cluster;
+  if (KBIT_GEMV_BALANCED && k_tiles <= max_chunk) {
+    const auto time = [&](double tiles, int64_t chunk) {
+      return tiles + kStagingTilesPerKb * static_cast<double>(chunk * x_tile) / 1024;
+    };
+    const int64_t per_split = best.grid / best.splits;
+    const double tiles = static_cast<double>(ceil_div(n_tiles, per_split * kGemvWarps) * best.chunk_kt);
+    const double chosen = best.cluster ? time(kClusterTileCost * tiles, best.chunk_kt)
+                                       : time(tiles, best.chunk_kt) + (best.splits > 1 ? kReduceKernelTiles : 0.0);
+    const int64_t grid = std::min(slots, n_tiles);
+    if (time(static_cast<double>(ceil_div(ceil_div(n_tiles, grid) * k_tiles, kGemvWarps)), k_tiles) < chosen - 1e-9) {
+      best = GemvPlan{};
+      best.splits = 1;
+      best.chunk_kt = static_cast<int>(k_tiles);
+      best.grid = static_cast<int>(grid);
+      best.balanced = true;
+    }
+  }
   return best;
 }
 
@@ -516,6 +549,7 @@ int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* bloc
   p = mm_params(dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, plan.splits, plan.chunk_kt);
   p.abs_table = plan.abs_table;
   p.cluster = plan.cluster;
+  p.balanced = plan.balanced;
   call->device = device;
   call->grid = plan.grid;
   return KBIT_OK;
@@ -554,8 +588,8 @@ int kbit_gemv(int device, void* stream, const void* x, int dtype, const int32_t*
   return gemv_launch(call, x, out, workspace, stream);
 }
 
-int kbit_gemv_plan(int device, int64_t m, int64_t n, int64_t k, int* splits, int* chunk_kt, int* grid, int* cluster) {
-  if (!splits || !chunk_kt || !grid || !cluster) return fail("splits, chunk_kt, grid and cluster must be host pointers");
+int kbit_gemv_plan(int device, int64_t m, int64_t n, int64_t k, int* splits, int* chunk_kt, int* grid, int* mode) {
+  if (!splits || !chunk_kt || !grid || !mode) return fail("splits, chunk_kt, grid and mode must be host pointers");
   if (m < 1 || m > kGemvMaxM || n < 1 || k < 1)
     return fail("need 1 <= m <= %d, n >= 1 and k >= 1, got m=%lld n=%lld k=%lld", kGemvMaxM,
                 static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k));
@@ -563,7 +597,7 @@ int kbit_gemv_plan(int device, int64_t m, int64_t n, int64_t k, int* splits, int
   *splits = plan.splits;
   *chunk_kt = plan.chunk_kt;
   *grid = plan.grid;
-  *cluster = plan.cluster ? 1 : 0;
+  *mode = plan.cluster ? 1 : plan.balanced ? 2 : 0;
   return KBIT_OK;
 }
 

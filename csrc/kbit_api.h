@@ -57,10 +57,11 @@ KBIT_API int kbit_gemm(int device, void* stream, const void* x, int dtype, const
                        int64_t m, int64_t n, int64_t k, void* out, float* workspace, int64_t workspace_size);
 
 /* The GEMV's launch plan for this problem on `device` (for tests and benchmarks): K splits,
- * K tiles per split, CTAs, and whether the splits sum through a thread-block cluster (1) or a
- * workspace and a second kernel (0). Returns KBIT_OK or an error code. */
+ * K tiles per split, CTAs, and its mode: 0 one split, or splits summed through a workspace and
+ * a second kernel; 1 splits summed through a thread-block cluster; 2 balanced (one split, each
+ * warp an equal share of its CTA's items). Returns KBIT_OK or an error code. */
 KBIT_API int kbit_gemv_plan(int device, int64_t m, int64_t n, int64_t k, int* splits, int* chunk_kt, int* grid,
-                            int* cluster);
+                            int* mode);
 
 /* Eager fast path: kbit_gemv split in two. kbit_gemv_prepare validates the weight and the
  * problem once and writes an opaque call record (kbit_gemv_call_size() bytes, caller-owned)

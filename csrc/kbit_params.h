@@ -62,6 +62,9 @@ struct MmParams {
   // sum their partials through distributed shared memory: no workspace, no second kernel.
   // Plans where every warp has at most one row tile.
   bool cluster;
+  // GEMV only, one split: CTA b takes row tiles [b n_tiles / grid, (b + 1) n_tiles / grid), and
+  // its warps equal contiguous shares of their (row tile, K tile) items (gemv_kernel.cuh).
+  bool balanced;
   // wgmma GEMM only: x rewritten into the GEMM's shared-memory stage layout (wgmma_kernel.cuh),
   // the first bytes of the caller's workspace; `workspace` then points past it.
   char* x_perm;
@@ -119,6 +122,9 @@ constexpr int kGemvTablePad = 64 * 1024;
 constexpr int kGemvClusterMax = 8;  // portable cluster size
 constexpr int gemv_cluster_slots(int splits) { return splits > 1 ? (kGemvWarps + splits - 1) / splits * splits : 0; }
 constexpr int gemv_cluster_bytes(int m, int splits) { return gemv_cluster_slots(splits) * 32 * 16 * (m <= 8 ? 1 : 2); }
+// Balanced plans: each warp's head segment (32 lanes x 16 bytes per mma token tile), in the
+// pair table's place once the main loop is done.
+static_assert(kGemvWarps * 2 * 32 * 16 <= kGemvTableBytes, "the balanced GEMV's head sums fit the table");
 // cluster_splits: the splits of a cluster plan, else 0.
 constexpr int gemv_smem_bytes(int m, int chunk_kt, bool abs_table = false, int cluster_splits = 0) {
   return (abs_table ? kGemvTablePad : 0) + kGemvTableBytes + kGemvScaleBytes + chunk_kt * gemv_x_tile_bytes(m) +

@@ -18,7 +18,7 @@ from pathlib import Path
 LIBRARY_NAME = "libhf_kbit_cuda.so"
 LIBRARY_ENV = "HF_KBIT_LIBRARY"  # an explicit path to the library; no search when set
 _PACKAGE_DIR = Path(__file__).resolve().parent
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 

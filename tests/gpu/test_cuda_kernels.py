@@ -131,10 +131,14 @@ def test_mm_matches_reference(bits, dtype, shape, m):
 
 
 PATH_MS = (1, 5, 16, 17, 33, 64, 65, 130, 300)
-# (N, K) whose GEMV plans on sm_90+ sum split-K through a thread-block cluster (at most 8 K
-# tiles: every split count is a cluster size; every warp gets at most one row tile), with
-# partial row tiles, K tiles and blocks. (40, 8200) above keeps the workspace split-K (65 K tiles).
-CLUSTER_SHAPES = [(2000, 1000), (300, 700)]
+GEMV_MODES = {0: "one split or workspace split-K", 1: "cluster split-K", 2: "balanced"}
+# (N, K, M) whose GEMV plans on an H100 take each mode (kbit_gemv_plan), with partial row tiles,
+# K tiles and blocks. Balanced: row tiles cut among a CTA's warps (4100x2040), warps' shares that
+# cross row tiles (6100x4100), M = 4 and 16 (one and two mma token tiles). Cluster split-K: the
+# Llama-3-8B gate/up shape at M = 16 (x does not fit one CTA). Workspace split-K: 2048x5120 at
+# M = 8 (80 KB of x per CTA if balanced), x of 65 K tiles for 40 rows, and 4100 K at M = 13.
+GEMV_PLAN_CASES = [(4100, 2040, 3), (6100, 4100, 1), (2048, 5120, 4), (5120, 2048, 16), (14336, 4096, 16),
+                   (2048, 5120, 8), (40, 8200, 1), (14336, 4100, 13), (2000, 1000, 1), (300, 700, 16)]
 
 
 def gemv_plan(n: int, k: int, m: int) -> dict:
@@ -144,33 +148,46 @@ def gemv_plan(n: int, k: int, m: int) -> dict:
     vals = [ctypes.c_int() for _ in range(4)]
     rc = lib.kbit_gemv_plan(torch.cuda.current_device(), m, n, k, *(ctypes.byref(v) for v in vals))
     _lib.check(rc, "kbit_gemv_plan")
-    return dict(zip(("splits", "chunk_kt", "grid", "cluster"), (v.value for v in vals)))
+    return dict(zip(("splits", "chunk_kt", "grid", "mode"), (v.value for v in vals)))
 
 
-@pytest.mark.parametrize("m", (1, 5, 8, 9, 16), ids=lambda m: f"M{m}")
-@pytest.mark.parametrize("shape", CLUSTER_SHAPES, ids=lambda s: f"N{s[0]}K{s[1]}")
+def gpu_packed(n: int, k: int, bits: int, seed: int = 0):
+    """A weight quantized by the GPU kernel (bit-exact with the reference: test_quantize_bit_exact)
+    and its dequantization: the large shapes, whose reference quantization is slow on the CPU."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed + 1000 * bits + n + 7 * k)
+    w = torch.randn(n, k, generator=g, device=DEVICE) * torch.rand(n, 1, generator=g, device=DEVICE).add(0.1)
+    cb = fmt.make_codebook(None, bits).to(DEVICE)
+    planes, scales, rs = torch.ops.kbit.quantize(w, cb)
+    return (planes, scales, rs, cb), torch.ops.kbit.dequantize(planes, scales, rs, cb, k, torch.float32)
+
+
+@pytest.mark.parametrize("case", GEMV_PLAN_CASES, ids=lambda c: f"N{c[0]}K{c[1]}M{c[2]}")
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
-def test_gemv_cluster_split_k_matches_reference(bits, dtype, shape, m):
-    """The cluster split-K GEMV (partials summed through distributed shared memory) where the
-    device has clusters; elsewhere the same shapes through the workspace."""
+def test_gemv_plan_modes_match_reference(bits, dtype, case):
+    """Every GEMV plan mode (balanced, cluster split-K, workspace split-K) against the reference."""
     from hf_kbit.backends import cuda as backend
 
-    n, k = shape
-    plan = gemv_plan(n, k, m)
-    if torch.cuda.get_device_capability()[0] >= 9:
-        assert plan["splits"] > 1 and plan["cluster"] == 1, plan
-    (planes, scales, rs, cb), wq = packed_reference(n, k, bits)
+    n, k, m = case
+    (planes, scales, rs, cb), wq = gpu_packed(n, k, bits)
     x = torch.randn(m, k, device=DEVICE).to(dtype)
     out = backend.run_path("gemv", x, planes, scales, rs, cb, k)
     assert out.shape == (m, n) and out.dtype == dtype
-    assert rel_err(out, x.double() @ wq.double().T) < MM_REL_TOL[dtype]
+    assert rel_err(out, x.double() @ wq.double().T) < MM_REL_TOL[dtype], gemv_plan(n, k, m)
+
+
+def test_gemv_plan_cases_cover_every_mode():
+    """The cases above take all three modes on an sm_90 GPU (clusters and the shared-memory
+    budget of the H100); elsewhere at least balanced and workspace plans."""
+    modes = {gemv_plan(n, k, m)["mode"] for n, k, m in GEMV_PLAN_CASES}
+    want = {0, 1, 2} if torch.cuda.get_device_capability()[0] >= 9 else {0, 2}
+    assert want <= modes, {GEMV_MODES[v] for v in modes}
 
 
 def test_gemv_plans_keep_workspace_split_k():
     """Plans with more K splits than a cluster holds go through the workspace (and are tested above)."""
     plan = gemv_plan(40, 8200, 1)
-    assert plan["splits"] > 8 and plan["cluster"] == 0, plan
+    assert plan["splits"] > 8 and plan["mode"] == 0, plan
 
 
 @pytest.mark.parametrize("m", PATH_MS, ids=lambda m: f"M{m}")
