@@ -243,15 +243,15 @@ GemvPlan plan_gemv(int64_t m, int64_t n, int64_t k, int sms, const GemvSmem& sme
       best_cluster.grid * 100 >= kClusterMinCtaPercent * best.grid)
     best = best_cluster;
   if (KBIT_GEMV_BALANCED && k_tiles <= max_chunk) {
-    const auto time = [&](double tiles, int64_t chunk) {
+    const auto cost = [&](double tiles, int64_t chunk) {
       return tiles + kStagingTilesPerKb * static_cast<double>(chunk * x_tile) / 1024;
     };
     const int64_t per_split = best.grid / best.splits;
     const double tiles = static_cast<double>(ceil_div(n_tiles, per_split * kGemvWarps) * best.chunk_kt);
-    const double chosen = best.cluster ? time(kClusterTileCost * tiles, best.chunk_kt)
-                                       : time(tiles, best.chunk_kt) + (best.splits > 1 ? kReduceKernelTiles : 0.0);
+    const double chosen = best.cluster ? cost(kClusterTileCost * tiles, best.chunk_kt)
+                                       : cost(tiles, best.chunk_kt) + (best.splits > 1 ? kReduceKernelTiles : 0.0);
     const int64_t grid = std::min(slots, n_tiles);
-    if (time(static_cast<double>(ceil_div(ceil_div(n_tiles, grid) * k_tiles, kGemvWarps)), k_tiles) < chosen - 1e-9) {
+    if (cost(static_cast<double>(ceil_div(ceil_div(n_tiles, grid) * k_tiles, kGemvWarps)), k_tiles) < chosen - 1e-9) {
       best = GemvPlan{};
       best.splits = 1;
       best.chunk_kt = static_cast<int>(k_tiles);

@@ -311,8 +311,7 @@ def markdown(results, bits_list, meta) -> str:
     if ov:
         lines += ["", f"Eager overhead ({ov['layer']}; wall: least of 5 runs of 2000 calls; GPU: kernel durations of "
                   f"200 eager calls, CUPTI): wall {ov['wall_us']:.1f} us/call, GPU {ov['gpu_us']:.1f} us"
-                  + (f" ({ov['graph_us']:.1f} us per call in a CUDA graph of back-to-back calls)" if "graph_us" in ov else "")
-                  + ", "
+                  f" ({ov['graph_us']:.1f} us per call in a CUDA graph of back-to-back calls), "
                   f"overhead {ov['overhead_us']:.1f} us (wall of torch.ops.kbit.mm alone {ov['op_wall_us']:.1f} us, "
                   f"of the backend function without the dispatcher {ov['backend_wall_us']:.1f} us"
                   + (f", of the eager fast path KbitLinear.forward takes {ov['fast_wall_us']:.1f} us" if "fast_wall_us" in ov else "")
