@@ -289,23 +289,24 @@ __device__ __forceinline__ void decode_chunk(const TileIndex<BITS>& ti, int c, c
 // Decode one K tile of this lane's two rows and run its 8 mma chunks against the staged
 // activations `xs` (this tile's B fragments, uint2 per (chunk, token, t)).
 template <int BITS, typename T, int NT, bool kAbs = false>
-__device__ __forceinline__ void mma_tile(const TileWords<BITS>& tw, const uint2* xs, int m, int g, int t,
+__device__ __forceinline__ void mma_tile(const TileWords<BITS>& tw, const uint2* xs, int g, int t,
                                          const char* table, uint32_t lane_word, float (&acc)[2][NT][4]) {
   TileIndex<BITS> ti;
   index_words<BITS>(tw, table, lane_word, ti);
 
-  // Lanes of tokens past m read token m - 1 instead: their mma columns are never stored, so
-  // any finite values do, and the loads need neither a predicate nor zeroing.
-  const uint4* xs4 = reinterpret_cast<const uint4*>(xs);
+  // Lanes of tokens past m read whatever lies there (the next K tile's records, or the staging
+  // tail that gemv_x_tail_bytes reserves): an mma column depends only on its own B column and
+  // those columns are never stored. So every token tile is one constant offset from this
+  // lane's record, with no clamp, predicate or zeroing (a clamped address per token tile cost
+  // registers: the grouped k = 5 kernel spilled).
+  const uint4* xl = reinterpret_cast<const uint4*>(xs) + (g * 4 + t) * 4;
+  const int sw = x_swizzle(g, t);
   uint4 bx[NT];
 #pragma unroll
   for (int c = 0; c < 8; ++c) {
     if ((c & 1) == 0) {  // B fragments of chunks c, c + 1: one 16-byte load per token tile
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const int tok = min(nt * 8 + g, m - 1);
-        bx[nt] = xs4[(tok * 4 + t) * 4 + ((c >> 1) ^ x_swizzle(tok & 7, t))];
-      }
+      for (int nt = 0; nt < NT; ++nt) bx[nt] = xl[nt * 128 + ((c >> 1) ^ sw)];
     }
     uint32_t a[4];
     decode_chunk<BITS, T, kAbs>(ti, c, table, lane_word, a);
@@ -523,7 +524,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
     for (int d = 0; d < kDepth; ++d) {
       if (i + d >= items) break;
       advance_load(buf[(d + kDepth - 1) % kDepth]);
-      mma_tile<BITS, T, NT, kAbs>(buf[d], xs2 + kt_rel * 8 * m * 4, m, g, t, table, lane_word, acc);
+      mma_tile<BITS, T, NT, kAbs>(buf[d], xs2 + kt_rel * 8 * m * 4, g, t, table, lane_word, acc);
       if (++kt_rel == chunk) {
         take_sums(sent);
         if (from_start) {
@@ -580,7 +581,8 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
     // Split-K through distributed shared memory: the warp sends its partials to the slot
     // (warp / splits, split) of cluster CTA warp % splits, whose warp of the same index sums
     // the slots in split order (the order of splitk_reduce_kernel: the same result bits).
-    float4* recv = reinterpret_cast<float4*>(reinterpret_cast<char*>(xs) + p.chunk_kt * gemv_x_tile_bytes(m));
+    float4* recv = reinterpret_cast<float4*>(reinterpret_cast<char*>(xs) + p.chunk_kt * gemv_x_tile_bytes(m) +
+                                                 gemv_x_tail_bytes(m));
     const int owner = warp % p.splits, slot0 = warp / p.splits * p.splits;
     cluster_wait();
     if (items > 0) {

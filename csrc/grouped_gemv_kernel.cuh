@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) grouped_gemv_ker
           if (ktd >= ke) break;
           const int64_t ktn = ktd + (kDepth - 1) * k_warps;
           if (ktn < ke) load_tile<BITS>(planes, scales, static_cast<int>(tile_base + ktn), lane, buf[(d + kDepth - 1) % kDepth]);
-          mma_tile<BITS, T, NT>(buf[d], reinterpret_cast<const uint2*>(xs) + (ktd - ks) * 8 * m * 4, m, g, t, table,
+          mma_tile<BITS, T, NT>(buf[d], reinterpret_cast<const uint2*>(xs) + (ktd - ks) * 8 * m * 4, g, t, table,
                                 lane_word, acc);
         }
       }

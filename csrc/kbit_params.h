@@ -114,6 +114,9 @@ constexpr int kGemvXSmemBytes = KBIT_GEMV_X_BYTES;  // activation staging cap pe
 constexpr int kGemvCtasPerSm = KBIT_GEMV_CTAS_PER_SM;  // one CTA of 16 warps per SM shares one table
 constexpr int kGemvDepth = KBIT_GEMV_DEPTH;  // plane-load stages per lane: kGemvDepth - 1 K tiles in flight
 constexpr int gemv_x_tile_bytes(int m) { return 256 * m; }  // staged activations per K tile
+// After the staged K tiles: room for the records of the last tile's tokens m .. 8 ceil(m / 8) - 1,
+// which mma_tile's lanes of those tokens read (and never use).
+constexpr int gemv_x_tail_bytes(int m) { return 256 * ((8 - m % 8) % 8); }
 constexpr int kGemvScaleBytes = 1024;      // the 256 block scales as activation-dtype pairs
 // Absolute table mode pads dynamic shared memory so the table starts at window address 64 KB.
 constexpr int kGemvTablePad = 64 * 1024;
@@ -128,7 +131,7 @@ static_assert(kGemvWarps * 2 * 32 * 16 <= kGemvTableBytes, "the balanced GEMV's 
 // cluster_splits: the splits of a cluster plan, else 0.
 constexpr int gemv_smem_bytes(int m, int chunk_kt, bool abs_table = false, int cluster_splits = 0) {
   return (abs_table ? kGemvTablePad : 0) + kGemvTableBytes + kGemvScaleBytes + chunk_kt * gemv_x_tile_bytes(m) +
-         gemv_cluster_bytes(m, cluster_splits);
+         gemv_x_tail_bytes(m) + gemv_cluster_bytes(m, cluster_splits);
 }
 // ---- GEMM geometry ----
 // A CTA is kGemmWarps warps, each owning kGemmRowTiles row tiles (16 rows each) and all 8 * NT
