@@ -287,26 +287,31 @@ __device__ __forceinline__ void decode_chunk(const TileIndex<BITS>& ti, int c, c
 }
 
 // Decode one K tile of this lane's two rows and run its 8 mma chunks against the staged
-// activations `xs` (this tile's B fragments, uint2 per (chunk, token, t)).
+// activations `xs` (this tile's B fragments, uint2 per (chunk, token, t)) of token tiles
+// 0 .. live_nt - 1 (warp-uniform: the grouped kernel's units of a few rows fill only the first
+// of its NT token tiles; the others skip their B-fragment loads and multiply zeros).
 template <int BITS, typename T, int NT, bool kAbs = false>
-__device__ __forceinline__ void mma_tile(const TileWords<BITS>& tw, const uint2* xs, int g, int t,
+__device__ __forceinline__ void mma_tile(const TileWords<BITS>& tw, const uint2* xs, int live_nt, int g, int t,
                                          const char* table, uint32_t lane_word, float (&acc)[2][NT][4]) {
   TileIndex<BITS> ti;
   index_words<BITS>(tw, table, lane_word, ti);
 
-  // Lanes of tokens past m read whatever lies there (the next K tile's records, or the staging
-  // tail that gemv_x_tail_bytes reserves): an mma column depends only on its own B column and
-  // those columns are never stored. So every token tile is one constant offset from this
-  // lane's record, with no clamp, predicate or zeroing (a clamped address per token tile cost
-  // registers: the grouped k = 5 kernel spilled).
+  // Lanes of tokens past the last row in a live token tile read whatever lies there (the next
+  // K tile's records, or the staging tail that gemv_x_tail_bytes reserves): an mma column
+  // depends only on its own B column and those columns are never stored. So every token tile
+  // is one constant offset from this lane's record. Measured worse on the H100: a clamped
+  // address per token tile (registers live through the K loop; the grouped k = 5 kernel
+  // spilled), and a per-lane predicate (token < rows) instead of the per-tile one (grouped
+  // 3-10%, dense up to 8%).
   const uint4* xl = reinterpret_cast<const uint4*>(xs) + (g * 4 + t) * 4;
   const int sw = x_swizzle(g, t);
-  uint4 bx[NT];
+  uint4 bx[NT] = {};
 #pragma unroll
   for (int c = 0; c < 8; ++c) {
     if ((c & 1) == 0) {  // B fragments of chunks c, c + 1: one 16-byte load per token tile
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) bx[nt] = xl[nt * 128 + ((c >> 1) ^ sw)];
+      for (int nt = 0; nt < NT; ++nt)
+        if (nt == 0 || nt < live_nt) bx[nt] = xl[nt * 128 + ((c >> 1) ^ sw)];
     }
     uint32_t a[4];
     decode_chunk<BITS, T, kAbs>(ti, c, table, lane_word, a);
@@ -524,7 +529,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
     for (int d = 0; d < kDepth; ++d) {
       if (i + d >= items) break;
       advance_load(buf[(d + kDepth - 1) % kDepth]);
-      mma_tile<BITS, T, NT, kAbs>(buf[d], xs2 + kt_rel * 8 * m * 4, g, t, table, lane_word, acc);
+      mma_tile<BITS, T, NT, kAbs>(buf[d], xs2 + kt_rel * 8 * m * 4, NT, g, t, table, lane_word, acc);
       if (++kt_rel == chunk) {
         take_sums(sent);
         if (from_start) {

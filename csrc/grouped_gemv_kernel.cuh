@@ -102,6 +102,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) grouped_gemv_ker
     const uint8_t* scales = p.block_scales + expert * expert_tiles * 64;
     const int64_t tile_n = group * row_tiles + rt;
     const bool active = tile_n < n_tiles;
+    const int live_nt = (m + 7) / 8;  // token tiles holding rows of this unit
 
     float acc[2][NT][4];
 #pragma unroll
@@ -132,8 +133,8 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) grouped_gemv_ker
           if (ktd >= ke) break;
           const int64_t ktn = ktd + (kDepth - 1) * k_warps;
           if (ktn < ke) load_tile<BITS>(planes, scales, static_cast<int>(tile_base + ktn), lane, buf[(d + kDepth - 1) % kDepth]);
-          mma_tile<BITS, T, NT>(buf[d], reinterpret_cast<const uint2*>(xs) + (ktd - ks) * 8 * m * 4, g, t, table,
-                                lane_word, acc);
+          mma_tile<BITS, T, NT>(buf[d], reinterpret_cast<const uint2*>(xs) + (ktd - ks) * 8 * m * 4, live_nt, g, t,
+                                table, lane_word, acc);
         }
       }
     }
