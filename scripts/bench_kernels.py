@@ -226,21 +226,24 @@ def markdown_paths(results, meta) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _wall_us(fn, n: int = 2000, repeats: int = 5) -> float:
-    """Wall microseconds per call: the least of ``repeats`` runs of ``n`` calls. The host of a shared
-    GPU machine is noisy (single runs of one build varied 13-29 us), and the least run is the
-    call's own cost with the least interference."""
-    for _ in range(200):
-        fn()
-    torch.cuda.synchronize()
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(n):
+def _wall_us(fns: dict, n: int = 2000, rounds: int = 7) -> dict:
+    """Wall microseconds per call of each of ``fns`` (name -> callable): the least over ``rounds``
+    rounds, each timing ``n`` calls of every function in turn. The host of a shared GPU machine is
+    noisy over seconds (single runs of one build varied 13-29 us); interleaving gives every
+    function the same spells of interference, and the least run is the call's own cost."""
+    for fn in fns.values():
+        for _ in range(200):
             fn()
-        torch.cuda.synchronize()
-        runs.append((time.perf_counter() - t0) / n * 1e6)
-    return min(runs)
+    torch.cuda.synchronize()
+    best = {name: float("inf") for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            torch.cuda.synchronize()
+            best[name] = min(best[name], (time.perf_counter() - t0) / n * 1e6)
+    return best
 
 
 def _kernel_us(fn, calls: int = 200) -> float:
@@ -277,15 +280,14 @@ def eager_overhead(bw) -> dict:
         gpu_us = _kernel_us(lambda: layer(x))
         if not gpu_us > 0:
             raise RuntimeError("torch.profiler recorded no kernel time for the eager calls")
-        out = {"layer": "KbitLinear 1024x1024 k=4, M=1, bf16, inference_mode", "gpu_us": gpu_us,
-               "graph_us": graph_us,
-               "wall_us": _wall_us(lambda: layer(x)),
-               "op_wall_us": _wall_us(lambda: torch.ops.kbit.mm(*args)),
-               "backend_wall_us": _wall_us(lambda: backend._mm_cuda(*args))}
+        fns = {"wall_us": lambda: layer(x), "op_wall_us": lambda: torch.ops.kbit.mm(*args),
+               "backend_wall_us": lambda: backend._mm_cuda(*args),
+               # The host's own pace: the same wall time of a bf16 nn.Linear (one cuBLAS launch).
+               "bf16_linear_wall_us": lambda: lin(x)}
         if getattr(backend, "linear_fast", None) is not None:
-            out["fast_wall_us"] = _wall_us(lambda: backend.linear_fast(layer, x))
-        # The host's own pace: the same wall time of a bf16 nn.Linear (one cuBLAS launch).
-        out["bf16_linear_wall_us"] = _wall_us(lambda: lin(x))
+            fns["fast_wall_us"] = lambda: backend.linear_fast(layer, x)
+        out = {"layer": "KbitLinear 1024x1024 k=4, M=1, bf16, inference_mode", "gpu_us": gpu_us,
+               "graph_us": graph_us, **_wall_us(fns)}
     out["overhead_us"] = max(out["wall_us"] - gpu_us, 0.0)
     return out
 
@@ -309,7 +311,7 @@ def markdown(results, bits_list, meta) -> str:
         lines.append(f"| {r['shape']} | {r['M']} | {r['bf16_us']:.1f} | {i4} | " + " | ".join(cells) + " |")
     ov = meta.get("eager_overhead")
     if ov:
-        lines += ["", f"Eager overhead ({ov['layer']}; wall: least of 5 runs of 2000 calls; GPU: kernel durations of "
+        lines += ["", f"Eager overhead ({ov['layer']}; wall: least of 7 rounds of 2000 calls, the functions interleaved; GPU: kernel durations of "
                   f"200 eager calls, CUPTI): wall {ov['wall_us']:.1f} us/call, GPU {ov['gpu_us']:.1f} us"
                   f" ({ov['graph_us']:.1f} us per call in a CUDA graph of back-to-back calls), "
                   f"overhead {ov['overhead_us']:.1f} us (wall of torch.ops.kbit.mm alone {ov['op_wall_us']:.1f} us, "
