@@ -6,11 +6,11 @@
 //    expert_ids[s] (ids outside [0, E) leave the caller's zeros);
 //  * grouped mode (prefill): the caller groups rows by expert on the device
 //    (_ops.expert_offsets: order, offsets) and a unit is (expert, chunk of <= 8 NT of its rows,
-//    row group), so each weight tile is decoded once for up to 16 rows. Every CTA turns the
+//    row group), so each weight tile is decoded once for up to 8 NT rows. Every CTA turns the
 //    offsets into a chunk prefix sum in shared memory and finds a unit's expert by binary search.
-// A CTA's 8 warps cover row_tiles x k_warps (row tile, K lane); activations are staged per unit
-// in K sub-chunks, the k_warps partial sums of a row tile are added in shared memory in warp
-// order (deterministic), and each output row is written once.
+// A CTA's kGemvWarps warps cover row_tiles x k_warps (row tile, K lane); activations are staged
+// per unit in K sub-chunks, the k_warps partial sums of a row tile are added in shared memory in
+// warp order (deterministic), and each output row is written once.
 #pragma once
 
 #include "gemv_kernel.cuh"
