@@ -297,12 +297,12 @@ __device__ __forceinline__ void mma_tile(const TileWords<BITS>& tw, const uint2*
   index_words<BITS>(tw, table, lane_word, ti);
 
   // Lanes of tokens past the last row in a live token tile read whatever lies there (the next
-  // K tile's records, or the staging tail that gemv_x_tail_bytes reserves): an mma column
-  // depends only on its own B column and those columns are never stored. So every token tile
-  // is one constant offset from this lane's record. Measured worse on the H100: a clamped
-  // address per token tile (registers live through the K loop; the grouped k = 5 kernel
-  // spilled), and a per-lane predicate (token < rows) instead of the per-tile one (grouped
-  // 3-10%, dense up to 8%).
+  // K tile's records; after the last K tile, the dense GEMV's gemv_x_tail_bytes or the grouped
+  // kernel's room for 8 NT rows): an mma column depends only on its own B column and those
+  // columns are never stored. So every token tile is one constant offset from this lane's
+  // record. Measured worse on the H100: a clamped address per token tile (registers live
+  // through the K loop; the grouped k = 5 kernel spilled), and a per-lane predicate
+  // (token < rows) instead of the per-tile one (grouped 3-10%, dense up to 8%).
   const uint4* xl = reinterpret_cast<const uint4*>(xs) + (g * 4 + t) * 4;
   const int sw = x_swizzle(g, t);
   uint4 bx[NT] = {};
