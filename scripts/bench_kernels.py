@@ -39,6 +39,7 @@ MS = (1, 2, 4, 8, 16, 32, 64, 256, 1024)
 BITS = (2, 3, 4, 5)
 COLD_BYTES = 400 * 2**20  # weight copies per timed graph: 8x the H100's 50 MB L2
 MIN_CALLS = 24
+WALL_CALLS, WALL_ROUNDS = 2000, 7  # eager wall time: the least of WALL_ROUNDS rounds of WALL_CALLS calls
 
 
 def measure_bandwidth() -> float:
@@ -226,7 +227,7 @@ def markdown_paths(results, meta) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _wall_us(fns: dict, n: int = 2000, rounds: int = 7) -> dict:
+def _wall_us(fns: dict, n: int = WALL_CALLS, rounds: int = WALL_ROUNDS) -> dict:
     """Wall microseconds per call of each of ``fns`` (name -> callable): the least over ``rounds``
     rounds, each timing ``n`` calls of every function in turn. The host of a shared GPU machine is
     noisy over seconds (single runs of one build varied 13-29 us); interleaving gives every
@@ -311,8 +312,9 @@ def markdown(results, bits_list, meta) -> str:
         lines.append(f"| {r['shape']} | {r['M']} | {r['bf16_us']:.1f} | {i4} | " + " | ".join(cells) + " |")
     ov = meta.get("eager_overhead")
     if ov:
-        lines += ["", f"Eager overhead ({ov['layer']}; wall: least of 7 rounds of 2000 calls, the functions interleaved; GPU: kernel durations of "
-                  f"200 eager calls, CUPTI): wall {ov['wall_us']:.1f} us/call, GPU {ov['gpu_us']:.1f} us"
+        lines += ["", f"Eager overhead ({ov['layer']}; wall: least of {WALL_ROUNDS} rounds of {WALL_CALLS} calls, the "
+                  "functions interleaved; GPU: kernel durations of 200 eager calls, CUPTI): "
+                  f"wall {ov['wall_us']:.1f} us/call, GPU {ov['gpu_us']:.1f} us"
                   f" ({ov['graph_us']:.1f} us per call in a CUDA graph of back-to-back calls), "
                   f"overhead {ov['overhead_us']:.1f} us (wall of torch.ops.kbit.mm alone {ov['op_wall_us']:.1f} us, "
                   f"of the backend function without the dispatcher {ov['backend_wall_us']:.1f} us"
