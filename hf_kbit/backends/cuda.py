@@ -339,7 +339,7 @@ def linear_fast(module, x: torch.Tensor):
         entry = cache[key] = _prepare(module, x, m)
     if entry[4] is None:
         return None
-    out = torch.empty((*shape[:-1], entry[7]), dtype=x.dtype, device=x.device)
+    out = x.new_empty((*shape[:-1], entry[7]))  # cheaper on the host than torch.empty(..., dtype=, device=)
     stream = _raw_stream_of(dev) if _raw_stream_of is not None else torch.cuda.current_stream(dev).cuda_stream
     ws = _stream_workspace(dev, stream, entry[6]).data_ptr() if entry[6] else None
     rc = _run(entry[4], x.data_ptr(), out.data_ptr(), ws, stream)

@@ -115,12 +115,12 @@ class KbitLinear(KbitModule):
             del self._parameters["weight"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype not in COMPUTE_DTYPES:
-            raise TypeError(f"KbitLinear input must be one of {COMPUTE_DTYPES}, got {x.dtype}")
         out = None
         if _fast_linear is not None and not torch.compiler.is_compiling():
-            out = _fast_linear(self, x)  # eager CUDA: lean launch, None where the op must serve
+            out = _fast_linear(self, x)  # eager CUDA: lean launch (fp16/bf16 only), None where the op must serve
         if out is None:
+            if x.dtype not in COMPUTE_DTYPES:
+                raise TypeError(f"KbitLinear input must be one of {COMPUTE_DTYPES}, got {x.dtype}")
             out = torch.ops.kbit.mm(x, self.planes, self.block_scales, self.row_scales, self.codebook, self.in_features)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
