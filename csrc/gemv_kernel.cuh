@@ -415,8 +415,11 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
   int r0 = 0, cta_items = 0;
   const auto share_begin = [&](int w) { return w * cta_items / kGemvWarps; };
   if (p.balanced) {
-    r0 = static_cast<int>(static_cast<int64_t>(blockIdx.x) * n_tiles / gridDim.x);
-    cta_items = (static_cast<int>(static_cast<int64_t>(blockIdx.x + 1) * n_tiles / gridDim.x) - r0) * chunk;
+    // The first n_tiles % grid CTAs take one row tile more. Back to back, the CTAs launched last
+    // start last (on the SMs the previous call leaves last), so they are the lighter ones.
+    const int per_cta = n_tiles / static_cast<int>(gridDim.x), extra = n_tiles % static_cast<int>(gridDim.x);
+    r0 = static_cast<int>(blockIdx.x) * per_cta + min(static_cast<int>(blockIdx.x), extra);
+    cta_items = (per_cta + (static_cast<int>(blockIdx.x) < extra)) * chunk;
     const int i0 = share_begin(warp);
     first_tile = r0 + i0 / chunk;
     kt_start = i0 % chunk;

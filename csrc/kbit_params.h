@@ -62,8 +62,9 @@ struct MmParams {
   // sum their partials through distributed shared memory: no workspace, no second kernel.
   // Plans where every warp has at most one row tile.
   bool cluster;
-  // GEMV only, one split: CTA b takes row tiles [b n_tiles / grid, (b + 1) n_tiles / grid), and
-  // its warps equal contiguous shares of their (row tile, K tile) items (gemv_kernel.cuh).
+  // GEMV only, one split: each CTA a contiguous range of floor(n_tiles / grid) row tiles, the
+  // first n_tiles % grid CTAs one more, and its warps equal contiguous shares of their (row
+  // tile, K tile) items (gemv_kernel.cuh).
   bool balanced;
   // wgmma GEMM only: x rewritten into the GEMM's shared-memory stage layout (wgmma_kernel.cuh),
   // the first bytes of the caller's workspace; `workspace` then points past it.
