@@ -400,7 +400,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
   allow_dependent_launch();
 
   // 32-bit tile arithmetic: the host guarantees n_tiles * k_tiles * BITS * 64 < 2^31.
-  const int split = static_cast<int>(blockIdx.x % p.splits);
+  const int split = p.splits == 1 ? 0 : static_cast<int>(blockIdx.x % p.splits);
   const int k_tiles = static_cast<int>((p.k + kTileK - 1) / kTileK), n_tiles = static_cast<int>((p.n + kTileN - 1) / kTileN);
   const int kc0 = split * p.chunk_kt;
   const int kc1 = min(k_tiles, kc0 + p.chunk_kt);
@@ -416,13 +416,15 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
   const auto share_begin = [&](int w) { return w * cta_items / kGemvWarps; };
   if (p.balanced) {
     // The first n_tiles % grid CTAs take one row tile more. Back to back, the CTAs launched last
-    // start last (on the SMs the previous call leaves last), so they are the lighter ones.
-    const int per_cta = n_tiles / static_cast<int>(gridDim.x), extra = n_tiles % static_cast<int>(gridDim.x);
+    // start last (on the SMs the previous call leaves last), so they are the lighter ones. No
+    // integer division before the first loads, whose latency a CTA that starts late waits on.
+    const int per_cta = p.cta_rows, extra = n_tiles - per_cta * static_cast<int>(gridDim.x);
+    const int rows = per_cta + (static_cast<int>(blockIdx.x) < extra);
     r0 = static_cast<int>(blockIdx.x) * per_cta + min(static_cast<int>(blockIdx.x), extra);
-    cta_items = (per_cta + (static_cast<int>(blockIdx.x) < extra)) * chunk;
+    cta_items = rows * chunk;
     const int i0 = share_begin(warp);
-    first_tile = r0 + i0 / chunk;
-    kt_start = i0 % chunk;
+    first_tile = r0 + warp * rows / kGemvWarps;  // r0 + i0 / chunk: floor(floor(a / b) / c) = floor(a / (b c))
+    kt_start = i0 - (first_tile - r0) * chunk;
     items = share_begin(warp + 1) - i0;
     row_stride = 1;
   } else {

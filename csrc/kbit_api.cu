@@ -550,6 +550,7 @@ int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* bloc
   p.abs_table = plan.abs_table;
   p.cluster = plan.cluster;
   p.balanced = plan.balanced;
+  p.cta_rows = plan.balanced ? static_cast<int>(ceil_div(n, kTileN) / plan.grid) : 0;
   call->device = device;
   call->grid = plan.grid;
   return KBIT_OK;
