@@ -324,14 +324,12 @@ __device__ __forceinline__ void mma_tile(const TileWords<BITS>& tw, const uint2*
   }
 }
 
-// Stage activation rows x[row(0..m-1), kc0*128 : kc1*128) in B-fragment order: lane (g, t)'s
-// record of K tile j and token g holds its 8 chunks (64 bytes, pairs of chunks swizzled): 32-bit
-// word (((j * m + token) * 4 + t) * 4 + ((c / 2) ^ swizzle)) * 4 + (c % 2) * 2 + h holds the
-// pair at K = (kc0 + j) * 128 + 32 t + chunk_offset(c) + h * kPairB. Each thread moves 8 consecutive elements (one 16-byte load) per
-// step. x beyond K is zero: padded weights of a partial block may decode to nonzero levels.
+// The grouped kernel's staging, in stage_x's layout (below), 8 consecutive elements of a token
+// row per thread (two integer divisions per 16 bytes, four 4-byte stores). With stage_x, the
+// grouped NT = 4 kernel spilled and ran 10-12% slower at 16-64 tokens (H100).
 template <int BITS, typename T, typename RowOf>
-__device__ __forceinline__ void stage_x(const T* x, int64_t k, int m, RowOf row_of, uint32_t* xs, int64_t kc0,
-                                        int64_t kc1) {
+__device__ __forceinline__ void stage_x_rows(const T* x, int64_t k, int m, RowOf row_of, uint32_t* xs,
+                                             int64_t kc0, int64_t kc1) {
   constexpr int kUnroll = 4;  // loads issued before the first store: staging is latency-bound otherwise
   const int groups = static_cast<int>(kc1 - kc0) * (kTileK / 8);  // 8-element groups per token
   const int total = groups * m;
@@ -373,6 +371,69 @@ __device__ __forceinline__ void stage_x(const T* x, int64_t k, int m, RowOf row_
         dst[((c >> 1) ^ sw) * 4 + (c & 1) * 2 + h] = pack[r].w[q];
       }
     }
+  }
+}
+
+// Stage activation rows x[row(0..m-1), kc0*128 : kc1*128) in B-fragment order: lane (g, t)'s
+// record of K tile j and token g holds its 8 chunks (64 bytes): 16-byte chunk pair q (chunks 2q,
+// 2q + 1) at position q ^ swizzle, its 32-bit word (c % 2) * 2 + h the pair at K = (kc0 + j) * 128 +
+// 32 t + chunk_offset(c) + h * kPairB. Thread (q, t) = (tid % 4, tid / 4 % 4) fills chunk pair q
+// of lane t's records, one 16-byte store each (a quarter-warp writes 128 contiguous bytes): a
+// chunk pair is the element run 8q .. 8q + 7 of the block (k = 2) or the runs o .. o + 3 and
+// o + 8 .. o + 11 (o = 16 (q / 2) + 4 (q % 2)), words 0, 2, 1, 3 of the run(s). The (K tile, token)
+// record advances by a step without integer division. x beyond K is zero: padded weights of a
+// partial block may decode to nonzero levels.
+template <int BITS, typename T, typename RowOf>
+__device__ __forceinline__ void stage_x(const T* x, int64_t k, int m, RowOf row_of, uint32_t* xs, int64_t kc0,
+                                        int64_t kc1) {
+  constexpr int kUnroll = 4;  // loads issued before the first store: staging is latency-bound otherwise
+  constexpr int kSecond = BITS == 2 ? 4 : 8;  // element offset of the run's second half
+  union Run { uint4 u; uint32_t w[4]; T e[8]; };
+  const int q = threadIdx.x & 3, t = (threadIdx.x >> 2) & 3, step = blockDim.x >> 4;
+  const int e0 = 32 * t + (BITS == 2 ? 8 * q : 16 * (q >> 1) + 4 * (q & 1));
+  const int recs = static_cast<int>(kc1 - kc0) * m;  // record rec = j * m + token
+  const bool vec_ok = (k % 8 == 0) && (reinterpret_cast<uintptr_t>(x) % 16 == 0);
+  int rec = threadIdx.x >> 4;
+  int j = rec / m, tok = rec - j * m;
+  const int dj = step / m, dtok = step - dj * m;
+  while (rec < recs) {
+    uint4 v[kUnroll];
+    int dst[kUnroll];
+#pragma unroll
+    for (int r = 0; r < kUnroll; ++r) dst[r] = -1;
+#pragma unroll
+    for (int r = 0; r < kUnroll; ++r) {
+      if (rec >= recs) break;
+      const int64_t kk = (kc0 + j) * kTileK + e0;
+      const T* src = x + row_of(tok) * k + kk;
+      Run run;
+      if (vec_ok && kk + 4 + kSecond <= k) {
+        if constexpr (BITS == 2) {
+          run.u = __ldg(reinterpret_cast<const uint4*>(src));
+        } else {
+          const uint2 lo = __ldg(reinterpret_cast<const uint2*>(src)), hi = __ldg(reinterpret_cast<const uint2*>(src + 8));
+          run.u = make_uint4(lo.x, lo.y, hi.x, hi.y);
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const int64_t o = (e < 4 ? e : e - 4 + kSecond);
+          run.e[e] = kk + o < k ? src[o] : from_float<T>(0.f);
+        }
+      }
+      v[r] = make_uint4(run.w[0], run.w[2], run.w[1], run.w[3]);
+      dst[r] = ((rec * 4 + t) * 4 + (q ^ x_swizzle(tok & 7, t))) * 4;
+      rec += step;
+      j += dj;
+      tok += dtok;
+      if (tok >= m) {
+        tok -= m;
+        ++j;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kUnroll; ++r)
+      if (dst[r] >= 0) *reinterpret_cast<uint4*>(xs + dst[r]) = v[r];
   }
 }
 
