@@ -324,56 +324,6 @@ __device__ __forceinline__ void mma_tile(const TileWords<BITS>& tw, const uint2*
   }
 }
 
-// The grouped kernel's staging, in stage_x's layout (below), 8 consecutive elements of a token
-// row per thread (two integer divisions per 16 bytes, four 4-byte stores). With stage_x, the
-// grouped NT = 4 kernel spilled and ran 10-12% slower at 16-64 tokens (H100).
-template <int BITS, typename T, typename RowOf>
-__device__ __forceinline__ void stage_x_rows(const T* x, int64_t k, int m, RowOf row_of, uint32_t* xs,
-                                             int64_t kc0, int64_t kc1) {
-  constexpr int kUnroll = 4;  // loads issued before the first store: staging is latency-bound otherwise
-  const int groups = static_cast<int>(kc1 - kc0) * (kTileK / 8);  // 8-element groups per token
-  const int total = groups * m;
-  const bool vec_ok = (k % 8 == 0) && (reinterpret_cast<uintptr_t>(x) % 16 == 0);
-  for (int base = threadIdx.x; base < total; base += blockDim.x * kUnroll) {
-    union Pack { uint4 u; uint32_t w[4]; T e[8]; } pack[kUnroll];
-#pragma unroll
-    for (int r = 0; r < kUnroll; ++r) {
-      const int i = base + r * blockDim.x;
-      if (i >= total) break;
-      const int tok = i / groups, v = i - tok * groups;
-      const int64_t kk = (kc0 + (v >> 4)) * kTileK + (v & 15) * 8;
-      const T* src = x + row_of(tok) * k + kk;
-      if (vec_ok && kk + 8 <= k) {
-        pack[r].u = __ldg(reinterpret_cast<const uint4*>(src));
-      } else {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) pack[r].e[e] = kk + e < k ? src[e] : from_float<T>(0.f);
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < kUnroll; ++r) {
-      const int i = base + r * blockDim.x;
-      if (i >= total) break;
-      const int tok = i / groups, v = i - tok * groups;
-      const int j = v >> 4, o = (v & 15) * 8, t = o >> 5, ob = o & 31;
-      uint32_t* dst = xs + ((j * m + tok) * 4 + t) * 16;
-      const int sw = x_swizzle(tok & 7, t);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        int c, h;
-        if (BITS == 2) {  // group ob = 8a: pairs -> (chunk 2a, A), (2a+1, A), (2a, B), (2a+1, B)
-          c = 2 * (ob >> 3) + (q & 1);
-          h = q >> 1;
-        } else {  // ob = 16a + 8h: pair q -> chunk 4a + q, half h
-          c = 4 * (ob >> 4) + q;
-          h = (ob >> 3) & 1;
-        }
-        dst[((c >> 1) ^ sw) * 4 + (c & 1) * 2 + h] = pack[r].w[q];
-      }
-    }
-  }
-}
-
 // Stage activation rows x[row(0..m-1), kc0*128 : kc1*128) in B-fragment order: lane (g, t)'s
 // record of K tile j and token g holds its 8 chunks (64 bytes): 16-byte chunk pair q (chunks 2q,
 // 2q + 1) at position q ^ swizzle, its 32-bit word (c % 2) * 2 + h the pair at K = (kc0 + j) * 128 +
@@ -382,11 +332,12 @@ __device__ __forceinline__ void stage_x_rows(const T* x, int64_t k, int m, RowOf
 // chunk pair is the element run 8q .. 8q + 7 of the block (k = 2) or the runs o .. o + 3 and
 // o + 8 .. o + 11 (o = 16 (q / 2) + 4 (q % 2)), words 0, 2, 1, 3 of the run(s). The (K tile, token)
 // record advances by a step without integer division. x beyond K is zero: padded weights of a
-// partial block may decode to nonzero levels.
-template <int BITS, typename T, typename RowOf>
+// partial block may decode to nonzero levels. kUnroll: records loaded before the first store
+// (staging is latency-bound otherwise); the GEMV takes 4, the grouped kernel 2 (with 4 its
+// NT = 4 instantiation spilled and ran 10-12% slower at 16-64 tokens on the H100).
+template <int BITS, typename T, int kUnroll, typename RowOf>
 __device__ __forceinline__ void stage_x(const T* x, int64_t k, int m, RowOf row_of, uint32_t* xs, int64_t kc0,
                                         int64_t kc1) {
-  constexpr int kUnroll = 4;  // loads issued before the first store: staging is latency-bound otherwise
   constexpr int kSecond = BITS == 2 ? 4 : 8;  // element offset of the run's second half
   union Run { uint4 u; uint32_t w[4]; T e[8]; };
   const int q = threadIdx.x & 3, t = (threadIdx.x >> 2) & 3, step = blockDim.x >> 4;
@@ -531,8 +482,8 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
   // kernel's tail; x is read after that kernel has completed.
   build_table<BITS, T>(table, codebook_lane<BITS>(p.codebook, lane));
   wait_for_primary_grid();
-  stage_x<BITS, T>(static_cast<const T*>(p.x), p.k, m, [](int tok) { return static_cast<int64_t>(tok); }, xs, kc0,
-                   kc1);
+  stage_x<BITS, T, 4>(static_cast<const T*>(p.x), p.k, m, [](int tok) { return static_cast<int64_t>(tok); }, xs,
+                      kc0, kc1);
   __syncthreads();
   if (p.cluster) cluster_arrive_relaxed();  // this CTA has started (waited for before the first remote store)
   else if (items == 0 && !p.balanced) return;  // balanced plans: every warp meets the epilogue's barriers

@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) grouped_gemv_ker
         if (active && ktd < ke) load_tile<BITS>(planes, scales, static_cast<int>(tile_base + ktd), lane, buf[d]);
       }
       __syncthreads();  // the previous pass's / unit's readers are done with xs and red
-      stage_x_rows<BITS, T>(x, p.k, m, row_of, xs, ks, ke);
+      stage_x<BITS, T, 2>(x, p.k, m, row_of, xs, ks, ke);
       __syncthreads();
       if (!active) continue;
       for (int64_t kt = kt0; kt < ke; kt += kDepth * k_warps) {
