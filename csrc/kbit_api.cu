@@ -196,14 +196,14 @@ ClusterCtas cluster_ctas(int device) {
 // memory) is weighed against that choice in K tiles of the busiest warp, plus the x staging
 // (K tiles per KB a CTA stages), plus the reduce kernel of a workspace split-K plan; a cluster
 // plan's K tiles count 0.93 (bandwidth-bound large weights). Fitted to same-session A/B pairs
-// (H100, k = 4, M = 1-16; 4096x14336, 14336x4096, 4096x6144, 2048x5120, 5120x2048), all of which
-// it orders right, e.g. 4096x14336 M = 1 balanced 14.5 us vs cluster 15.1, M = 8 16.7 vs 16.2
-// (64 KB of x per CTA); 5120x2048 M = 4 7.9 vs workspace 8.3, M = 8 9.5 vs 8.3 (80 KB).
-// docs/kernels.md lists them.
+// (H100, k = 4, M = 1-16; 4096x14336, 14336x4096, 4096x6144, 2048x5120, 5120x2048, 4096x4096,
+// 4096x1024), all of which it orders right; the staging weight refitted after stage_x's rewrite:
+// 4096x14336 M = 8 balanced 14.8 us vs cluster 15.5 (64 KB of x per CTA), 5120x2048 M = 8 7.7
+// vs workspace 8.4 (80 KB). docs/kernels.md lists them.
 constexpr double kWorkspaceSplitCost = 1 / 0.95;  // per K tile, against 1 for a single split
 constexpr double kClusterSplitCost = 0.75;
 constexpr int kClusterMinCtaPercent = 85;
-constexpr double kStagingTilesPerKb = 0.046;
+constexpr double kStagingTilesPerKb = 0.02;
 constexpr double kReduceKernelTiles = 3.0;
 constexpr double kClusterTileCost = 0.93;
 #ifndef KBIT_GEMV_BALANCED  // build-time knob for A/B measurements: 0 turns balanced plans off

@@ -134,12 +134,13 @@ PATH_MS = (1, 5, 16, 17, 33, 64, 65, 130, 300)
 GEMV_MODES = {0: "one split or workspace split-K", 1: "cluster split-K", 2: "balanced"}
 # (N, K, M) whose GEMV plans on an H100 take each mode (kbit_gemv_plan), with partial row tiles,
 # K tiles and blocks. Balanced: row tiles cut among a CTA's warps (4100x2040), warps' shares that
-# cross row tiles (6100x4100), M = 4 and 16 (one and two mma token tiles). Cluster split-K: the
-# Llama-3-8B gate/up shape at M = 16 (x does not fit one CTA), and 2000x1000 / 300x700 (8 / 6
-# splits of one K tile). Workspace split-K: 2048x5120 at M = 8 (80 KB of x per CTA if
-# balanced), x of 65 K tiles for 40 rows, and 4100 K at M = 13.
+# cross row tiles (6100x4100), M = 4 and 16 (one and two mma token tiles), 80 KB of x per CTA
+# (2048x5120 at M = 8). Cluster split-K: the Llama-3-8B gate/up shape at M = 16 (x does not fit
+# one CTA), and 2000x1000 / 300x700 (8 / 6 splits of one K tile). Workspace split-K: the
+# Llama-3-8B down shape at M = 8, x of 65 K tiles for 40 rows, and 4100 K at M = 13.
 GEMV_PLAN_CASES = [(4100, 2040, 3), (6100, 4100, 1), (2048, 5120, 4), (5120, 2048, 16), (14336, 4096, 16),
-                   (2048, 5120, 8), (40, 8200, 1), (14336, 4100, 13), (2000, 1000, 1), (300, 700, 16)]
+                   (2048, 5120, 8), (4096, 14336, 8), (40, 8200, 1), (14336, 4100, 13), (2000, 1000, 1),
+                   (300, 700, 16)]
 
 
 def gemv_plan(n: int, k: int, m: int) -> dict:
