@@ -548,12 +548,17 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
       advance_load(buf[(d + kDepth - 1) % kDepth]);
       mma_tile<BITS, T, NT, kAbs>(buf[d], xs2 + kt_rel * 8 * m * 4, NT, g, t, table, lane_word, acc);
       if (++kt_rel == chunk) {
-        take_sums(sent);
-        if (from_start) {
-          scale(sent);
-          if (!p.cluster) store(rt, sent);
-        } else {
+        if (!from_start) {
+          take_sums(sent);  // a balanced plan's head segment: the first of this warp's, so at most one
           sent_head = true;
+        } else if (p.cluster) {
+          take_sums(sent);  // the warp's only row tile
+          scale(sent);
+        } else {
+          float y[NT][4];  // not `sent`: that may hold the head segment of an earlier row tile
+          take_sums(y);
+          scale(y);
+          store(rt, y);
         }
         from_start = true;
         kt_rel = 0;

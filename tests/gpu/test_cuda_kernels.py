@@ -135,12 +135,14 @@ GEMV_MODES = {0: "one split or workspace split-K", 1: "cluster split-K", 2: "bal
 # (N, K, M) whose GEMV plans on an H100 take each mode (kbit_gemv_plan), with partial row tiles,
 # K tiles and blocks. Balanced: row tiles cut among a CTA's warps (4100x2040), warps' shares that
 # cross row tiles (6100x4100), M = 4 and 16 (one and two mma token tiles), 80 KB of x per CTA
-# (2048x5120 at M = 8). Cluster split-K: the Llama-3-8B gate/up shape at M = 16 (x does not fit
-# one CTA), and 2000x1000 / 300x700 (8 / 6 splits of one K tile). Workspace split-K: the
-# Llama-3-8B down shape at M = 8, x of 65 K tiles for 40 rows, and 4100 K at M = 13.
+# (2048x5120 at M = 8), more than 16 row tiles per CTA, so that a warp's share holds a head
+# segment, whole row tiles and a tail (42240x384). Cluster split-K: the Llama-3-8B gate/up shape
+# at M = 16 (x does not fit one CTA), and 2000x1000 / 300x700 (8 / 6 splits of one K tile).
+# Workspace split-K: the Llama-3-8B down shape at M = 8, x of 65 K tiles for 40 rows, and 4100 K
+# at M = 13.
 GEMV_PLAN_CASES = [(4100, 2040, 3), (6100, 4100, 1), (2048, 5120, 4), (5120, 2048, 16), (14336, 4096, 16),
-                   (2048, 5120, 8), (4096, 14336, 8), (40, 8200, 1), (14336, 4100, 13), (2000, 1000, 1),
-                   (300, 700, 16)]
+                   (2048, 5120, 8), (42240, 384, 1), (4096, 14336, 8), (40, 8200, 1), (14336, 4100, 13),
+                   (2000, 1000, 1), (300, 700, 16)]
 
 
 def gemv_plan(n: int, k: int, m: int) -> dict:
@@ -184,6 +186,27 @@ def test_gemv_plan_cases_cover_every_mode():
     modes = {gemv_plan(n, k, m)["mode"] for n, k, m in GEMV_PLAN_CASES}
     want = {0, 1, 2} if torch.cuda.get_device_capability()[0] >= 9 else {0, 2}
     assert want <= modes, {GEMV_MODES[v] for v in modes}
+
+
+def balanced_shares(n: int, plan: dict) -> list[tuple[int, int]]:
+    """(first K tile within its row tile, items) of each warp of the first CTA of a balanced plan,
+    as gemv_kernel computes them."""
+    n_tiles, ctas = -(-n // 16), plan["grid"] // plan["splits"]
+    rows = n_tiles // ctas + (n_tiles % ctas > 0)
+    items = rows * plan["chunk_kt"]
+    begin = [w * items // 16 for w in range(17)]
+    return [(begin[w] % plan["chunk_kt"], begin[w + 1] - begin[w]) for w in range(16)]
+
+
+def test_gemv_plan_cases_cover_balanced_variants():
+    """Among the cases above: a balanced plan whose warp shares hold a head segment and a whole
+    row tile after it (the head must survive that row tile)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the cases are sized for the SM count and shared memory of an sm_90 GPU")
+    plan = gemv_plan(42240, 384, 1)
+    assert plan["mode"] == 2 and plan["splits"] == 1, plan
+    chunk = plan["chunk_kt"]
+    assert any(start > 0 and items >= chunk - start + chunk for start, items in balanced_shares(42240, plan)), plan
 
 
 def test_gemv_plans_keep_workspace_split_k():
