@@ -23,10 +23,11 @@
 // whole range, with no barrier after the staging. Split-K partials go to a float32 workspace
 // that a second kernel reduces in split order (deterministic), or, in plans where each warp has
 // at most one row tile, through distributed shared memory within a thread-block cluster of the
-// splits' CTAs (sm_90+), summed in the same order. Balanced plans (one split) give each CTA a
+// splits' CTAs (sm_90+), summed in the same order. Balanced plans give each CTA of a split a
 // contiguous range of row tiles and its warps equal contiguous shares of that range's (row tile,
 // K tile) items, so no warp walks more than ceil(items / warps) K tiles: a row tile cut between
-// warps is summed in shared memory after the main loop, in warp order.
+// warps is summed in shared memory after the main loop, in warp order (with K splits, into the
+// split's workspace slice).
 #pragma once
 
 #include <type_traits>
@@ -427,12 +428,16 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
   int r0 = 0, cta_items = 0;
   const auto share_begin = [&](int w) { return w * cta_items / kGemvWarps; };
   if (p.balanced) {
-    // The first n_tiles % grid CTAs take one row tile more. Back to back, the CTAs launched last
-    // start last (on the SMs the previous call leaves last), so they are the lighter ones. No
-    // integer division before the first loads, whose latency a CTA that starts late waits on.
-    const int per_cta = p.cta_rows, extra = n_tiles - per_cta * static_cast<int>(gridDim.x);
-    const int rows = per_cta + (static_cast<int>(blockIdx.x) < extra);
-    r0 = static_cast<int>(blockIdx.x) * per_cta + min(static_cast<int>(blockIdx.x), extra);
+    // CTA c of split c % splits is CTA c / splits of that split's grid / splits. The first
+    // n_tiles % (grid / splits) CTAs of a split take one row tile more. Back to back, the CTAs
+    // launched last start last (on the SMs the previous call leaves last), so they are the
+    // lighter ones. One-split plans: no integer division before the first loads, whose latency
+    // a CTA that starts late waits on.
+    const int cta = p.splits == 1 ? static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x / p.splits);
+    const int ctas = p.splits == 1 ? static_cast<int>(gridDim.x) : static_cast<int>(gridDim.x / p.splits);
+    const int per_cta = p.cta_rows, extra = n_tiles - per_cta * ctas;
+    const int rows = per_cta + (cta < extra);
+    r0 = cta * per_cta + min(cta, extra);
     cta_items = rows * chunk;
     const int i0 = share_begin(warp);
     first_tile = r0 + warp * rows / kGemvWarps;  // r0 + i0 / chunk: floor(floor(a / b) / c) = floor(a / (b c))

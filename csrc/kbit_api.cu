@@ -74,7 +74,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 struct GemvPlan {
   int splits, chunk_kt, grid;
   bool cluster;    // split-K through a thread-block cluster (MmParams::cluster)
-  bool balanced;   // one split, equal shares of each CTA's items per warp (MmParams::balanced)
+  bool balanced;   // equal shares of each CTA's items per warp (MmParams::balanced)
   bool abs_table;  // the pair table at a fixed shared-window address (MmParams::abs_table)
 
   // Floats of split-K workspace the plan needs.
@@ -191,21 +191,29 @@ ClusterCtas cluster_ctas(int device) {
 // Measured on H100 (k = 4, Llama-3-8B and hidden-2048 shapes, M = 1 and 16): cluster plans
 // with up to ~1.4x the K tiles of the workspace plan won by 3-11% (4096x14336), those with
 // 1.5-2x lost by 5-11%, and one on 96 of 128 CTAs lost by 7-16% (14336x4096).
-// Where one CTA can stage the activations of all of K, the balanced plan (one split, every
-// CTA, each warp an equal share of its CTA's row tiles' K tiles, cut row tiles summed in shared
-// memory) is weighed against that choice in K tiles of the busiest warp, plus the x staging
-// (K tiles per KB a CTA stages), plus the reduce kernel of a workspace split-K plan; a cluster
-// plan's K tiles count 0.93 (bandwidth-bound large weights). Fitted to same-session A/B pairs
-// (H100, k = 4, M = 1-16; 4096x14336, 14336x4096, 4096x6144, 2048x5120, 5120x2048, 4096x4096,
-// 4096x1024), all of which it orders right; the staging weight refitted after stage_x's rewrite:
-// 4096x14336 M = 8 balanced 14.8 us vs cluster 15.5 (64 KB of x per CTA), 5120x2048 M = 8 7.7
-// vs workspace 8.4 (80 KB). docs/kernels.md lists them.
+// Balanced plans (every CTA of a K split takes a contiguous range of row tiles, each of its
+// warps an equal share of that range's (row tile, K tile) items, cut row tiles summed in shared
+// memory; one split, or `splits` through the workspace) are weighed against that choice in K
+// tiles of the busiest warp, plus the x staging (K tiles per KB a CTA stages), plus for split
+// plans through the workspace the reduce kernel and the float32 partials it reads back (K tiles
+// per MB); a cluster plan's K tiles count 0.95 (bandwidth-bound large weights), and a balanced
+// plan with K splits must win by a margin. Fitted to same-session A/B pairs (H100, k = 4, M =
+// 1-16; 4096x14336, 14336x4096, 4096x6144, 2048x5120, 5120x2048, 4096x4096, 4096x1024), all of
+// which it orders right; the staging weight refitted after stage_x's rewrite: 4096x14336 M = 8
+// balanced 14.8 us vs cluster 15.5 (64 KB of x per CTA), 5120x2048 M = 8 7.7 vs workspace 8.4
+// (80 KB). The K-split balanced plans and the partials weight: 4096x6144 M = 16 12.3 us (4
+// splits, 1.6 MB of partials) vs 13.2 (11 workspace splits, 4.3 MB), 5120x17408 M = 16 26.1 vs
+// 54.3 (40 splits of one K tile, 45 MB); the margin keeps the hidden-2048 plans at M = 10-16,
+// whose balanced plans were 1-3% slower on a near-equal cost. docs/kernels.md lists them.
 constexpr double kWorkspaceSplitCost = 1 / 0.95;  // per K tile, against 1 for a single split
 constexpr double kClusterSplitCost = 0.75;
 constexpr int kClusterMinCtaPercent = 85;
 constexpr double kStagingTilesPerKb = 0.02;
 constexpr double kReduceKernelTiles = 3.0;
-constexpr double kClusterTileCost = 0.93;
+constexpr double kClusterTileCost = 0.95;
+constexpr double kPartialTilesPerMb = 0.25;
+constexpr int64_t kBalancedMaxSplits = 8;
+constexpr double kBalancedSplitMargin = 0.1;
 #ifndef KBIT_GEMV_BALANCED  // build-time knob for A/B measurements: 0 turns balanced plans off
 #define KBIT_GEMV_BALANCED 1
 #endif
@@ -242,21 +250,33 @@ GemvPlan plan_gemv(int64_t m, int64_t n, int64_t k, int sms, const GemvSmem& sme
   if (best_cluster.splits != 0 && best_cluster_cost < best_cost - 1e-9 &&
       best_cluster.grid * 100 >= kClusterMinCtaPercent * best.grid)
     best = best_cluster;
-  if (KBIT_GEMV_BALANCED && k_tiles <= max_chunk) {
+  if (KBIT_GEMV_BALANCED) {
     const auto cost = [&](double tiles, int64_t chunk) {
       return tiles + kStagingTilesPerKb * static_cast<double>(chunk * x_tile) / 1024;
     };
+    // The reduce kernel, and the float32 partials it reads back.
+    const auto sum_splits = [&](int64_t splits) {
+      return splits > 1 ? kReduceKernelTiles + kPartialTilesPerMb * static_cast<double>(splits * m * n * 4) / (1 << 20)
+                        : 0.0;
+    };
     const int64_t per_split = best.grid / best.splits;
     const double tiles = static_cast<double>(ceil_div(n_tiles, per_split * kGemvWarps) * best.chunk_kt);
-    const double chosen = best.cluster ? cost(kClusterTileCost * tiles, best.chunk_kt)
-                                       : cost(tiles, best.chunk_kt) + (best.splits > 1 ? kReduceKernelTiles : 0.0);
-    const int64_t grid = std::min(slots, n_tiles);
-    if (cost(static_cast<double>(ceil_div(ceil_div(n_tiles, grid) * k_tiles, kGemvWarps)), k_tiles) < chosen - 1e-9) {
-      best = GemvPlan{};
-      best.splits = 1;
-      best.chunk_kt = static_cast<int>(k_tiles);
-      best.grid = static_cast<int>(grid);
-      best.balanced = true;
+    double chosen = best.cluster ? cost(kClusterTileCost * tiles, best.chunk_kt)
+                                 : cost(tiles, best.chunk_kt) + sum_splits(best.splits);
+    for (int64_t splits = min_splits; splits <= std::min<int64_t>(k_tiles, kBalancedMaxSplits); ++splits) {
+      const int64_t chunk = ceil_div(k_tiles, splits);
+      if (ceil_div(k_tiles, chunk) != splits || chunk > max_chunk) continue;
+      const int64_t ctas = std::min(slots / splits, n_tiles);  // per split
+      const double c = cost(static_cast<double>(ceil_div(ceil_div(n_tiles, ctas) * chunk, kGemvWarps)), chunk) +
+                       sum_splits(splits);
+      if (c < chosen - (splits > 1 ? kBalancedSplitMargin : 0.0) - 1e-9) {
+        chosen = c;
+        best = GemvPlan{};
+        best.splits = static_cast<int>(splits);
+        best.chunk_kt = static_cast<int>(chunk);
+        best.grid = static_cast<int>(ctas * splits);
+        best.balanced = true;
+      }
     }
   }
   return best;
@@ -550,7 +570,7 @@ int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* bloc
   p.abs_table = plan.abs_table;
   p.cluster = plan.cluster;
   p.balanced = plan.balanced;
-  p.cta_rows = plan.balanced ? static_cast<int>(ceil_div(n, kTileN) / plan.grid) : 0;
+  p.cta_rows = plan.balanced ? static_cast<int>(ceil_div(n, kTileN) / (plan.grid / plan.splits)) : 0;
   call->device = device;
   call->grid = plan.grid;
   return KBIT_OK;

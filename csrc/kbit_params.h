@@ -66,7 +66,7 @@ struct MmParams {
   // first n_tiles % grid CTAs one more, and its warps equal contiguous shares of their (row
   // tile, K tile) items (gemv_kernel.cuh).
   bool balanced;
-  int cta_rows;  // balanced plans: floor(n_tiles / grid), from the host (no division before the first loads)
+  int cta_rows;  // balanced plans: floor(n_tiles / (grid / splits)), from the host (no division before the first loads)
   // wgmma GEMM only: x rewritten into the GEMM's shared-memory stage layout (wgmma_kernel.cuh),
   // the first bytes of the caller's workspace; `workspace` then points past it.
   char* x_perm;

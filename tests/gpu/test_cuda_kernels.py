@@ -136,13 +136,14 @@ GEMV_MODES = {0: "one split or workspace split-K", 1: "cluster split-K", 2: "bal
 # K tiles and blocks. Balanced: row tiles cut among a CTA's warps (4100x2040), warps' shares that
 # cross row tiles (6100x4100), M = 4 and 16 (one and two mma token tiles), 80 KB of x per CTA
 # (2048x5120 at M = 8), more than 16 row tiles per CTA, so that a warp's share holds a head
-# segment, whole row tiles and a tail (42240x384). Cluster split-K: the Llama-3-8B gate/up shape
-# at M = 16 (x does not fit one CTA), and 2000x1000 / 300x700 (8 / 6 splits of one K tile).
-# Workspace split-K: the Llama-3-8B down shape at M = 8, x of 65 K tiles for 40 rows, and 4100 K
-# at M = 13.
+# segment, whole row tiles and a tail (42240x384), and K splits through the workspace (6144x4096
+# at M = 16: 4 splits; 1024x4096 at M = 13: 8; 14336x4100 at M = 13: 3, the last one with a
+# partial K tile). Cluster split-K: the Llama-3-8B gate/up shape at M = 16 (x does not fit one
+# CTA), and 2000x1000 / 300x700 (8 / 6 splits of one K tile). Workspace split-K: the Llama-3-8B
+# down shape at M = 8, and x of 129 K tiles for 40 rows at M = 16.
 GEMV_PLAN_CASES = [(4100, 2040, 3), (6100, 4100, 1), (2048, 5120, 4), (5120, 2048, 16), (14336, 4096, 16),
-                   (2048, 5120, 8), (42240, 384, 1), (4096, 14336, 8), (40, 8200, 1), (14336, 4100, 13),
-                   (2000, 1000, 1), (300, 700, 16)]
+                   (2048, 5120, 8), (42240, 384, 1), (6144, 4096, 16), (1024, 4096, 13), (14336, 4100, 13),
+                   (4096, 14336, 8), (40, 16400, 16), (2000, 1000, 1), (300, 700, 16)]
 
 
 def gemv_plan(n: int, k: int, m: int) -> dict:
@@ -200,18 +201,21 @@ def balanced_shares(n: int, plan: dict) -> list[tuple[int, int]]:
 
 def test_gemv_plan_cases_cover_balanced_variants():
     """Among the cases above: a balanced plan whose warp shares hold a head segment and a whole
-    row tile after it (the head must survive that row tile)."""
+    row tile after it (the head must survive that row tile), and balanced plans with K splits."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the cases are sized for the SM count and shared memory of an sm_90 GPU")
     plan = gemv_plan(42240, 384, 1)
     assert plan["mode"] == 2 and plan["splits"] == 1, plan
     chunk = plan["chunk_kt"]
     assert any(start > 0 and items >= chunk - start + chunk for start, items in balanced_shares(42240, plan)), plan
+    for n, k, m in [(6144, 4096, 16), (1024, 4096, 13), (14336, 4100, 13)]:
+        plan = gemv_plan(n, k, m)
+        assert plan["mode"] == 2 and plan["splits"] > 1, (n, k, m, plan)
 
 
 def test_gemv_plans_keep_workspace_split_k():
     """Plans with more K splits than a cluster holds go through the workspace (and are tested above)."""
-    plan = gemv_plan(40, 8200, 1)
+    plan = gemv_plan(40, 16400, 16)
     assert plan["splits"] > 8 and plan["mode"] == 0, plan
 
 
