@@ -62,9 +62,9 @@ struct MmParams {
   // sum their partials through distributed shared memory: no workspace, no second kernel.
   // Plans where every warp has at most one row tile.
   bool cluster;
-  // GEMV only, one split: each CTA a contiguous range of floor(n_tiles / grid) row tiles, the
-  // first n_tiles % grid CTAs one more, and its warps equal contiguous shares of their (row
-  // tile, K tile) items (gemv_kernel.cuh).
+  // GEMV only: each CTA of a split a contiguous range of floor(n_tiles / (grid / splits)) row
+  // tiles, the first n_tiles % (grid / splits) CTAs one more, and its warps equal contiguous
+  // shares of their (row tile, K tile) items (gemv_kernel.cuh).
   bool balanced;
   int cta_rows;  // balanced plans: floor(n_tiles / (grid / splits)), from the host (no division before the first loads)
   // wgmma GEMM only: x rewritten into the GEMM's shared-memory stage layout (wgmma_kernel.cuh),
