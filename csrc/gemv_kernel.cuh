@@ -26,8 +26,10 @@
 // splits' CTAs (sm_90+), summed in the same order. Balanced plans give each CTA of a split a
 // contiguous range of row tiles and its warps equal contiguous shares of that range's (row tile,
 // K tile) items, so no warp walks more than ceil(items / warps) K tiles: a row tile cut between
-// warps is summed in shared memory after the main loop, in warp order (with K splits, into the
-// split's workspace slice).
+// warps is summed in shared memory after the main loop, in warp order. With K splits the row
+// tile's sum goes to its split's workspace slice or, in a balanced cluster plan (sm_90+, its own
+// kernel instantiation), the splits' CTAs of a row range form a cluster and CTA j % splits of it
+// sums row tile j of the range in split order.
 #pragma once
 
 #include <type_traits>
@@ -389,11 +391,37 @@ __device__ __forceinline__ void stage_x(const T* x, int64_t k, int m, RowOf row_
   }
 }
 
+// The receive slots of cluster plans, after the staged x.
+__device__ __forceinline__ float4* cluster_slots(uint32_t* xs, int chunk_kt, int m) {
+  return reinterpret_cast<float4*>(reinterpret_cast<char*>(xs) + chunk_kt * gemv_x_tile_bytes(m) +
+                                   gemv_x_tail_bytes(m));
+}
+
+// Balanced cluster plans: the scaled sums y of row tile j of the cluster's range go to slot
+// (j / splits, split) of CTA j % splits, which sums them after the last cluster barrier. Before
+// its first send a warp waits for the cluster's CTAs to have started (their arrive after the
+// staging): `waited`.
+template <int NT>
+__device__ __forceinline__ void send_row_tile(float4* slots, int j, int splits, int split, int lane,
+                                              const float (&y)[NT][4], bool& waited) {
+  if (!waited) {
+    cluster_wait();
+    waited = true;
+  }
+  const int to = j % splits;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+    st_cluster(slots + ((j - to + split) * NT + nt) * 32 + lane, to,
+               make_float4(y[nt][0], y[nt][1], y[nt][2], y[nt][3]));
+}
+
 // Persistent, barrier-free after the staging: CTA c serves K split c % splits (its x is staged
 // once) and its warps walk row tiles of that split, each row tile over the whole split, with
 // the plane loads pipelined across row-tile boundaries. A finished row tile goes straight to
-// out (or to its split's workspace slice).
-template <int BITS, typename T, int NT, bool kAbs>
+// out (or to its split's workspace slice). kBalancedCluster: the balanced cluster plans (the
+// host sets `cluster` and `balanced`). Their code lives only in that instantiation: in the
+// others, even unused, it changed the machine code of the main loop, and M = 1 was 1-5% slower.
+template <int BITS, typename T, int NT, bool kAbs, bool kBalancedCluster>
 __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmParams p) {
   constexpr int kDepth = kGemvDepth;
   extern __shared__ float4 smem_f4[];
@@ -539,6 +567,8 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
       for (int e = 0; e < 4; ++e) y[nt][e] *= rs[e >> 1];
   };
 
+  bool waited = false;  // balanced cluster plans: cluster_wait done (send_row_tile)
+
   // Cluster plans: the scaled partials of this warp's (only) row tile. Balanced plans: the
   // unscaled sums of the warp's first segment where it starts inside its row tile (`sent_head`).
   float sent[NT][4];
@@ -556,14 +586,16 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
         if (!from_start) {
           take_sums(sent);  // a balanced plan's head segment: the first of this warp's, so at most one
           sent_head = true;
-        } else if (p.cluster) {
+        } else if (!kBalancedCluster && p.cluster) {
           take_sums(sent);  // the warp's only row tile
           scale(sent);
         } else {
           float y[NT][4];  // not `sent`: that may hold the head segment of an earlier row tile
           take_sums(y);
           scale(y);
-          store(rt, y);
+          if constexpr (kBalancedCluster)
+            send_row_tile(cluster_slots(xs, p.chunk_kt, m), rt - r0, p.splits, split, lane, y, waited);
+          else store(rt, y);
         }
         from_start = true;
         kt_rel = 0;
@@ -606,15 +638,38 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
         }
       }
       scale(y);
-      store(rt, y);
+      if constexpr (kBalancedCluster)
+        send_row_tile(cluster_slots(xs, p.chunk_kt, m), rt - r0, p.splits, split, lane, y, waited);
+      else store(rt, y);
     }
   }
-  if (p.cluster) {
+  if constexpr (kBalancedCluster) {
+    if (!waited) cluster_wait();
+    cluster_arrive();
+    cluster_wait();
+    // Row tiles j % splits == split of the range: the splits' sums in split order (the order of
+    // splitk_reduce_kernel: the same result bits).
+    const int rows = cta_items / chunk;
+    const float4* recv = cluster_slots(xs, p.chunk_kt, m);
+    for (int j = split + warp * p.splits; j < rows; j += kGemvWarps * p.splits) {
+      float y[NT][4] = {};
+      for (int s = 0; s < p.splits; ++s) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const float4 v = recv[((j - split + s) * NT + nt) * 32 + lane];
+          y[nt][0] += v.x;
+          y[nt][1] += v.y;
+          y[nt][2] += v.z;
+          y[nt][3] += v.w;
+        }
+      }
+      store(r0 + j, y);
+    }
+  } else if (p.cluster) {
     // Split-K through distributed shared memory: the warp sends its partials to the slot
     // (warp / splits, split) of cluster CTA warp % splits, whose warp of the same index sums
     // the slots in split order (the order of splitk_reduce_kernel: the same result bits).
-    float4* recv = reinterpret_cast<float4*>(reinterpret_cast<char*>(xs) + p.chunk_kt * gemv_x_tile_bytes(m) +
-                                                 gemv_x_tail_bytes(m));
+    float4* recv = cluster_slots(xs, p.chunk_kt, m);
     const int owner = warp % p.splits, slot0 = warp / p.splits * p.splits;
     cluster_wait();
     if (items > 0) {
@@ -665,14 +720,25 @@ cudaError_t launch_splitk_reduce(const float* ws, void* out, int64_t mn, int spl
   return cudaLaunchKernelEx(&launch.config, splitk_reduce_kernel<T>, ws, static_cast<T*>(out), mn, splits);
 }
 
-template <int BITS, typename T, int NT, bool kAbs>
-cudaError_t launch_gemv_table(const MmParams& p, int grid, cudaStream_t stream) {
-  const int smem = gemv_smem_bytes(static_cast<int>(p.m), p.chunk_kt, kAbs, p.cluster ? p.splits : 0);
-  cudaError_t err = raise_smem_limit<gemv_kernel<BITS, T, NT, kAbs>>(smem);
+template <int BITS, typename T, int NT, bool kAbs, bool kBalancedCluster>
+cudaError_t launch_gemv_kernel(const MmParams& p, int grid, int cluster_slots, cudaStream_t stream) {
+  const int smem = gemv_smem_bytes(static_cast<int>(p.m), p.chunk_kt, kAbs, cluster_slots);
+  cudaError_t err = raise_smem_limit<gemv_kernel<BITS, T, NT, kAbs, kBalancedCluster>>(smem);
   if (err != cudaSuccess) return err;
   const KernelLaunch launch(static_cast<unsigned>(grid), kGemvThreads, smem, stream, p.cluster ? p.splits : 1,
                             use_pdl());
-  err = cudaLaunchKernelEx(&launch.config, gemv_kernel<BITS, T, NT, kAbs>, p);
+  return cudaLaunchKernelEx(&launch.config, gemv_kernel<BITS, T, NT, kAbs, kBalancedCluster>, p);
+}
+
+template <int BITS, typename T, int NT, bool kAbs>
+cudaError_t launch_gemv_table(const MmParams& p, int grid, cudaStream_t stream) {
+  if (p.cluster && p.balanced) {
+    const int ctas = grid / p.splits, n_tiles = static_cast<int>((p.n + kTileN - 1) / kTileN);
+    const int rows = (n_tiles + ctas - 1) / ctas;  // a CTA's row tiles, at most
+    return launch_gemv_kernel<BITS, T, NT, kAbs, true>(p, grid, gemv_balanced_cluster_slots(p.splits, rows), stream);
+  }
+  cudaError_t err = launch_gemv_kernel<BITS, T, NT, kAbs, false>(p, grid, p.cluster ? gemv_cluster_slots(p.splits) : 0,
+                                                                  stream);
   if (err != cudaSuccess || p.splits == 1 || p.cluster) return err;
   return launch_splitk_reduce<T>(p.workspace, p.out, p.m * p.n, p.splits, stream);
 }

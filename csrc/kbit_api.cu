@@ -204,7 +204,13 @@ ClusterCtas cluster_ctas(int device) {
 // (80 KB). The K-split balanced plans and the partials weight: 4096x6144 M = 16 12.3 us (4
 // splits, 1.6 MB of partials) vs 13.2 (11 workspace splits, 4.3 MB), 5120x17408 M = 16 26.1 vs
 // 54.3 (40 splits of one K tile, 45 MB); the margin keeps the hidden-2048 plans at M = 10-16,
-// whose balanced plans were 1-3% slower on a near-equal cost. docs/kernels.md lists them.
+// whose balanced plans were 1-3% slower on a near-equal cost. Balanced cluster plans (sm_90+:
+// the K splits of a row range in one cluster, summed through distributed shared memory; no
+// workspace, no second kernel) cost their K tiles and staging plus a fixed 1.7 K tiles, on at
+// most as many CTAs as run at once as clusters, and replace only plans with K splits: against
+// those they won up to 20% (4096x6144 M = 16 12.4 -> 11.3 us, 8192x1024 M = 16 9.8 -> 7.8),
+// against one-split balanced plans (forced) they lost 5-29% at M = 4-16. The fixed cost is the
+// one that kept every measured cell at least as fast. docs/kernels.md lists them.
 constexpr double kWorkspaceSplitCost = 1 / 0.95;  // per K tile, against 1 for a single split
 constexpr double kClusterSplitCost = 0.75;
 constexpr int kClusterMinCtaPercent = 85;
@@ -214,6 +220,7 @@ constexpr double kClusterTileCost = 0.95;
 constexpr double kPartialTilesPerMb = 0.25;
 constexpr int64_t kBalancedMaxSplits = 8;
 constexpr double kBalancedSplitMargin = 0.1;
+constexpr double kBalancedClusterTiles = 1.7;
 #ifndef KBIT_GEMV_BALANCED  // build-time knob for A/B measurements: 0 turns balanced plans off
 #define KBIT_GEMV_BALANCED 1
 #endif
@@ -276,6 +283,27 @@ GemvPlan plan_gemv(int64_t m, int64_t n, int64_t k, int sms, const GemvSmem& sme
         best.chunk_kt = static_cast<int>(chunk);
         best.grid = static_cast<int>(ctas * splits);
         best.balanced = true;
+      }
+    }
+    // Balanced cluster plans: the K splits of a row range sum through distributed shared memory.
+    for (int64_t splits = std::max<int64_t>(2, min_splits);
+         best.splits > 1 && splits <= std::min<int64_t>(k_tiles, kGemvClusterMax); ++splits) {
+      const int64_t chunk = ceil_div(k_tiles, splits);
+      if (ceil_div(k_tiles, chunk) != splits || chunk > max_chunk || smem.ctas_per_sm != 1) continue;
+      const int64_t ctas = std::min<int64_t>(clusters.ctas[splits] / splits, n_tiles);  // per split
+      if (ctas < 1) continue;
+      const int64_t rows = ceil_div(n_tiles, ctas);
+      const int slots = gemv_balanced_cluster_slots(static_cast<int>(splits), static_cast<int>(rows));
+      if (chunk * x_tile + gemv_slot_bytes(static_cast<int>(m), slots) > smem.x_budget) continue;
+      const double c = cost(static_cast<double>(ceil_div(rows * chunk, kGemvWarps)), chunk) + kBalancedClusterTiles;
+      if (c < chosen - 1e-9) {
+        chosen = c;
+        best = GemvPlan{};
+        best.splits = static_cast<int>(splits);
+        best.chunk_kt = static_cast<int>(chunk);
+        best.grid = static_cast<int>(ctas * splits);
+        best.balanced = true;
+        best.cluster = true;
       }
     }
   }
@@ -618,7 +646,7 @@ int kbit_gemv_plan(int device, int64_t m, int64_t n, int64_t k, int* splits, int
   *splits = plan.splits;
   *chunk_kt = plan.chunk_kt;
   *grid = plan.grid;
-  *mode = plan.cluster ? 1 : plan.balanced ? 2 : 0;
+  *mode = plan.balanced ? (plan.cluster ? 3 : 2) : plan.cluster ? 1 : 0;
   return KBIT_OK;
 }
 

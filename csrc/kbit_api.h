@@ -59,8 +59,8 @@ KBIT_API int kbit_gemm(int device, void* stream, const void* x, int dtype, const
 /* The GEMV's launch plan for this problem on `device` (for tests and benchmarks): K splits,
  * K tiles per split, CTAs, and its mode: 0 one split, or splits summed through a workspace and
  * a second kernel; 1 splits summed through a thread-block cluster; 2 balanced (each warp an
- * equal share of its CTA's items; splits summed through the workspace). Returns KBIT_OK or an
- * error code. */
+ * equal share of its CTA's items; splits summed through the workspace); 3 balanced, the splits
+ * summed through a thread-block cluster. Returns KBIT_OK or an error code. */
 KBIT_API int kbit_gemv_plan(int device, int64_t m, int64_t n, int64_t k, int* splits, int* chunk_kt, int* grid,
                             int* mode);
 

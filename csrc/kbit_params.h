@@ -64,7 +64,8 @@ struct MmParams {
   bool cluster;
   // GEMV only: each CTA of a split a contiguous range of floor(n_tiles / (grid / splits)) row
   // tiles, the first n_tiles % (grid / splits) CTAs one more, and its warps equal contiguous
-  // shares of their (row tile, K tile) items (gemv_kernel.cuh).
+  // shares of their (row tile, K tile) items (gemv_kernel.cuh). With `cluster`, the splits' CTAs
+  // of a row range form a cluster and sum each row tile in one of them.
   bool balanced;
   int cta_rows;  // balanced plans: floor(n_tiles / (grid / splits)), from the host (no division before the first loads)
   // wgmma GEMM only: x rewritten into the GEMM's shared-memory stage layout (wgmma_kernel.cuh),
@@ -126,14 +127,18 @@ constexpr int kGemvTablePad = 64 * 1024;
 // receiving one slot per (such warp, split): 32 lanes x 16 bytes per mma token tile.
 constexpr int kGemvClusterMax = 8;  // portable cluster size
 constexpr int gemv_cluster_slots(int splits) { return splits > 1 ? (kGemvWarps + splits - 1) / splits * splits : 0; }
-constexpr int gemv_cluster_bytes(int m, int splits) { return gemv_cluster_slots(splits) * 32 * 16 * (m <= 8 ? 1 : 2); }
+// Balanced cluster plans: CTA r receives the row tiles j of the cluster's range (at most `rows`)
+// with j % splits == r, one slot per (such row tile, split).
+constexpr int gemv_balanced_cluster_slots(int splits, int rows) { return (rows + splits - 1) / splits * splits; }
+constexpr int gemv_slot_bytes(int m, int slots) { return slots * 32 * 16 * (m <= 8 ? 1 : 2); }
+constexpr int gemv_cluster_bytes(int m, int splits) { return gemv_slot_bytes(m, gemv_cluster_slots(splits)); }
 // Balanced plans: each warp's head segment (32 lanes x 16 bytes per mma token tile), in the
 // pair table's place once the main loop is done.
 static_assert(kGemvWarps * 2 * 32 * 16 <= kGemvTableBytes, "the balanced GEMV's head sums fit the table");
-// cluster_splits: the splits of a cluster plan, else 0.
-constexpr int gemv_smem_bytes(int m, int chunk_kt, bool abs_table = false, int cluster_splits = 0) {
+// cluster_slots: the receive slots of a cluster plan, else 0.
+constexpr int gemv_smem_bytes(int m, int chunk_kt, bool abs_table = false, int cluster_slots = 0) {
   return (abs_table ? kGemvTablePad : 0) + kGemvTableBytes + kGemvScaleBytes + chunk_kt * gemv_x_tile_bytes(m) +
-         gemv_x_tail_bytes(m) + gemv_cluster_bytes(m, cluster_splits);
+         gemv_x_tail_bytes(m) + gemv_slot_bytes(m, cluster_slots);
 }
 // ---- GEMM geometry ----
 // A CTA is kGemmWarps warps, each owning kGemmRowTiles row tiles (16 rows each) and all 8 * NT

@@ -131,19 +131,22 @@ def test_mm_matches_reference(bits, dtype, shape, m):
 
 
 PATH_MS = (1, 5, 16, 17, 33, 64, 65, 130, 300)
-GEMV_MODES = {0: "one split or workspace split-K", 1: "cluster split-K", 2: "balanced"}
+GEMV_MODES = {0: "one split or workspace split-K", 1: "cluster split-K", 2: "balanced",
+              3: "balanced cluster split-K"}
 # (N, K, M) whose GEMV plans on an H100 take each mode (kbit_gemv_plan), with partial row tiles,
 # K tiles and blocks. Balanced: row tiles cut among a CTA's warps (4100x2040), warps' shares that
 # cross row tiles (6100x4100), M = 4 and 16 (one and two mma token tiles), 80 KB of x per CTA
 # (2048x5120 at M = 8), more than 16 row tiles per CTA, so that a warp's share holds a head
-# segment, whole row tiles and a tail (42240x384), and K splits through the workspace (6144x4096
-# at M = 16: 4 splits; 1024x4096 at M = 13: 8; 14336x4100 at M = 13: 3, the last one with a
-# partial K tile). Cluster split-K: the Llama-3-8B gate/up shape at M = 16 (x does not fit one
+# segment, whole row tiles and a tail (42240x384), and 4 K splits through the workspace
+# (17408x5120 at M = 16). Balanced cluster split-K: 6144x4096 at M = 16, 1024x4096 at M = 13,
+# 14336x4100 at M = 13 (2 splits, the last with a partial K tile) and 40x16400 at M = 16 (8
+# splits of 3 CTAs). Cluster split-K: the Llama-3-8B gate/up shape at M = 16 (x does not fit one
 # CTA), and 2000x1000 / 300x700 (8 / 6 splits of one K tile). Workspace split-K: the Llama-3-8B
-# down shape at M = 8, and x of 129 K tiles for 40 rows at M = 16.
+# down shape at M = 8, and x of 129 K tiles for 1000 rows at M = 16.
 GEMV_PLAN_CASES = [(4100, 2040, 3), (6100, 4100, 1), (2048, 5120, 4), (5120, 2048, 16), (14336, 4096, 16),
-                   (2048, 5120, 8), (42240, 384, 1), (6144, 4096, 16), (1024, 4096, 13), (14336, 4100, 13),
-                   (4096, 14336, 8), (40, 16400, 16), (2000, 1000, 1), (300, 700, 16)]
+                   (2048, 5120, 8), (42240, 384, 1), (17408, 5120, 16), (6144, 4096, 16), (1024, 4096, 13),
+                   (14336, 4100, 13), (40, 16400, 16), (4096, 14336, 8), (1000, 16400, 16), (2000, 1000, 1),
+                   (300, 700, 16)]
 
 
 def gemv_plan(n: int, k: int, m: int) -> dict:
@@ -170,7 +173,8 @@ def gpu_packed(n: int, k: int, bits: int, seed: int = 0):
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
 def test_gemv_plan_modes_match_reference(bits, dtype, case):
-    """Every GEMV plan mode (balanced, cluster split-K, workspace split-K) against the reference."""
+    """Every GEMV plan mode (balanced, balanced cluster split-K, cluster split-K, workspace split-K)
+    against the reference."""
     from hf_kbit.backends import cuda as backend
 
     n, k, m = case
@@ -182,10 +186,10 @@ def test_gemv_plan_modes_match_reference(bits, dtype, case):
 
 
 def test_gemv_plan_cases_cover_every_mode():
-    """The cases above take all three modes on an sm_90 GPU (clusters and the shared-memory
+    """The cases above take all four modes on an sm_90 GPU (clusters and the shared-memory
     budget of the H100); elsewhere at least balanced and workspace plans."""
     modes = {gemv_plan(n, k, m)["mode"] for n, k, m in GEMV_PLAN_CASES}
-    want = {0, 1, 2} if torch.cuda.get_device_capability()[0] >= 9 else {0, 2}
+    want = {0, 1, 2, 3} if torch.cuda.get_device_capability()[0] >= 9 else {0, 2}
     assert want <= modes, {GEMV_MODES[v] for v in modes}
 
 
@@ -201,21 +205,22 @@ def balanced_shares(n: int, plan: dict) -> list[tuple[int, int]]:
 
 def test_gemv_plan_cases_cover_balanced_variants():
     """Among the cases above: a balanced plan whose warp shares hold a head segment and a whole
-    row tile after it (the head must survive that row tile), and balanced plans with K splits."""
+    row tile after it (the head must survive that row tile), balanced plans with K splits through
+    the workspace and through clusters."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the cases are sized for the SM count and shared memory of an sm_90 GPU")
     plan = gemv_plan(42240, 384, 1)
     assert plan["mode"] == 2 and plan["splits"] == 1, plan
     chunk = plan["chunk_kt"]
     assert any(start > 0 and items >= chunk - start + chunk for start, items in balanced_shares(42240, plan)), plan
-    for n, k, m in [(6144, 4096, 16), (1024, 4096, 13), (14336, 4100, 13)]:
-        plan = gemv_plan(n, k, m)
-        assert plan["mode"] == 2 and plan["splits"] > 1, (n, k, m, plan)
+    plans = {case: gemv_plan(*case) for case in GEMV_PLAN_CASES}
+    assert any(p["mode"] == 2 and p["splits"] > 1 for p in plans.values()), plans
+    assert sum(p["mode"] == 3 for p in plans.values()) >= 3, plans
 
 
 def test_gemv_plans_keep_workspace_split_k():
     """Plans with more K splits than a cluster holds go through the workspace (and are tested above)."""
-    plan = gemv_plan(40, 16400, 16)
+    plan = gemv_plan(1000, 16400, 16)
     assert plan["splits"] > 8 and plan["mode"] == 0, plan
 
 
@@ -482,12 +487,16 @@ def test_kbit_linear_fast_path_workspace_growth_keeps_captured_graph():
     captured with the smaller one still replays right after the growth."""
     from hf_kbit.backends import cuda as backend
 
+    # 129 K tiles for 63 row tiles: workspace split-K plans at M = 8 and 16 on an H100
+    # (GEMV_PLAN_CASES); the second needs twice the floats.
     small = hf_kbit.KbitLinear.from_linear(
-        torch.nn.Linear(8200, 40, bias=False, device=DEVICE, dtype=torch.bfloat16), bits=2)
+        torch.nn.Linear(16400, 1000, bias=False, device=DEVICE, dtype=torch.bfloat16), bits=2)
     big = hf_kbit.KbitLinear.from_linear(
-        torch.nn.Linear(8200, 3000, bias=False, device=DEVICE, dtype=torch.bfloat16), bits=2)
-    x_small = torch.randn(2, 8200, device=DEVICE, dtype=torch.bfloat16)
-    x_big = torch.randn(16, 8200, device=DEVICE, dtype=torch.bfloat16)
+        torch.nn.Linear(16400, 1000, bias=False, device=DEVICE, dtype=torch.bfloat16), bits=2)
+    x_small = torch.randn(8, 16400, device=DEVICE, dtype=torch.bfloat16)
+    x_big = torch.randn(16, 16400, device=DEVICE, dtype=torch.bfloat16)
+    plans = {m: gemv_plan(1000, 16400, m) for m in (8, 16)}
+    assert all(p["splits"] > 1 and p["mode"] in (0, 2) for p in plans.values()), plans
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     key = (torch.device(DEVICE).index or 0, s.cuda_stream)
@@ -511,7 +520,7 @@ def test_kbit_linear_fast_path_workspace_growth_keeps_captured_graph():
     with torch.inference_mode():
         assert torch.equal(captured, small(x_small))
         assert torch.equal(got_big, torch.ops.kbit.mm(x_big, big.planes, big.block_scales, big.row_scales,
-                                                      big.codebook, 8200))
+                                                      big.codebook, 16400))
 
 
 def test_kbit_linear_fast_path_cuda_graph_capture():
