@@ -270,20 +270,22 @@ GemvPlan plan_gemv(int64_t m, int64_t n, int64_t k, int sms, const GemvSmem& sme
     const double tiles = static_cast<double>(ceil_div(n_tiles, per_split * kGemvWarps) * best.chunk_kt);
     double chosen = best.cluster ? cost(kClusterTileCost * tiles, best.chunk_kt)
                                  : cost(tiles, best.chunk_kt) + sum_splits(best.splits);
+    const auto take_balanced = [&](double c, int64_t splits, int64_t chunk, int64_t ctas_per_split, bool cluster) {
+      chosen = c;
+      best = GemvPlan{};
+      best.splits = static_cast<int>(splits);
+      best.chunk_kt = static_cast<int>(chunk);
+      best.grid = static_cast<int>(ctas_per_split * splits);
+      best.balanced = true;
+      best.cluster = cluster;
+    };
     for (int64_t splits = min_splits; splits <= std::min<int64_t>(k_tiles, kBalancedMaxSplits); ++splits) {
       const int64_t chunk = ceil_div(k_tiles, splits);
       if (ceil_div(k_tiles, chunk) != splits || chunk > max_chunk) continue;
       const int64_t ctas = std::min(slots / splits, n_tiles);  // per split
       const double c = cost(static_cast<double>(ceil_div(ceil_div(n_tiles, ctas) * chunk, kGemvWarps)), chunk) +
                        sum_splits(splits);
-      if (c < chosen - (splits > 1 ? kBalancedSplitMargin : 0.0) - 1e-9) {
-        chosen = c;
-        best = GemvPlan{};
-        best.splits = static_cast<int>(splits);
-        best.chunk_kt = static_cast<int>(chunk);
-        best.grid = static_cast<int>(ctas * splits);
-        best.balanced = true;
-      }
+      if (c < chosen - (splits > 1 ? kBalancedSplitMargin : 0.0) - 1e-9) take_balanced(c, splits, chunk, ctas, false);
     }
     // Balanced cluster plans: the K splits of a row range sum through distributed shared memory.
     for (int64_t splits = std::max<int64_t>(2, min_splits);
@@ -293,18 +295,10 @@ GemvPlan plan_gemv(int64_t m, int64_t n, int64_t k, int sms, const GemvSmem& sme
       const int64_t ctas = std::min<int64_t>(clusters.ctas[splits] / splits, n_tiles);  // per split
       if (ctas < 1) continue;
       const int64_t rows = ceil_div(n_tiles, ctas);
-      const int slots = gemv_balanced_cluster_slots(static_cast<int>(splits), static_cast<int>(rows));
-      if (chunk * x_tile + gemv_slot_bytes(static_cast<int>(m), slots) > smem.x_budget) continue;
+      const int recv_slots = gemv_balanced_cluster_slots(static_cast<int>(splits), static_cast<int>(rows));
+      if (chunk * x_tile + gemv_slot_bytes(static_cast<int>(m), recv_slots) > smem.x_budget) continue;
       const double c = cost(static_cast<double>(ceil_div(rows * chunk, kGemvWarps)), chunk) + kBalancedClusterTiles;
-      if (c < chosen - 1e-9) {
-        chosen = c;
-        best = GemvPlan{};
-        best.splits = static_cast<int>(splits);
-        best.chunk_kt = static_cast<int>(chunk);
-        best.grid = static_cast<int>(ctas * splits);
-        best.balanced = true;
-        best.cluster = true;
-      }
+      if (c < chosen - 1e-9) take_balanced(c, splits, chunk, ctas, true);
     }
   }
   return best;
