@@ -60,7 +60,7 @@ struct MmParams {
   bool abs_table;
   // GEMV only (sm_90+): the `splits` CTAs of a row-tile group form a thread-block cluster and
   // sum their partials through distributed shared memory: no workspace, no second kernel.
-  // Plans where every warp has at most one row tile.
+  // Plans where every warp has at most one row tile, or balanced plans (`balanced`).
   bool cluster;
   // GEMV only: each CTA of a split a contiguous range of floor(n_tiles / (grid / splits)) row
   // tiles, the first n_tiles % (grid / splits) CTAs one more, and its warps equal contiguous
