@@ -648,6 +648,67 @@ def _cuda_graph_step_seconds(step: GreedyDecodeStep, steps: int, repeats: int, w
     return statistics.median(times), matches
 
 
+# Kernel groups of the decode-step breakdown, by where a kernel comes from (its demangled name). First match
+# wins: hf_kbit's own kernels (namespace kbit::, whose names may hold "gemv") before cuBLAS's, and inductor's
+# Triton kernels (named after the ops they fuse, e.g. "..._scaled_dot_product_cudnn_attention_...") before
+# the attention kernels proper (cuDNN's or flash SDPA).
+KERNEL_GROUPS = (
+    ("kbit", ("kbit::",)),
+    ("cublas", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "splitkreduce", "cublas")),
+    ("triton", ("triton",)),
+    ("attention", ("sdpa", "flash", "fmha", "attention")),
+)
+
+
+def kernel_group(name: str) -> str:
+    """The KERNEL_GROUPS group of a CUDA kernel name, or "other" (e.g. torch's own elementwise kernels)."""
+    lowered = name.lower()
+    for group, fragments in KERNEL_GROUPS:
+        if any(f in lowered for f in fragments):
+            return group
+    return "other"
+
+
+def kernel_breakdown(kernels: list[tuple[str, float]], steps: int, top: int = 8) -> dict[str, Any]:
+    """Per-step device time of ``kernels`` ((name, microseconds) for every launch over ``steps`` steps).
+
+    Returns ``us_per_step`` and ``kernels_per_step`` by kernel group (all groups, zeros included),
+    ``total_us_per_step``, and ``top``: the ``top`` kernel names by time, each with its group and
+    microseconds per step.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    groups = [g for g, _ in KERNEL_GROUPS] + ["other"]
+    us, count, by_name = dict.fromkeys(groups, 0.0), dict.fromkeys(groups, 0), {}
+    for name, t in kernels:
+        group = kernel_group(name)
+        us[group] += t / steps
+        count[group] += 1
+        by_name[name] = by_name.get(name, 0.0) + t / steps
+    names = sorted(by_name, key=by_name.get, reverse=True)[:top]
+    return {"us_per_step": us, "kernels_per_step": {g: n / steps for g, n in count.items()},
+            "total_us_per_step": sum(us.values()),
+            "top": [{"kernel": n, "group": kernel_group(n), "us_per_step": by_name[n]} for n in names]}
+
+
+def _profile_step_kernels(step: GreedyDecodeStep, steps: int) -> list[tuple[str, float]]:
+    """(name, microseconds) of every CUDA kernel that ``steps`` calls of ``step`` launch (CUPTI, torch.profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    step.rewind()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    cuda = torch.autograd.DeviceType.CUDA
+    kernels = [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == cuda]
+    if not kernels:
+        raise RuntimeError("kernel breakdown: torch.profiler recorded no CUDA kernel for the decode steps")
+    return kernels
+
+
 def measure_graph_step(
     model,
     batch: int,
@@ -657,6 +718,7 @@ def measure_graph_step(
     repeats: int = 3,
     steps_per_graph: int = 16,
     warmup: int = 2,
+    breakdown: bool = False,
 ) -> dict[str, Any]:
     """Device time of one greedy decode step (``batch`` sequences, one token each), without ``generate``'s host work.
 
@@ -667,7 +729,11 @@ def measure_graph_step(
     run eagerly, timed by wall clock (a smoke test of the pipeline). Medians over ``repeats`` after ``warmup``.
     ``graph_replay_tokens_match`` (CUDA only, else None): the fraction of sequences whose replay ends on
     the token that the same steps, compiled but not captured, reached (see _cuda_graph_step_seconds).
+    ``breakdown`` (CUDA only): also ``graph_kernel_breakdown``, where the step's device time goes
+    (kernel_breakdown of the same compiled steps, profiled outside the graph), else None.
     """
+    if breakdown and not device.startswith("cuda"):
+        raise ValueError(f"the kernel breakdown profiles CUDA kernels; device is {device!r}")
     if steps_per_graph < 1:
         raise ValueError(f"steps_per_graph must be >= 1, got {steps_per_graph}")
     if new_tokens < 1:
@@ -682,5 +748,6 @@ def measure_graph_step(
         step_s, matches = _cuda_graph_step_seconds(step, steps, repeats, warmup)
     else:
         step_s = _eager_step_seconds(step, steps, repeats, warmup)
+    split = kernel_breakdown(_profile_step_kernels(step, steps), steps) if breakdown else None
     return {"graph_step_ms": 1000 * step_s, "graph_decode_tok_s": batch / step_s, "graph_steps": steps,
-            "graph_replay_tokens_match": matches}
+            "graph_replay_tokens_match": matches, "graph_kernel_breakdown": split}

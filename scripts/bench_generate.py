@@ -20,6 +20,10 @@ Two decode numbers, reported side by side:
   what a serving engine that captures its decode step in a CUDA graph sees; tokens/s = batch /
   step time. ``--no-graph-step`` skips it.
 
+``--kernel-breakdown`` (CUDA) adds where the graph step's device time goes: the same compiled steps,
+profiled outside the graph with torch.profiler, summed per step by kernel origin (hf_kbit's kernels,
+cuBLAS, attention, inductor's Triton kernels, other), with the largest kernels by name.
+
 On CPU both run eagerly, for a smoke test of the pipeline only (the kbit CPU forward is the reference).
 
     python scripts/bench_generate.py --preset llama3-8b                       # H100
@@ -172,12 +176,16 @@ def run(
     graph_step: bool = True,
     steps_per_graph: int = 16,
     quantize_lm_head: bool = False,
+    kernel_breakdown: bool = False,
     log=print,
 ) -> dict[str, Any]:
     import torch
 
     if graph_step and steps_per_graph < 1:
         raise ValueError(f"--steps-per-graph must be >= 1, got {steps_per_graph}")
+    if kernel_breakdown and not (graph_step and device.startswith("cuda")):
+        raise ValueError(f"--kernel-breakdown profiles the graph step's CUDA kernels: it needs a CUDA device and "
+                         f"the graph step, got device {device!r}, graph step {'on' if graph_step else 'off'}")
 
     config = make_config(preset, layers)
     full_layers = PRESETS[preset]["num_hidden_layers"]
@@ -208,11 +216,12 @@ def run(
             for r in rows:
                 r["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         for r in rows:
-            keys = ("graph_step_ms", "graph_decode_tok_s", "graph_replay_tokens_match")
+            keys = ("graph_step_ms", "graph_decode_tok_s", "graph_replay_tokens_match", "graph_kernel_breakdown")
             g = dict.fromkeys(keys)
             if graph_step:
                 g = common.measure_graph_step(
-                    model, r["batch"], prompt_len, new_tokens, device, repeats, steps_per_graph
+                    model, r["batch"], prompt_len, new_tokens, device, repeats, steps_per_graph,
+                    breakdown=kernel_breakdown,
                 )
                 log(f"{info['variant']:>6} batch {r['batch']}: graph step {g['graph_step_ms']:.2f} ms "
                     f"({g['graph_decode_tok_s']:.1f} tok/s), {g['graph_steps']} steps per replay")
@@ -235,6 +244,7 @@ def run(
             "timing": "cuda_graph_events" if device.startswith("cuda") else "eager_wall_clock",
             "compiled": device.startswith("cuda"),
             "steps_per_graph": min(steps_per_graph, new_tokens),
+            "kernel_breakdown": kernel_breakdown,
         },
         "setup": {"prompt_len": prompt_len, "new_tokens": new_tokens, "batch_sizes": list(batch_sizes), "repeats": repeats},
         "results": results,
@@ -284,6 +294,19 @@ def render_table(payload: dict[str, Any]) -> str:
     return common.format_table(headers, rows)
 
 
+def render_breakdown(payload: dict[str, Any]) -> str:
+    """Microseconds per graph step by kernel group (rows measured with --kernel-breakdown only)."""
+    groups = [g for g, _ in common.KERNEL_GROUPS] + ["other"]
+    rows = []
+    for r in payload["results"]:
+        split = r.get("graph_kernel_breakdown")
+        if split:
+            rows.append([r["variant"], r["batch"], 1000 * r["graph_step_ms"], split["total_us_per_step"],
+                         *(split["us_per_step"][g] for g in groups), sum(split["kernels_per_step"].values())])
+    headers = ["variant", "batch", "graph us/step", "kernels us/step", *(f"{g} us" for g in groups), "kernels/step"]
+    return common.format_table(headers, rows) if rows else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="llama3-8b", help=f"one of {', '.join(PRESETS)} (default llama3-8b)")
@@ -300,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip the graph step (compiled decode step replayed in a CUDA graph)")
     parser.add_argument("--steps-per-graph", type=int, default=16,
                         help="graph step: chained decode steps per CUDA graph (default 16, at most --new-tokens)")
+    parser.add_argument("--kernel-breakdown", action="store_true",
+                        help="CUDA: profile the graph step's kernels and report device time per step by origin")
     parser.add_argument("--quantize-lm-head", action="store_true",
                         help="quantize the LM head too (default: it stays bf16, as in quantize-on-load)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
@@ -318,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         args.preset, bits_list, device, dtype, args.layers, batch_sizes, args.prompt_len, args.new_tokens,
         args.repeats, static_compile=False if args.no_compile else None, include_bf16=not args.no_bf16,
         graph_step=not args.no_graph_step, steps_per_graph=args.steps_per_graph,
-        quantize_lm_head=args.quantize_lm_head,
+        quantize_lm_head=args.quantize_lm_head, kernel_breakdown=args.kernel_breakdown,
     )
     payload["command"] = common.command_line()
     payload["environment"] = common.environment()
@@ -334,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
         how = f"compiled, {g['steps_per_graph']} steps per CUDA graph" if g["compiled"] else "eager, wall clock"
         print(f"graph step: one greedy decode step without generate()'s host work ({how})")
     print(render_table(payload))
+    if breakdown := render_breakdown(payload):
+        print("\ngraph step device time by kernel origin (profiled outside the graph, microseconds per step)")
+        print(breakdown)
     if payload["checks"]:
         print(f"\nacceptance (kbit4 batch 1 >= 2.5x bf16): {payload['checks']}")
     print(f"\nwrote {out}")

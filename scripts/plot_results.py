@@ -178,6 +178,30 @@ def perplexity_markdown(p: dict[str, Any]) -> str:
     ])
 
 
+def breakdown_markdown(p: dict[str, Any]) -> str:
+    """The graph step's device time by kernel origin (``--kernel-breakdown`` rows), or "" when not measured."""
+    rows = [r for r in p["results"] if r.get("graph_kernel_breakdown")]
+    if not rows:
+        return ""
+    groups = list(rows[0]["graph_kernel_breakdown"]["us_per_step"])
+    table = common.format_table(
+        ["variant", "batch", "graph step us", "kernels us", *(f"{g} us" for g in groups), "kernels"],
+        [[r["variant"], r["batch"], f"{1000 * r['graph_step_ms']:.0f}",
+          f"{r['graph_kernel_breakdown']['total_us_per_step']:.0f}",
+          *(f"{r['graph_kernel_breakdown']['us_per_step'][g]:.0f}" for g in groups),
+          f"{sum(r['graph_kernel_breakdown']['kernels_per_step'].values()):.0f}"] for r in rows])
+    return "\n".join([
+        "Where the graph step's device time goes (`--kernel-breakdown`): the same compiled steps launched outside "
+        "the graph under torch.profiler, kernel durations summed per step by origin: kbit (hf_kbit's kernels), "
+        "cublas (cuBLAS GEMMs and GEMVs: the bf16 layers and LM head), triton (inductor's fused kernels: norms, "
+        "rotary, KV-cache writes, SiLU, residual adds, argmax), attention (the SDPA kernel), other (torch's own). "
+        "Outside the graph a programmatic dependent launch starts before its predecessor ends and its duration "
+        "counts that wait, so the kernel sum can exceed the graph step.",
+        "",
+        table,
+    ])
+
+
 def bench_markdown(p: dict[str, Any]) -> str:
     graph = any(r.get("graph_decode_tok_s") for r in p["results"])
 
@@ -219,6 +243,8 @@ def bench_markdown(p: dict[str, Any]) -> str:
                       f"{head} Replay check (sequences whose last replayed token equals the uncaptured compiled "
                       f"steps'): {matches}. Random-weight logits are nearly flat, so a rounding difference under "
                       "capture most likely flips a near-tie, and the chain carries it on."]
+    if breakdown := breakdown_markdown(p):
+        lines += ["", breakdown]
     lines += ["", "Prefill: one eager forward over the prompts (not compiled, no cache), host dispatch included; "
                   "at batch 1 it follows the host's speed more than the kernels'."]
     unq = {r["unquantized_expert_params"] for r in p["results"] if r["bits"]}

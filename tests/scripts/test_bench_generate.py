@@ -86,7 +86,10 @@ def test_run_reports_graph_step_beside_generate(payload):
         assert r["graph_decode_tok_s"] == pytest.approx(r["batch"] * 1000 / r["graph_step_ms"])
         assert r["graph_replay_tokens_match"] is None  # a CUDA-graph check; the CPU runs the steps eagerly
     assert payload["results"][0]["graph_decode_speedup_vs_bf16"] == 1.0
-    assert payload["graph_step"] == {"timing": "eager_wall_clock", "compiled": False, "steps_per_graph": 4}
+    assert payload["graph_step"] == {"timing": "eager_wall_clock", "compiled": False, "steps_per_graph": 4,
+                                     "kernel_breakdown": False}
+    assert all(r["graph_kernel_breakdown"] is None for r in payload["results"])
+    assert bench.render_breakdown(payload) == ""
     assert payload["checks"] == {}  # the acceptance bar applies to Llama-3-8B on CUDA only
     table = bench.render_table(payload)
     assert "| graph tok/s | graph ms/step | graph x bf16 |" in table and "| kbit4 |" in table
@@ -134,3 +137,43 @@ def test_acceptance_shows_generate_and_graph_speedups():
 def test_cli_names_a_bad_steps_per_graph():
     with pytest.raises(ValueError, match="--steps-per-graph must be >= 1, got 0"):
         bench.main(["--preset", "tiny-llama", "--device", "cpu", "--steps-per-graph", "0"])
+
+
+@pytest.mark.parametrize("name, group", [
+    ("void kbit::gemv_kernel<__nv_bfloat16, 4, 0>(kbit::MmParams)", "kbit"),  # holds "gemv", is still ours
+    ("void kbit::splitk_reduce_kernel<__nv_bfloat16>(float const*, __nv_bfloat16*, long, int)", "kbit"),
+    ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "cublas"),
+    ("void gemv2T_kernel_val<int, int, __nv_bfloat16, __nv_bfloat16, float, 128, 16, 4, 4, false>(...)", "cublas"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64", "cublas"),
+    ("void pytorch_flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128, 64, 128, 4>>(Flash_fwd_params)",
+     "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16_knob_3_64x64x128_4x1x1_cga1x1x1_kernel0_0",
+     "attention"),
+    ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0", "triton"),
+    ("triton_poi_fused__scaled_dot_product_cudnn_attention__to_copy_add_cat_1", "triton"),  # fused around SDPA
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<long>>(int, ...)", "other"),
+])
+def test_kernel_group_by_origin(name, group):
+    assert common.kernel_group(name) == group
+
+
+def test_kernel_breakdown_sums_per_step():
+    kernels = [("void kbit::gemv_kernel<a>", 10.0), ("triton_poi_fused_add_0", 2.0), ("void kbit::gemv_kernel<a>", 12.0),
+               ("nvjet_tst_x", 6.0), ("void at::native::reduce_kernel<b>", 1.0), ("triton_poi_fused_add_0", 3.0)]
+    split = common.kernel_breakdown(kernels, steps=2, top=2)
+    assert split["us_per_step"] == {"kbit": 11.0, "cublas": 3.0, "triton": 2.5, "attention": 0.0, "other": 0.5}
+    assert split["kernels_per_step"] == {"kbit": 1.0, "cublas": 0.5, "triton": 1.0, "attention": 0.0, "other": 0.5}
+    assert split["total_us_per_step"] == pytest.approx(17.0)
+    assert split["top"] == [{"kernel": "void kbit::gemv_kernel<a>", "group": "kbit", "us_per_step": 11.0},
+                            {"kernel": "nvjet_tst_x", "group": "cublas", "us_per_step": 3.0}]
+    with pytest.raises(ValueError, match="steps must be >= 1, got 0"):
+        common.kernel_breakdown(kernels, steps=0)
+
+
+def test_kernel_breakdown_needs_cuda_and_the_graph_step():
+    kwargs = dict(layers=1, batch_sizes=(1,), prompt_len=4, new_tokens=2, repeats=1, log=lambda *_: None)
+    with pytest.raises(ValueError, match="--kernel-breakdown .* needs a CUDA device and the graph step, got device 'cpu'"):
+        bench.run("tiny-llama", [4], "cpu", torch.bfloat16, kernel_breakdown=True, **kwargs)
+    model = tiny_model(torch.float32)
+    with pytest.raises(ValueError, match="the kernel breakdown profiles CUDA kernels; device is 'cpu'"):
+        common.measure_graph_step(model, 1, PROMPT_LEN, 2, "cpu", breakdown=True)
