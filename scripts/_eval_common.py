@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -669,12 +670,22 @@ def kernel_group(name: str) -> str:
     return "other"
 
 
-def kernel_breakdown(kernels: list[tuple[str, float]], steps: int, top: int = 8) -> dict[str, Any]:
-    """Per-step device time of ``kernels`` ((name, microseconds) for every launch over ``steps`` steps).
+def _is_kbit_call_kernel(name: str) -> bool:
+    """One per kbit::mm call: hf_kbit's GEMV or GEMM kernel, not a split-K reduce or the GEMM's x rewrite."""
+    return "kbit::" in name and "reduce" not in name and "wgmma_x_kernel" not in name
+
+
+def kernel_breakdown(
+    kernels: list[tuple[str, float]], steps: int, top: int = 8, kbit_calls: list[str] | None = None
+) -> dict[str, Any]:
+    """Per-step device time of ``kernels`` ((name, microseconds) for every launch over ``steps`` steps, in order).
 
     Returns ``us_per_step`` and ``kernels_per_step`` by kernel group (all groups, zeros included),
-    ``total_us_per_step``, and ``top``: the ``top`` kernel names by time, each with its group and
-    microseconds per step.
+    ``total_us_per_step``, ``top``: the ``top`` kernel names by time, each with its group and
+    microseconds per step, and ``kbit_us_by_module``: given ``kbit_calls`` (the KbitLinear names one
+    step calls, in order: kbit_call_order), the mean duration of each module's GEMV/GEMM kernel, layers
+    pooled ("model.layers.N.mlp.up_proj"), in call order; None without ``kbit_calls`` or when the kernels
+    do not pair one to one with the calls.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
@@ -686,13 +697,48 @@ def kernel_breakdown(kernels: list[tuple[str, float]], steps: int, top: int = 8)
         count[group] += 1
         by_name[name] = by_name.get(name, 0.0) + t / steps
     names = sorted(by_name, key=by_name.get, reverse=True)[:top]
+    by_module = None
+    calls = [t for name, t in kernels if _is_kbit_call_kernel(name)]
+    if kbit_calls and len(calls) == steps * len(kbit_calls):
+        pooled: dict[str, list[float]] = {}
+        for i, t in enumerate(calls):
+            pooled.setdefault(re.sub(r"\.\d+\.", ".N.", kbit_calls[i % len(kbit_calls)]), []).append(t)
+        by_module = {module: sum(ts) / len(ts) for module, ts in pooled.items()}
     return {"us_per_step": us, "kernels_per_step": {g: n / steps for g, n in count.items()},
             "total_us_per_step": sum(us.values()),
-            "top": [{"kernel": n, "group": kernel_group(n), "us_per_step": by_name[n]} for n in names]}
+            "top": [{"kernel": n, "group": kernel_group(n), "us_per_step": by_name[n]} for n in names],
+            "kbit_us_by_module": by_module}
+
+
+def kbit_module_summary(split: dict[str, Any]) -> str:
+    """``kbit_us_by_module`` of a kernel_breakdown as text ("self_attn.q_proj 8.4, ..." microseconds per call),
+    or "" when it was not measured."""
+    by_module = split.get("kbit_us_by_module") or {}
+    layer_prefix = re.compile(r"^.*\.N\.")
+    return ", ".join(f"{layer_prefix.sub('', module)} {us:.1f}" for module, us in by_module.items())
+
+
+def kbit_call_order(step: GreedyDecodeStep) -> list[str]:
+    """Names of the KbitLinear modules that one call of ``step`` runs, in call order (forward hooks, one
+    eager step; rewinds before and after)."""
+    import hf_kbit
+
+    order: list[str] = []
+    hooks = [module.register_forward_hook(lambda *_, name=name: order.append(name))
+             for name, module in step.model.named_modules() if isinstance(module, hf_kbit.KbitLinear)]
+    try:
+        step.rewind()
+        step()
+    finally:
+        for hook in hooks:
+            hook.remove()
+        step.rewind()
+    return order
 
 
 def _profile_step_kernels(step: GreedyDecodeStep, steps: int) -> list[tuple[str, float]]:
-    """(name, microseconds) of every CUDA kernel that ``steps`` calls of ``step`` launch (CUPTI, torch.profiler)."""
+    """(name, microseconds) of every CUDA kernel that ``steps`` calls of ``step`` launch, in start order
+    (CUPTI, through torch.profiler)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -703,7 +749,8 @@ def _profile_step_kernels(step: GreedyDecodeStep, steps: int) -> list[tuple[str,
             step()
         torch.cuda.synchronize()
     cuda = torch.autograd.DeviceType.CUDA
-    kernels = [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == cuda]
+    events = sorted((e for e in prof.events() if e.device_type == cuda), key=lambda e: e.time_range.start)
+    kernels = [(e.name, e.time_range.elapsed_us()) for e in events]
     if not kernels:
         raise RuntimeError("kernel breakdown: torch.profiler recorded no CUDA kernel for the decode steps")
     return kernels
@@ -730,7 +777,8 @@ def measure_graph_step(
     ``graph_replay_tokens_match`` (CUDA only, else None): the fraction of sequences whose replay ends on
     the token that the same steps, compiled but not captured, reached (see _cuda_graph_step_seconds).
     ``breakdown`` (CUDA only): also ``graph_kernel_breakdown``, where the step's device time goes
-    (kernel_breakdown of the same compiled steps, profiled outside the graph), else None.
+    (kernel_breakdown of the same compiled steps, profiled outside the graph, with the time of each
+    KbitLinear), else None.
     """
     if breakdown and not device.startswith("cuda"):
         raise ValueError(f"the kernel breakdown profiles CUDA kernels; device is {device!r}")
@@ -744,10 +792,11 @@ def measure_graph_step(
     ids = random_prompt(model.config.get_text_config().vocab_size, batch, prompt_len, device)
     step = GreedyDecodeStep(model, ids, prompt_len + new_tokens)
     matches = None
+    calls = kbit_call_order(step) if breakdown else None  # eager, before the forward is compiled
     if device.startswith("cuda"):
         step_s, matches = _cuda_graph_step_seconds(step, steps, repeats, warmup)
     else:
         step_s = _eager_step_seconds(step, steps, repeats, warmup)
-    split = kernel_breakdown(_profile_step_kernels(step, steps), steps) if breakdown else None
+    split = kernel_breakdown(_profile_step_kernels(step, steps), steps, kbit_calls=calls) if breakdown else None
     return {"graph_step_ms": 1000 * step_s, "graph_decode_tok_s": batch / step_s, "graph_steps": steps,
             "graph_replay_tokens_match": matches, "graph_kernel_breakdown": split}

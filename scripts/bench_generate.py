@@ -362,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     if breakdown := render_breakdown(payload):
         print("\ngraph step device time by kernel origin (profiled outside the graph, microseconds per step)")
         print(breakdown)
+        for r in payload["results"]:
+            if r.get("graph_kernel_breakdown") and (modules := common.kbit_module_summary(r["graph_kernel_breakdown"])):
+                print(f"{r['variant']} batch {r['batch']}, us per call of each KbitLinear's kernel: {modules}")
     if payload["checks"]:
         print(f"\nacceptance (kbit4 batch 1 >= 2.5x bf16): {payload['checks']}")
     print(f"\nwrote {out}")

@@ -190,6 +190,10 @@ def breakdown_markdown(p: dict[str, Any]) -> str:
           f"{r['graph_kernel_breakdown']['total_us_per_step']:.0f}",
           *(f"{r['graph_kernel_breakdown']['us_per_step'][g]:.0f}" for g in groups),
           f"{sum(r['graph_kernel_breakdown']['kernels_per_step'].values()):.0f}"] for r in rows])
+    modules = [f"{r['variant']} batch {r['batch']}: {text}" for r in rows
+               if (text := common.kbit_module_summary(r["graph_kernel_breakdown"]))]
+    per_module = ("", "Each KbitLinear's GEMV/GEMM kernel, microseconds per call (mean over layers and steps, "
+                      "same profile): " + "; ".join(modules) + ".") if modules else ()
     return "\n".join([
         "Where the graph step's device time goes (`--kernel-breakdown`): the same compiled steps launched outside "
         "the graph under torch.profiler, kernel durations summed per step by origin: kbit (hf_kbit's kernels), "
@@ -199,6 +203,7 @@ def breakdown_markdown(p: dict[str, Any]) -> str:
         "counts that wait, so the kernel sum can exceed the graph step.",
         "",
         table,
+        *per_module,
     ])
 
 

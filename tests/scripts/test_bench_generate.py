@@ -177,3 +177,27 @@ def test_kernel_breakdown_needs_cuda_and_the_graph_step():
     model = tiny_model(torch.float32)
     with pytest.raises(ValueError, match="the kernel breakdown profiles CUDA kernels; device is 'cpu'"):
         common.measure_graph_step(model, 1, PROMPT_LEN, 2, "cpu", breakdown=True)
+
+
+def test_kbit_call_order_names_the_kbit_linears_in_forward_order():
+    model = tiny_model(torch.float32, bits=4)
+    prompt = common.random_prompt(model.config.vocab_size, 1, PROMPT_LEN, "cpu")
+    step = common.GreedyDecodeStep(model, prompt, PROMPT_LEN + 3)
+    per_layer = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    layers = model.config.num_hidden_layers
+    assert common.kbit_call_order(step) == [f"model.layers.{i}.{m}" for i in range(layers) for m in per_layer]
+    assert step.position.item() == PROMPT_LEN  # rewound: the step is unchanged
+    assert not any(m._forward_hooks for m in model.modules())  # the hooks are gone
+    assert common.kbit_call_order(common.GreedyDecodeStep(tiny_model(torch.float32), prompt, PROMPT_LEN + 3)) == []
+
+
+def test_kernel_breakdown_pools_each_module_over_layers():
+    calls = ["model.layers.0.q", "model.layers.0.mlp", "model.layers.1.q", "model.layers.1.mlp"]
+    gemv, reduce = "void kbit::gemv_kernel<4>", "void kbit::splitk_reduce_kernel<bf16>"
+    kernels = [(gemv, 4.0), ("triton_a", 1.0), (gemv, 10.0), (reduce, 2.0), (gemv, 6.0), (gemv, 12.0)] * 2
+    split = common.kernel_breakdown(kernels, steps=2, kbit_calls=calls)
+    assert split["kbit_us_by_module"] == {"model.layers.N.q": 5.0, "model.layers.N.mlp": 11.0}  # reduce: not a call
+    assert common.kbit_module_summary(split) == "q 5.0, mlp 11.0"
+    assert common.kernel_breakdown(kernels, steps=2)["kbit_us_by_module"] is None
+    assert common.kernel_breakdown(kernels, steps=2, kbit_calls=calls[:3])["kbit_us_by_module"] is None  # 8 vs 6
