@@ -438,7 +438,6 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
   }
   uint32_t* xs = reinterpret_cast<uint32_t*>(table + kGemvTableBytes + kGemvScaleBytes);
   const int m = static_cast<int>(p.m);
-  allow_dependent_launch();
 
   // 32-bit tile arithmetic: the host guarantees n_tiles * k_tiles * BITS * 64 < 2^31.
   const int split = p.splits == 1 ? 0 : static_cast<int>(blockIdx.x % p.splits);
@@ -512,9 +511,11 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
   // A programmatic dependent launch (KBIT_PDL): everything above reads only the packed weight
   // and its codebook, copied in or written by the quantize kernel, which fences its stores
   // (quantize_kernel.cuh), so the plane loads, row scales and table build overlap the previous
-  // kernel's tail; x is read after that kernel has completed.
+  // kernel's tail; x is read after that kernel has completed. The next kernel may launch only
+  // after the wait (kbit_common.cuh).
   build_table<BITS, T>(table, codebook_lane<BITS>(p.codebook, lane));
   wait_for_primary_grid();
+  allow_dependent_launch();
   stage_x<BITS, T, 4>(static_cast<const T*>(p.x), p.k, m, [](int tok) { return static_cast<int64_t>(tok); }, xs,
                       kc0, kc1);
   __syncthreads();

@@ -52,10 +52,16 @@ template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, f
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// Programmatic dependent launch (sm_90+): a split-K kernel lets its reduce kernel launch early
-// (launch_dependents at its start), and the reduce waits in griddepcontrol.wait until the split-K
-// grid has completed and its writes are visible, so the reduce's launch latency overlaps the
-// split-K kernel's tail. Elsewhere both are no-ops and the launch is an ordinary one.
+// Programmatic dependent launch (sm_90+): a kernel lets the next one launch early
+// (launch_dependents), and the next waits in griddepcontrol.wait until this grid has completed
+// and its writes are visible, so the next kernel's launch latency and prologue overlap this
+// kernel's tail. Elsewhere both are no-ops and the launch is an ordinary one.
+// A kernel launched as a programmatic dependent calls launch_dependents only after its own
+// griddepcontrol.wait: then a launch implies that every earlier kernel of the stream has
+// completed, which other programmatic dependents may rely on. Inductor's Triton kernels
+// (TORCHINDUCTOR_ENABLE_PDL=1) do: they wait only before touching the previous kernel's buffers
+// and read older ones at once. A kernel launched the ordinary way (the mma.sync GEMM) may call it
+// at its start.
 __device__ __forceinline__ void allow_dependent_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

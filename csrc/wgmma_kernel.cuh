@@ -145,8 +145,8 @@ __device__ __forceinline__ void store_x_groups(char* stage, int atom_bytes, int 
 template <int BITS, typename T>
 __global__ void __launch_bounds__(256) wgmma_x_kernel(const T* x, int64_t m, int64_t k, int k_tiles, int nb,
                                                       int64_t tokens_padded, char* x_perm) {
-  allow_dependent_launch();
   wait_for_primary_grid();  // a programmatic dependent launch (KBIT_PDL): x may be the previous kernel's output
+  allow_dependent_launch();
   const int block_tokens = nb * kWgmmaTokens;
   const bool vec_ok = (k % 8 == 0) && (reinterpret_cast<uintptr_t>(x) % 16 == 0);
   const int64_t total = tokens_padded * k_tiles * 4;
@@ -196,7 +196,6 @@ __global__ void __launch_bounds__(kWgmmaThreads, wgmma_ctas_per_sm(NB)) wgmma_ge
   const uint32_t slots_addr = static_cast<uint32_t>(__cvta_generic_to_shared(slots));
   // Dynamic shared memory starts after the reserved 1 KB (no static shared memory here).
   if (slots_addr & 1023u) __trap();  // the swizzle atoms need 1 KB alignment
-  allow_dependent_launch();
 
   const int k_tiles = static_cast<int>((p.k + kTileK - 1) / kTileK), n_tiles = static_cast<int>((p.n + kTileN - 1) / kTileN);
   const int kt0 = blockIdx.z * p.chunk_kt;
@@ -236,6 +235,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, wgmma_ctas_per_sm(NB)) wgmma_ge
     cp_async_commit();
   };
   wait_for_primary_grid();  // x_perm is written by wgmma_x_kernel
+  allow_dependent_launch();
 #pragma unroll
   for (int j = 0; j < kParts; ++j) load_part(j);
 

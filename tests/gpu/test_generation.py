@@ -268,3 +268,38 @@ def test_static_cache_compiled_decode_matches_eager(kbit_model, reference_model,
     assert_greedy_within_near_ties(tokens, ref_logits, "compiled static-cache decode")
     rel = float((logits - ref_logits).norm() / ref_logits.norm())
     assert rel < LOGITS_REL_TOL, f"compiled logits differ from the reference by {rel:.4f} (relative L2)"
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+    reason="programmatic dependent launch needs sm_90+",
+)
+def test_compiled_decode_with_inductor_pdl_matches_eager(kbit_model, reference_model, prompt, eager_run):
+    """With TORCHINDUCTOR_ENABLE_PDL=1 inductor's Triton kernels launch as programmatic dependents and
+    read buffers older than the previous kernel's without waiting: right only if every such kernel,
+    the kbit GEMVs and GEMMs included, lets the next launch after its own wait (kbit_common.cuh).
+    Same tokens as eager, up to near-ties; a race would not show on every run, so this is the
+    functional check of that configuration, not a proof."""
+    from transformers import CompileConfig
+
+    triton_config = torch._inductor.config.triton
+    if not hasattr(triton_config, "enable_pdl"):
+        pytest.skip("this torch's inductor has no triton.enable_pdl")
+
+    def fresh_compile():
+        torch._dynamo.reset()
+        kbit_model.__dict__.pop("_compiled_call", None)  # generate() compiles again, under the current config
+
+    eager_tokens, eager_logits = eager_run
+    fresh_compile()
+    try:
+        with torch._inductor.config.patch({"triton.enable_pdl": True}):
+            tokens, logits = _greedy(
+                kbit_model, prompt, cache_implementation="static", compile_config=CompileConfig(fullgraph=True)
+            )
+    finally:
+        fresh_compile()
+    assert_same_until_near_tie(tokens, eager_tokens, eager_logits, "compiled decode with inductor PDL vs eager")
+    ref_logits = _teacher_forced(reference_model, prompt, tokens)
+    rel = float((logits - ref_logits).norm() / ref_logits.norm())
+    assert rel < LOGITS_REL_TOL, f"logits with inductor PDL differ from the reference by {rel:.4f} (relative L2)"
