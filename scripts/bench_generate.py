@@ -20,6 +20,10 @@ Two decode numbers, reported side by side:
   what a serving engine that captures its decode step in a CUDA graph sees; tokens/s = batch /
   step time. ``--no-graph-step`` skips it.
 
+With ``TORCHINDUCTOR_ENABLE_PDL=1`` in the environment inductor's Triton kernels launch as programmatic
+dependents (sm_90+), so the kernels around them overlap their launch and prologue; the JSON records it
+(``inductor_pdl``).
+
 ``--kernel-breakdown`` (CUDA) adds where the graph step's device time goes: the same compiled steps,
 profiled outside the graph with torch.profiler, summed per step by kernel origin (hf_kbit's kernels,
 cuBLAS, attention, inductor's Triton kernels, other), with the largest kernels by name.
@@ -229,6 +233,8 @@ def run(
         reset_compiled(model)
         del model
     add_speedups(results)
+    import torch._inductor.config as inductor_config
+
     payload = {
         "schema": SCHEMA,
         "preset": preset,
@@ -240,6 +246,8 @@ def run(
         "compute_dtype": common.dtype_name(dtype),
         "static_cache_and_compile": static_compile,
         "lm_head_quantized": quantize_lm_head,
+        # TORCHINDUCTOR_ENABLE_PDL=1: inductor's Triton kernels launch as programmatic dependents (None: no such config)
+        "inductor_pdl": getattr(inductor_config.triton, "enable_pdl", None),
         "graph_step": None if not graph_step else {
             "timing": "cuda_graph_events" if device.startswith("cuda") else "eager_wall_clock",
             "compiled": device.startswith("cuda"),
@@ -345,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         graph_step=not args.no_graph_step, steps_per_graph=args.steps_per_graph,
         quantize_lm_head=args.quantize_lm_head, kernel_breakdown=args.kernel_breakdown,
     )
-    payload["command"] = common.command_line()
+    env = "TORCHINDUCTOR_ENABLE_PDL=1 " if payload["inductor_pdl"] else ""  # it changes what is timed
+    payload["command"] = env + common.command_line()
     payload["environment"] = common.environment()
     head = "_lmhead" if args.quantize_lm_head else ""
     out = args.out or f"results/bench_generate_{args.preset}_{device.split(':')[0]}{head}.json"

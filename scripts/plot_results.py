@@ -225,9 +225,12 @@ def bench_markdown(p: dict[str, Any]) -> str:
         headers += ["graph-step tok/s", "ms/step", "x bf16"]
     headers.append("prefill tok/s")
     how = "static KV cache + torch.compile" if p["static_cache_and_compile"] else "eager, dynamic cache"
+    if p.get("inductor_pdl"):
+        how += " (TORCHINDUCTOR_ENABLE_PDL=1)"
     lines = [
         f"### {p['model']}: {p['layers']} of {p['layers_full']} layers, random weights"
         + (", LM head quantized" if p.get("lm_head_quantized") else "")
+        + (", inductor PDL" if p.get("inductor_pdl") else "")
         + f"; k = {', '.join(str(b) for b in sorted({r['bits'] for r in p['results'] if r['bits']}))}"
         + f"; batch {', '.join(str(b) for b in sorted({r['batch'] for r in p['results']}))}",
         "",
