@@ -280,10 +280,10 @@ def test_compiled_decode_with_inductor_pdl_matches_eager(kbit_model, reference_m
     the kbit GEMVs and GEMMs included, lets the next launch after its own wait (kbit_common.cuh).
     Same tokens as eager, up to near-ties; a race would not show on every run, so this is the
     functional check of that configuration, not a proof."""
+    import torch._inductor.config as inductor_config
     from transformers import CompileConfig
 
-    triton_config = torch._inductor.config.triton
-    if not hasattr(triton_config, "enable_pdl"):
+    if not hasattr(inductor_config.triton, "enable_pdl"):
         pytest.skip("this torch's inductor has no triton.enable_pdl")
 
     def fresh_compile():
@@ -293,7 +293,7 @@ def test_compiled_decode_with_inductor_pdl_matches_eager(kbit_model, reference_m
     eager_tokens, eager_logits = eager_run
     fresh_compile()
     try:
-        with torch._inductor.config.patch({"triton.enable_pdl": True}):
+        with inductor_config.patch({"triton.enable_pdl": True}):
             tokens, logits = _greedy(
                 kbit_model, prompt, cache_implementation="static", compile_config=CompileConfig(fullgraph=True)
             )
