@@ -659,6 +659,7 @@ KERNEL_GROUPS = (
     ("triton", ("triton",)),
     ("attention", ("sdpa", "flash", "fmha", "attention")),
 )
+KERNEL_GROUP_NAMES = tuple(g for g, _ in KERNEL_GROUPS) + ("other",)
 
 
 def kernel_group(name: str) -> str:
@@ -689,8 +690,7 @@ def kernel_breakdown(
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    groups = [g for g, _ in KERNEL_GROUPS] + ["other"]
-    us, count, by_name = dict.fromkeys(groups, 0.0), dict.fromkeys(groups, 0), {}
+    us, count, by_name = dict.fromkeys(KERNEL_GROUP_NAMES, 0.0), dict.fromkeys(KERNEL_GROUP_NAMES, 0), {}
     for name, t in kernels:
         group = kernel_group(name)
         us[group] += t / steps
@@ -708,6 +708,21 @@ def kernel_breakdown(
             "total_us_per_step": sum(us.values()),
             "top": [{"kernel": n, "group": kernel_group(n), "us_per_step": by_name[n]} for n in names],
             "kbit_us_by_module": by_module}
+
+
+def kernel_breakdown_table(results: list[dict[str, Any]]) -> str:
+    """Markdown table of the graph step's microseconds per step by kernel group, one row per result measured
+    with a breakdown (``graph_kernel_breakdown``); "" when none was."""
+    rows = []
+    for r in results:
+        split = r.get("graph_kernel_breakdown")
+        if split:
+            rows.append([r["variant"], r["batch"], f"{1000 * r['graph_step_ms']:.0f}",
+                         f"{split['total_us_per_step']:.0f}",
+                         *(f"{split['us_per_step'][g]:.0f}" for g in KERNEL_GROUP_NAMES),
+                         f"{sum(split['kernels_per_step'].values()):.0f}"])
+    headers = ["variant", "batch", "graph step us", "kernels us", *(f"{g} us" for g in KERNEL_GROUP_NAMES), "kernels"]
+    return format_table(headers, rows) if rows else ""
 
 
 def kbit_module_summary(split: dict[str, Any]) -> str:

@@ -26,7 +26,8 @@ dependents (sm_90+), so the kernels around them overlap their launch and prologu
 
 ``--kernel-breakdown`` (CUDA) adds where the graph step's device time goes: the same compiled steps,
 profiled outside the graph with torch.profiler, summed per step by kernel origin (hf_kbit's kernels,
-cuBLAS, attention, inductor's Triton kernels, other), with the largest kernels by name.
+cuBLAS, attention, inductor's Triton kernels, other), the largest kernels by name (JSON) and each
+KbitLinear's kernel time per call.
 
 On CPU both run eagerly, for a smoke test of the pipeline only (the kbit CPU forward is the reference).
 
@@ -302,19 +303,6 @@ def render_table(payload: dict[str, Any]) -> str:
     return common.format_table(headers, rows)
 
 
-def render_breakdown(payload: dict[str, Any]) -> str:
-    """Microseconds per graph step by kernel group (rows measured with --kernel-breakdown only)."""
-    groups = [g for g, _ in common.KERNEL_GROUPS] + ["other"]
-    rows = []
-    for r in payload["results"]:
-        split = r.get("graph_kernel_breakdown")
-        if split:
-            rows.append([r["variant"], r["batch"], 1000 * r["graph_step_ms"], split["total_us_per_step"],
-                         *(split["us_per_step"][g] for g in groups), sum(split["kernels_per_step"].values())])
-    headers = ["variant", "batch", "graph us/step", "kernels us/step", *(f"{g} us" for g in groups), "kernels/step"]
-    return common.format_table(headers, rows) if rows else ""
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="llama3-8b", help=f"one of {', '.join(PRESETS)} (default llama3-8b)")
@@ -332,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps-per-graph", type=int, default=16,
                         help="graph step: chained decode steps per CUDA graph (default 16, at most --new-tokens)")
     parser.add_argument("--kernel-breakdown", action="store_true",
-                        help="CUDA: profile the graph step's kernels and report device time per step by origin")
+                        help="CUDA: profile the graph step's kernels; device time per step by origin and per KbitLinear")
     parser.add_argument("--quantize-lm-head", action="store_true",
                         help="quantize the LM head too (default: it stays bf16, as in quantize-on-load)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
@@ -368,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         how = f"compiled, {g['steps_per_graph']} steps per CUDA graph" if g["compiled"] else "eager, wall clock"
         print(f"graph step: one greedy decode step without generate()'s host work ({how})")
     print(render_table(payload))
-    if breakdown := render_breakdown(payload):
+    if breakdown := common.kernel_breakdown_table(payload["results"]):
         print("\ngraph step device time by kernel origin (profiled outside the graph, microseconds per step)")
         print(breakdown)
         for r in payload["results"]:

@@ -180,16 +180,10 @@ def perplexity_markdown(p: dict[str, Any]) -> str:
 
 def breakdown_markdown(p: dict[str, Any]) -> str:
     """The graph step's device time by kernel origin (``--kernel-breakdown`` rows), or "" when not measured."""
-    rows = [r for r in p["results"] if r.get("graph_kernel_breakdown")]
-    if not rows:
+    table = common.kernel_breakdown_table(p["results"])
+    if not table:
         return ""
-    groups = list(rows[0]["graph_kernel_breakdown"]["us_per_step"])
-    table = common.format_table(
-        ["variant", "batch", "graph step us", "kernels us", *(f"{g} us" for g in groups), "kernels"],
-        [[r["variant"], r["batch"], f"{1000 * r['graph_step_ms']:.0f}",
-          f"{r['graph_kernel_breakdown']['total_us_per_step']:.0f}",
-          *(f"{r['graph_kernel_breakdown']['us_per_step'][g]:.0f}" for g in groups),
-          f"{sum(r['graph_kernel_breakdown']['kernels_per_step'].values()):.0f}"] for r in rows])
+    rows = [r for r in p["results"] if r.get("graph_kernel_breakdown")]
     modules = [f"{r['variant']} batch {r['batch']}: {text}" for r in rows
                if (text := common.kbit_module_summary(r["graph_kernel_breakdown"]))]
     per_module = ("", "Each KbitLinear's GEMV/GEMM kernel, microseconds per call (mean over layers and steps, "

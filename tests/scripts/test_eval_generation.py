@@ -106,7 +106,8 @@ def test_bench_markdown_shows_the_kernel_breakdown():
     graph_us = 1000 * payload["results"][1]["graph_step_ms"]
     assert f"| kbit4 | 1 | {graph_us:.0f} | 3300 | 2400 | 380 | 520 | 0 | 0 | 3 |" in text
     assert "| bf16 | 1 |" not in text.split("--kernel-breakdown")[1]  # rows without a breakdown are left out
-    assert "microseconds per call (mean over layers and steps, same profile): kbit4 batch 1: mlp.down_proj 2400.0." in text
+    per_call = "microseconds per call (mean over layers and steps, same profile): kbit4 batch 1: mlp.down_proj 2400.0."
+    assert per_call in text
 
 
 def test_bench_plot_one_batch_size_and_names(tmp_path):
