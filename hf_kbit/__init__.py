@@ -9,7 +9,7 @@ from . import _lib
 from ._register import register
 from .config import KbitConfig
 from .format import FORMAT_VERSION, SUPPORTED_BITS
-from .nn import KbitExperts, KbitLinear, quantize_model
+from .nn import KbitExperts, KbitLinear, fuse_projections, quantize_model, unfuse_projections
 
 __version__ = "0.1.0"
 
@@ -24,6 +24,8 @@ __all__ = [
     "KbitConfig",
     "KbitExperts",
     "KbitLinear",
+    "fuse_projections",
     "quantize_model",
     "register",
+    "unfuse_projections",
 ]

@@ -36,6 +36,10 @@ class KbitConfig(QuantizationConfigMixin):
             pattern (``re.search``, first match wins) uses those bits instead of ``bits``.
         format_version: version of the packed format; a checkpoint newer than this library
             is refused.
+        fuse_projections: after loading, run sibling projections that read the same input
+            (``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``) as one kbit launch
+            each (:func:`hf_kbit.nn.fuse_projections`); a runtime choice, the checkpoint's
+            tensors are the same either way.
     """
 
     def __init__(
@@ -45,6 +49,7 @@ class KbitConfig(QuantizationConfigMixin):
         modules_to_not_convert: list[str] | None = None,
         module_bits: dict[str, int] | None = None,
         format_version: int = fmt.FORMAT_VERSION,
+        fuse_projections: bool = True,
         **kwargs: Any,
     ):
         self.quant_method = QUANT_METHOD
@@ -53,6 +58,7 @@ class KbitConfig(QuantizationConfigMixin):
         self.modules_to_not_convert = modules_to_not_convert
         self.module_bits = dict(module_bits) if module_bits else {}
         self.format_version = format_version
+        self.fuse_projections = fuse_projections
         kwargs.pop("quant_method", None)
         for key, value in _FORMAT_FACTS.items():
             if kwargs.pop(key, value) != value:
@@ -63,7 +69,7 @@ class KbitConfig(QuantizationConfigMixin):
 
     @staticmethod
     def _fields() -> list[str]:
-        return ["bits", "codebook", "modules_to_not_convert", "module_bits", "format_version"]
+        return ["bits", "codebook", "modules_to_not_convert", "module_bits", "format_version", "fuse_projections"]
 
     def post_init(self) -> None:
         """Validate every field; errors name the field, the expectation and the value."""
@@ -94,6 +100,8 @@ class KbitConfig(QuantizationConfigMixin):
             raise TypeError(
                 f"KbitConfig.modules_to_not_convert must be a list of module names, got {self.modules_to_not_convert!r}"
             )
+        if not isinstance(self.fuse_projections, bool):
+            raise TypeError(f"KbitConfig.fuse_projections must be a bool, got {self.fuse_projections!r}")
         if not isinstance(self.format_version, int) or self.format_version < 1:
             raise ValueError(f"KbitConfig.format_version must be a positive int, got {self.format_version!r}")
         if self.format_version > fmt.FORMAT_VERSION:
@@ -117,6 +125,7 @@ class KbitConfig(QuantizationConfigMixin):
             "modules_to_not_convert": self.modules_to_not_convert,
             "module_bits": dict(self.module_bits),
             "format_version": self.format_version,
+            "fuse_projections": self.fuse_projections,
             **_FORMAT_FACTS,
         }
 

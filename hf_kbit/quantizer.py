@@ -13,6 +13,7 @@ from . import checkpoint
 from .config import KbitConfig
 from .format import make_codebook
 from .nn.experts import KbitExperts, quantize_experts_on_load, replace_experts_with_kbit, replace_kbit_experts_with_float
+from .nn.fused import fuse_projections
 from .nn.linear import COMPUTE_DTYPES, FORMAT_TENSORS, KbitLinear, quantize_weight
 from .nn.replace import replace_kbit_with_linear, replace_linear_with_kbit
 
@@ -76,6 +77,8 @@ class KbitHfQuantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model, **kwargs: Any):
         checkpoint.validate_loaded(model)
+        if self.quantization_config.fuse_projections:
+            fuse_projections(model)
         return model
 
     def _dequantize(self, model, dtype=None):

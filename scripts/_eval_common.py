@@ -683,8 +683,8 @@ def kernel_breakdown(
 
     Returns ``us_per_step`` and ``kernels_per_step`` by kernel group (all groups, zeros included),
     ``total_us_per_step``, ``top``: the ``top`` kernel names by time, each with its group and
-    microseconds per step, and ``kbit_us_by_module``: given ``kbit_calls`` (the KbitLinear names one
-    step calls, in order: kbit_call_order), the mean duration of each module's GEMV/GEMM kernel, layers
+    microseconds per step, and ``kbit_us_by_module``: given ``kbit_calls`` (the kbit modules that launch
+    in one step, in order: kbit_call_order), the mean duration of each module's GEMV/GEMM kernel, layers
     pooled ("model.layers.N.mlp.up_proj"), in call order; None without ``kbit_calls`` or when the kernels
     do not pair one to one with the calls.
     """
@@ -734,13 +734,19 @@ def kbit_module_summary(split: dict[str, Any]) -> str:
 
 
 def kbit_call_order(step: GreedyDecodeStep) -> list[str]:
-    """Names of the KbitLinear modules that one call of ``step`` runs, in call order (forward hooks, one
-    eager step; rewinds before and after)."""
+    """Names of the kbit modules that launch a kernel in one call of ``step``, in call order (forward hooks,
+    one eager step; rewinds before and after): KbitLinear, or the KbitFusedProjections (``qkv_proj``) that
+    serves its fused members."""
     import hf_kbit
+
+    def launches(module) -> bool:
+        if isinstance(module, hf_kbit.KbitLinear):
+            return module.fused_into is None
+        return isinstance(module, hf_kbit.nn.KbitFusedProjections)
 
     order: list[str] = []
     hooks = [module.register_forward_hook(lambda *_, name=name: order.append(name))
-             for name, module in step.model.named_modules() if isinstance(module, hf_kbit.KbitLinear)]
+             for name, module in step.model.named_modules() if launches(module)]
     try:
         step.rewind()
         step()

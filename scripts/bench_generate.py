@@ -6,6 +6,9 @@ downloaded) with random weights, so any architecture size can be timed without a
 time. Every variant is built from the same seed; kbit variants are quantized in memory with
 ``hf_kbit.quantize_model``. The LM head stays bf16, as in quantize-on-load, unless
 ``--quantize-lm-head`` (then it takes the same k; the JSON records ``lm_head_quantized``).
+Sibling projections that read the same input (q/k/v, gate/up) run as one kbit launch each, as
+``KbitConfig(fuse_projections=True)`` (the default) does; ``--no-fuse-projections`` launches
+every projection on its own (the JSON records ``fused_projections``).
 
 Two decode numbers, reported side by side:
 
@@ -27,7 +30,7 @@ dependents (sm_90+), so the kernels around them overlap their launch and prologu
 ``--kernel-breakdown`` (CUDA) adds where the graph step's device time goes: the same compiled steps,
 profiled outside the graph with torch.profiler, summed per step by kernel origin (hf_kbit's kernels,
 cuBLAS, attention, inductor's Triton kernels, other), the largest kernels by name (JSON) and each
-KbitLinear's kernel time per call.
+kbit module's kernel time per call (a fused ``qkv_proj`` / ``gate_up_proj`` for its members).
 
 On CPU both run eagerly, for a smoke test of the pipeline only (the kbit CPU forward is the reference).
 
@@ -150,11 +153,12 @@ def unquantized_expert_params(model) -> int:
     return sum(p.numel() for name, p in model.named_parameters() if p.dim() == 3 and ".experts." in f".{name}")
 
 
-def quantize(model, bits: int, lm_head: bool = False):
+def quantize(model, bits: int, lm_head: bool = False, fuse_projections: bool = True):
     import hf_kbit
 
     skip = [] if lm_head else ["lm_head"]
-    return hf_kbit.quantize_model(model, hf_kbit.KbitConfig(bits=bits), modules_to_not_convert=skip)
+    config = hf_kbit.KbitConfig(bits=bits, fuse_projections=fuse_projections)
+    return hf_kbit.quantize_model(model, config, modules_to_not_convert=skip)
 
 
 def reset_compiled(model=None) -> None:
@@ -182,6 +186,7 @@ def run(
     steps_per_graph: int = 16,
     quantize_lm_head: bool = False,
     kernel_breakdown: bool = False,
+    fuse_projections: bool = True,
     log=print,
 ) -> dict[str, Any]:
     import torch
@@ -207,7 +212,7 @@ def run(
         if bits is None:
             info.update({"bits_per_weight": 16.0, "quantized_fraction": 0.0})
         else:
-            model = quantize(model, bits, lm_head=quantize_lm_head)
+            model = quantize(model, bits, lm_head=quantize_lm_head, fuse_projections=fuse_projections)
             info.update(common.kbit_summary(model))
         info["unquantized_expert_params"] = unquantized_expert_params(model) if bits is not None else None
         info["setup_seconds"] = round(time.perf_counter() - start, 1)
@@ -247,6 +252,7 @@ def run(
         "compute_dtype": common.dtype_name(dtype),
         "static_cache_and_compile": static_compile,
         "lm_head_quantized": quantize_lm_head,
+        "fused_projections": fuse_projections,  # q/k/v and gate/up as one kbit launch each
         # TORCHINDUCTOR_ENABLE_PDL=1: inductor's Triton kernels launch as programmatic dependents (None: no such config)
         "inductor_pdl": getattr(inductor_config.triton, "enable_pdl", None),
         "graph_step": None if not graph_step else {
@@ -323,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="CUDA: profile the graph step's kernels; device time per step by origin and per KbitLinear")
     parser.add_argument("--quantize-lm-head", action="store_true",
                         help="quantize the LM head too (default: it stays bf16, as in quantize-on-load)")
+    parser.add_argument("--no-fuse-projections", action="store_true",
+                        help="launch q/k/v and gate/up separately (default: one fused launch each, as KbitConfig's default)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
     parser.add_argument("--dtype", default="bf16", help="compute dtype (default bf16)")
     parser.add_argument("--out", default=None, help="JSON path (default: results/bench_generate_<preset>_<device>.json)")
@@ -340,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats, static_compile=False if args.no_compile else None, include_bf16=not args.no_bf16,
         graph_step=not args.no_graph_step, steps_per_graph=args.steps_per_graph,
         quantize_lm_head=args.quantize_lm_head, kernel_breakdown=args.kernel_breakdown,
+        fuse_projections=not args.no_fuse_projections,
     )
     env = "TORCHINDUCTOR_ENABLE_PDL=1 " if payload["inductor_pdl"] else ""  # it changes what is timed
     payload["command"] = env + common.command_line()
@@ -361,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         print(breakdown)
         for r in payload["results"]:
             if r.get("graph_kernel_breakdown") and (modules := common.kbit_module_summary(r["graph_kernel_breakdown"])):
-                print(f"{r['variant']} batch {r['batch']}, us per call of each KbitLinear's kernel: {modules}")
+                print(f"{r['variant']} batch {r['batch']}, us per call of each kbit module's kernel: {modules}")
     if payload["checks"]:
         print(f"\nacceptance (kbit4 batch 1 >= 2.5x bf16): {payload['checks']}")
     print(f"\nwrote {out}")

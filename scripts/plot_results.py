@@ -225,6 +225,7 @@ def bench_markdown(p: dict[str, Any]) -> str:
         f"### {p['model']}: {p['layers']} of {p['layers_full']} layers, random weights"
         + (", LM head quantized" if p.get("lm_head_quantized") else "")
         + (", inductor PDL" if p.get("inductor_pdl") else "")
+        + (", fused q/k/v and gate/up" if p.get("fused_projections") else "")
         + f"; k = {', '.join(str(b) for b in sorted({r['bits'] for r in p['results'] if r['bits']}))}"
         + f"; batch {', '.join(str(b) for b in sorted({r['batch'] for r in p['results']}))}",
         "",
@@ -237,6 +238,9 @@ def bench_markdown(p: dict[str, Any]) -> str:
         steps = p["graph_step"]["steps_per_graph"]
         head = ("The kbit variants' LM head is quantized too, with the same k." if p.get("lm_head_quantized")
                 else "The LM head stays bf16 in both.")
+        if p.get("fused_projections"):
+            head += (" The kbit variants run q/k/v and gate/up as one kbit launch each "
+                     "(`KbitConfig(fuse_projections=True)`, the default).")
         matches = ", ".join(f"{r['variant']} batch {r['batch']} {r['graph_replay_tokens_match']:.0%}"
                             for r in p["results"] if r.get("graph_replay_tokens_match") is not None)
         lines += ["", "generate(): `model.generate` decode tokens/s, prefill subtracted; it includes generate's host "

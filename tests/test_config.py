@@ -10,7 +10,9 @@ from hf_kbit.format import FORMAT_VERSION
 
 
 def test_defaults_and_json_roundtrip():
-    cfg = KbitConfig(bits=3, codebook="nf", module_bits={r"mlp\.down_proj": 5}, modules_to_not_convert=["lm_head"])
+    cfg = KbitConfig(
+        bits=3, codebook="nf", module_bits={r"mlp\.down_proj": 5}, modules_to_not_convert=["lm_head"], fuse_projections=False
+    )
     d = json.loads(cfg.to_json_string())
     assert d["quant_method"] == "kbit" and d["format_version"] == FORMAT_VERSION and d["block_size"] == 32
     again = KbitConfig.from_dict(d)
@@ -41,6 +43,7 @@ def test_module_bits_pattern():
         ({"module_bits": {"(": 4}}, "module_bits"),
         ({"modules_to_not_convert": "lm_head"}, "modules_to_not_convert"),
         ({"format_version": 0}, "format_version"),
+        ({"fuse_projections": "yes"}, "fuse_projections"),
     ],
     ids=lambda v: str(v) if isinstance(v, str) else None,
 )

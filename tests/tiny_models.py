@@ -25,9 +25,10 @@ DENSE_FAMILIES = {
 }
 
 
-def tiny_dense_model(family: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> torch.nn.Module:
+def tiny_dense_model(family: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A 2-layer model of ``family`` with random weights; ``overrides`` replace config fields."""
     config_cls, model_cls, extra = DENSE_FAMILIES[family]
-    config = getattr(transformers, config_cls)(**_COMMON, **extra)
+    config = getattr(transformers, config_cls)(**{**_COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config)
     # Random init is N(0, 0.02): scale up so logits are not dominated by the embedding alone.

@@ -270,7 +270,7 @@ except AttributeError:  # pragma: no cover - older torch
 
 def _prepare(module, x, m):
     """Validate the module's packed tensors once for (device, dtype, M) and build its call record."""
-    b = module._buffers
+    b = module._buffers or module.__dict__  # KbitFusedProjections holds its tensors as attributes
     planes, block_scales, row_scales, codebook = b["planes"], b["block_scales"], b["row_scales"], b["codebook"]
     k = module.in_features
     _check_packed_once(planes, block_scales, row_scales, codebook, k)
@@ -312,7 +312,7 @@ def _stream_workspace(device: int, stream: int, floats: int) -> torch.Tensor:
 
 
 def linear_fast(module, x: torch.Tensor):
-    """``x @ W.T`` for a KbitLinear on CUDA in eager mode, or None when the op path must serve
+    """``x @ W.T`` for a KbitLinear (or KbitFusedProjections) on CUDA in eager mode, or None when the op path must serve
     (compiling/tracing, tensor subclasses, autograd on x, float32, non-contiguous x, M past
     the GEMV crossover): the caller then calls ``torch.ops.kbit.mm``."""
     if type(x) is not torch.Tensor:
@@ -333,7 +333,7 @@ def linear_fast(module, x: torch.Tensor):
         cache = module.__dict__["_kbit_fast"] = {}
     key = (dev, dt, m)
     entry = cache.get(key)
-    b = module._buffers
+    b = module._buffers or module.__dict__  # as in _prepare
     if entry is None or entry[0] is not b["planes"] or entry[1] is not b["block_scales"] \
             or entry[2] is not b["row_scales"] or entry[3] is not b["codebook"]:
         entry = cache[key] = _prepare(module, x, m)

@@ -49,7 +49,12 @@ class KbitLinear(KbitModule):
 
     While a model is quantized on load, a ``weight`` placeholder (meta) receives the
     checkpoint's full-precision weight, which the quantize op packs and then removes.
+
+    ``fused_into``: ``(KbitFusedProjections, index)`` once :func:`hf_kbit.nn.fuse_projections`
+    has joined this layer with its siblings (its row tensors are then views into the fused ones).
     """
+
+    fused_into = None
 
     def __init__(
         self,
@@ -109,6 +114,11 @@ class KbitLinear(KbitModule):
     @torch.no_grad()
     def load_packed(self, planes, block_scales, row_scales, codebook) -> None:
         """Take packed tensors (from :func:`quantize_weight` or a checkpoint)."""
+        if self.fused_into is not None:
+            raise RuntimeError(
+                f"load_packed: this KbitLinear is fused into {self.fused_into[0].names}; "
+                "call hf_kbit.unfuse_projections(model) first"
+            )
         for name, value in zip(FORMAT_TENSORS, (planes, block_scales, row_scales, codebook)):
             setattr(self, name, value.to(self.planes.device))
         if "weight" in self._parameters:
@@ -116,7 +126,9 @@ class KbitLinear(KbitModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = None
-        if _fast_linear is not None and not torch.compiler.is_compiling():
+        if self.fused_into is not None:
+            out = self.fused_into[0].output(self.fused_into[1], x)
+        elif _fast_linear is not None and not torch.compiler.is_compiling():
             out = _fast_linear(self, x)  # eager CUDA: lean launch (fp16/bf16 only), None where the op must serve
         if out is None:
             if x.dtype not in COMPUTE_DTYPES:
@@ -125,6 +137,12 @@ class KbitLinear(KbitModule):
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.fused_into is not None:  # views into the fused tensors: saved (safetensors) as tensors of their own
+            for name in ("planes", "block_scales", "row_scales"):
+                destination[prefix + name] = destination[prefix + name].clone()
 
     @torch.no_grad()
     def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

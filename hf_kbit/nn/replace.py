@@ -9,6 +9,7 @@ from torch import nn
 
 from .. import format as fmt
 from ..config import KbitConfig
+from .fused import fuse_projections, unfuse_projections
 from .linear import KbitLinear
 
 
@@ -53,6 +54,7 @@ def replace_linear_with_kbit(
 
 def replace_kbit_with_linear(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
     """Replace every KbitLinear with an ``nn.Linear`` holding its dequantized weight."""
+    unfuse_projections(model)
     for name, module in list(model.named_modules()):
         if isinstance(module, KbitLinear):
             _set_submodule(model, name, module.to_linear(dtype))
@@ -67,6 +69,8 @@ def quantize_model(model: nn.Module, config: KbitConfig | None = None, modules_t
     :class:`~hf_kbit.nn.KbitExperts`, as quantize-on-load does. ``modules_to_not_convert``
     (default: ``config.modules_to_not_convert``, else nothing) lists modules to keep in full
     precision; unlike ``from_pretrained`` there is no default skip of the LM head here.
+    With ``config.fuse_projections`` (default) sibling projections are then fused
+    (:func:`~hf_kbit.nn.fuse_projections`).
     """
     from .experts import quantize_experts  # experts.py imports this module
 
@@ -76,7 +80,10 @@ def quantize_model(model: nn.Module, config: KbitConfig | None = None, modules_t
         if isinstance(module, nn.Linear) and should_convert(name, skip):
             bits = config.bits_for(name)
             _set_submodule(model, name, KbitLinear.from_linear(module, bits, fmt.make_codebook(config.codebook, bits)))
-    return quantize_experts(model, config, modules_to_not_convert)
+    model = quantize_experts(model, config, modules_to_not_convert)
+    if config.fuse_projections:
+        fuse_projections(model)
+    return model
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:

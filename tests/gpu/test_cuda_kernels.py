@@ -7,6 +7,7 @@ product of the reference weight with named tolerances.
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 from pathlib import Path
@@ -402,6 +403,33 @@ def test_torch_compile_fullgraph_kbit_linear_model():
         x = torch.randn(m, 300, device=DEVICE, dtype=torch.bfloat16)
         eager = qmodel(x)
         assert rel_err(compiled(x), eager) < 1e-2
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 64, 300], ids=lambda m: f"M{m}")
+def test_fused_projections_match_their_members(m):
+    """q/k/v of Llama-3-8B's shapes fused (hf_kbit.fuse_projections): one launch, eager and compiled,
+    each member's output as its own KbitLinear's (GEMV, GEMM and dequantize + cuBLAS paths by M)."""
+    torch.manual_seed(0)
+    layer = torch.nn.Module()
+    for name, n in (("q_proj", 4096), ("k_proj", 1024), ("v_proj", 1024)):
+        linear = torch.nn.Linear(4096, n, bias=name == "v_proj", device=DEVICE, dtype=torch.bfloat16)
+        setattr(layer, name, hf_kbit.KbitLinear.from_linear(linear, bits=4))
+    members = copy.deepcopy(layer)
+    assert hf_kbit.fuse_projections(layer) == ["qkv_proj"]
+    launches = []
+    layer.qkv_proj.register_forward_hook(lambda *_: launches.append(1))
+
+    def qkv(mod, x):
+        return mod.q_proj(x), mod.k_proj(x), mod.v_proj(x)
+
+    compiled = torch.compile(qkv, fullgraph=True)
+    x = torch.randn(m, 4096, device=DEVICE, dtype=torch.bfloat16)
+    expected = qkv(members, x)
+    for run in (qkv, compiled):
+        for out, ref, name in zip(run(layer, x), expected, ("q", "k", "v")):
+            assert out.shape == ref.shape and rel_err(out, ref) < MM_REL_TOL[torch.bfloat16], f"{name}_proj"
+        if run is qkv:
+            assert len(launches) == 1, "eager: one fused launch for q, k and v"
 
 
 def test_kbit_linear_from_linear_quantizes_on_gpu_like_reference():

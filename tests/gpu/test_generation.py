@@ -3,7 +3,8 @@
 A Llama-style model (hidden 1024, 4 layers, intermediate 2816, vocab 32000) is built from its
 config with random weights, saved in bf16 and loaded with ``KbitConfig(bits=4)`` on CUDA, so
 the CUDA quantize kernel packs it and the CUDA GEMV (decode, M = batch) and dequantize +
-cuBLAS (prefill) paths run it. The reference is the same quantized model computed by the
+cuBLAS (prefill) paths run it, with q/k/v and gate/up fused into one launch each (the
+config's default, ``fuse_projections``). The reference is the same quantized model computed by the
 PyTorch reference: every KbitLinear's packed tensors dequantized on the CPU by
 ``kbit::dequantize``'s reference implementation into a float32 copy of the model, run on the
 CPU in float32 (which is what the reference ``kbit::mm`` computes: ``x.float() @ W.T``).
@@ -135,6 +136,8 @@ def kbit_model(checkpoint):
     assert len(linears) == 7 * MODEL_CONFIG["num_hidden_layers"]
     assert all(m.planes.is_cuda and m.bits == 4 for m in linears)
     assert counter.calls == len(linears), "quantize-on-load must pack each weight with the CUDA kernel"
+    fused = [m for m in model.modules() if isinstance(m, hf_kbit.nn.KbitFusedProjections)]
+    assert len(fused) == 2 * MODEL_CONFIG["num_hidden_layers"], "q/k/v and gate/up run fused (the default)"
     return model
 
 

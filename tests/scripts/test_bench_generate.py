@@ -88,6 +88,7 @@ def test_run_reports_graph_step_beside_generate(payload):
     assert payload["results"][0]["graph_decode_speedup_vs_bf16"] == 1.0
     assert payload["graph_step"] == {"timing": "eager_wall_clock", "compiled": False, "steps_per_graph": 4,
                                      "kernel_breakdown": False}
+    assert payload["fused_projections"] is True
     assert all(r["graph_kernel_breakdown"] is None for r in payload["results"])
     assert common.kernel_breakdown_table(payload["results"]) == ""
     assert payload["checks"] == {}  # the acceptance bar applies to Llama-3-8B on CUDA only
@@ -181,12 +182,15 @@ def test_kernel_breakdown_needs_cuda_and_the_graph_step():
         common.measure_graph_step(model, 1, PROMPT_LEN, 2, "cpu", breakdown=True)
 
 
-def test_kbit_call_order_names_the_kbit_linears_in_forward_order():
-    model = tiny_model(torch.float32, bits=4)
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_kbit_call_order_names_the_launching_kbit_modules_in_forward_order(fused):
+    model = tiny_model(torch.float32)
+    model = bench.quantize(model, 4, fuse_projections=fused)
     prompt = common.random_prompt(model.config.vocab_size, 1, PROMPT_LEN, "cpu")
     step = common.GreedyDecodeStep(model, prompt, PROMPT_LEN + 3)
-    per_layer = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    per_layer = (["self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"] if fused else
+                 ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"])
     layers = model.config.num_hidden_layers
     assert common.kbit_call_order(step) == [f"model.layers.{i}.{m}" for i in range(layers) for m in per_layer]
     assert step.position.item() == PROMPT_LEN  # rewound: the step is unchanged

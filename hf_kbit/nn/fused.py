@@ -1,0 +1,163 @@
+"""Sibling projections that read the same input (q/k/v, gate/up) served by one kbit launch.
+
+At batch 1 a GEMV's fixed cost (launch, ramp-up, the last wave) is a large share of a small
+projection's time: k_proj of Llama-3-8B moves 2 MB. :func:`fuse_projections` concatenates the
+packed rows of such siblings into one weight; the members keep their names, their state-dict
+keys and their module calls, and their buffers become views into the fused weight.
+
+How the call site stays untouched: the first member called on an input ``x`` runs the fused
+GEMV and keeps the other members' output slices; a sibling called next with the *same tensor*
+``x`` (identity, ``is``) takes its slice without a launch. A sibling called with another input
+runs the fused weight again, so results never depend on the call pattern, only the launches
+saved do. The one assumption: nobody writes into ``x`` in place between sibling calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .. import format as fmt
+from . import linear
+from .linear import KbitLinear, KbitModule
+
+# Fused module name -> the sibling projections it serves (they must share their input).
+FUSED_GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+_ROW_TENSORS = ("planes", "block_scales", "row_scales")  # concatenated along N (dim 0)
+
+
+class KbitFusedProjections(KbitModule):
+    """One weight ``[sum(out_features), in_features]`` for sibling KbitLinear members.
+
+    Registered in the members' parent (``self_attn.qkv_proj``) so that ``.to()`` / ``.cuda()``
+    reach it; it owns the fused format tensors as plain attributes (not buffers: the members'
+    views are the buffers, so state dicts and memory footprints count every byte once) and
+    re-points the members' views after a move. It has no state-dict entries of its own.
+    """
+
+    def __init__(self, members: Sequence[KbitLinear], names: Sequence[str]):
+        super().__init__()
+        first = members[0]
+        self.in_features, self.bits = first.in_features, first.bits
+        self.sizes = tuple(m.out_features for m in members)
+        self.out_features = sum(self.sizes)
+        self.names = tuple(names)
+        with torch.no_grad():
+            for name in _ROW_TENSORS:
+                self.__dict__[name] = torch.cat([getattr(m, name) for m in members])
+            self.__dict__["codebook"] = first.codebook.clone()
+        self.__dict__["members"] = tuple(members)
+        for index, member in enumerate(members):
+            member.__dict__["fused_into"] = (self, index)
+        self._link()
+
+    def _link(self) -> None:
+        """Point every member's row tensors at its rows of the fused ones; forget pending outputs."""
+        tiles = [n // fmt.TILE_N for n in self.sizes]  # whole tiles: _fusable checks
+        for name in _ROW_TENSORS:
+            parts = self.__dict__[name].split(tiles if name != "row_scales" else list(self.sizes))
+            for member, part in zip(self.members, parts):
+                member._buffers[name] = part
+        # [x, outputs of the last launch not yet taken (None where taken)]: one list mutated in place, so
+        # that a compiled forward replays one cheap list update per group, not module attribute writes
+        self.__dict__["_stash"] = [None, None]
+
+    def _apply(self, fn, recurse=True):
+        for name in (*_ROW_TENSORS, "codebook"):
+            t = self.__dict__[name]
+            out = fn(t)
+            self.__dict__[name] = t.to(out.device) if out.dtype != t.dtype else out  # format dtypes stay
+        self._link()
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W_fused.T`` (the members' outputs side by side, biases not added)."""
+        out = None
+        if linear._fast_linear is not None and not torch.compiler.is_compiling():
+            out = linear._fast_linear(self, x)
+        if out is None:
+            out = torch.ops.kbit.mm(x, self.planes, self.block_scales, self.row_scales, self.codebook, self.in_features)
+        return out
+
+    def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Member ``index``'s ``x @ W.T``: kept from a sibling's launch on this same ``x``, else launched."""
+        stash = self._stash
+        pending = stash[1]
+        if pending is not None and stash[0] is x and pending[index] is not None:
+            out = pending[index]
+            pending[index] = None
+            if all(p is None for p in pending):
+                stash[0] = stash[1] = None
+            return out
+        pending = list(self(x).split(self.sizes, dim=-1))
+        out = pending[index]
+        pending[index] = None
+        stash[0], stash[1] = x, pending
+        return out
+
+    def extra_repr(self) -> str:
+        return f"members={self.names}, in_features={self.in_features}, out_features={self.sizes}, bits={self.bits}"
+
+
+def _fusable(parent: nn.Module, names: Sequence[str]) -> list[KbitLinear] | None:
+    members = [getattr(parent, n, None) for n in names]
+    if not all(type(m) is KbitLinear and m.fused_into is None and not m.placeholders() for m in members):
+        return None
+    first = members[0]
+    if first.planes.is_meta or any(
+        m.in_features != first.in_features
+        or m.bits != first.bits
+        or m.planes.device != first.planes.device
+        or m.out_features % fmt.TILE_N  # rows of a partial tile would shift every row after it
+        or not torch.equal(m.codebook, first.codebook)
+        for m in members
+    ):
+        return None
+    return members
+
+
+def fuse_projections(model: nn.Module, groups: dict[str, tuple[str, ...]] | None = None) -> list[str]:
+    """Fuse sibling KbitLinear projections of ``model`` in place; returns the fused modules' names.
+
+    ``groups`` (default :data:`FUSED_GROUPS`): ``{fused name: member names}``. A group is fused
+    where a module has every member as a KbitLinear of the same ``in_features``, bits, device
+    and codebook with ``out_features`` a multiple of 16, and no attribute of the fused name.
+    Encoder-decoder models are left alone (cross-attention feeds k/v another input than q).
+    Undo with :func:`unfuse_projections` (which is not needed to save: the members' state-dict
+    entries are written as tensors of their own).
+    """
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return []
+    fused = []
+    for parent_name, parent in list(model.named_modules()):
+        for fused_name, names in (groups or FUSED_GROUPS).items():
+            if hasattr(parent, fused_name):
+                continue
+            members = _fusable(parent, names)
+            if members is None:
+                continue
+            setattr(parent, fused_name, KbitFusedProjections(members, names))
+            fused.append(f"{parent_name}.{fused_name}" if parent_name else fused_name)
+    return fused
+
+
+def unfuse_projections(model: nn.Module) -> list[str]:
+    """Give every fused member its own tensors again and remove the fused modules; returns their names."""
+    removed = []
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, KbitFusedProjections):
+            continue
+        with torch.no_grad():
+            for member in module.members:
+                for tensor_name in _ROW_TENSORS:
+                    member._buffers[tensor_name] = member._buffers[tensor_name].clone()
+                member.__dict__["fused_into"] = None
+        parent_name, _, child = name.rpartition(".")
+        delattr(model.get_submodule(parent_name) if parent_name else model, child)
+        removed.append(name)
+    return removed

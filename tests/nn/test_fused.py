@@ -1,0 +1,145 @@
+"""fuse_projections: q/k/v and gate/up as one kbit weight each; outputs, launches, state dicts, moves, undo.
+
+CPU only: the op's reference path computes the fused weight exactly as the members' weights
+(rows are independent), so fused and unfused models agree to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_kbit
+from hf_kbit import KbitConfig
+from hf_kbit.nn import KbitFusedProjections, KbitLinear, fuse_projections, unfuse_projections
+from tiny_models import tiny_dense_model
+
+# Fused and unfused compute every output row with the same reference dequantize + matmul; only
+# the GEMM's blocking over N may differ. Measured max |diff| 0 on these models.
+LOGIT_ATOL = 1e-5
+FAMILIES = ("llama", "qwen3", "mistral", "gemma3_text")
+
+
+def quantized_pair(family: str, **overrides):
+    """(unfused, fused) float32 k=4 models of ``family`` with intermediate_size 192 (gate/up fusable)."""
+    model = tiny_dense_model(family, torch.float32, intermediate_size=192, **overrides)
+    plain = hf_kbit.quantize_model(copy.deepcopy(model), KbitConfig(bits=4, fuse_projections=False))
+    return plain, hf_kbit.quantize_model(model, KbitConfig(bits=4))
+
+
+def fused_modules(model) -> dict[str, KbitFusedProjections]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, KbitFusedProjections)}
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+IDS = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_model_matches_unfused_with_one_launch_per_group(family):
+    plain, fused = quantized_pair(family)
+    groups = fused_modules(fused)
+    assert sorted(groups) == [f"model.layers.{i}.{g}" for i in (0, 1) for g in ("mlp.gate_up_proj", "self_attn.qkv_proj")]
+    assert not fused_modules(plain)
+    launches = []
+    hooks = [m.register_forward_hook(lambda *_, n=n: launches.append(n)) for n, m in groups.items()]
+    torch.testing.assert_close(logits(fused, IDS), logits(plain, IDS), atol=LOGIT_ATOL, rtol=0)
+    for hook in hooks:
+        hook.remove()
+    assert sorted(launches) == sorted(groups), "each fused weight runs once per forward"
+
+
+def test_compiled_graph_has_one_kbit_mm_per_group():
+    plain, fused = quantized_pair("llama")
+    counts = {}
+
+    def counting_backend(name):
+        def backend(gm, example_inputs):
+            counts[name] = sum(node.target in (torch.ops.kbit.mm, torch.ops.kbit.mm.default) for node in gm.graph.nodes)
+            return gm
+
+        return backend
+
+    for name, model in (("plain", plain), ("fused", fused)):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, backend=counting_backend(name))
+        torch.testing.assert_close(logits(compiled, IDS), logits(plain, IDS), atol=LOGIT_ATOL, rtol=0)
+    # per layer q k v o gate up down -> qkv o gate_up down; and the LM head (quantize_model converts it)
+    assert counts == {"plain": 2 * 7 + 1, "fused": 2 * 4 + 1}, counts
+    torch._dynamo.reset()
+
+
+def test_members_called_with_other_inputs_get_their_own_outputs():
+    layer = torch.nn.Module()
+    for name, n in (("q_proj", 64), ("k_proj", 32), ("v_proj", 32)):
+        setattr(layer, name, KbitLinear.from_linear(torch.nn.Linear(96, n, bias=name != "q_proj"), bits=3))
+    reference = copy.deepcopy(layer)
+    assert fuse_projections(layer) == ["qkv_proj"]
+    x, y = torch.randn(5, 96), torch.randn(5, 96)
+    with torch.no_grad():
+        # k on another input than q (as cross-attention), q twice, v out of order
+        calls = [("q_proj", x), ("k_proj", y), ("q_proj", x), ("q_proj", x), ("v_proj", y), ("v_proj", x)]
+        for name, inp in calls:
+            torch.testing.assert_close(getattr(layer, name)(inp), getattr(reference, name)(inp), atol=1e-5, rtol=0)
+    pending = layer.qkv_proj._stash[1]
+    assert pending is None or all(p is None or p.shape[-1] in (32, 64) for p in pending)
+
+
+def test_state_dict_footprint_and_save_reload_are_those_of_the_unfused_model(tmp_path):
+    tiny_dense_model("qwen3", intermediate_size=192).save_pretrained(tmp_path / "bf16")
+    fused = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", quantization_config=KbitConfig(bits=4))
+    plain = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "bf16", quantization_config=KbitConfig(bits=4, fuse_projections=False)
+    )
+    assert len(fused_modules(fused)) == 4 and not fused_modules(plain)
+    a, b = plain.state_dict(), fused.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert fused.get_memory_footprint() == plain.get_memory_footprint()
+    torch.testing.assert_close(logits(fused, IDS), logits(plain, IDS), atol=0, rtol=0)
+    fused.save_pretrained(tmp_path / "kbit")  # safetensors refuses tensors that share storage: members save their own
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "kbit")
+    assert len(fused_modules(reloaded)) == 4, "a pre-quantized load fuses too (the config's default)"
+    assert torch.equal(logits(reloaded, IDS), logits(fused, IDS))
+
+
+def test_cast_and_move_keep_members_as_views():
+    plain, fused = quantized_pair("llama")
+    fused.to(torch.bfloat16).to("cpu")
+    for group in fused_modules(fused).values():
+        for member in group.members:
+            assert member.planes.untyped_storage().data_ptr() == group.planes.untyped_storage().data_ptr()
+            assert member.planes.dtype == torch.int32 and member.row_scales.dtype == torch.float32
+    torch.testing.assert_close(logits(fused, IDS), logits(plain.to(torch.bfloat16), IDS), atol=0, rtol=0)
+
+
+def test_unfuse_restores_independent_members_and_dequantize_unfuses():
+    plain, fused = quantized_pair("llama")
+    with pytest.raises(RuntimeError, match="unfuse_projections"):
+        fused.model.layers[0].self_attn.k_proj.load_packed(*[torch.empty(0)] * 4)
+    assert len(unfuse_projections(fused)) == 4 and not fused_modules(fused)
+    q = fused.model.layers[0].self_attn.q_proj
+    assert q.fused_into is None and q.planes._base is None
+    torch.testing.assert_close(logits(fused, IDS), logits(plain, IDS), atol=LOGIT_ATOL, rtol=0)
+
+    fused = quantized_pair("llama")[1]
+    hf_kbit.nn.replace_kbit_with_linear(fused)  # what model.dequantize() runs
+    assert not fused_modules(fused)
+    assert not [m for m in fused.modules() if isinstance(m, KbitLinear)]
+
+
+def test_groups_that_cannot_fuse_are_left_alone():
+    # intermediate_size 200: gate/up out_features not a multiple of 16 (rows of a partial tile)
+    model = hf_kbit.quantize_model(tiny_dense_model("llama", torch.float32), KbitConfig(bits=4))
+    assert sorted(fused_modules(model)) == [f"model.layers.{i}.self_attn.qkv_proj" for i in (0, 1)]
+    # different bits per member
+    model = tiny_dense_model("llama", torch.float32, intermediate_size=192)
+    model = hf_kbit.quantize_model(model, KbitConfig(bits=4, module_bits={r"k_proj": 3}))
+    assert sorted(fused_modules(model)) == [f"model.layers.{i}.mlp.gate_up_proj" for i in (0, 1)]
+    assert fuse_projections(model) == [], "fusing again finds nothing new"
