@@ -588,6 +588,9 @@ def _eager_step_seconds(step: GreedyDecodeStep, steps: int, repeats: int, warmup
     return statistics.median(times)
 
 
+_GRAPH_SUBMIT_SPIN_CYCLES = 50_000_000  # about 25 ms at 2 GHz, longer than submitting a replay of 16 steps
+
+
 def _cuda_graph_step_seconds(step: GreedyDecodeStep, steps: int, repeats: int, warmup: int) -> tuple[float, bool]:
     """Compile the step's forward, capture ``steps`` chained steps in one CUDA graph, time replays with events.
 
@@ -635,6 +638,9 @@ def _cuda_graph_step_seconds(step: GreedyDecodeStep, steps: int, repeats: int, w
         # Each replay advances the position and the cache's write position by ``steps`` in place: rewinding
         # first starts every replay at prompt_len, so positions stay inside the cache.
         step.rewind()
+        # The GPU spins while the host submits the graph (hundreds of nodes per step take the host
+        # milliseconds): the events then time the replay's device work, not its submission.
+        torch.cuda._sleep(_GRAPH_SUBMIT_SPIN_CYCLES)
         begin.record()
         graph.replay()
         end.record()

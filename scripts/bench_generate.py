@@ -19,7 +19,8 @@ Two decode numbers, reported side by side:
   hides much of what quantized layers gain.
 - graph step: device time of one greedy decode step (forward over a StaticCache, argmax fed
   back as the next token), compiled with ``torch.compile(fullgraph=True)``, 16 chained steps
-  (``--steps-per-graph``) captured in one CUDA graph, replays timed with CUDA events. It is
+  (``--steps-per-graph``) captured in one CUDA graph, replays timed with CUDA events (the GPU
+  spins while the host submits each replay, so the submission is not timed). It is
   what a serving engine that captures its decode step in a CUDA graph sees; tokens/s = batch /
   step time. ``--no-graph-step`` skips it.
 
@@ -257,6 +258,7 @@ def run(
         "inductor_pdl": getattr(inductor_config.triton, "enable_pdl", None),
         "graph_step": None if not graph_step else {
             "timing": "cuda_graph_events" if device.startswith("cuda") else "eager_wall_clock",
+            "submission_hidden": device.startswith("cuda"),  # replays start on a busy GPU (_eval_common)
             "compiled": device.startswith("cuda"),
             "steps_per_graph": min(steps_per_graph, new_tokens),
             "kernel_breakdown": kernel_breakdown,

@@ -133,7 +133,9 @@ def plot_bench(p: dict[str, Any], out: Path) -> Path:
         right.set_xlabel("batch size (sequences)")
         right.set_ylabel("decode throughput (tokens/s, all sequences)")
     how = "static cache + torch.compile" if p["static_cache_and_compile"] else "eager"
-    head = "LM head quantized, " if p.get("lm_head_quantized") else ""
+    head = ("LM head quantized, " if p.get("lm_head_quantized") else "") \
+        + ("fused q/k/v and gate/up, " if p.get("fused_projections") else "") \
+        + ("inductor PDL, " if p.get("inductor_pdl") else "")
     sep = ", " if right is not None else "\n"  # one panel: the title on two lines
     fig.suptitle(f"{p['model']}, {p['layers']}/{p['layers_full']} layers, random weights, {head}".rstrip(", ")
                  + f"{sep}{p['environment'].get('gpu', p['device'])}, {how}", fontsize=10)
@@ -238,6 +240,8 @@ def bench_markdown(p: dict[str, Any]) -> str:
         steps = p["graph_step"]["steps_per_graph"]
         head = ("The kbit variants' LM head is quantized too, with the same k." if p.get("lm_head_quantized")
                 else "The LM head stays bf16 in both.")
+        hidden = (", timed from a busy GPU so that the host's submission of the replay is not timed"
+                  if p["graph_step"].get("submission_hidden") else "")
         if p.get("fused_projections"):
             head += (" The kbit variants run q/k/v and gate/up as one kbit launch each "
                      "(`KbitConfig(fuse_projections=True)`, the default).")
@@ -245,8 +249,8 @@ def bench_markdown(p: dict[str, Any]) -> str:
                             for r in p["results"] if r.get("graph_replay_tokens_match") is not None)
         lines += ["", "generate(): `model.generate` decode tokens/s, prefill subtracted; it includes generate's host "
                       f"work per token. Graph step: device time of one compiled greedy decode step, {steps} chained "
-                      "steps replayed in one CUDA graph (what a serving engine that captures its decode step sees). "
-                      f"{head} Replay check (sequences whose last replayed token equals the uncaptured compiled "
+                      "steps replayed in one CUDA graph (what a serving engine that captures its decode step sees)"
+                      f"{hidden}. {head} Replay check (sequences whose last replayed token equals the uncaptured compiled "
                       f"steps'): {matches}. Random-weight logits are nearly flat, so a rounding difference under "
                       "capture most likely flips a near-tie, and the chain carries it on."]
     if breakdown := breakdown_markdown(p):

@@ -86,8 +86,8 @@ def test_run_reports_graph_step_beside_generate(payload):
         assert r["graph_decode_tok_s"] == pytest.approx(r["batch"] * 1000 / r["graph_step_ms"])
         assert r["graph_replay_tokens_match"] is None  # a CUDA-graph check; the CPU runs the steps eagerly
     assert payload["results"][0]["graph_decode_speedup_vs_bf16"] == 1.0
-    assert payload["graph_step"] == {"timing": "eager_wall_clock", "compiled": False, "steps_per_graph": 4,
-                                     "kernel_breakdown": False}
+    assert payload["graph_step"] == {"timing": "eager_wall_clock", "submission_hidden": False, "compiled": False,
+                                     "steps_per_graph": 4, "kernel_breakdown": False}
     assert payload["fused_projections"] is True
     assert all(r["graph_kernel_breakdown"] is None for r in payload["results"])
     assert common.kernel_breakdown_table(payload["results"]) == ""
