@@ -8,6 +8,7 @@ The cache lives in ``$HF_KBIT_CACHE`` or ``$XDG_CACHE_HOME/hf_kbit`` (default ``
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import platform
@@ -519,6 +520,8 @@ class GreedyDecodeStep:
             )
         self.model, self.max_cache_len, self.start = model, max_cache_len, prompt_len
         self.cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+        # transformers >= 5.24 names the forward's cache argument `cache` (`past_key_values` warns, until 5.40)
+        self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         kinds = {type(layer).__name__ for layer in self.cache.layers if type(layer) is not StaticLayer}
         if kinds:  # sliding-window layers keep a host-side counter a replayed graph would not advance
             raise ValueError(
@@ -528,7 +531,7 @@ class GreedyDecodeStep:
         with torch.inference_mode():
             positions = torch.arange(prompt_len, device=prompt.device)[None]
             out = model(
-                input_ids=prompt, position_ids=positions, past_key_values=self.cache, use_cache=True, logits_to_keep=1
+                input_ids=prompt, position_ids=positions, use_cache=True, logits_to_keep=1, **{self.cache_arg: self.cache}
             )
             self.first_token = out.logits[:, -1].argmax(-1, keepdim=True)
             self.ids = self.first_token.clone()
@@ -537,7 +540,7 @@ class GreedyDecodeStep:
     def forward(self, ids, position):
         """Logits [batch, vocab] of the token ``ids`` at ``position``; writes its keys and values into the cache."""
         out = self.model(
-            input_ids=ids, position_ids=position, past_key_values=self.cache, use_cache=True, logits_to_keep=1
+            input_ids=ids, position_ids=position, use_cache=True, logits_to_keep=1, **{self.cache_arg: self.cache}
         )
         return out.logits[:, -1]
 

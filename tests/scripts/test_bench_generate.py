@@ -5,8 +5,10 @@ No timing assertions beyond "positive and finite"."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
+import warnings
 
 import _eval_common as common
 import bench_generate as bench
@@ -56,6 +58,18 @@ def test_step_chains_generates_greedy_tokens(dtype, bits, traced, fresh_dynamo):
     assert torch.equal(step.tokens(NEW_TOKENS), expected)
     assert step.position.item() == PROMPT_LEN + NEW_TOKENS - 1
     assert all(layer.cumulative_length.item() == PROMPT_LEN + NEW_TOKENS - 1 for layer in step.cache.layers)
+
+
+def test_step_passes_the_cache_under_the_name_the_forward_takes():
+    """transformers >= 5.24 calls it ``cache`` and warns on ``past_key_values`` (removed in 5.40)."""
+    model = tiny_model(torch.float32)
+    step = common.GreedyDecodeStep(model, common.random_prompt(model.config.vocab_size, 1, PROMPT_LEN, "cpu"),
+                                   PROMPT_LEN + 2)
+    assert step.cache_arg in inspect.signature(model.forward).parameters
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        step()
+    assert step.position.item() == PROMPT_LEN + 1
 
 
 def test_step_rejects_bad_arguments():
