@@ -109,9 +109,13 @@ def test_state_dict_footprint_and_save_reload_are_those_of_the_unfused_model(tmp
     assert torch.equal(logits(reloaded, IDS), logits(fused, IDS))
 
 
-def test_cast_and_move_keep_members_as_views():
+def test_cast_move_and_deepcopy_keep_members_as_views():
     plain, fused = quantized_pair("llama")
-    fused.to(torch.bfloat16).to("cpu")
+    original = fused
+    fused = copy.deepcopy(fused).to(torch.bfloat16).to("cpu")
+    group = fused.model.layers[0].self_attn.qkv_proj
+    assert group.members[0] is fused.model.layers[0].self_attn.q_proj, "the copy's group serves the copy's members"
+    assert group.planes.data_ptr() != original.model.layers[0].self_attn.qkv_proj.planes.data_ptr()
     for group in fused_modules(fused).values():
         for member in group.members:
             assert member.planes.untyped_storage().data_ptr() == group.planes.untyped_storage().data_ptr()
