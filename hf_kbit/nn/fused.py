@@ -20,8 +20,7 @@ import torch
 from torch import nn
 
 from .. import format as fmt
-from . import linear
-from .linear import KbitLinear, KbitModule
+from .linear import KbitLinear, KbitModule, packed_matmul
 
 # Fused module name -> the sibling projections it serves (they must share their input).
 FUSED_GROUPS: dict[str, tuple[str, ...]] = {
@@ -77,12 +76,7 @@ class KbitFusedProjections(KbitModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W_fused.T`` (the members' outputs side by side, biases not added)."""
-        out = None
-        if linear._fast_linear is not None and not torch.compiler.is_compiling():
-            out = linear._fast_linear(self, x)
-        if out is None:
-            out = torch.ops.kbit.mm(x, self.planes, self.block_scales, self.row_scales, self.codebook, self.in_features)
-        return out
+        return packed_matmul(self, x)
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Member ``index``'s ``x @ W.T``: kept from a sibling's launch on this same ``x``, else launched."""

@@ -125,15 +125,10 @@ class KbitLinear(KbitModule):
             del self._parameters["weight"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = None
         if self.fused_into is not None:
             out = self.fused_into[0].output(self.fused_into[1], x)
-        elif _fast_linear is not None and not torch.compiler.is_compiling():
-            out = _fast_linear(self, x)  # eager CUDA: lean launch (fp16/bf16 only), None where the op must serve
-        if out is None:
-            if x.dtype not in COMPUTE_DTYPES:
-                raise TypeError(f"KbitLinear input must be one of {COMPUTE_DTYPES}, got {x.dtype}")
-            out = torch.ops.kbit.mm(x, self.planes, self.block_scales, self.row_scales, self.codebook, self.in_features)
+        else:
+            out = packed_matmul(self, x)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out
@@ -168,6 +163,18 @@ class KbitLinear(KbitModule):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, bias={self.bias is not None}"
+
+
+def packed_matmul(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T`` for a module holding format tensors (KbitLinear, KbitFusedProjections), no bias."""
+    out = None
+    if _fast_linear is not None and not torch.compiler.is_compiling():
+        out = _fast_linear(module, x)  # eager CUDA: lean launch (fp16/bf16 only), None where the op must serve
+    if out is None:
+        if x.dtype not in COMPUTE_DTYPES:
+            raise TypeError(f"KbitLinear input must be one of {COMPUTE_DTYPES}, got {x.dtype}")
+        out = torch.ops.kbit.mm(x, module.planes, module.block_scales, module.row_scales, module.codebook, module.in_features)
+    return out
 
 
 def quantize_weight(

@@ -88,6 +88,8 @@ def test_members_called_with_other_inputs_get_their_own_outputs():
         calls = [("q_proj", x), ("k_proj", y), ("q_proj", x), ("q_proj", x), ("v_proj", y), ("v_proj", x)]
         for name, inp in calls:
             torch.testing.assert_close(getattr(layer, name)(inp), getattr(reference, name)(inp), atol=1e-5, rtol=0)
+    with pytest.raises(TypeError, match="input must be one of"):  # as an unfused KbitLinear says it
+        layer.k_proj(x.double())
     pending = layer.qkv_proj._stash[1]
     assert pending is None or all(p is None or p.shape[-1] in (32, 64) for p in pending)
 
