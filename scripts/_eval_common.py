@@ -808,7 +808,7 @@ def measure_graph_step(
     the token that the same steps, compiled but not captured, reached (see _cuda_graph_step_seconds).
     ``breakdown`` (CUDA only): also ``graph_kernel_breakdown``, where the step's device time goes
     (kernel_breakdown of the same compiled steps, profiled outside the graph, with the time of each
-    KbitLinear), else None.
+    kbit module that launches: kbit_call_order), else None.
     """
     if breakdown and not device.startswith("cuda"):
         raise ValueError(f"the kernel breakdown profiles CUDA kernels; device is {device!r}")

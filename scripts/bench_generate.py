@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps-per-graph", type=int, default=16,
                         help="graph step: chained decode steps per CUDA graph (default 16, at most --new-tokens)")
     parser.add_argument("--kernel-breakdown", action="store_true",
-                        help="CUDA: profile the graph step's kernels; device time per step by origin and per KbitLinear")
+                        help="CUDA: profile the graph step's kernels; device time per step by origin and per kbit module")
     parser.add_argument("--quantize-lm-head", action="store_true",
                         help="quantize the LM head too (default: it stays bf16, as in quantize-on-load)")
     parser.add_argument("--no-fuse-projections", action="store_true",

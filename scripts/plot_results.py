@@ -78,6 +78,12 @@ def plot_perplexity(payloads: list[dict[str, Any]], out: Path) -> Path:
     return out
 
 
+def bench_labels(p: dict[str, Any]) -> list[str]:
+    """What sets a bench_generate run apart, for its plot title and its docs heading."""
+    return [label for key, label in (("lm_head_quantized", "LM head quantized"), ("inductor_pdl", "inductor PDL"),
+                                     ("fused_projections", "fused q/k/v and gate/up")) if p.get(key)]
+
+
 def bench_plot_name(p: dict[str, Any]) -> str:
     """``decode_speed_<name>.png`` for ``bench_generate_<name>.json`` (one plot per result file)."""
     if "_file" in p:
@@ -133,11 +139,9 @@ def plot_bench(p: dict[str, Any], out: Path) -> Path:
         right.set_xlabel("batch size (sequences)")
         right.set_ylabel("decode throughput (tokens/s, all sequences)")
     how = "static cache + torch.compile" if p["static_cache_and_compile"] else "eager"
-    head = ("LM head quantized, " if p.get("lm_head_quantized") else "") \
-        + ("fused q/k/v and gate/up, " if p.get("fused_projections") else "") \
-        + ("inductor PDL, " if p.get("inductor_pdl") else "")
     sep = ", " if right is not None else "\n"  # one panel: the title on two lines
-    fig.suptitle(f"{p['model']}, {p['layers']}/{p['layers_full']} layers, random weights, {head}".rstrip(", ")
+    fig.suptitle(", ".join([p["model"], f"{p['layers']}/{p['layers_full']} layers", "random weights",
+                            *bench_labels(p)])
                  + f"{sep}{p['environment'].get('gpu', p['device'])}, {how}", fontsize=10)
     for ax in axes:
         ax.grid(True, alpha=0.3)
@@ -188,8 +192,8 @@ def breakdown_markdown(p: dict[str, Any]) -> str:
     rows = [r for r in p["results"] if r.get("graph_kernel_breakdown")]
     modules = [f"{r['variant']} batch {r['batch']}: {text}" for r in rows
                if (text := common.kbit_module_summary(r["graph_kernel_breakdown"]))]
-    per_module = ("", "Each KbitLinear's GEMV/GEMM kernel, microseconds per call (mean over layers and steps, "
-                      "same profile): " + "; ".join(modules) + ".") if modules else ()
+    per_module = ("", "Each kbit module's GEMV/GEMM kernel (a fused qkv_proj / gate_up_proj for its members), "
+                      "microseconds per call (mean over layers and steps, same profile): " + "; ".join(modules) + ".") if modules else ()
     return "\n".join([
         "Where the graph step's device time goes (`--kernel-breakdown`): the same compiled steps launched outside "
         "the graph under torch.profiler, kernel durations summed per step by origin: kbit (hf_kbit's kernels), "
@@ -224,10 +228,8 @@ def bench_markdown(p: dict[str, Any]) -> str:
     if p.get("inductor_pdl"):
         how += " (TORCHINDUCTOR_ENABLE_PDL=1)"
     lines = [
-        f"### {p['model']}: {p['layers']} of {p['layers_full']} layers, random weights"
-        + (", LM head quantized" if p.get("lm_head_quantized") else "")
-        + (", inductor PDL" if p.get("inductor_pdl") else "")
-        + (", fused q/k/v and gate/up" if p.get("fused_projections") else "")
+        f"### {p['model']}: " + ", ".join([f"{p['layers']} of {p['layers_full']} layers", "random weights",
+                                            *bench_labels(p)])
         + f"; k = {', '.join(str(b) for b in sorted({r['bits'] for r in p['results'] if r['bits']}))}"
         + f"; batch {', '.join(str(b) for b in sorted({r['batch'] for r in p['results']}))}",
         "",

@@ -20,14 +20,13 @@ import torch
 from torch import nn
 
 from .. import format as fmt
-from .linear import KbitLinear, KbitModule, packed_matmul
+from .linear import ROW_TENSORS, KbitLinear, KbitModule, packed_matmul
 
 # Fused module name -> the sibling projections it serves (they must share their input).
 FUSED_GROUPS: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
-_ROW_TENSORS = ("planes", "block_scales", "row_scales")  # concatenated along N (dim 0)
 
 
 class KbitFusedProjections(KbitModule):
@@ -47,7 +46,7 @@ class KbitFusedProjections(KbitModule):
         self.out_features = sum(self.sizes)
         self.names = tuple(names)
         with torch.no_grad():
-            for name in _ROW_TENSORS:
+            for name in ROW_TENSORS:  # concatenated along N (dim 0)
                 self.__dict__[name] = torch.cat([getattr(m, name) for m in members])
             self.__dict__["codebook"] = first.codebook.clone()
         self.__dict__["members"] = tuple(members)
@@ -58,7 +57,7 @@ class KbitFusedProjections(KbitModule):
     def _link(self) -> None:
         """Point every member's row tensors at its rows of the fused ones; forget pending outputs."""
         tiles = [n // fmt.TILE_N for n in self.sizes]  # whole tiles: _fusable checks
-        for name in _ROW_TENSORS:
+        for name in ROW_TENSORS:
             parts = self.__dict__[name].split(tiles if name != "row_scales" else list(self.sizes))
             for member, part in zip(self.members, parts):
                 member._buffers[name] = part
@@ -67,7 +66,7 @@ class KbitFusedProjections(KbitModule):
         self.__dict__["_stash"] = [None, None]
 
     def _apply(self, fn, recurse=True):
-        for name in (*_ROW_TENSORS, "codebook"):
+        for name in (*ROW_TENSORS, "codebook"):
             t = self.__dict__[name]
             out = fn(t)
             self.__dict__[name] = t.to(out.device) if out.dtype != t.dtype else out  # format dtypes stay
@@ -127,9 +126,9 @@ def fuse_projections(model: nn.Module, groups: dict[str, tuple[str, ...]] | None
     """
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         return []
-    fused = []
+    fused, groups = [], groups or FUSED_GROUPS
     for parent_name, parent in list(model.named_modules()):
-        for fused_name, names in (groups or FUSED_GROUPS).items():
+        for fused_name, names in groups.items():
             if hasattr(parent, fused_name):
                 continue
             members = _fusable(parent, names)
@@ -148,7 +147,7 @@ def unfuse_projections(model: nn.Module) -> list[str]:
             continue
         with torch.no_grad():
             for member in module.members:
-                for tensor_name in _ROW_TENSORS:
+                for tensor_name in ROW_TENSORS:
                     member._buffers[tensor_name] = member._buffers[tensor_name].clone()
                 member.__dict__["fused_into"] = None
         parent_name, _, child = name.rpartition(".")

@@ -12,6 +12,7 @@ COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 _fast_linear = None  # hf_kbit.backends.cuda.linear_fast once the CUDA library loads
 FORMAT_TENSORS = ("planes", "block_scales", "row_scales", "codebook")
+ROW_TENSORS = FORMAT_TENSORS[:3]  # one entry per output row (or row tile); the codebook is the layer's
 
 
 class KbitModule(nn.Module):
@@ -136,7 +137,7 @@ class KbitLinear(KbitModule):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.fused_into is not None:  # views into the fused tensors: saved (safetensors) as tensors of their own
-            for name in ("planes", "block_scales", "row_scales"):
+            for name in ROW_TENSORS:
                 destination[prefix + name] = destination[prefix + name].clone()
 
     @torch.no_grad()

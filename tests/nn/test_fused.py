@@ -23,9 +23,9 @@ LOGIT_ATOL = 1e-5
 FAMILIES = ("llama", "qwen3", "mistral", "gemma3_text")
 
 
-def quantized_pair(family: str, **overrides):
+def quantized_pair(family: str):
     """(unfused, fused) float32 k=4 models of ``family`` with intermediate_size 192 (gate/up fusable)."""
-    model = tiny_dense_model(family, torch.float32, intermediate_size=192, **overrides)
+    model = tiny_dense_model(family, torch.float32, intermediate_size=192)
     plain = hf_kbit.quantize_model(copy.deepcopy(model), KbitConfig(bits=4, fuse_projections=False))
     return plain, hf_kbit.quantize_model(model, KbitConfig(bits=4))
 
