@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="NAME",
         help="module names (or name suffixes/regexes) kept in full precision, e.g. lm_head experts "
-        "shared_expert; replaces the default (lm_head and tied embeddings)",
+        "shared_expert; replaces the default (lm_head and tied embeddings); an LM head tied to the input "
+        "embedding stays full precision either way",
     )
     q.add_argument(
         "--dtype",

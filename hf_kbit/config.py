@@ -31,7 +31,9 @@ class KbitConfig(QuantizationConfigMixin):
         modules_to_not_convert: modules kept in full precision, with everything below them:
             dotted prefixes (``model.layers.0``), name components (``lm_head``,
             ``shared_expert``) or full-name regexes. ``None`` keeps the output embedding
-            (LM head) and tied weights unquantized; an explicit list replaces that default.
+            (LM head) and tied weights unquantized; an explicit list replaces that default, but a
+            module whose weight is tied to another's (an LM head sharing the input embedding)
+            stays unquantized either way.
         module_bits: ``{regex: bits}``; a Linear/experts module whose full name matches a
             pattern (``re.search``, first match wins) uses those bits instead of ``bits``.
         format_version: version of the packed format; a checkpoint newer than this library

@@ -15,7 +15,7 @@ from .format import make_codebook
 from .nn.experts import KbitExperts, quantize_experts_on_load, replace_experts_with_kbit, replace_kbit_experts_with_float
 from .nn.fused import fuse_projections
 from .nn.linear import COMPUTE_DTYPES, FORMAT_TENSORS, KbitLinear, quantize_weight
-from .nn.replace import replace_kbit_with_linear, replace_linear_with_kbit
+from .nn.replace import replace_kbit_with_linear, replace_linear_with_kbit, tied_modules
 
 
 class KbitHfQuantizer(HfQuantizer):
@@ -64,7 +64,7 @@ class KbitHfQuantizer(HfQuantizer):
             self.quantization_config.modules_to_not_convert,
             getattr(model, "_keep_in_fp32_modules", None),
             add_default_skips=self.quantization_config.modules_to_not_convert is None,
-        )
+        ) + tied_modules(model)  # an explicit list may omit a tied LM head: it stays full precision
         replace_linear_with_kbit(
             model, self.quantization_config, self.modules_to_not_convert, weight_placeholder=not self.pre_quantized
         )

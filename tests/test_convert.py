@@ -80,6 +80,20 @@ def test_bf16_tied_embeddings_match_quantize_on_load(llama_bf16_tied, tmp_path):
     assert "lm_head.weight" not in keys  # tied: written once, like save_pretrained
 
 
+def test_skip_list_without_the_tied_lm_head_converts_and_loads(llama_bf16_tied, tmp_path):
+    """An explicit skip list that omits a tied LM head: the head stays full precision and tied, in the
+    converted checkpoint and on quantize-on-load alike (it used to be planned as kbit and then missing)."""
+    config = hf_kbit.KbitConfig(bits=4, modules_to_not_convert=["o_proj"])
+    converted = load(convert(llama_bf16_tied, tmp_path / "out", config, progress=False).out)
+    reference = quantize_on_load(llama_bf16_tied, config)
+    assert_same_state(converted, reference)
+    for model in (converted, reference):
+        assert type(model.lm_head) is torch.nn.Linear
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert type(model.model.layers[0].self_attn.o_proj) is torch.nn.Linear
+        assert isinstance(model.model.layers[0].mlp.down_proj, KbitLinear)
+
+
 def test_dtype_override_matches_quantize_on_load(llama_fp32, tmp_path):
     config = hf_kbit.KbitConfig(bits=4)
     out = convert(llama_fp32, tmp_path / "out", config, dtype="bfloat16", progress=False).out

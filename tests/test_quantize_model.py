@@ -124,3 +124,13 @@ def test_dense_model_unchanged_behaviour():
     hf_kbit.quantize_model(model, KbitConfig(bits=3))
     assert not [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     assert isinstance(model.lm_head, KbitLinear) and model.lm_head.bits == 3
+
+
+def test_tied_lm_head_stays_full_precision():
+    """An LM head that shares the input embedding's weight is kept (and stays tied), listed or not."""
+    model = tiny_dense_model("llama", tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    hf_kbit.quantize_model(model, KbitConfig(bits=4))
+    assert type(model.lm_head) is torch.nn.Linear
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert isinstance(model.model.layers[0].mlp.down_proj, KbitLinear)

@@ -24,6 +24,15 @@ def should_convert(name: str, modules_to_not_convert: list[str]) -> bool:
     return True
 
 
+def tied_modules(model: nn.Module) -> list[str]:
+    """Modules whose weight is another module's (transformers' tied weights, e.g. an LM head that
+    shares the input embedding's matrix): kbit keeps them in full precision whatever
+    ``modules_to_not_convert`` says, because quantizing one would untie it (the embedding stays a
+    full-precision lookup table), so the model would hold the matrix twice."""
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    return sorted({key.rpartition(".")[0] for key in tied})
+
+
 def replace_linear_with_kbit(
     model: nn.Module, config: KbitConfig, modules_to_not_convert: list[str], weight_placeholder: bool
 ) -> list[str]:
@@ -68,7 +77,9 @@ def quantize_model(model: nn.Module, config: KbitConfig | None = None, modules_t
     (transformers v5 ``*.experts`` with 3-D ``gate_up_proj`` / ``down_proj``) a
     :class:`~hf_kbit.nn.KbitExperts`, as quantize-on-load does. ``modules_to_not_convert``
     (default: ``config.modules_to_not_convert``, else nothing) lists modules to keep in full
-    precision; unlike ``from_pretrained`` there is no default skip of the LM head here.
+    precision; unlike ``from_pretrained`` there is no default skip of the LM head here, except
+    that tied modules (an LM head sharing the input embedding's weight) are always kept
+    (:func:`tied_modules`).
     With ``config.fuse_projections`` (default) sibling projections are then fused
     (:func:`~hf_kbit.nn.fuse_projections`).
     """
@@ -76,6 +87,7 @@ def quantize_model(model: nn.Module, config: KbitConfig | None = None, modules_t
 
     config = config or KbitConfig()
     skip = modules_to_not_convert if modules_to_not_convert is not None else (config.modules_to_not_convert or [])
+    skip = [*skip, *tied_modules(model)]
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and should_convert(name, skip):
             bits = config.bits_for(name)
