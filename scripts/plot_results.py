@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -139,10 +140,10 @@ def plot_bench(p: dict[str, Any], out: Path) -> Path:
         right.set_xlabel("batch size (sequences)")
         right.set_ylabel("decode throughput (tokens/s, all sequences)")
     how = "static cache + torch.compile" if p["static_cache_and_compile"] else "eager"
-    sep = ", " if right is not None else "\n"  # one panel: the title on two lines
-    fig.suptitle(", ".join([p["model"], f"{p['layers']}/{p['layers_full']} layers", "random weights",
-                            *bench_labels(p)])
-                 + f"{sep}{p['environment'].get('gpu', p['device'])}, {how}", fontsize=10)
+    what = ", ".join([p["model"], f"{p['layers']}/{p['layers_full']} layers", "random weights", *bench_labels(p)])
+    where = f"{p['environment'].get('gpu', p['device'])}, {how}"
+    # ~11 characters of the 10-point title per inch of figure: wrap rather than crop
+    fig.suptitle(textwrap.fill(what, width=int(11 * fig.get_figwidth())) + "\n" + where, fontsize=10)
     for ax in axes:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
