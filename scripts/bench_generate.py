@@ -168,7 +168,7 @@ def reset_compiled(model=None) -> None:
 
     torch._dynamo.reset()
     if model is not None and hasattr(model, "_compiled_call"):
-        model._compiled_call = None
+        del model._compiled_call  # not None: transformers compiles anew only where the attribute is absent
 
 
 def run(

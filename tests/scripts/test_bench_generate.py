@@ -132,6 +132,14 @@ def test_quantize_lm_head_converts_the_head_too():
     assert type(model.lm_head).__name__ == "KbitLinear"
 
 
+def test_reset_compiled_lets_generate_compile_again():
+    model = tiny_model(torch.float32)
+    first = model.get_compiled_call(None)
+    bench.reset_compiled(model)
+    again = model.get_compiled_call(None)
+    assert callable(again) and again is not first
+
+
 def test_acceptance_shows_generate_and_graph_speedups():
     def row(bits, decode, graph):
         return {"bits": bits, "batch": 1, "decode_tok_s": decode, "prefill_tok_s": 1.0, "graph_decode_tok_s": graph}
