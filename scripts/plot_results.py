@@ -190,9 +190,8 @@ def breakdown_markdown(p: dict[str, Any]) -> str:
     table = common.kernel_breakdown_table(p["results"])
     if not table:
         return ""
-    rows = [r for r in p["results"] if r.get("graph_kernel_breakdown")]
-    modules = [f"{r['variant']} batch {r['batch']}: {text}" for r in rows
-               if (text := common.kbit_module_summary(r["graph_kernel_breakdown"]))]
+    modules = [f"{r['variant']} batch {r['batch']}: {text}" for r in p["results"]
+               if r.get("graph_kernel_breakdown") and (text := common.kbit_module_summary(r["graph_kernel_breakdown"]))]
     per_module = ("", "Each kbit module's GEMV/GEMM kernel (a fused qkv_proj / gate_up_proj for its members), "
                       "microseconds per call (mean over layers and steps, same profile): " + "; ".join(modules) + ".") if modules else ()
     return "\n".join([

@@ -182,8 +182,8 @@ def test_kernel_group_by_origin(name, group):
 
 
 def test_kernel_breakdown_sums_per_step():
-    kernels = [("void kbit::gemv_kernel<a>", 10.0), ("triton_poi_fused_add_0", 2.0),
-               ("void kbit::gemv_kernel<a>", 12.0), ("nvjet_tst_x", 6.0), ("void at::native::reduce_kernel<b>", 1.0), ("triton_poi_fused_add_0", 3.0)]
+    kernels = [("void kbit::gemv_kernel<a>", 10.0), ("triton_poi_fused_add_0", 2.0), ("void kbit::gemv_kernel<a>", 12.0),
+               ("nvjet_tst_x", 6.0), ("void at::native::reduce_kernel<b>", 1.0), ("triton_poi_fused_add_0", 3.0)]
     split = common.kernel_breakdown(kernels, steps=2, top=2)
     assert split["us_per_step"] == {"kbit": 11.0, "cublas": 3.0, "triton": 2.5, "attention": 0.0, "other": 0.5}
     assert split["kernels_per_step"] == {"kbit": 1.0, "cublas": 0.5, "triton": 1.0, "attention": 0.0, "other": 0.5}
