@@ -33,11 +33,19 @@ profiled outside the graph with torch.profiler, summed per step by kernel origin
 cuBLAS, attention, inductor's Triton kernels, other), the largest kernels by name (JSON) and each
 kbit module's kernel time per call (a fused ``qkv_proj`` / ``gate_up_proj`` for its members).
 
+The JSON is written after every variant, marked ``"complete": false`` until the last one, so a run
+that is stopped (a time limit, an out-of-memory error) keeps what it measured. ``--resume`` finishes
+such a run: it keeps the variants the ``--out`` file holds, checks that they were measured with the
+same settings (model, layers, device and GPU, dtype, batch sizes, lengths, repeats, LM head,
+fusion, inductor PDL, graph step), measures the others and records the kept ones in
+``resumed_variants``: their numbers, bf16's among them, come from the earlier process.
+
 On CPU both run eagerly, for a smoke test of the pipeline only (the kbit CPU forward is the reference).
 
     python scripts/bench_generate.py --preset llama3-8b                       # H100
     python scripts/bench_generate.py --preset qwen3-30b-a3b --layers 24       # H100
     python scripts/bench_generate.py --preset tiny-llama --device cpu        # smoke test
+    python scripts/bench_generate.py --preset qwen3-30b-a3b --layers 24 --resume   # finish a stopped run
 """
 
 from __future__ import annotations
@@ -171,6 +179,80 @@ def reset_compiled(model=None) -> None:
         del model._compiled_call  # not None: transformers compiles anew only where the attribute is absent
 
 
+def settings(
+    preset: str,
+    variants: list[str],
+    device: str,
+    dtype,
+    layers: int | None = None,
+    batch_sizes: tuple[int, ...] = (1, 8),
+    prompt_len: int = 128,
+    new_tokens: int = 128,
+    repeats: int = 3,
+    static_compile: bool | None = None,
+    graph_step: bool = True,
+    steps_per_graph: int = 16,
+    quantize_lm_head: bool = False,
+    kernel_breakdown: bool = False,
+    fuse_projections: bool = True,
+) -> dict[str, Any]:
+    """What a run measures, and under which settings, as its JSON records it (all but the results): the
+    keys that ``--resume`` compares."""
+    import torch._inductor.config as inductor_config
+
+    config = make_config(preset, layers)
+    static_compile = device.startswith("cuda") if static_compile is None else static_compile
+    cuda = device.startswith("cuda")
+    return {
+        "schema": SCHEMA,
+        "preset": preset,
+        "model": PRESETS[preset]["title"],
+        "layers": config.num_hidden_layers,
+        "layers_full": PRESETS[preset]["num_hidden_layers"],
+        "random_weights": True,
+        "variants": list(variants),
+        "device": device,
+        "compute_dtype": common.dtype_name(dtype),
+        "static_cache_and_compile": static_compile,
+        "lm_head_quantized": quantize_lm_head,
+        "fused_projections": fuse_projections,  # q/k/v and gate/up as one kbit launch each
+        # TORCHINDUCTOR_ENABLE_PDL=1: inductor's Triton kernels launch as programmatic dependents (None: no such config)
+        "inductor_pdl": getattr(inductor_config.triton, "enable_pdl", None),
+        "graph_step": None if not graph_step else {
+            "timing": "cuda_graph_events" if cuda else "eager_wall_clock",
+            "submission_hidden": cuda,  # replays start on a busy GPU (_eval_common)
+            "compiled": cuda,
+            "steps_per_graph": min(steps_per_graph, new_tokens),
+            "kernel_breakdown": kernel_breakdown,
+        },
+        "setup": {"prompt_len": prompt_len, "new_tokens": new_tokens, "batch_sizes": list(batch_sizes), "repeats": repeats},
+    }
+
+
+def variant_names(bits_list: list[int], include_bf16: bool = True) -> list[str]:
+    return (["bf16"] if include_bf16 else []) + [f"kbit{bits}" for bits in bits_list]
+
+
+def resumable_results(path: str | Path, expected: dict[str, Any], gpu: str | None) -> list[dict[str, Any]]:
+    """The result rows of the stopped run in ``path``, after checking it was measured under ``expected``
+    (``settings``) on a GPU of the name ``gpu`` (None: none); ValueError naming what does not match."""
+    import json
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--resume: {path} does not exist; run without --resume to start a new run there")
+    earlier = json.loads(path.read_text(encoding="utf-8"))
+    if earlier.get("complete", True):
+        raise ValueError(f"--resume: {path} holds a complete run, nothing to resume; "
+                         f"delete it or give another --out to measure again")
+    for key, value in {**expected, "gpu": gpu}.items():
+        found = earlier.get("environment", {}).get("gpu") if key == "gpu" else earlier.get(key)
+        if found != value:
+            raise ValueError(f"--resume: {path} was measured with {key} = {found!r}, "
+                             f"this run has {key} = {value!r}; resume with the same arguments and environment")
+    return earlier["results"]
+
+
 def run(
     preset: str,
     bits_list: list[int],
@@ -188,8 +270,14 @@ def run(
     quantize_lm_head: bool = False,
     kernel_breakdown: bool = False,
     fuse_projections: bool = True,
+    kept: list[dict[str, Any]] | None = None,
+    on_variant=None,
     log=print,
 ) -> dict[str, Any]:
+    """Measure bf16 (unless ``include_bf16`` is False) and each kbit width; the payload with ``complete``
+    True. ``kept``: result rows of an earlier run under the same settings (``resumable_results``), whose
+    variants are not measured again. ``on_variant(payload)``: called after each variant is measured, with
+    the payload so far (``complete`` False until the last)."""
     import torch
 
     if graph_step and steps_per_graph < 1:
@@ -198,18 +286,37 @@ def run(
         raise ValueError(f"--kernel-breakdown profiles the graph step's CUDA kernels: it needs a CUDA device and "
                          f"the graph step, got device {device!r}, graph step {'on' if graph_step else 'off'}")
 
+    variants = ([None] if include_bf16 else []) + list(bits_list)
+    head = settings(preset, variant_names(bits_list, include_bf16), device, dtype, layers, batch_sizes, prompt_len,
+                    new_tokens, repeats, static_compile, graph_step, steps_per_graph, quantize_lm_head,
+                    kernel_breakdown, fuse_projections)
     config = make_config(preset, layers)
-    full_layers = PRESETS[preset]["num_hidden_layers"]
-    static_compile = device.startswith("cuda") if static_compile is None else static_compile
-    results = []
-    for bits in ([None] if include_bf16 else []) + list(bits_list):
+    static_compile = head["static_cache_and_compile"]
+    kept_rows: dict[str, list[dict[str, Any]]] = {}
+    for row in kept or []:
+        kept_rows.setdefault(row["variant"], []).append(row)
+    results: list[dict[str, Any]] = []
+    resumed: list[str] = []
+
+    def payload(complete: bool) -> dict[str, Any]:
+        add_speedups(results)
+        out = {**head, "complete": complete, "resumed_variants": resumed, "results": results}
+        out["checks"] = acceptance(out)
+        return out
+
+    for index, (bits, variant) in enumerate(zip(variants, head["variants"])):
+        if variant in kept_rows:
+            results.extend(kept_rows[variant])
+            resumed.append(variant)
+            log(f"{variant:>6}: kept from the earlier run")
+            continue
         reset_compiled()
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         model = build_model(config, device, dtype)
-        info: dict[str, Any] = {"variant": "bf16" if bits is None else f"kbit{bits}", "bits": bits}
+        info: dict[str, Any] = {"variant": variant, "bits": bits}
         if bits is None:
             info.update({"bits_per_weight": 16.0, "quantized_fraction": 0.0})
         else:
@@ -217,12 +324,12 @@ def run(
             info.update(common.kbit_summary(model))
         info["unquantized_expert_params"] = unquantized_expert_params(model) if bits is not None else None
         info["setup_seconds"] = round(time.perf_counter() - start, 1)
+        rows = []
         for batch in batch_sizes:
             s = common.measure_speed(model, batch, prompt_len, new_tokens, device, static_compile, repeats)
-            results.append({**info, **s})
-            log(f"{info['variant']:>6} batch {batch}: decode {s['decode_tok_s']:.1f} tok/s "
+            rows.append({**info, **s})
+            log(f"{variant:>6} batch {batch}: decode {s['decode_tok_s']:.1f} tok/s "
                 f"({s['ms_per_decode_step']:.2f} ms/step), prefill {s['prefill_tok_s']:.0f} tok/s, compiled={s['compiled']}")
-        rows = results[-len(batch_sizes):]
         if device.startswith("cuda"):  # generate()'s peak, before the graph step allocates its own cache
             for r in rows:
                 r["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -234,40 +341,15 @@ def run(
                     model, r["batch"], prompt_len, new_tokens, device, repeats, steps_per_graph,
                     breakdown=kernel_breakdown,
                 )
-                log(f"{info['variant']:>6} batch {r['batch']}: graph step {g['graph_step_ms']:.2f} ms "
+                log(f"{variant:>6} batch {r['batch']}: graph step {g['graph_step_ms']:.2f} ms "
                     f"({g['graph_decode_tok_s']:.1f} tok/s), {g['graph_steps']} steps per replay")
             r.update({key: g[key] for key in keys})
+        results.extend(rows)
         reset_compiled(model)
         del model
-    add_speedups(results)
-    import torch._inductor.config as inductor_config
-
-    payload = {
-        "schema": SCHEMA,
-        "preset": preset,
-        "model": PRESETS[preset]["title"],
-        "layers": config.num_hidden_layers,
-        "layers_full": full_layers,
-        "random_weights": True,
-        "device": device,
-        "compute_dtype": common.dtype_name(dtype),
-        "static_cache_and_compile": static_compile,
-        "lm_head_quantized": quantize_lm_head,
-        "fused_projections": fuse_projections,  # q/k/v and gate/up as one kbit launch each
-        # TORCHINDUCTOR_ENABLE_PDL=1: inductor's Triton kernels launch as programmatic dependents (None: no such config)
-        "inductor_pdl": getattr(inductor_config.triton, "enable_pdl", None),
-        "graph_step": None if not graph_step else {
-            "timing": "cuda_graph_events" if device.startswith("cuda") else "eager_wall_clock",
-            "submission_hidden": device.startswith("cuda"),  # replays start on a busy GPU (_eval_common)
-            "compiled": device.startswith("cuda"),
-            "steps_per_graph": min(steps_per_graph, new_tokens),
-            "kernel_breakdown": kernel_breakdown,
-        },
-        "setup": {"prompt_len": prompt_len, "new_tokens": new_tokens, "batch_sizes": list(batch_sizes), "repeats": repeats},
-        "results": results,
-    }
-    payload["checks"] = acceptance(payload)
-    return payload
+        if on_variant is not None and index < len(variants) - 1:
+            on_variant(payload(complete=False))
+    return payload(complete=True)
 
 
 def add_speedups(results: list[dict[str, Any]]) -> None:
@@ -336,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
     parser.add_argument("--dtype", default="bf16", help="compute dtype (default bf16)")
     parser.add_argument("--out", default=None, help="JSON path (default: results/bench_generate_<preset>_<device>.json)")
+    parser.add_argument("--resume", action="store_true",
+                        help="finish the stopped run in --out: keep its variants (same arguments and GPU required), "
+                             "measure the others")
     args = parser.parse_args(argv)
 
     bits_list = common.parse_bits(args.bits)
@@ -345,19 +430,30 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--steps-per-graph must be >= 1, got {args.steps_per_graph}")
     device = common.pick_device(args.device)
     dtype = common.pick_dtype(args.dtype, device)
-    payload = run(
-        args.preset, bits_list, device, dtype, args.layers, batch_sizes, args.prompt_len, args.new_tokens,
-        args.repeats, static_compile=False if args.no_compile else None, include_bf16=not args.no_bf16,
+    options = dict(
+        layers=args.layers, batch_sizes=batch_sizes, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+        repeats=args.repeats, static_compile=False if args.no_compile else None,
         graph_step=not args.no_graph_step, steps_per_graph=args.steps_per_graph,
         quantize_lm_head=args.quantize_lm_head, kernel_breakdown=args.kernel_breakdown,
         fuse_projections=not args.no_fuse_projections,
     )
-    env = "TORCHINDUCTOR_ENABLE_PDL=1 " if payload["inductor_pdl"] else ""  # it changes what is timed
-    payload["command"] = env + common.command_line()
-    payload["environment"] = common.environment()
     head = "_lmhead" if args.quantize_lm_head else ""
     out = args.out or f"results/bench_generate_{args.preset}_{device.split(':')[0]}{head}.json"
-    common.write_json(out, payload)
+    environment = common.environment()
+    kept = None
+    if args.resume:
+        expected = settings(args.preset, variant_names(bits_list, not args.no_bf16), device, dtype, **options)
+        kept = resumable_results(out, expected, environment.get("gpu"))
+
+    def write(payload: dict[str, Any]) -> None:
+        env = "TORCHINDUCTOR_ENABLE_PDL=1 " if payload["inductor_pdl"] else ""  # it changes what is timed
+        payload["command"] = env + common.command_line()
+        payload["environment"] = environment
+        common.write_json(out, payload)
+
+    payload = run(args.preset, bits_list, device, dtype, include_bf16=not args.no_bf16, kept=kept,
+                  on_variant=write, **options)
+    write(payload)
     print()
     layers = f"{payload['layers']} of {payload['layers_full']} layers"
     print(f"{payload['model']} ({layers}, random weights) on {device}, {payload['compute_dtype']}, "

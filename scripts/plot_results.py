@@ -41,7 +41,10 @@ def load_results(folder: Path) -> dict[str, list[dict[str, Any]]]:
         elif schema.startswith("hf_kbit.eval_generation/"):
             groups["generation"].append(payload)
         elif schema.startswith("hf_kbit.bench_generate/"):
-            groups["bench"].append(payload)
+            if payload.get("complete", True):
+                groups["bench"].append(payload)
+            else:
+                print(f"skipping {path}: a stopped run (bench_generate.py --resume finishes it)", file=sys.stderr)
     return groups
 
 
@@ -238,6 +241,9 @@ def bench_markdown(p: dict[str, Any]) -> str:
         "",
         common.format_table(headers, rows),
     ]
+    if resumed := p.get("resumed_variants"):
+        lines += ["", f"Finished with `--resume`: {', '.join(resumed)} were measured by an earlier process of the same "
+                      "command on the same GPU model (the run before it was stopped), the other variants by this one."]
     if graph:
         steps = p["graph_step"]["steps_per_graph"]
         head = ("The kbit variants' LM head is quantized too, with the same k." if p.get("lm_head_quantized")

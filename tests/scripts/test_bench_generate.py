@@ -229,3 +229,51 @@ def test_kernel_breakdown_pools_each_module_over_layers():
     assert common.kbit_module_summary(split) == "q 5.0, mlp 11.0"
     assert common.kernel_breakdown(kernels, steps=2)["kbit_us_by_module"] is None
     assert common.kernel_breakdown(kernels, steps=2, kbit_calls=calls[:3])["kbit_us_by_module"] is None  # 8 vs 6
+
+
+def test_a_stopped_run_keeps_its_variants_and_resume_finishes_it(tmp_path, monkeypatch, capsys):
+    import plot_results
+
+    out = tmp_path / "bench_generate_tiny.json"
+    argv = ["--preset", "tiny-llama", "--device", "cpu", "--layers", "1", "--bits", "4,5", "--batch-sizes", "1",
+            "--prompt-len", "4", "--new-tokens", "2", "--repeats", "1", "--no-graph-step", "--out", str(out)]
+    quantize = bench.quantize
+
+    def stop_at_kbit5(model, bits, **kwargs):
+        if bits == 5:
+            raise RuntimeError("stopped")
+        return quantize(model, bits, **kwargs)
+
+    monkeypatch.setattr(bench, "quantize", stop_at_kbit5)
+    with pytest.raises(RuntimeError, match="stopped"):
+        bench.main(argv)
+    stopped = json.loads(out.read_text())
+    assert stopped["complete"] is False and stopped["variants"] == ["bf16", "kbit4", "kbit5"]
+    assert [r["variant"] for r in stopped["results"]] == ["bf16", "kbit4"]
+    assert stopped["results"][1]["decode_speedup_vs_bf16"] > 0 and stopped["environment"]["torch"]
+    assert plot_results.load_results(tmp_path)["bench"] == []  # a stopped run is not plotted
+    assert "a stopped run" in capsys.readouterr().err
+
+    with pytest.raises(ValueError, match=r"measured with setup = \{.*'batch_sizes': \[1\].*this run has setup = "):
+        bench.main(argv + ["--batch-sizes", "1,2", "--resume"])
+    with pytest.raises(ValueError, match=r"measured with variants = \['bf16', 'kbit4', 'kbit5'\], this run has"):
+        bench.main(argv + ["--bits", "4", "--resume"])
+
+    monkeypatch.setattr(bench, "quantize", quantize)
+    built = []
+    build_model = bench.build_model
+    monkeypatch.setattr(bench, "build_model", lambda *a, **k: built.append(1) or build_model(*a, **k))
+    assert bench.main(argv + ["--resume"]) == 0
+    done = json.loads(out.read_text())
+    assert len(built) == 1  # only kbit5 was measured
+    assert done["complete"] is True and done["resumed_variants"] == ["bf16", "kbit4"]
+    assert [r["variant"] for r in done["results"]] == ["bf16", "kbit4", "kbit5"]
+    assert done["results"][:2] == stopped["results"]  # kept as measured
+    assert done["results"][2]["decode_speedup_vs_bf16"] > 0
+    (plotted,) = plot_results.load_results(tmp_path)["bench"]
+    assert "Finished with `--resume`: bf16, kbit4 were measured by an earlier process" in plot_results.bench_markdown(plotted)
+
+    with pytest.raises(ValueError, match="holds a complete run, nothing to resume"):
+        bench.main(argv + ["--resume"])
+    with pytest.raises(ValueError, match="does not exist; run without --resume"):
+        bench.main(argv[:-1] + [str(tmp_path / "other.json"), "--resume"])
