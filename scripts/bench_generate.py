@@ -184,6 +184,7 @@ def settings(
     variants: list[str],
     device: str,
     dtype,
+    *,
     layers: int | None = None,
     batch_sizes: tuple[int, ...] = (1, 8),
     prompt_len: int = 128,
@@ -196,13 +197,18 @@ def settings(
     kernel_breakdown: bool = False,
     fuse_projections: bool = True,
 ) -> dict[str, Any]:
-    """What a run measures, and under which settings, as its JSON records it (all but the results): the
-    keys that ``--resume`` compares."""
+    """What a run measures, and under which settings, as its JSON records it (all but the results): what
+    ``run`` measures under and ``--resume`` compares. ValueError for settings that cannot run together."""
     import torch._inductor.config as inductor_config
 
-    config = make_config(preset, layers)
-    static_compile = device.startswith("cuda") if static_compile is None else static_compile
     cuda = device.startswith("cuda")
+    if graph_step and steps_per_graph < 1:
+        raise ValueError(f"--steps-per-graph must be >= 1, got {steps_per_graph}")
+    if kernel_breakdown and not (graph_step and cuda):
+        raise ValueError(f"--kernel-breakdown profiles the graph step's CUDA kernels: it needs a CUDA device and "
+                         f"the graph step, got device {device!r}, graph step {'on' if graph_step else 'off'}")
+    config = make_config(preset, layers)
+    static_compile = cuda if static_compile is None else static_compile
     return {
         "schema": SCHEMA,
         "preset": preset,
@@ -225,7 +231,8 @@ def settings(
             "steps_per_graph": min(steps_per_graph, new_tokens),
             "kernel_breakdown": kernel_breakdown,
         },
-        "setup": {"prompt_len": prompt_len, "new_tokens": new_tokens, "batch_sizes": list(batch_sizes), "repeats": repeats},
+        "setup": {"prompt_len": prompt_len, "new_tokens": new_tokens, "batch_sizes": list(batch_sizes),
+                  "repeats": repeats},
     }
 
 
@@ -258,39 +265,24 @@ def run(
     bits_list: list[int],
     device: str,
     dtype,
-    layers: int | None = None,
-    batch_sizes: tuple[int, ...] = (1, 8),
-    prompt_len: int = 128,
-    new_tokens: int = 128,
-    repeats: int = 3,
-    static_compile: bool | None = None,
     include_bf16: bool = True,
-    graph_step: bool = True,
-    steps_per_graph: int = 16,
-    quantize_lm_head: bool = False,
-    kernel_breakdown: bool = False,
-    fuse_projections: bool = True,
     kept: list[dict[str, Any]] | None = None,
     on_variant=None,
     log=print,
+    **options,
 ) -> dict[str, Any]:
-    """Measure bf16 (unless ``include_bf16`` is False) and each kbit width; the payload with ``complete``
-    True. ``kept``: result rows of an earlier run under the same settings (``resumable_results``), whose
-    variants are not measured again. ``on_variant(payload)``: called after each variant is measured, with
-    the payload so far (``complete`` False until the last)."""
+    """Measure bf16 (unless ``include_bf16`` is False) and each kbit width under ``options`` (the keywords
+    of ``settings``: layers, batch sizes, lengths, repeats, compile, graph step, LM head, fusion); the
+    payload, with ``complete`` True. ``kept``: result rows of an earlier run under the same settings
+    (``resumable_results``), whose variants are not measured again. ``on_variant(payload)``: called
+    after each variant is measured, with the payload so far (``complete`` False until the last)."""
     import torch
 
-    if graph_step and steps_per_graph < 1:
-        raise ValueError(f"--steps-per-graph must be >= 1, got {steps_per_graph}")
-    if kernel_breakdown and not (graph_step and device.startswith("cuda")):
-        raise ValueError(f"--kernel-breakdown profiles the graph step's CUDA kernels: it needs a CUDA device and "
-                         f"the graph step, got device {device!r}, graph step {'on' if graph_step else 'off'}")
-
+    head = settings(preset, variant_names(bits_list, include_bf16), device, dtype, **options)
+    setup, graph = head["setup"], head["graph_step"]
+    prompt_len, new_tokens, repeats = setup["prompt_len"], setup["new_tokens"], setup["repeats"]
     variants = ([None] if include_bf16 else []) + list(bits_list)
-    head = settings(preset, variant_names(bits_list, include_bf16), device, dtype, layers, batch_sizes, prompt_len,
-                    new_tokens, repeats, static_compile, graph_step, steps_per_graph, quantize_lm_head,
-                    kernel_breakdown, fuse_projections)
-    config = make_config(preset, layers)
+    config = make_config(preset, head["layers"])
     static_compile = head["static_cache_and_compile"]
     kept_rows: dict[str, list[dict[str, Any]]] = {}
     for row in kept or []:
@@ -320,12 +312,12 @@ def run(
         if bits is None:
             info.update({"bits_per_weight": 16.0, "quantized_fraction": 0.0})
         else:
-            model = quantize(model, bits, lm_head=quantize_lm_head, fuse_projections=fuse_projections)
+            model = quantize(model, bits, lm_head=head["lm_head_quantized"], fuse_projections=head["fused_projections"])
             info.update(common.kbit_summary(model))
         info["unquantized_expert_params"] = unquantized_expert_params(model) if bits is not None else None
         info["setup_seconds"] = round(time.perf_counter() - start, 1)
         rows = []
-        for batch in batch_sizes:
+        for batch in setup["batch_sizes"]:
             s = common.measure_speed(model, batch, prompt_len, new_tokens, device, static_compile, repeats)
             rows.append({**info, **s})
             log(f"{variant:>6} batch {batch}: decode {s['decode_tok_s']:.1f} tok/s "
@@ -336,10 +328,10 @@ def run(
         for r in rows:
             keys = ("graph_step_ms", "graph_decode_tok_s", "graph_replay_tokens_match", "graph_kernel_breakdown")
             g = dict.fromkeys(keys)
-            if graph_step:
+            if graph:
                 g = common.measure_graph_step(
-                    model, r["batch"], prompt_len, new_tokens, device, repeats, steps_per_graph,
-                    breakdown=kernel_breakdown,
+                    model, r["batch"], prompt_len, new_tokens, device, repeats, graph["steps_per_graph"],
+                    breakdown=graph["kernel_breakdown"],
                 )
                 log(f"{variant:>6} batch {r['batch']}: graph step {g['graph_step_ms']:.2f} ms "
                     f"({g['graph_decode_tok_s']:.1f} tok/s), {g['graph_steps']} steps per replay")
@@ -426,8 +418,6 @@ def main(argv: list[str] | None = None) -> int:
     bits_list = common.parse_bits(args.bits)
     batch_sizes = tuple(int(b) for b in args.batch_sizes.split(","))
     make_config(args.preset, args.layers)  # validate before touching the device
-    if args.steps_per_graph < 1:
-        raise ValueError(f"--steps-per-graph must be >= 1, got {args.steps_per_graph}")
     device = common.pick_device(args.device)
     dtype = common.pick_dtype(args.dtype, device)
     options = dict(

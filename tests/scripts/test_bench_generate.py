@@ -271,7 +271,8 @@ def test_a_stopped_run_keeps_its_variants_and_resume_finishes_it(tmp_path, monke
     assert done["results"][:2] == stopped["results"]  # kept as measured
     assert done["results"][2]["decode_speedup_vs_bf16"] > 0
     (plotted,) = plot_results.load_results(tmp_path)["bench"]
-    assert "Finished with `--resume`: bf16, kbit4 were measured by an earlier process" in plot_results.bench_markdown(plotted)
+    resumed = "Finished with `--resume`: bf16, kbit4 were measured by an earlier process"
+    assert resumed in plot_results.bench_markdown(plotted)
 
     with pytest.raises(ValueError, match="holds a complete run, nothing to resume"):
         bench.main(argv + ["--resume"])
