@@ -291,24 +291,45 @@ def kbit_summary(model) -> dict[str, Any]:
     }
 
 
-def load_variant(folder: Path, bits: int | None, device: str, dtype, dequantize_on_cpu: bool = True):
+LM_HEAD = "lm_head"  # the output projection's module name in transformers' causal LMs
+
+
+def load_variant(folder: Path, bits: int | None, device: str, dtype, dequantize_on_cpu: bool = True,
+                 lm_head_bits: int | None = None):
     """The model of ``folder`` as bf16 (``bits=None``) or quantized on load at ``bits``.
 
     Returns ``(model, info)``. On CPU the kbit forward is the pure-PyTorch reference, which
     dequantizes every weight on every call; ``dequantize_on_cpu`` swaps each KbitLinear for an
     ``nn.Linear`` holding exactly its dequantized weight (same numbers, much faster).
+    ``lm_head_bits``: quantize the LM head too, at that k (variant ``kbit<bits>-head<k>``), as
+    ``KbitConfig(bits=bits, modules_to_not_convert=[], module_bits={"^lm_head$": k})`` does; ValueError
+    where the model ties its LM head to the input embedding (kbit keeps a tied head).
     """
     import torch
     from transformers import AutoModelForCausalLM
 
     import hf_kbit
+    from hf_kbit.nn import KbitLinear
 
+    if lm_head_bits is not None and bits is None:
+        raise ValueError("lm_head_bits quantizes the LM head of a kbit variant; bits is None (bf16)")
     kwargs: dict[str, Any] = {"dtype": dtype}
-    if bits is not None:
+    if lm_head_bits is not None:
+        kwargs["quantization_config"] = hf_kbit.KbitConfig(
+            bits=bits, modules_to_not_convert=[], module_bits={f"^{LM_HEAD}$": lm_head_bits})
+    elif bits is not None:
         kwargs["quantization_config"] = hf_kbit.KbitConfig(bits=bits)
     model = AutoModelForCausalLM.from_pretrained(folder, **kwargs).to(device)
     model.eval()
-    info: dict[str, Any] = {"variant": "bf16" if bits is None else f"kbit{bits}", "bits": bits}
+    if lm_head_bits is not None:
+        head = model.get_output_embeddings()
+        if not isinstance(head, KbitLinear):
+            raise ValueError(f"--lm-head-bits: the LM head of {folder} is tied to its input embedding, and kbit keeps "
+                             f"a tied LM head in full precision (quantizing it would store the matrix twice)")
+        if head.bits != lm_head_bits:
+            raise ValueError(f"--lm-head-bits: the LM head of {folder} is not the module {LM_HEAD!r}")
+    variant = "bf16" if bits is None else f"kbit{bits}" + (f"-head{lm_head_bits}" if lm_head_bits else "")
+    info: dict[str, Any] = {"variant": variant, "bits": bits, "lm_head_bits": lm_head_bits}
     if bits is None:
         info.update({"bits_per_weight": 16.0, "quantized_fraction": 0.0, "kbit_forward": None})
     else:
@@ -374,17 +395,17 @@ def format_table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
-def parse_bits(text: str) -> list[int]:
-    """``--bits 2,3,4,5`` -> [2, 3, 4, 5], validated against the supported set."""
+def parse_bits(text: str, flag: str = "--bits") -> list[int]:
+    """``--bits 2,3,4,5`` -> [2, 3, 4, 5], validated against the supported set (errors name ``flag``)."""
     from hf_kbit import SUPPORTED_BITS
 
     try:
         bits = [int(b) for b in text.split(",") if b.strip()]
     except ValueError:
-        raise ValueError(f"--bits must be a comma-separated list of integers, got {text!r}") from None
+        raise ValueError(f"{flag} must be a comma-separated list of integers, got {text!r}") from None
     bad = [b for b in bits if b not in SUPPORTED_BITS]
     if bad:
-        raise ValueError(f"--bits: {bad} not in the supported {SUPPORTED_BITS}")
+        raise ValueError(f"{flag}: {bad} not in the supported {SUPPORTED_BITS}")
     return bits
 
 

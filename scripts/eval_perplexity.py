@@ -14,6 +14,11 @@ the cache on first use), a .gguf file, or a transformers folder. ``--corpus``: `
 (default; Debian's r-cran-janeaustenr, cached) or a UTF-8 text file.
 On CPU the kbit variants are quantized on load and then dequantized into nn.Linear
 (``model.dequantize()``): the same weights as the kbit reference forward, much faster.
+The LM head stays full precision, as in quantize-on-load; ``--lm-head-bits 4,5`` adds variants
+``kbit<k>-head4`` and ``kbit<k>-head5`` with it quantized too (models whose head is not tied
+to the input embedding), to weigh the head's decode time against its quality:
+
+    python scripts/eval_perplexity.py --model qwen2.5-coder-0.5b --bits 4,5 --lm-head-bits 4,5
 """
 
 from __future__ import annotations
@@ -136,27 +141,30 @@ def run(
     dtype,
     include_bf16: bool = True,
     dequantize_on_cpu: bool = True,
+    lm_head_bits: list[int] | tuple[int, ...] = (),
     log=print,
 ) -> dict[str, Any]:
-    """Evaluate every variant on identical windows; returns the JSON payload."""
+    """Evaluate every variant on identical windows; returns the JSON payload. ``lm_head_bits``: after each
+    kbit width, a variant per k in it with the LM head quantized too, at that k."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     token_ids = tokenize(tokenizer, text, max_tokens)
     windows = make_windows(len(token_ids), window, stride)
     prints = fingerprint(token_ids, windows)
-    variants = ([None] if include_bf16 else []) + list(bits_list)
+    variants = [(None, None)] if include_bf16 else []
+    variants += [(bits, head) for bits in bits_list for head in (None, *lm_head_bits)]
     results = []
-    for bits in variants:
+    for bits, head in variants:
         start = time.perf_counter()
-        model, info = common.load_variant(folder, bits, device, dtype, dequantize_on_cpu)
+        model, info = common.load_variant(folder, bits, device, dtype, dequantize_on_cpu, lm_head_bits=head)
         load_s = time.perf_counter() - start
         start = time.perf_counter()
         nll_sum, count = score_windows(model, token_ids, windows)
         result = perplexity_result(info, nll_sum, count, time.perf_counter() - start)
         result["load_seconds"] = round(load_s, 2)
         results.append(result)
-        log(f"{result['variant']:>6}: ppl {result['ppl']:.4f} over {count} tokens ({result['seconds']:.0f}s)")
+        log(f"{result['variant']:>12}: ppl {result['ppl']:.4f} over {count} tokens ({result['seconds']:.0f}s)")
         del model
     add_deltas(results)
     return {
@@ -188,10 +196,16 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="on CPU, run the kbit reference forward instead of dequantizing once into nn.Linear (same numbers, slow)",
     )
-    parser.add_argument("--out", default=None, help="write the JSON here (default: results/perplexity_<model>.json)")
+    parser.add_argument("--lm-head-bits", default="",
+                        help="comma-separated k: after each kbit width, a variant with the LM head quantized too, at "
+                             "each k (an untied LM head only; default: none, the head stays full precision)")
+    parser.add_argument("--out", default=None,
+                        help="write the JSON here (default: results/perplexity_<model>.json, "
+                             "perplexity_<model>_lmhead.json with --lm-head-bits)")
     args = parser.parse_args(argv)
 
     bits_list = common.parse_bits(args.bits)
+    lm_head_bits = common.parse_bits(args.lm_head_bits, "--lm-head-bits")
     device = common.pick_device(args.device)
     dtype = common.pick_dtype(args.dtype, device)
     make_windows(max(args.window, 2), args.window, args.stride)  # validate before any download
@@ -199,11 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     folder, model_info = common.resolve_model(args.model)
     payload = run(
         folder, model_info, corpus_name, text, bits_list, args.window, args.stride, args.max_tokens, device, dtype,
-        include_bf16=not args.no_bf16, dequantize_on_cpu=not args.kbit_reference_forward,
+        include_bf16=not args.no_bf16, dequantize_on_cpu=not args.kbit_reference_forward, lm_head_bits=lm_head_bits,
     )
     payload["command"] = common.command_line()
     payload["environment"] = common.environment()
-    out = args.out or f"results/perplexity_{model_info['slug']}.json"
+    out = args.out or f"results/perplexity_{model_info['slug']}{'_lmhead' if lm_head_bits else ''}.json"
     common.write_json(out, payload)
     print()
     print(f"{model_info['name']} on {corpus_name}: {payload['tokenization']['n_tokens']} tokens, "

@@ -62,20 +62,33 @@ def plot_perplexity(payloads: list[dict[str, Any]], out: Path) -> Path:
     plt = _plt()
     fig, axes = plt.subplots(1, len(payloads), figsize=(5.5 * len(payloads), 4.2), squeeze=False)
     for ax, p in zip(axes[0], payloads):
-        kbit = [r for r in p["results"] if r["bits"] is not None]
+        kbit = [r for r in p["results"] if r["bits"] is not None and not r.get("lm_head_bits")]
+        heads = [r for r in p["results"] if r.get("lm_head_bits")]
         base = next((r for r in p["results"] if r["bits"] is None), None)
-        ax.plot([r["bits_per_weight"] for r in kbit], [r["ppl"] for r in kbit], "o-", label="kbit (k = 2..5)")
-        for r in kbit:
-            ax.annotate(f"k={r['bits']}", (r["bits_per_weight"], r["ppl"]), textcoords="offset points", xytext=(6, 4))
+        if kbit:
+            ax.plot([r["bits_per_weight"] for r in kbit], [r["ppl"] for r in kbit], "o-", label="kbit (LM head bf16)")
+        if heads:
+            ax.plot([r["bits_per_weight"] for r in heads], [r["ppl"] for r in heads], "s", color="tab:red",
+                    label="kbit, LM head quantized too")
+        for r in kbit + heads:
+            label = f"k={r['bits']}" + (f", head {r['lm_head_bits']}" if r.get("lm_head_bits") else "")
+            ax.annotate(label, (r["bits_per_weight"], r["ppl"]), textcoords="offset points", xytext=(6, 4))
         if base:
             ax.axhline(base["ppl"], color="gray", linestyle="--", label=f"bf16 (16 bits/weight): {base['ppl']:.2f}")
         ax.set_yscale("log")
+        ppls = [r["ppl"] for r in p["results"]]
+        if max(ppls) < 10 * min(ppls):  # within a decade: plain tick labels, not 3.5 x 10^1
+            from matplotlib.ticker import FormatStrFormatter
+
+            ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+            ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
         ax.set_xlabel("stored bits per quantized weight (scales and padding included)")
         ax.set_ylabel("perplexity (log scale, lower is better)")
-        ax.set_title(f"{p['model']['name']}\n{p['tokenization']['n_tokens']} tokens of {p['corpus']['name'].split(' (')[0]}, "
+        name = p["model"]["name"] + (", LM head quantized" if heads else "")
+        ax.set_title(f"{name}\n{p['tokenization']['n_tokens']} tokens of {p['corpus']['name'].split(' (')[0]}, "
                      f"window {p['windows']['window']}", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        ax.legend(loc="lower left" if heads else "best")  # the head variants' labels sit high
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -170,8 +183,13 @@ def perplexity_markdown(p: dict[str, Any]) -> str:
         ])
     table = common.format_table(["variant", "bits/weight", "params quantized", "perplexity", "vs bf16"], rows)
     w, t = p["windows"], p["tokenization"]
+    heads = sorted({r["lm_head_bits"] for r in p["results"] if r.get("lm_head_bits")})
+    about_heads = [] if not heads else [
+        f"`kbit<k>-head<h>`: the LM head quantized too, at k = h "
+        f"(`KbitConfig(bits=k, modules_to_not_convert=[], module_bits={{'^lm_head$': h}})`); bits/weight and "
+        f"params quantized then count it. The other kbit variants keep it in full precision.", ""]
     return "\n".join([
-        f"### {p['model']['name']}",
+        f"### {p['model']['name']}" + (" with the LM head quantized" if heads else ""),
         "",
         f"Source: {p['model']['source']}. Corpus: {p['corpus']['name']}, first {t['n_tokens']} tokens "
         f"(`--max-tokens {t['max_tokens']}`), window {w['window']}, stride {w['stride']} ({w['count']} windows, "
@@ -179,6 +197,7 @@ def perplexity_markdown(p: dict[str, Any]) -> str:
         f"every variant). Computed in {p['compute_dtype']} on {p['device']}; kbit forward: "
         f"{next((r['kbit_forward'] for r in p['results'] if r['bits']), '-')}. From `results/{p['_file']}`.",
         "",
+        *about_heads,
         table,
         "",
         "```bash",
@@ -293,7 +312,7 @@ def render_results_md(groups: dict[str, list[dict[str, Any]]], plots: list[str])
         "quantized model and kbit re-quantizes it. On CPU the kbit variants are quantized on load "
         "(`from_pretrained(..., quantization_config=KbitConfig(bits=k))`) and then `model.dequantize()`d into "
         "nn.Linear holding exactly the dequantized weights (the CUDA kernels are tested against this reference). "
-        "The LM head and embeddings stay unquantized; bits/weight counts the quantized Linear weights only, with "
+        "The LM head (except in `-head` variants) and embeddings stay unquantized; bits/weight counts the quantized Linear weights only, with "
         "block scales, row scales and tile padding. Token counts were capped to keep the runs a few minutes on a "
         "2-core CPU: a few thousand tokens make the absolute perplexities a rough sample of the corpus, while the "
         "comparison between variants is paired (every variant scores the identical tokens).",

@@ -106,3 +106,42 @@ def test_results_markdown_matches_json(payload, tmp_path):
         assert plot_results._ppl(r["ppl"]) in text
     png = plot_results.plot_perplexity([common_payload], tmp_path / "ppl.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_lm_head_variants_quantize_the_head_too(tiny_folder, tmp_path):
+    import _eval_common as common
+    import plot_results
+
+    info = {"name": "tiny", "spec": "tiny", "slug": "tiny", "source": "test"}
+    p = ep.run(tiny_folder, info, "tiny text", TINY_TEXT, [4], window=64, stride=32, max_tokens=200, device="cpu",
+               dtype=torch.float32, lm_head_bits=[4, 5], log=lambda *_: None)
+    bf16, k4, head4, head5 = p["results"]
+    assert [r["variant"] for r in p["results"]] == ["bf16", "kbit4", "kbit4-head4", "kbit4-head5"]
+    assert (k4["lm_head_bits"], head4["lm_head_bits"], head5["lm_head_bits"]) == (None, 4, 5)
+    assert k4["quantized_fraction"] < head4["quantized_fraction"] == head5["quantized_fraction"]
+    assert k4["bits_per_weight"] < head5["bits_per_weight"]  # the k = 5 head raises the average
+    assert head4["ppl"] != k4["ppl"] and all(math.isfinite(r["ppl"]) for r in p["results"])
+    assert len({r["scored_tokens"] for r in p["results"]}) == 1
+    p.update({"command": "python scripts/eval_perplexity.py", "_file": "p.json", "environment": {}})
+    text = plot_results.perplexity_markdown(p)
+    assert "### tiny with the LM head quantized" in text and "| kbit4-head5 |" in text
+    png = plot_results.plot_perplexity([p], tmp_path / "p.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    model, _ = common.load_variant(tiny_folder, 4, "cpu", torch.float32, dequantize_on_cpu=False, lm_head_bits=5)
+    assert model.lm_head.bits == 5 and model.model.layers[0].mlp.down_proj.bits == 4
+
+
+def test_lm_head_bits_refuses_a_tied_head_and_bf16(tiny_folder, tmp_path):
+    import _eval_common as common
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tied = AutoModelForCausalLM.from_pretrained(tiny_folder, tie_word_embeddings=True)
+    tied.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tiny_folder).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="--lm-head-bits: the LM head of .* is tied to its input embedding"):
+        common.load_variant(tmp_path, 4, "cpu", torch.float32, lm_head_bits=4)
+    with pytest.raises(ValueError, match="lm_head_bits quantizes the LM head of a kbit variant; bits is None"):
+        common.load_variant(tiny_folder, None, "cpu", torch.float32, lm_head_bits=4)
+    with pytest.raises(ValueError, match=r"--lm-head-bits: \[6\] not in the supported"):
+        ep.main(["--model", str(tiny_folder), "--lm-head-bits", "6"])
