@@ -312,8 +312,8 @@ def render_results_md(groups: dict[str, list[dict[str, Any]]], plots: list[str])
         "quantized model and kbit re-quantizes it. On CPU the kbit variants are quantized on load "
         "(`from_pretrained(..., quantization_config=KbitConfig(bits=k))`) and then `model.dequantize()`d into "
         "nn.Linear holding exactly the dequantized weights (the CUDA kernels are tested against this reference). "
-        "The LM head (except in `-head` variants) and embeddings stay unquantized; bits/weight counts the quantized Linear weights only, with "
-        "block scales, row scales and tile padding. Token counts were capped to keep the runs a few minutes on a "
+        "The LM head (except in `-head` variants) and embeddings stay unquantized; bits/weight counts the quantized "
+        "Linear weights only, with block scales, row scales and tile padding. Token counts were capped to keep the runs a few minutes on a "
         "2-core CPU: a few thousand tokens make the absolute perplexities a rough sample of the corpus, while the "
         "comparison between variants is paired (every variant scores the identical tokens).",
         "",
