@@ -60,11 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     q.add_argument(
         "--skip-modules",
-        nargs="+",
+        nargs="*",
         default=None,
         metavar="NAME",
         help="module names (or name suffixes/regexes) kept in full precision, e.g. lm_head experts "
-        "shared_expert; replaces the default (lm_head and tied embeddings); an LM head tied to the input "
+        "shared_expert; replaces the default (lm_head and tied embeddings); with no names, every Linear is "
+        "quantized, the LM head too (e.g. with --module-bits '^lm_head$=5'); an LM head tied to the input "
         "embedding stays full precision either way",
     )
     q.add_argument(

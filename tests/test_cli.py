@@ -56,6 +56,20 @@ def test_convert_end_to_end(capsys, llama_fp32, tmp_path):
     assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
 
 
+def test_skip_modules_without_names_quantizes_the_lm_head_too(capsys, llama_fp32, tmp_path):
+    out = tmp_path / "out"
+    code, stdout, _ = run(capsys, llama_fp32, "--bits", "4", "--skip-modules", "--module-bits", "^lm_head$=5",
+                          "--out", out, "--no-progress")
+    assert code == 0, stdout
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["modules_to_not_convert"] == [] and qc["module_bits"] == {"^lm_head$": 5}
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.lm_head.bits == 5 and model.model.layers[0].mlp.up_proj.bits == 4
+    assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
+
+
 def test_dry_run(capsys, llama_fp32, tmp_path):
     code, stdout, _ = run(capsys, llama_fp32, "--bits", "4", "--dry-run")
     assert code == 0
