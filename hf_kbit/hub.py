@@ -88,10 +88,13 @@ def render_card(
     # MoE: the fused expert weights are quantized too (they are not nn.Linear; routers are kept).
     weights = "Linear and MoE expert weights" if stats.get("quantized_expert_tensors") else "Linear weights"
     others = f"all tensors other than {weights}"
-    kept = f"lm_head / tied embeddings and {others}" if cfg.modules_to_not_convert is None else (
-        f"{', '.join(cfg.modules_to_not_convert)} and {others}"
-    )
-    bits_summary = ", ".join(f"{b} ({n} tensors)" for b, n in stats["quantized_by_bits"].items()) or "none"
+    skipped = ["lm_head / tied embeddings"] if cfg.modules_to_not_convert is None else cfg.modules_to_not_convert
+    kept = f"{', '.join(skipped)} and {others}" if skipped else others
+
+    def tensors(n: int) -> str:
+        return f"{n} tensor{'s' if n != 1 else ''}"
+
+    bits_summary = ", ".join(f"{b} ({tensors(n)})" for b, n in stats["quantized_by_bits"].items()) or "none"
     if cfg.module_bits:
         bits_summary += " — per-module bits: " + ", ".join(f"`{p}` -> {b}" for p, b in cfg.module_bits.items())
     bpw = stats.get("bits_per_quantized_weight")
@@ -110,7 +113,7 @@ def render_card(
         quantized_tensors=stats["quantized_tensors"],
         total_tensors=stats["tensors"],
         dtype=stats["dtype"],
-        kept_summary=f"{n_kept} tensors: {kept}",
+        kept_summary=f"{tensors(n_kept)}: {kept}",
         size_before=format_bytes(stats["size_before_bytes"]),
         size_before_label=size_before_label,
         size_after=format_bytes(stats["size_after_bytes"]),

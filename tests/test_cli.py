@@ -63,6 +63,9 @@ def test_skip_modules_without_names_quantizes_the_lm_head_too(capsys, llama_fp32
     assert code == 0, stdout
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["modules_to_not_convert"] == [] and qc["module_bits"] == {"^lm_head$": 5}
+    card = (out / "README.md").read_text()
+    assert "| 4 (14 tensors), 5 (1 tensor) — per-module bits: `^lm_head$` -> 5 |" in card
+    assert "tensors: all tensors other than Linear weights |" in card  # nothing named as skipped
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(out)
