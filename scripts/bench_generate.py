@@ -236,8 +236,13 @@ def settings(
     }
 
 
-def variant_names(bits_list: list[int], include_bf16: bool = True) -> list[str]:
-    return (["bf16"] if include_bf16 else []) + [f"kbit{bits}" for bits in bits_list]
+def variant_bits(bits_list: list[int], include_bf16: bool = True) -> list[int | None]:
+    """The variants a run measures, in order, as their bits (None: bf16)."""
+    return ([None] if include_bf16 else []) + list(bits_list)
+
+
+def variant_name(bits: int | None) -> str:
+    return "bf16" if bits is None else f"kbit{bits}"
 
 
 def resumable_results(path: str | Path, expected: dict[str, Any], gpu: str | None) -> list[dict[str, Any]]:
@@ -278,10 +283,10 @@ def run(
     after each variant is measured, with the payload so far (``complete`` False until the last)."""
     import torch
 
-    head = settings(preset, variant_names(bits_list, include_bf16), device, dtype, **options)
+    variants = variant_bits(bits_list, include_bf16)
+    head = settings(preset, [variant_name(b) for b in variants], device, dtype, **options)
     setup, graph = head["setup"], head["graph_step"]
     prompt_len, new_tokens, repeats = setup["prompt_len"], setup["new_tokens"], setup["repeats"]
-    variants = ([None] if include_bf16 else []) + list(bits_list)
     config = make_config(preset, head["layers"])
     static_compile = head["static_cache_and_compile"]
     kept_rows: dict[str, list[dict[str, Any]]] = {}
@@ -296,7 +301,8 @@ def run(
         out["checks"] = acceptance(out)
         return out
 
-    for index, (bits, variant) in enumerate(zip(variants, head["variants"])):
+    for index, bits in enumerate(variants):
+        variant = variant_name(bits)
         if variant in kept_rows:
             results.extend(kept_rows[variant])
             resumed.append(variant)
@@ -402,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps-per-graph", type=int, default=16,
                         help="graph step: chained decode steps per CUDA graph (default 16, at most --new-tokens)")
     parser.add_argument("--kernel-breakdown", action="store_true",
-                        help="CUDA: profile the graph step's kernels; device time per step by origin and per kbit module")
+                        help="CUDA: profile the graph step's kernels; device time per step by origin and "
+                             "per kbit module")
     parser.add_argument("--quantize-lm-head", action="store_true",
                         help="quantize the LM head too (default: it stays bf16, as in quantize-on-load)")
     parser.add_argument("--no-fuse-projections", action="store_true",
@@ -432,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     environment = common.environment()
     kept = None
     if args.resume:
-        expected = settings(args.preset, variant_names(bits_list, not args.no_bf16), device, dtype, **options)
+        names = [variant_name(b) for b in variant_bits(bits_list, not args.no_bf16)]
+        expected = settings(args.preset, names, device, dtype, **options)
         kept = resumable_results(out, expected, environment.get("gpu"))
 
     def write(payload: dict[str, Any]) -> None:

@@ -215,7 +215,8 @@ def breakdown_markdown(p: dict[str, Any]) -> str:
     modules = [f"{r['variant']} batch {r['batch']}: {text}" for r in p["results"]
                if r.get("graph_kernel_breakdown") and (text := common.kbit_module_summary(r["graph_kernel_breakdown"]))]
     per_module = ("", "Each kbit module's GEMV/GEMM kernel (a fused qkv_proj / gate_up_proj for its members), "
-                      "microseconds per call (mean over layers and steps, same profile): " + "; ".join(modules) + ".") if modules else ()
+                      "microseconds per call (mean over layers and steps, same profile): "
+                  + "; ".join(modules) + ".") if modules else ()
     return "\n".join([
         "Where the graph step's device time goes (`--kernel-breakdown`): the same compiled steps launched outside "
         "the graph under torch.profiler, kernel durations summed per step by origin: kbit (hf_kbit's kernels), "
@@ -313,9 +314,9 @@ def render_results_md(groups: dict[str, list[dict[str, Any]]], plots: list[str])
         "(`from_pretrained(..., quantization_config=KbitConfig(bits=k))`) and then `model.dequantize()`d into "
         "nn.Linear holding exactly the dequantized weights (the CUDA kernels are tested against this reference). "
         "The LM head (except in `-head` variants) and embeddings stay unquantized; bits/weight counts the quantized "
-        "Linear weights only, with block scales, row scales and tile padding. Token counts were capped to keep the runs a few minutes on a "
-        "2-core CPU: a few thousand tokens make the absolute perplexities a rough sample of the corpus, while the "
-        "comparison between variants is paired (every variant scores the identical tokens).",
+        "Linear weights only, with block scales, row scales and tile padding. Token counts were capped to keep the "
+        "runs a few minutes on a 2-core CPU: a few thousand tokens make the absolute perplexities a rough sample of "
+        "the corpus, while the comparison between variants is paired (every variant scores the identical tokens).",
         "",
     ]
     parts += [perplexity_markdown(p) for p in groups["perplexity"]]

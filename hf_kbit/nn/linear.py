@@ -174,7 +174,8 @@ def packed_matmul(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if out is None:
         if x.dtype not in COMPUTE_DTYPES:
             raise TypeError(f"KbitLinear input must be one of {COMPUTE_DTYPES}, got {x.dtype}")
-        out = torch.ops.kbit.mm(x, module.planes, module.block_scales, module.row_scales, module.codebook, module.in_features)
+        out = torch.ops.kbit.mm(x, module.planes, module.block_scales, module.row_scales, module.codebook,
+                                module.in_features)
     return out
 
 
