@@ -615,14 +615,25 @@ def _eager_step_seconds(step: GreedyDecodeStep, steps: int, repeats: int, warmup
 _GRAPH_SUBMIT_SPIN_CYCLES = 50_000_000  # about 25 ms at 2 GHz, longer than submitting a replay of 16 steps
 
 
-def _cuda_graph_step_seconds(step: GreedyDecodeStep, steps: int, repeats: int, warmup: int) -> tuple[float, bool]:
+def _spin_while_submitting() -> None:
+    """Keep the GPU busy while the host submits a graph replay (hundreds of nodes per step take the host
+    milliseconds), so that what follows times or profiles the replay's device work, not its submission."""
+    import torch
+
+    torch.cuda._sleep(_GRAPH_SUBMIT_SPIN_CYCLES)
+
+
+def _cuda_graph_step_seconds(
+    step: GreedyDecodeStep, steps: int, repeats: int, warmup: int, profile: bool = False
+) -> tuple[float, float, list[tuple[str, float, float]] | None]:
     """Compile the step's forward, capture ``steps`` chained steps in one CUDA graph, time replays with events.
 
     Returns (median seconds per step, the fraction of sequences whose last token after the first replay
-    equals the one the compiled steps reached before capture). A replay that does not advance the
-    position by ``steps`` raises. Random-weight logits are nearly flat, so a sequence can diverge
-    on a near-tie when a captured kernel rounds differently (cuBLAS may pick other kernels under
-    capture): the fraction, not equality, is reported.
+    equals the one the compiled steps reached before capture, and with ``profile`` the kernels of one
+    more replay: _profile_replay). A replay that does not advance the position by ``steps`` raises.
+    Random-weight logits are nearly flat, so a sequence can diverge on a near-tie when a captured kernel
+    rounds differently (cuBLAS may pick other kernels under capture): the fraction, not equality, is
+    reported.
     """
     import statistics
 
@@ -662,9 +673,7 @@ def _cuda_graph_step_seconds(step: GreedyDecodeStep, steps: int, repeats: int, w
         # Each replay advances the position and the cache's write position by ``steps`` in place: rewinding
         # first starts every replay at prompt_len, so positions stay inside the cache.
         step.rewind()
-        # The GPU spins while the host submits the graph (hundreds of nodes per step take the host
-        # milliseconds): the events then time the replay's device work, not its submission.
-        torch.cuda._sleep(_GRAPH_SUBMIT_SPIN_CYCLES)
+        _spin_while_submitting()
         begin.record()
         graph.replay()
         end.record()
@@ -676,7 +685,8 @@ def _cuda_graph_step_seconds(step: GreedyDecodeStep, steps: int, repeats: int, w
             matches = (step.ids == expected).float().mean().item()
         if i >= warmup:
             times.append(begin.elapsed_time(end) / 1000 / steps)
-    return statistics.median(times), matches
+    kernels = _profile_replay(step, graph) if profile else None
+    return statistics.median(times), matches, kernels
 
 
 # Kernel groups of the decode-step breakdown, by where a kernel comes from (its demangled name). First match
@@ -707,42 +717,58 @@ def _is_kbit_call_kernel(name: str) -> bool:
 
 
 def kernel_breakdown(
-    kernels: list[tuple[str, float]], steps: int, top: int = 8, kbit_calls: list[str] | None = None
+    kernels: list[tuple[str, float, float]], steps: int, top: int = 8, kbit_calls: list[str] | None = None
 ) -> dict[str, Any]:
-    """Per-step device time of ``kernels`` ((name, microseconds) for every launch over ``steps`` steps, in order).
+    """Where ``steps`` decode steps' device time goes, from their kernels ((name, start, end) in microseconds,
+    in start order, one stream: _profile_replay).
 
-    Returns ``us_per_step`` and ``kernels_per_step`` by kernel group (all groups, zeros included),
-    ``total_us_per_step``, ``top``: the ``top`` kernel names by time, each with its group and
-    microseconds per step, and ``kbit_us_by_module``: given ``kbit_calls`` (the kbit modules that launch
-    in one step, in order: kbit_call_order), the mean duration of each module's GEMV/GEMM kernel, layers
-    pooled ("model.layers.N.mlp.up_proj"), in call order; None without ``kbit_calls`` or when the kernels
-    do not pair one to one with the calls.
+    Each kernel is charged its *exposed* time: from the end of the kernels before it (or from its own
+    start, after an idle gap) to its own end. Under programmatic dependent launch a kernel starts before
+    its predecessor ends and waits, so its duration counts time another kernel is charged; the exposed
+    times and the idle gaps partition the profiled span. Returns per step: ``us_per_step`` (exposed, by
+    kernel group, all groups, zeros included), ``kernel_us_per_step`` (durations, same groups),
+    ``kernels_per_step``, ``idle_us_per_step``, ``total_us_per_step`` (the span: exposed + idle), ``top``
+    (the ``top`` kernel names by exposed time, each with its group and microseconds per step) and
+    ``kbit_us_by_module``: given ``kbit_calls`` (the kbit modules that launch in one step, in order:
+    kbit_call_order), the mean exposed time of each module's GEMV/GEMM kernel, layers pooled
+    ("model.layers.N.mlp.up_proj"), in call order; None without ``kbit_calls`` or when the kernels do not
+    pair one to one with the calls.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    us, count, by_name = dict.fromkeys(KERNEL_GROUP_NAMES, 0.0), dict.fromkeys(KERNEL_GROUP_NAMES, 0), {}
-    for name, t in kernels:
+    exposed, busy = dict.fromkeys(KERNEL_GROUP_NAMES, 0.0), dict.fromkeys(KERNEL_GROUP_NAMES, 0.0)
+    count, by_name, calls = dict.fromkeys(KERNEL_GROUP_NAMES, 0), {}, []
+    idle = 0.0
+    done = kernels[0][1] if kernels else 0.0  # the end of the kernels so far
+    for name, start, end in kernels:
+        if end < start:
+            raise ValueError(f"kernel {name!r} ends before it starts ({start} > {end})")
         group = kernel_group(name)
-        us[group] += t / steps
+        idle += max(0.0, start - done)
+        charged = max(0.0, end - max(done, start))
+        done = max(done, end)
+        exposed[group] += charged / steps
+        busy[group] += (end - start) / steps
         count[group] += 1
-        by_name[name] = by_name.get(name, 0.0) + t / steps
+        by_name[name] = by_name.get(name, 0.0) + charged / steps
+        if _is_kbit_call_kernel(name):
+            calls.append(charged)
     names = sorted(by_name, key=by_name.get, reverse=True)[:top]
     by_module = None
-    calls = [t for name, t in kernels if _is_kbit_call_kernel(name)]
     if kbit_calls and len(calls) == steps * len(kbit_calls):
         pooled: dict[str, list[float]] = {}
         for i, t in enumerate(calls):
             pooled.setdefault(re.sub(r"\.\d+\.", ".N.", kbit_calls[i % len(kbit_calls)]), []).append(t)
         by_module = {module: sum(ts) / len(ts) for module, ts in pooled.items()}
-    return {"us_per_step": us, "kernels_per_step": {g: n / steps for g, n in count.items()},
-            "total_us_per_step": sum(us.values()),
+    return {"us_per_step": exposed, "kernel_us_per_step": busy,
+            "kernels_per_step": {g: n / steps for g, n in count.items()}, "idle_us_per_step": idle / steps, "total_us_per_step": sum(exposed.values()) + idle / steps,
             "top": [{"kernel": n, "group": kernel_group(n), "us_per_step": by_name[n]} for n in names],
             "kbit_us_by_module": by_module}
 
 
 def kernel_breakdown_table(results: list[dict[str, Any]]) -> str:
-    """Markdown table of the graph step's microseconds per step by kernel group, one row per result measured
-    with a breakdown (``graph_kernel_breakdown``); "" when none was."""
+    """Markdown table of the graph step's exposed microseconds per step by kernel group (kernel_breakdown), one
+    row per result measured with a breakdown (``graph_kernel_breakdown``); "" when none was."""
     rows = []
     for r in results:
         split = r.get("graph_kernel_breakdown")
@@ -750,14 +776,15 @@ def kernel_breakdown_table(results: list[dict[str, Any]]) -> str:
             rows.append([r["variant"], r["batch"], f"{1000 * r['graph_step_ms']:.0f}",
                          f"{split['total_us_per_step']:.0f}",
                          *(f"{split['us_per_step'][g]:.0f}" for g in KERNEL_GROUP_NAMES),
-                         f"{sum(split['kernels_per_step'].values()):.0f}"])
-    headers = ["variant", "batch", "graph step us", "kernels us", *(f"{g} us" for g in KERNEL_GROUP_NAMES), "kernels"]
+                         f"{split['idle_us_per_step']:.0f}", f"{sum(split['kernels_per_step'].values()):.0f}"])
+    headers = ["variant", "batch", "graph step us", "profiled us", *(f"{g} us" for g in KERNEL_GROUP_NAMES),
+               "idle us", "kernels"]
     return format_table(headers, rows) if rows else ""
 
 
 def kbit_module_summary(split: dict[str, Any]) -> str:
-    """``kbit_us_by_module`` of a kernel_breakdown as text ("self_attn.q_proj 8.4, ..." microseconds per call),
-    or "" when it was not measured."""
+    """``kbit_us_by_module`` of a kernel_breakdown as text ("self_attn.q_proj 8.4, ..." exposed microseconds
+    per call), or "" when it was not measured."""
     by_module = split.get("kbit_us_by_module") or {}
     layer_prefix = re.compile(r"^.*\.N\.")
     return ", ".join(f"{layer_prefix.sub('', module)} {us:.1f}" for module, us in by_module.items())
@@ -787,23 +814,25 @@ def kbit_call_order(step: GreedyDecodeStep) -> list[str]:
     return order
 
 
-def _profile_step_kernels(step: GreedyDecodeStep, steps: int) -> list[tuple[str, float]]:
-    """(name, microseconds) of every CUDA kernel that ``steps`` calls of ``step`` launch, in start order
-    (CUPTI, through torch.profiler)."""
+def _profile_replay(step: GreedyDecodeStep, graph) -> list[tuple[str, float, float]]:
+    """(name, start, end) in microseconds of every CUDA kernel of one replay of ``graph`` (from the state right
+    after prefill), in start order (CUPTI, through torch.profiler; the kernels of a graph replay are traced
+    one by one). The spin kernel that covers the host's submission is left out."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     step.rewind()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
+        _spin_while_submitting()
+        graph.replay()
         torch.cuda.synchronize()
     cuda = torch.autograd.DeviceType.CUDA
     events = sorted((e for e in prof.events() if e.device_type == cuda), key=lambda e: e.time_range.start)
-    kernels = [(e.name, e.time_range.elapsed_us()) for e in events]
+    kernels = [(e.name, float(e.time_range.start), float(e.time_range.end)) for e in events
+               if not any(word in e.name.lower() for word in ("spin_kernel", "sleep"))]
     if not kernels:
-        raise RuntimeError("kernel breakdown: torch.profiler recorded no CUDA kernel for the decode steps")
+        raise RuntimeError("kernel breakdown: torch.profiler recorded no CUDA kernel for the graph replay")
     return kernels
 
 
@@ -828,8 +857,8 @@ def measure_graph_step(
     ``graph_replay_tokens_match`` (CUDA only, else None): the fraction of sequences whose replay ends on
     the token that the same steps, compiled but not captured, reached (see _cuda_graph_step_seconds).
     ``breakdown`` (CUDA only): also ``graph_kernel_breakdown``, where the step's device time goes
-    (kernel_breakdown of the same compiled steps, profiled outside the graph, with the time of each
-    kbit module that launches: kbit_call_order), else None.
+    (kernel_breakdown of one more replay of the graph, with the exposed time of each kbit module that
+    launches: kbit_call_order), else None.
     """
     if breakdown and not device.startswith("cuda"):
         raise ValueError(f"the kernel breakdown profiles CUDA kernels; device is {device!r}")
@@ -844,10 +873,11 @@ def measure_graph_step(
     step = GreedyDecodeStep(model, ids, prompt_len + new_tokens)
     matches = None
     calls = kbit_call_order(step) if breakdown else None  # eager, before the forward is compiled
+    kernels = None
     if device.startswith("cuda"):
-        step_s, matches = _cuda_graph_step_seconds(step, steps, repeats, warmup)
+        step_s, matches, kernels = _cuda_graph_step_seconds(step, steps, repeats, warmup, profile=breakdown)
     else:
         step_s = _eager_step_seconds(step, steps, repeats, warmup)
-    split = kernel_breakdown(_profile_step_kernels(step, steps), steps, kbit_calls=calls) if breakdown else None
+    split = kernel_breakdown(kernels, steps, kbit_calls=calls) if breakdown else None
     return {"graph_step_ms": 1000 * step_s, "graph_decode_tok_s": batch / step_s, "graph_steps": steps,
             "graph_replay_tokens_match": matches, "graph_kernel_breakdown": split}

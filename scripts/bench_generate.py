@@ -28,10 +28,12 @@ With ``TORCHINDUCTOR_ENABLE_PDL=1`` in the environment inductor's Triton kernels
 dependents (sm_90+), so the kernels around them overlap their launch and prologue; the JSON records it
 (``inductor_pdl``).
 
-``--kernel-breakdown`` (CUDA) adds where the graph step's device time goes: the same compiled steps,
-profiled outside the graph with torch.profiler, summed per step by kernel origin (hf_kbit's kernels,
-cuBLAS, attention, inductor's Triton kernels, other), the largest kernels by name (JSON) and each
-kbit module's kernel time per call (a fused ``qkv_proj`` / ``gate_up_proj`` for its members).
+``--kernel-breakdown`` (CUDA) adds where the graph step's device time goes: one more replay of the
+graph under torch.profiler, each kernel charged its exposed time (from the end of the kernels before
+it to its own end; the groups and the idle gaps add up to the step), summed per step by kernel origin
+(hf_kbit's kernels, cuBLAS, attention, inductor's Triton kernels, other), the largest kernels by name
+(JSON) and each kbit module's exposed time per call (a fused ``qkv_proj`` / ``gate_up_proj`` for its
+members).
 
 The JSON is written after every variant, marked ``"complete": false`` until the last one, so a run
 that is stopped (a time limit, an out-of-memory error) keeps what it measured. ``--resume`` finishes
@@ -462,11 +464,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"graph step: one greedy decode step without generate()'s host work ({how})")
     print(render_table(payload))
     if breakdown := common.kernel_breakdown_table(payload["results"]):
-        print("\ngraph step device time by kernel origin (profiled outside the graph, microseconds per step)")
+        print("\ngraph step device time by kernel origin (one profiled replay, exposed microseconds per step)")
         print(breakdown)
         for r in payload["results"]:
             if r.get("graph_kernel_breakdown") and (modules := common.kbit_module_summary(r["graph_kernel_breakdown"])):
-                print(f"{r['variant']} batch {r['batch']}, us per call of each kbit module's kernel: {modules}")
+                print(f"{r['variant']} batch {r['batch']}, exposed us per call of each kbit module's kernel: {modules}")
     if payload["checks"]:
         print(f"\nacceptance (kbit4 batch 1 >= 2.5x bf16): {payload['checks']}")
     print(f"\nwrote {out}")

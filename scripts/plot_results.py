@@ -215,15 +215,16 @@ def breakdown_markdown(p: dict[str, Any]) -> str:
     modules = [f"{r['variant']} batch {r['batch']}: {text}" for r in p["results"]
                if r.get("graph_kernel_breakdown") and (text := common.kbit_module_summary(r["graph_kernel_breakdown"]))]
     per_module = ("", "Each kbit module's GEMV/GEMM kernel (a fused qkv_proj / gate_up_proj for its members), "
-                      "microseconds per call (mean over layers and steps, same profile): "
+                      "exposed microseconds per call (mean over layers and steps, same profile): "
                   + "; ".join(modules) + ".") if modules else ()
     return "\n".join([
-        "Where the graph step's device time goes (`--kernel-breakdown`): the same compiled steps launched outside "
-        "the graph under torch.profiler, kernel durations summed per step by origin: kbit (hf_kbit's kernels), "
-        "cublas (cuBLAS GEMMs and GEMVs: the bf16 layers and LM head), triton (inductor's fused kernels: norms, "
-        "rotary, KV-cache writes, SiLU, residual adds, argmax), attention (the SDPA kernel), other (torch's own). "
-        "Outside the graph a programmatic dependent launch starts before its predecessor ends and its duration "
-        "counts that wait, so the kernel sum can exceed the graph step.",
+        "Where the graph step's device time goes (`--kernel-breakdown`): one more replay of the captured graph "
+        "under torch.profiler, each kernel charged its exposed time (from the end of the kernels before it, or "
+        "its own start after an idle gap, to its own end: under programmatic dependent launch a kernel starts "
+        "before its predecessor ends and waits), so the groups and the idle gaps add up to the profiled step. "
+        "Groups by origin: kbit (hf_kbit's kernels), cublas (cuBLAS GEMMs and GEMVs: the bf16 layers and LM "
+        "head), triton (inductor's fused kernels: norms, rotary, KV-cache writes, SiLU, residual adds, argmax), "
+        "attention (the SDPA kernel), other (torch's own).",
         "",
         table,
         *per_module,

@@ -181,17 +181,34 @@ def test_kernel_group_by_origin(name, group):
     assert common.kernel_group(name) == group
 
 
-def test_kernel_breakdown_sums_per_step():
-    kernels = [("void kbit::gemv_kernel<a>", 10.0), ("triton_poi_fused_add_0", 2.0), ("void kbit::gemv_kernel<a>", 12.0),
-               ("nvjet_tst_x", 6.0), ("void at::native::reduce_kernel<b>", 1.0), ("triton_poi_fused_add_0", 3.0)]
+def test_kernel_breakdown_charges_each_kernel_its_exposed_time():
+    # Two steps. The second kbit kernel starts before the triton kernel ends (a programmatic dependent
+    # launch): its duration (12) counts 2 us the triton kernel is charged. An idle gap of 1 us before the
+    # cuBLAS kernel is charged to no group. Exposed times and idle add up to the span (0 .. 35).
+    kernels = [("void kbit::gemv_kernel<a>", 0.0, 10.0), ("triton_poi_fused_add_0", 9.0, 12.0),
+               ("void kbit::gemv_kernel<a>", 10.0, 22.0), ("nvjet_tst_x", 23.0, 29.0),
+               ("void at::native::reduce_kernel<b>", 29.0, 30.0), ("triton_poi_fused_add_0", 30.0, 35.0)]
     split = common.kernel_breakdown(kernels, steps=2, top=2)
-    assert split["us_per_step"] == {"kbit": 11.0, "cublas": 3.0, "triton": 2.5, "attention": 0.0, "other": 0.5}
+    assert split["us_per_step"] == {"kbit": 10.0, "cublas": 3.0, "triton": 3.5, "attention": 0.0, "other": 0.5}
+    assert split["kernel_us_per_step"] == {"kbit": 11.0, "cublas": 3.0, "triton": 4.0, "attention": 0.0, "other": 0.5}
     assert split["kernels_per_step"] == {"kbit": 1.0, "cublas": 0.5, "triton": 1.0, "attention": 0.0, "other": 0.5}
-    assert split["total_us_per_step"] == pytest.approx(17.0)
-    assert split["top"] == [{"kernel": "void kbit::gemv_kernel<a>", "group": "kbit", "us_per_step": 11.0},
-                            {"kernel": "nvjet_tst_x", "group": "cublas", "us_per_step": 3.0}]
+    assert split["idle_us_per_step"] == pytest.approx(0.5)
+    assert split["total_us_per_step"] == pytest.approx(17.5)  # (35 - 0) / 2
+    assert split["top"] == [{"kernel": "void kbit::gemv_kernel<a>", "group": "kbit", "us_per_step": 10.0},
+                            {"kernel": "triton_poi_fused_add_0", "group": "triton", "us_per_step": 3.5}]
     with pytest.raises(ValueError, match="steps must be >= 1, got 0"):
         common.kernel_breakdown(kernels, steps=0)
+    with pytest.raises(ValueError, match="kernel 'triton_x' ends before it starts"):
+        common.kernel_breakdown([("triton_x", 5.0, 4.0)], steps=1)
+
+
+def test_kernel_breakdown_charges_nothing_to_a_kernel_hidden_behind_another():
+    # A kernel that ends before the kernel before it (it ran beside it) adds no exposed time.
+    kernels = [("void kbit::gemv_kernel<a>", 0.0, 10.0), ("triton_a", 2.0, 6.0), ("triton_b", 10.0, 11.0)]
+    split = common.kernel_breakdown(kernels, steps=1)
+    assert split["us_per_step"]["triton"] == 1.0
+    assert split["kernel_us_per_step"]["triton"] == 5.0
+    assert split["total_us_per_step"] == 11.0
 
 
 def test_kernel_breakdown_needs_cuda_and_the_graph_step():
@@ -223,7 +240,11 @@ def test_kbit_call_order_names_the_launching_kbit_modules_in_forward_order(fused
 def test_kernel_breakdown_pools_each_module_over_layers():
     calls = ["model.layers.0.q", "model.layers.0.mlp", "model.layers.1.q", "model.layers.1.mlp"]
     gemv, reduce = "void kbit::gemv_kernel<4>", "void kbit::splitk_reduce_kernel<bf16>"
-    kernels = [(gemv, 4.0), ("triton_a", 1.0), (gemv, 10.0), (reduce, 2.0), (gemv, 6.0), (gemv, 12.0)] * 2
+    durations = [(gemv, 4.0), ("triton_a", 1.0), (gemv, 10.0), (reduce, 2.0), (gemv, 6.0), (gemv, 12.0)] * 2
+    kernels, t = [], 0.0
+    for name, us in durations:  # back to back
+        kernels.append((name, t, t + us))
+        t += us
     split = common.kernel_breakdown(kernels, steps=2, kbit_calls=calls)
     assert split["kbit_us_by_module"] == {"model.layers.N.q": 5.0, "model.layers.N.mlp": 11.0}  # reduce: not a call
     assert common.kbit_module_summary(split) == "q 5.0, mlp 11.0"

@@ -98,15 +98,18 @@ def test_bench_markdown_shows_the_kernel_breakdown():
     payload = bench.run("tiny-llama", [4], "cpu", torch.bfloat16, layers=1, batch_sizes=(1,), prompt_len=4,
                         new_tokens=3, repeats=1, log=lambda *_: None)
     payload.update({"command": "python scripts/bench_generate.py", "_file": "b.json", "environment": {}})
-    kernels = [("void kbit::gemv_kernel<4>", 2400.0), ("nvjet_tst", 380.0), ("triton_poi_fused_add_0", 520.0)]
+    kernels = [("void kbit::gemv_kernel<4>", 0.0, 2400.0), ("nvjet_tst", 2400.0, 2780.0),
+               ("triton_poi_fused_add_0", 2790.0, 3310.0)]
     payload["results"][1]["graph_kernel_breakdown"] = common.kernel_breakdown(
         kernels, steps=1, kbit_calls=["model.layers.0.mlp.down_proj"])
     text = plot_results.bench_markdown(payload)
-    assert "| variant | batch | graph step us | kernels us | kbit us | cublas us | triton us | attention us |" in text
+    assert ("| variant | batch | graph step us | profiled us | kbit us | cublas us | triton us | attention us | "
+            "other us | idle us | kernels |") in text
     graph_us = 1000 * payload["results"][1]["graph_step_ms"]
-    assert f"| kbit4 | 1 | {graph_us:.0f} | 3300 | 2400 | 380 | 520 | 0 | 0 | 3 |" in text
+    assert f"| kbit4 | 1 | {graph_us:.0f} | 3310 | 2400 | 380 | 520 | 0 | 0 | 10 | 3 |" in text
     assert "| bf16 | 1 |" not in text.split("--kernel-breakdown")[1]  # rows without a breakdown are left out
-    per_call = "microseconds per call (mean over layers and steps, same profile): kbit4 batch 1: mlp.down_proj 2400.0."
+    per_call = ("exposed microseconds per call (mean over layers and steps, same profile): "
+                "kbit4 batch 1: mlp.down_proj 2400.0.")
     assert per_call in text
 
 
