@@ -415,6 +415,46 @@ __device__ __forceinline__ void send_row_tile(float4* slots, int j, int splits, 
                make_float4(y[nt][0], y[nt][1], y[nt][2], y[nt][3]));
 }
 
+#if KBIT_TRACE
+// KBIT_TRACE builds only (scripts/trace_gemv.py): lane 0 of each warp of a GEMV stamps the global
+// timer at entry, after griddepcontrol.wait, after the x staging and at exit (the destructor, on
+// every path out), then appends a record of kTraceWords words to the buffer of kbit_trace_set:
+// word 0 counts the records (the caller zeroes it), records start at word kTraceWords.
+constexpr int kTraceWords = 8;  // weight address, CTA << 32 | warp, SM, entry, wait, staged, exit, unused
+constexpr unsigned long long kTraceRecords = 1 << 16;
+
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+struct GemvTrace {
+  unsigned long long* buffer;
+  const void* weight;
+  unsigned long long t[4];
+  __device__ GemvTrace(unsigned long long* b, const void* w) : buffer(b), weight(w), t{global_ns(), 0, 0, 0} {}
+  __device__ void stamp(int i) { t[i] = global_ns(); }
+  __device__ ~GemvTrace() {
+    if (!buffer || (threadIdx.x & 31) != 0) return;
+    const unsigned long long exit = global_ns();
+    const unsigned long long i = atomicAdd(buffer, 1ull);
+    if (i >= kTraceRecords) return;
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    unsigned long long* r = buffer + (i + 1) * kTraceWords;
+    r[0] = reinterpret_cast<uintptr_t>(weight);
+    r[1] = (static_cast<unsigned long long>(blockIdx.x) << 32) | (threadIdx.x >> 5);
+    r[2] = sm;
+    r[3] = t[0];
+    r[4] = t[1];
+    r[5] = t[2];
+    r[6] = exit;
+    r[7] = 0;
+  }
+};
+#endif
+
 // Persistent, barrier-free after the staging: CTA c serves K split c % splits (its x is staged
 // once) and its warps walk row tiles of that split, each row tile over the whole split, with
 // the plane loads pipelined across row-tile boundaries. A finished row tile goes straight to
@@ -438,6 +478,9 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
   }
   uint32_t* xs = reinterpret_cast<uint32_t*>(table + kGemvTableBytes + kGemvScaleBytes);
   const int m = static_cast<int>(p.m);
+#if KBIT_TRACE
+  GemvTrace trace(p.trace, p.planes);
+#endif
 
   // 32-bit tile arithmetic: the host guarantees n_tiles * k_tiles * BITS * 64 < 2^31.
   const int split = p.splits == 1 ? 0 : static_cast<int>(blockIdx.x % p.splits);
@@ -515,10 +558,16 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
   // after the wait (kbit_common.cuh).
   build_table<BITS, T>(table, codebook_lane<BITS>(p.codebook, lane));
   wait_for_primary_grid();
+#if KBIT_TRACE
+  trace.stamp(1);
+#endif
   allow_dependent_launch();
   stage_x<BITS, T, 4>(static_cast<const T*>(p.x), p.k, m, [](int tok) { return static_cast<int64_t>(tok); }, xs,
                       kc0, kc1);
   __syncthreads();
+#if KBIT_TRACE
+  trace.stamp(2);
+#endif
   if (p.cluster) cluster_arrive_relaxed();  // this CTA has started (waited for before the first remote store)
   else if (items == 0 && !p.balanced) return;  // balanced plans: every warp meets the epilogue's barriers
 

@@ -565,6 +565,10 @@ MmParams mm_params(int dtype, const int32_t* planes, const uint8_t* block_scales
   return p;
 }
 
+#if KBIT_TRACE
+unsigned long long* g_trace = nullptr;  // kbit_trace_set: every GEMV launch records into it
+#endif
+
 struct GemvCall {
   int device;
   int grid;
@@ -604,6 +608,9 @@ int gemv_launch(const GemvCall& call, const void* x, void* out, float* workspace
   p.x = x;
   p.out = out;
   p.workspace = workspace;
+#if KBIT_TRACE
+  p.trace = g_trace;
+#endif
   DeviceGuard guard(call.device);
   if (guard.error() != cudaSuccess) return cuda_fail(guard.error(), "selecting the device");
   const auto s = static_cast<cudaStream_t>(stream);
@@ -630,6 +637,10 @@ int kbit_gemv(int device, void* stream, const void* x, int dtype, const int32_t*
                 static_cast<long long>(workspace_size), static_cast<long long>(need));
   return gemv_launch(call, x, out, workspace, stream);
 }
+
+#if KBIT_TRACE
+void kbit_trace_set(void* buffer) { g_trace = static_cast<unsigned long long*>(buffer); }
+#endif
 
 int kbit_gemv_plan(int device, int64_t m, int64_t n, int64_t k, int* splits, int* chunk_kt, int* grid, int* mode) {
   if (!splits || !chunk_kt || !grid || !mode) return fail("splits, chunk_kt, grid and mode must be host pointers");

@@ -87,6 +87,14 @@ KBIT_API int kbit_grouped_gemv(int device, void* stream, const void* x, int dtyp
                                const uint8_t* block_scales, const float* row_scales, const float* codebook,
                                int bits, int64_t s, int64_t e, int64_t n, int64_t k, void* out);
 
+#if KBIT_TRACE
+/* KBIT_TRACE=1 builds only (a diagnostic: scripts/trace_gemv.py): every later GEMV launch appends
+ * per-warp timer stamps to `buffer` (device memory, uint64: [0] the record count, zeroed by the
+ * caller; records of 8 words from word 8; gemv_kernel.cuh, GemvTrace), or none when NULL. A launch
+ * captured into a CUDA graph keeps the buffer that was set at capture. */
+KBIT_API void kbit_trace_set(void* buffer);
+#endif
+
 #ifdef __cplusplus
 }
 #endif

@@ -71,6 +71,9 @@ struct MmParams {
   // wgmma GEMM only: x rewritten into the GEMM's shared-memory stage layout (wgmma_kernel.cuh),
   // the first bytes of the caller's workspace; `workspace` then points past it.
   char* x_perm;
+#if KBIT_TRACE
+  unsigned long long* trace;  // GEMV only: the trace buffer of kbit_trace_set (gemv_kernel.cuh, GemvTrace)
+#endif
 };
 
 // Grouped MoE GEMV: out[s] = x[s] @ W[expert of s].T (grouped_gemv_kernel.cuh).
@@ -105,6 +108,9 @@ constexpr int kMaxDevices = 64;  // per-device host caches (launch plans, raised
 #endif
 #ifndef KBIT_GEMV_DEPTH
 #define KBIT_GEMV_DEPTH 3
+#endif
+#ifndef KBIT_TRACE  // 1: the GEMV stamps the global timer per warp (a diagnostic build: scripts/trace_gemv.py)
+#define KBIT_TRACE 0
 #endif
 #ifndef KBIT_PDL  // 0: the GEMVs and the wgmma GEMM's x rewrite launch as ordinary kernels (A/B of the overlap)
 #define KBIT_PDL 1

@@ -1,0 +1,182 @@
+"""Where a GEMV call's time goes, warp by warp: a diagnostic that needs a KBIT_TRACE=1 build of the library.
+
+    HF_KBIT_CUDA_ARCHS=90a cmake -S . -B build/trace -G Ninja -DCMAKE_BUILD_TYPE=Release \\
+        -DCMAKE_CUDA_FLAGS=-DKBIT_TRACE=1 && cmake --build build/trace -j16
+    HF_KBIT_LIBRARY=$PWD/build/trace/csrc/libhf_kbit_cuda.so python scripts/trace_gemv.py
+    ... python scripts/trace_gemv.py --shapes 4096x4096 --bits 2 4 --between elementwise
+
+In that build every warp of the GEMV stamps the GPU's global timer at entry, after griddepcontrol.wait
+(its predecessor has completed and its writes are visible), after staging x and at exit, and appends
+the stamps to a trace buffer (csrc/gemv_kernel.cuh, GemvTrace). A CUDA graph runs GEMVs over cold copies
+of a weight (DESIGN.md section 6), back to back (`none` between them: the next one's prologue overlaps
+the previous one's tail through programmatic dependent launch) or each after an elementwise kernel on
+its x (`elementwise`: torch's, an ordinary launch). Each call from the third on is timed from the end of
+the GEMV before it (its last warp's exit); the table gives, per phase, the median over those calls of
+the earliest / median / latest warp, in microseconds, and the rate at which the weight streamed from the
+median warp's staging to the last exit. The global timer ticks about every 0.25 us on an H100, so
+differences below that are noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SHAPES = ("4096x6144", "4096x4096", "4096x28672", "14336x4096")  # Llama-3-8B decode: qkv, o, gate_up, down
+BETWEEN = ("none", "elementwise")
+TRACE_WORDS = 8  # words per record, and the record count's slot (GemvTrace)
+TRACE_RECORDS = 1 << 16  # the kernel's kTraceRecords
+COLD_BYTES = 200e6  # weight copies per graph: 4x the H100's 50 MB L2
+MAX_CALLS = 30  # records of 2112 warps each fit the buffer
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """'KxN' (in_features x out_features) -> (K, N)."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--shapes takes KxN with positive integers (in_features x out_features), got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def _quantile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def summarize(records: list[list[int]], weights: list[int], nbytes: int) -> dict[str, float]:
+    """Phase stamps of the GEMV calls, in microseconds from the end of the call before.
+
+    ``records``: trace records (weight address, CTA << 32 | warp, SM, entry, wait, staged, exit, unused;
+    times in ns), ``weights``: the weight address of each call in launch order, ``nbytes``: the bytes
+    one call reads. Calls from the third on (the first has no GEMV before it) give, per phase, the
+    earliest / median / latest warp; the result is the median over calls, plus ``stream_GBps``: nbytes
+    over the time from the median warp's staging to the last exit.
+    """
+    if len(weights) < 3:
+        raise ValueError(f"summarize needs at least 3 calls, got {len(weights)}")
+    by_weight: dict[int, list[list[int]]] = {w: [] for w in weights}
+    for r in records:
+        if r[0] in by_weight:
+            by_weight[r[0]].append(r)
+    missing = [i for i, w in enumerate(weights) if not by_weight[w]]
+    if missing:
+        raise RuntimeError(f"no trace records for calls {missing}: is the library a KBIT_TRACE=1 build?")
+    rows: list[dict[str, float]] = []
+    previous_end = max(r[6] for r in by_weight[weights[1]])
+    for w in weights[2:]:
+        recs = by_weight[w]
+        col = {name: [(r[i] - previous_end) / 1000 for r in recs]
+               for name, i in (("entry", 3), ("wait", 4), ("staged", 5), ("exit", 6))}
+        row = {f"{name}_{q}": f(col[name]) for name in col
+               for q, f in (("min", min), ("median", statistics.median), ("max", max))}
+        row["exit_p90"] = _quantile(col["exit"], 0.9)
+        row["stream_GBps"] = nbytes / 1e3 / max(row["exit_max"] - row["staged_median"], 1e-3)
+        rows.append(row)
+        previous_end = max(r[6] for r in recs)
+    summary = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+    return summary | {"calls": len(rows), "warps": statistics.median(len(by_weight[w]) for w in weights[2:])}
+
+
+def trace_shape(k: int, n: int, bits: int, m: int, between: str, trace, lib) -> dict[str, Any]:
+    import torch
+
+    from bench_kernels import packed_bytes, random_packed
+    from hf_kbit.backends import cuda as kbit_cuda
+
+    nbytes = packed_bytes(n, k, bits)
+    calls = min(MAX_CALLS, max(8, math.ceil(COLD_BYTES / nbytes)))
+    weights = random_packed(n, k, bits, calls)
+    xs = [torch.randn(m, k, dtype=torch.bfloat16, device="cuda") for _ in range(calls)]
+
+    def body():
+        for x, packed in zip(xs, weights):
+            if between == "elementwise":
+                x.mul_(1.0)
+            kbit_cuda.run_path("gemv", x, *packed, k)
+
+    # The launches read the buffer's address at capture: set it first.
+    lib.kbit_trace_set(ctypes.c_void_p(trace.data_ptr()))
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            body()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            body()
+        for _ in range(3):  # the last replay's records are kept
+            trace.zero_()
+            graph.replay()
+        torch.cuda.synchronize()
+    finally:
+        lib.kbit_trace_set(None)
+    count = int(trace[0].item())
+    if count > TRACE_RECORDS:
+        raise RuntimeError(f"{count} trace records, the buffer holds {TRACE_RECORDS}: fewer calls")
+    records = trace[TRACE_WORDS:TRACE_WORDS * (count + 1)].view(count, TRACE_WORDS).tolist()
+    result = summarize(records, [packed[0].data_ptr() for packed in weights], nbytes)
+    return {"K": k, "N": n, "bits": bits, "M": m, "between": between, "MB": nbytes / 1e6, **result}
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    import _eval_common as common
+
+    def three(r, phase):
+        return f"{r[phase + '_min']:.2f} / {r[phase + '_median']:.2f} / {r[phase + '_max']:.2f}"
+
+    headers = ["K x N", "k", "M", "between", "MB", "entry us", "wait us", "staged us (median)", "exit us",
+               "exit p90 us", "stream GB/s"]
+    table = [[f"{r['K']}x{r['N']}", r["bits"], r["M"], r["between"], f"{r['MB']:.1f}", three(r, "entry"),
+              three(r, "wait"), f"{r['staged_median']:.2f}", three(r, "exit"), f"{r['exit_p90']:.2f}",
+              f"{r['stream_GBps']:.0f}"] for r in rows]
+    return common.format_table(headers, table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), help="KxN (in_features x out_features)")
+    ap.add_argument("--bits", type=int, nargs="+", default=[4])
+    ap.add_argument("--m", type=int, default=1, help="tokens per call (default 1)")
+    ap.add_argument("--between", nargs="+", choices=BETWEEN, default=list(BETWEEN))
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = ap.parse_args(argv)
+    shapes = [parse_shape(s) for s in args.shapes]
+    if any(b not in (2, 3, 4, 5) for b in args.bits):
+        ap.error(f"--bits takes values in 2..5, got {args.bits}")
+
+    import torch
+
+    from hf_kbit import _lib
+
+    if not torch.cuda.is_available():
+        sys.exit("trace_gemv.py needs a CUDA GPU")
+    lib = _lib.load()
+    if not hasattr(lib, "kbit_trace_set"):
+        sys.exit("trace_gemv.py needs a KBIT_TRACE=1 build of the library (see the top of this file) in "
+                 "HF_KBIT_LIBRARY; the loaded one has no kbit_trace_set")
+    lib.kbit_trace_set.argtypes = [ctypes.c_void_p]
+    trace = torch.zeros(TRACE_WORDS * (TRACE_RECORDS + 1), dtype=torch.int64, device="cuda")
+    rows = []
+    for k, n in shapes:
+        for bits in args.bits:
+            for between in args.between:
+                rows.append(trace_shape(k, n, bits, args.m, between, trace, lib))
+                print(f"{k}x{n} k={bits} {between}: exit max {rows[-1]['exit_max']:.2f} us", flush=True)
+    print(f"{torch.cuda.get_device_name()}: us from the end of the previous GEMV, earliest / median / latest warp")
+    print(render(rows))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

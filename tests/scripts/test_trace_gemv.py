@@ -1,0 +1,58 @@
+import pytest
+
+import trace_gemv
+
+
+def record(weight, warp, entry, wait, staged, exit):
+    return [weight, warp, 0, entry, wait, staged, exit, 0]
+
+
+def test_summarize_times_each_call_from_the_previous_calls_last_exit():
+    # Three calls of two warps (ns); call 0 only precedes call 1, which ends at 10_000.
+    records = [record(100, 0, 0, 500, 900, 9_000), record(100, 1, 0, 500, 900, 9_500),
+               record(200, 0, 8_000, 11_000, 11_500, 10_000), record(200, 1, 9_000, 11_000, 11_500, 10_000),
+               record(300, 0, 9_000, 11_000, 11_500, 16_000), record(300, 1, 10_000, 11_500, 12_500, 20_000)]
+    s = trace_gemv.summarize(records, [100, 200, 300], nbytes=8_000_000)
+    assert s["calls"] == 1 and s["warps"] == 2
+    assert (s["entry_min"], s["entry_max"]) == pytest.approx((-1.0, 0.0))
+    assert (s["wait_min"], s["wait_max"]) == pytest.approx((1.0, 1.5))
+    assert s["staged_median"] == pytest.approx(2.0)
+    assert (s["exit_min"], s["exit_median"], s["exit_max"]) == pytest.approx((6.0, 8.0, 10.0))
+    assert s["stream_GBps"] == pytest.approx(8_000_000 / 1e3 / (10.0 - 2.0))
+
+
+def test_summarize_takes_the_median_over_calls_and_ignores_other_records():
+    records = [record(w, 0, 0, 0, 0, end) for w, end in ((1, 1_000), (2, 2_000), (3, 5_000), (4, 7_000))]
+    records.append(record(99, 0, 0, 0, 0, 10**9))  # another weight's GEMV: not one of the calls
+    s = trace_gemv.summarize(records, [1, 2, 3, 4], nbytes=1)
+    assert s["calls"] == 2
+    assert s["exit_max"] == pytest.approx(2.5)  # median of 3.0 (5000 - 2000) and 2.0 (7000 - 5000)
+
+
+def test_summarize_rejects_too_few_calls_and_untraced_calls():
+    with pytest.raises(ValueError, match="at least 3 calls, got 2"):
+        trace_gemv.summarize([], [1, 2], nbytes=1)
+    with pytest.raises(RuntimeError, match=r"no trace records for calls \[2\]: is the library a KBIT_TRACE=1 build"):
+        trace_gemv.summarize([record(1, 0, 0, 0, 0, 1), record(2, 0, 0, 0, 0, 2)], [1, 2, 3], nbytes=1)
+
+
+@pytest.mark.parametrize("text, shape", [("4096x14336", (4096, 14336)), ("2048X512", (2048, 512))])
+def test_parse_shape(text, shape):
+    assert trace_gemv.parse_shape(text) == shape
+
+
+@pytest.mark.parametrize("text", ["4096", "4096x0", "ax4", "1x2x3"])
+def test_parse_shape_names_the_flag(text):
+    with pytest.raises(ValueError, match=f"--shapes takes KxN .* got '{text}'"):
+        trace_gemv.parse_shape(text)
+
+
+def test_render_has_a_row_per_case():
+    row = {"K": 4096, "N": 4096, "bits": 4, "M": 1, "between": "none", "MB": 8.9, "exit_p90": 6.2,
+           "stream_GBps": 1750.0}
+    for phase in ("entry", "wait", "staged", "exit"):
+        row |= {f"{phase}_min": 0.5, f"{phase}_median": 1.0, f"{phase}_max": 1.5}
+    row["staged_median"] = 1.9
+    text = trace_gemv.render([row])
+    assert ("| 4096x4096 | 4 | 1 | none | 8.9 | 0.50 / 1.00 / 1.50 | 0.50 / 1.00 / 1.50 | 1.90 | 0.50 / 1.00 / 1.50 "
+            "| 6.20 | 1750 |") in text
