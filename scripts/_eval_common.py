@@ -761,7 +761,8 @@ def kernel_breakdown(
             pooled.setdefault(re.sub(r"\.\d+\.", ".N.", kbit_calls[i % len(kbit_calls)]), []).append(t)
         by_module = {module: sum(ts) / len(ts) for module, ts in pooled.items()}
     return {"us_per_step": exposed, "kernel_us_per_step": busy,
-            "kernels_per_step": {g: n / steps for g, n in count.items()}, "idle_us_per_step": idle / steps, "total_us_per_step": sum(exposed.values()) + idle / steps,
+            "kernels_per_step": {g: n / steps for g, n in count.items()}, "idle_us_per_step": idle / steps,
+            "total_us_per_step": sum(exposed.values()) + idle / steps,
             "top": [{"kernel": n, "group": kernel_group(n), "us_per_step": by_name[n]} for n in names],
             "kbit_us_by_module": by_module}
 

@@ -59,18 +59,22 @@ def measure_bandwidth() -> float:
     return 2 * n * 20 / (e0.elapsed_time(e1) / 1e3)
 
 
-def time_calls(calls, replays: int = 7) -> float:
-    """Median microseconds per call of a CUDA graph that runs `calls` once each."""
+def capture(body) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``body()``, captured after one warm-up run on a side stream."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for fn in calls:
-            fn()
+        body()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
+        body()
+    return graph
+
+
+def time_calls(calls, replays: int = 7) -> float:
+    """Median microseconds per call of a CUDA graph that runs `calls` once each."""
+    graph = capture(lambda: [fn() for fn in calls])
     graph.replay()
     torch.cuda.synchronize()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

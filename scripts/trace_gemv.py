@@ -88,7 +88,7 @@ def summarize(records: list[list[int]], weights: list[int], nbytes: int) -> dict
 def trace_shape(k: int, n: int, bits: int, m: int, between: str, trace, lib) -> dict[str, Any]:
     import torch
 
-    from bench_kernels import packed_bytes, random_packed
+    from bench_kernels import capture, packed_bytes, random_packed
     from hf_kbit.backends import cuda as kbit_cuda
 
     nbytes = packed_bytes(n, k, bits)
@@ -105,14 +105,7 @@ def trace_shape(k: int, n: int, bits: int, m: int, between: str, trace, lib) -> 
     # The launches read the buffer's address at capture: set it first.
     lib.kbit_trace_set(ctypes.c_void_p(trace.data_ptr()))
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            body()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            body()
+        graph = capture(body)
         for _ in range(3):  # the last replay's records are kept
             trace.zero_()
             graph.replay()
@@ -144,14 +137,15 @@ def render(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), help="KxN (in_features x out_features)")
-    ap.add_argument("--bits", type=int, nargs="+", default=[4])
+    ap.add_argument("--bits", type=int, nargs="+", choices=(2, 3, 4, 5), default=[4])
     ap.add_argument("--m", type=int, default=1, help="tokens per call (default 1)")
     ap.add_argument("--between", nargs="+", choices=BETWEEN, default=list(BETWEEN))
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
-    shapes = [parse_shape(s) for s in args.shapes]
-    if any(b not in (2, 3, 4, 5) for b in args.bits):
-        ap.error(f"--bits takes values in 2..5, got {args.bits}")
+    try:
+        shapes = [parse_shape(s) for s in args.shapes]
+    except ValueError as e:
+        ap.error(str(e))
 
     import torch
 
