@@ -338,9 +338,153 @@ __device__ __forceinline__ void mma_tile(const TileWords<BITS>& tw, const uint2*
 // partial block may decode to nonzero levels. kUnroll: records loaded before the first store
 // (staging is latency-bound otherwise); the GEMV takes 4, the grouped kernel 2 (with 4 its
 // NT = 4 instantiation spilled and ran 10-12% slower at 16-64 tokens on the H100).
-template <int BITS, typename T, int kUnroll, typename RowOf>
+// The plain staging's element source: x itself (stage_x's vector loads).
+struct PlainX {};
+
+// 8 elements at p[0..3] and p[kSecond..kSecond + 3] (a staging run), 16-byte aligned for kSecond = 4,
+// 8-byte aligned otherwise.
+template <int kSecond> __device__ __forceinline__ uint4 load_run(const void* p) {
+  if constexpr (kSecond == 4) return __ldg(static_cast<const uint4*>(p));
+  const uint2 lo = __ldg(static_cast<const uint2*>(p)), hi = __ldg(static_cast<const uint2*>(p) + 2);
+  return make_uint4(lo.x, lo.y, hi.x, hi.y);
+}
+
+// A prologue's element source (MmParams::prologue): the runs of the activation the GEMV multiplies,
+// computed from x (and x2, norm_weight) as the staging reads them.
+template <typename T> struct XPrologue {
+  union Run { uint4 u; T e[8]; };
+  const T* x;
+  const T* x2;
+  const T* w;
+  int64_t x_stride, x2_stride;
+  int kind;
+  bool vec_ok;  // 16-byte aligned rows: vector loads
+
+  __device__ XPrologue(const MmParams& p)
+      : x(static_cast<const T*>(p.x)), x2(static_cast<const T*>(p.x2)), w(static_cast<const T*>(p.norm_weight)),
+        x_stride(p.x_stride), x2_stride(p.x2_stride), kind(p.prologue) {
+    const auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+    vec_ok = p.k % 8 == 0 && x_stride % 8 == 0 && aligned(x) &&
+             (kind == kPrologueNorm || (x2_stride % 8 == 0 && aligned(x2))) &&
+             (kind == kPrologueSiluMul || aligned(w)) && (kind != kPrologueAddNorm || aligned(p.sum_out));
+  }
+  // x + x2 rounded to T, as the unfused add stores it.
+  __device__ __forceinline__ static float add(T a, T b) { return to_float(from_float<T>(to_float(a) + to_float(b))); }
+  // One element from its inputs: silu(g) * u in float32 with the unfused ops' roundings, or the norm
+  // weight times x (x + x2); the token's rsqrt(mean + eps) scales its sums (gemv_kernel).
+  __device__ __forceinline__ T apply(T a, T b, T wk) const {
+    if (kind == kPrologueSiluMul) {
+      const float g = to_float(a);
+      return from_float<T>(to_float(from_float<T>(g / (1.f + __expf(-g)))) * to_float(b));
+    }
+    return from_float<T>(to_float(wk) * (kind == kPrologueAddNorm ? add(a, b) : to_float(a)));
+  }
+  // The run of token tok at element kk: kk + 0..3 and kk + kSecond + 0..3, zero beyond k.
+  template <int kSecond> __device__ __forceinline__ uint4 run(int tok, int64_t kk, int64_t k) const {
+    Run a, b, wk, out;
+    const T* xs = x + tok * x_stride + kk;
+    const T* x2s = x2 + tok * x2_stride + kk;
+    if (vec_ok && kk + 4 + kSecond <= k) {
+      a.u = load_run<kSecond>(xs);
+      b.u = kind != kPrologueNorm ? load_run<kSecond>(x2s) : a.u;
+      wk.u = kind != kPrologueSiluMul ? load_run<kSecond>(w + kk) : a.u;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) out.e[e] = apply(a.e[e], b.e[e], wk.e[e]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const int o = e < 4 ? e : e - 4 + kSecond;
+        const bool in = kk + o < k;
+        out.e[e] = in ? apply(xs[o], kind != kPrologueNorm ? x2s[o] : xs[o], kind != kPrologueSiluMul ? w[kk + o] : xs[o])
+                      : from_float<T>(0.f);
+      }
+    }
+    return out.u;
+  }
+};
+
+// Under a norm prologue, each token's sum of squares of its whole row (x, or x + x2 rounded; a split
+// stages only its K range), as per-warp partials warp_ss[warp][token] that the epilogue adds in warp
+// order (deterministic, unlike atomics), and CTA 0 writes x + x2 to sum_out. Rows of whole warps of
+// 8-element vectors: issue() loads the thread's first kVecs vectors before the staging, so their
+// latency overlaps it, finish() after it sums them and loops over the rest. Other rows: a scalar loop.
+template <typename T> struct RowSquares {
+  static constexpr int kVecs = 2;
+  union Run { uint4 u; T e[8]; };
+  Run a[kVecs], b[kVecs];
+  int vecs_per_row, vecs;  // 8-element vectors per row, of all rows
+  bool fast;
+
+  __device__ __forceinline__ void load(const XPrologue<T>& pr, int v, Run& av, Run& bv) const {
+    const int tok = v / vecs_per_row;
+    const int64_t kk = static_cast<int64_t>(v - tok * vecs_per_row) * 8;
+    av.u = __ldg(reinterpret_cast<const uint4*>(pr.x + tok * pr.x_stride + kk));
+    if (pr.kind == kPrologueAddNorm) bv.u = __ldg(reinterpret_cast<const uint4*>(pr.x2 + tok * pr.x2_stride + kk));
+  }
+
+  __device__ __forceinline__ void issue(const XPrologue<T>& pr, int64_t k, int m) {
+    vecs_per_row = static_cast<int>(k / 8);
+    vecs = vecs_per_row * m;
+    fast = pr.vec_ok && vecs_per_row % 32 == 0;
+    if (!fast) return;
+#pragma unroll
+    for (int r = 0; r < kVecs; ++r) {
+      const int v = threadIdx.x + r * blockDim.x;
+      if (v < vecs) load(pr, v, a[r], b[r]);
+    }
+  }
+
+  __device__ __forceinline__ void finish(const XPrologue<T>& pr, int64_t k, int m, T* sum_out, float* warp_ss) {
+    const bool add = pr.kind == kPrologueAddNorm, write = add && blockIdx.x == 0;
+    const int lane = threadIdx.x & 31;
+    float* my_ss = warp_ss + (threadIdx.x >> 5) * kGemvMaxM;  // this warp's partials, written by its lane 0 only
+    // A warp's vectors lie in one row (vecs_per_row % 32 == 0).
+    const auto sum = [&](int v, const Run& av, const Run& bv) {
+      const int tok = v / vecs_per_row;
+      Run h;
+      float ss = 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float f = add ? XPrologue<T>::add(av.e[e], bv.e[e]) : to_float(av.e[e]);
+        h.e[e] = from_float<T>(f);
+        ss += f * f;
+      }
+      if (write) *reinterpret_cast<uint4*>(sum_out + tok * k + static_cast<int64_t>(v - tok * vecs_per_row) * 8) = h.u;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      if (lane == 0) my_ss[tok] += ss;
+    };
+    if (fast) {
+#pragma unroll
+      for (int r = 0; r < kVecs; ++r) {
+        const int v = threadIdx.x + r * blockDim.x;
+        if (v < vecs) sum(v, a[r], b[r]);
+      }
+      for (int v = threadIdx.x + kVecs * blockDim.x; v < vecs; v += blockDim.x) {
+        Run av, bv;
+        load(pr, v, av, bv);
+        sum(v, av, bv);
+      }
+      return;
+    }
+    for (int tok = 0; tok < m; ++tok) {
+      float ss = 0.f;
+      for (int64_t i = threadIdx.x; i < k; i += blockDim.x) {
+        const T xi = pr.x[tok * pr.x_stride + i];
+        const float f = add ? XPrologue<T>::add(xi, pr.x2[tok * pr.x2_stride + i]) : to_float(xi);
+        if (write) sum_out[tok * k + i] = from_float<T>(f);
+        ss += f * f;
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      if (lane == 0) my_ss[tok] += ss;
+    }
+  }
+};
+
+template <int BITS, typename T, int kUnroll, typename RowOf, typename Fetch = PlainX>
 __device__ __forceinline__ void stage_x(const T* x, int64_t k, int m, RowOf row_of, uint32_t* xs, int64_t kc0,
-                                        int64_t kc1) {
+                                        int64_t kc1, Fetch fetch = {}) {
   constexpr int kSecond = BITS == 2 ? 4 : 8;  // element offset of the run's second half
   union Run { uint4 u; uint32_t w[4]; T e[8]; };
   const int q = threadIdx.x & 3, t = (threadIdx.x >> 2) & 3, step = blockDim.x >> 4;
@@ -361,7 +505,9 @@ __device__ __forceinline__ void stage_x(const T* x, int64_t k, int m, RowOf row_
       const int64_t kk = (kc0 + j) * kTileK + e0;
       const T* src = x + row_of(tok) * k + kk;
       Run run;
-      if (vec_ok && kk + 4 + kSecond <= k) {
+      if constexpr (!std::is_same_v<Fetch, PlainX>) {
+        run.u = fetch.template run<kSecond>(tok, kk, k);
+      } else if (vec_ok && kk + 4 + kSecond <= k) {
         if constexpr (BITS == 2) {
           run.u = __ldg(reinterpret_cast<const uint4*>(src));
         } else {
@@ -461,7 +607,7 @@ struct GemvTrace {
 // out (or to its split's workspace slice). kBalancedCluster: the balanced cluster plans (the
 // host sets `cluster` and `balanced`). Their code lives only in that instantiation: in the
 // others, even unused, it changed the machine code of the main loop, and M = 1 was 1-5% slower.
-template <int BITS, typename T, int NT, bool kAbs, bool kBalancedCluster>
+template <int BITS, typename T, int NT, bool kAbs, bool kBalancedCluster, bool kPrologue>
 __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmParams p) {
   constexpr int kDepth = kGemvDepth;
   extern __shared__ float4 smem_f4[];
@@ -551,6 +697,12 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
   };
   load_row_scales(first_tile);
 
+  // kPrologue: each warp's partial sums of squares per token under a norm prologue (RowSquares; zeroed
+  // before the staging's barrier, which orders it before their updates).
+  __shared__ float warp_ss[kPrologue ? kGemvWarps * kGemvMaxM : 1];
+  if constexpr (kPrologue)
+    if (threadIdx.x < kGemvWarps * kGemvMaxM) warp_ss[threadIdx.x] = 0.f;
+
   // A programmatic dependent launch (KBIT_PDL): everything above reads only the packed weight
   // and its codebook, copied in or written by the quantize kernel, which fences its stores
   // (quantize_kernel.cuh), so the plane loads, row scales and table build overlap the previous
@@ -562,9 +714,22 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
   trace.stamp(1);
 #endif
   allow_dependent_launch();
-  stage_x<BITS, T, 4>(static_cast<const T*>(p.x), p.k, m, [](int tok) { return static_cast<int64_t>(tok); }, xs,
-                      kc0, kc1);
-  __syncthreads();
+  const auto row_of = [](int tok) { return static_cast<int64_t>(tok); };
+  if constexpr (kPrologue) {
+    const XPrologue<T> prologue(p);
+    const bool norm = p.prologue >= kPrologueNorm;
+    RowSquares<T> squares;
+    if (norm) squares.issue(prologue, p.k, m);
+    stage_x<BITS, T, 4>(static_cast<const T*>(p.x), p.k, m, row_of, xs, kc0, kc1, prologue);
+    __syncthreads();
+    if (norm) {
+      squares.finish(prologue, p.k, m, static_cast<T*>(p.sum_out), warp_ss);
+      __syncthreads();
+    }
+  } else {
+    stage_x<BITS, T, 4>(static_cast<const T*>(p.x), p.k, m, row_of, xs, kc0, kc1);
+    __syncthreads();
+  }
 #if KBIT_TRACE
   trace.stamp(2);
 #endif
@@ -610,11 +775,27 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
         }
       }
   };
+  // Under a norm prologue each token's rsqrt(mean(x^2) + eps), else 1: lane (g, t)'s tokens 8 nt + 2t + b.
+  float token_scale[NT][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const int tok = nt * 8 + 2 * t + b;
+      token_scale[nt][b] = 1.f;
+      if constexpr (kPrologue) {
+        if (p.prologue >= kPrologueNorm && tok < m) {
+          float ss = 0.f;
+          for (int w = 0; w < kGemvWarps; ++w) ss += warp_ss[w * kGemvMaxM + tok];
+          token_scale[nt][b] = rsqrtf(ss / static_cast<float>(p.k) + p.eps);
+        }
+      }
+    }
   const auto scale = [&](float (&y)[NT][4]) {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) y[nt][e] *= rs[e >> 1];
+      for (int e = 0; e < 4; ++e) y[nt][e] *= kPrologue ? rs[e >> 1] * token_scale[nt][e & 1] : rs[e >> 1];
   };
 
   bool waited = false;  // balanced cluster plans: cluster_wait done (send_row_tile)
@@ -770,35 +951,43 @@ cudaError_t launch_splitk_reduce(const float* ws, void* out, int64_t mn, int spl
   return cudaLaunchKernelEx(&launch.config, splitk_reduce_kernel<T>, ws, static_cast<T*>(out), mn, splits);
 }
 
-template <int BITS, typename T, int NT, bool kAbs, bool kBalancedCluster>
+template <int BITS, typename T, int NT, bool kAbs, bool kBalancedCluster, bool kPrologue>
 cudaError_t launch_gemv_kernel(const MmParams& p, int grid, int cluster_slots, cudaStream_t stream) {
   const int smem = gemv_smem_bytes(static_cast<int>(p.m), p.chunk_kt, kAbs, cluster_slots);
-  cudaError_t err = raise_smem_limit<gemv_kernel<BITS, T, NT, kAbs, kBalancedCluster>>(smem);
+  cudaError_t err = raise_smem_limit<gemv_kernel<BITS, T, NT, kAbs, kBalancedCluster, kPrologue>>(smem);
   if (err != cudaSuccess) return err;
   const KernelLaunch launch(static_cast<unsigned>(grid), kGemvThreads, smem, stream, p.cluster ? p.splits : 1,
                             use_pdl());
-  return cudaLaunchKernelEx(&launch.config, gemv_kernel<BITS, T, NT, kAbs, kBalancedCluster>, p);
+  return cudaLaunchKernelEx(&launch.config, gemv_kernel<BITS, T, NT, kAbs, kBalancedCluster, kPrologue>, p);
 }
 
-template <int BITS, typename T, int NT, bool kAbs>
+template <int BITS, typename T, int NT, bool kAbs, bool kPrologue>
 cudaError_t launch_gemv_table(const MmParams& p, int grid, cudaStream_t stream) {
   if (p.cluster && p.balanced) {
     const int ctas = grid / p.splits, n_tiles = static_cast<int>((p.n + kTileN - 1) / kTileN);
     const int rows = (n_tiles + ctas - 1) / ctas;  // a CTA's row tiles, at most
-    return launch_gemv_kernel<BITS, T, NT, kAbs, true>(p, grid, gemv_balanced_cluster_slots(p.splits, rows), stream);
-  }
-  cudaError_t err = launch_gemv_kernel<BITS, T, NT, kAbs, false>(p, grid, p.cluster ? gemv_cluster_slots(p.splits) : 0,
+    return launch_gemv_kernel<BITS, T, NT, kAbs, true, kPrologue>(p, grid, gemv_balanced_cluster_slots(p.splits, rows),
                                                                   stream);
+  }
+  cudaError_t err = launch_gemv_kernel<BITS, T, NT, kAbs, false, kPrologue>(
+      p, grid, p.cluster ? gemv_cluster_slots(p.splits) : 0, stream);
   if (err != cudaSuccess || p.splits == 1 || p.cluster) return err;
   return launch_splitk_reduce<T>(p.workspace, p.out, p.m * p.n, p.splits, stream);
+}
+
+// A prologue (MmParams::prologue) is its own instantiation: the plain GEMV keeps none of its code.
+template <int BITS, typename T, int NT, bool kAbs>
+cudaError_t launch_gemv_prologue(const MmParams& p, int grid, cudaStream_t stream) {
+  return p.prologue == kPrologueNone ? launch_gemv_table<BITS, T, NT, kAbs, false>(p, grid, stream)
+                                     : launch_gemv_table<BITS, T, NT, kAbs, true>(p, grid, stream);
 }
 
 template <int BITS, typename T, int NT>
 cudaError_t launch_gemv(const MmParams& p, int grid, cudaStream_t stream) {
   // k = 5 keeps byte 3 of its permute source for the high bits: its cluster plans, whose
   // shared windows start at rank << 24, take relative table addressing.
-  return p.abs_table && (BITS <= 4 || !p.cluster) ? launch_gemv_table<BITS, T, NT, true>(p, grid, stream)
-                     : launch_gemv_table<BITS, T, NT, false>(p, grid, stream);
+  return p.abs_table && (BITS <= 4 || !p.cluster) ? launch_gemv_prologue<BITS, T, NT, true>(p, grid, stream)
+                     : launch_gemv_prologue<BITS, T, NT, false>(p, grid, stream);
 }
 
 }  // namespace kbit

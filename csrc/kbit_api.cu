@@ -642,6 +642,39 @@ int kbit_gemv(int device, void* stream, const void* x, int dtype, const int32_t*
 void kbit_trace_set(void* buffer) { g_trace = static_cast<unsigned long long*>(buffer); }
 #endif
 
+int kbit_gemv_prologue(int device, void* stream, int prologue, const void* x, int64_t x_stride, const void* x2,
+                       int64_t x2_stride, const void* norm_weight, float eps, void* sum_out, int dtype,
+                       const int32_t* planes, const uint8_t* block_scales, const float* row_scales,
+                       const float* codebook, int bits, int64_t m, int64_t n, int64_t k, void* out, float* workspace,
+                       int64_t workspace_size) {
+  if (prologue < kPrologueSiluMul || prologue > kPrologueAddNorm)
+    return fail("prologue must be 1 (silu_mul), 2 (rmsnorm) or 3 (add_rmsnorm), got %d", prologue);
+  GemvCall call{};
+  int64_t need = 0;
+  if (int rc = gemv_setup(device, dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, &call, &need))
+    return rc;
+  if (n == 0) return KBIT_OK;
+  const bool uses_x2 = prologue != kPrologueNorm, norm = prologue != kPrologueSiluMul;
+  if (!x || !out || (uses_x2 && !x2)) return fail("x, out%s must be device pointers", uses_x2 ? " and x2" : "");
+  if (norm && !norm_weight) return fail("norm_weight must be a device pointer for the rmsnorm prologues");
+  if (prologue == kPrologueAddNorm && !sum_out) return fail("sum_out must be a device pointer for add_rmsnorm");
+  if (x_stride < k || (uses_x2 && x2_stride < k))
+    return fail("x_stride (%lld) and x2_stride (%lld) must be at least in_features (%lld)",
+                static_cast<long long>(x_stride), static_cast<long long>(x2_stride), static_cast<long long>(k));
+  if (workspace_size < need || (need > 0 && !workspace))
+    return fail("workspace has %lld floats, this problem needs %lld (kbit_gemv_workspace_size)",
+                static_cast<long long>(workspace_size), static_cast<long long>(need));
+  MmParams& p = call.p;
+  p.prologue = prologue;
+  p.x2 = x2;
+  p.norm_weight = norm_weight;
+  p.eps = eps;
+  p.sum_out = sum_out;
+  p.x_stride = x_stride;
+  p.x2_stride = x2_stride;
+  return gemv_launch(call, x, out, workspace, stream);
+}
+
 int kbit_gemv_plan(int device, int64_t m, int64_t n, int64_t k, int* splits, int* chunk_kt, int* grid, int* mode) {
   if (!splits || !chunk_kt || !grid || !mode) return fail("splits, chunk_kt, grid and mode must be host pointers");
   if (m < 1 || m > kGemvMaxM || n < 1 || k < 1)

@@ -56,6 +56,18 @@ KBIT_API int kbit_gemm(int device, void* stream, const void* x, int dtype, const
                        const uint8_t* block_scales, const float* row_scales, const float* codebook, int bits,
                        int64_t m, int64_t n, int64_t k, void* out, float* workspace, int64_t workspace_size);
 
+/* kbit_gemv of x after an elementwise prologue, folded into the GEMV's x staging (prologue 1
+ * silu_mul: silu(x) * x2, SiLU in float32 rounded to dtype, as transformers' gated MLPs; 2 rmsnorm:
+ * rms_norm(x) * norm_weight; 3 add_rmsnorm: the same of x + x2 (rounded to dtype), written to
+ * sum_out [m, k] too). x and x2 rows are x_stride / x2_stride elements apart (>= k). The norm's
+ * per-token rsqrt(mean(x^2) + eps) scales the token's sums, so results differ from the unfused
+ * ops by rounding only. */
+KBIT_API int kbit_gemv_prologue(int device, void* stream, int prologue, const void* x, int64_t x_stride,
+                                const void* x2, int64_t x2_stride, const void* norm_weight, float eps, void* sum_out,
+                                int dtype, const int32_t* planes, const uint8_t* block_scales,
+                                const float* row_scales, const float* codebook, int bits, int64_t m, int64_t n,
+                                int64_t k, void* out, float* workspace, int64_t workspace_size);
+
 /* The GEMV's launch plan for this problem on `device` (for tests and benchmarks): K splits,
  * K tiles per split, CTAs, and its mode: 0 one split, or splits summed through a workspace and
  * a second kernel; 1 splits summed through a thread-block cluster; 2 balanced (each warp an

@@ -40,6 +40,9 @@ struct DequantizeParams {
 
 // out[m, n] = sum_k x[m, k] * W[n, k] for the small-M GEMV (gemv_kernel.cuh) and the mid-M
 // GEMM (gemm_kernel.cuh).
+// MmParams::prologue: what the GEMV's x staging reads instead of x (gemv_kernel.cuh, XPrologue).
+enum XPrologueKind : int { kPrologueNone = 0, kPrologueSiluMul = 1, kPrologueNorm = 2, kPrologueAddNorm = 3 };
+
 struct MmParams {
   const void* x;               // [m, k] row-major, dtype `dtype`
   const int32_t* planes;       // [nt, kt, bits, 16, 4]
@@ -71,6 +74,15 @@ struct MmParams {
   // wgmma GEMM only: x rewritten into the GEMM's shared-memory stage layout (wgmma_kernel.cuh),
   // the first bytes of the caller's workspace; `workspace` then points past it.
   char* x_perm;
+  // GEMV only (XPrologueKind): none; silu_mul: silu(x) * x2; rmsnorm: norm_weight * x, each token's
+  // rsqrt(mean(x^2) + eps) applied to its sums; add_rmsnorm: the same of s = x + x2, which CTA 0 also
+  // writes to sum_out [m, k].
+  int prologue;
+  const void* x2;
+  const void* norm_weight;  // [k], dtype `dtype`
+  float eps;
+  void* sum_out;
+  int64_t x_stride, x2_stride;  // row strides (elements) of x and x2 under a prologue
 #if KBIT_TRACE
   unsigned long long* trace;  // GEMV only: the trace buffer of kbit_trace_set (gemv_kernel.cuh, GemvTrace)
 #endif

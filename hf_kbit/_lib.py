@@ -86,6 +86,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kbit_gemv_plan.restype = c_int
     lib.kbit_gemm_plan.argtypes = [c_int, c_i64, c_i64, c_i64, c_int, c_ip, c_ip, c_ip, c_ip]
     lib.kbit_gemm_plan.restype = c_int
+    # GEMV with an elementwise prologue (optional: without it the fused ops run their references).
+    try:
+        lib.kbit_gemv_prologue.argtypes = [c_int, c_vp, c_int, c_vp, c_i64, c_vp, c_i64, c_vp, ctypes.c_float, c_vp,
+                                           c_int, c_vp, c_vp, c_vp, c_vp, c_int, c_i64, c_i64, c_i64, c_vp, c_vp, c_i64]
+        lib.kbit_gemv_prologue.restype = c_int
+    except AttributeError:
+        pass
     # Eager fast path (optional: a library without it still serves every op).
     try:
         lib.kbit_gemv_call_size.restype = c_i64

@@ -126,6 +126,94 @@ def _mm_fake(x, planes, block_scales, row_scales, codebook, in_features):
     return x.new_empty((*x.shape[:-1], row_scales.shape[-1]))
 
 
+# ---------------------------------------------------------------------------- mm with its input's last op
+
+# What inductor would otherwise run as a kernel of its own right before a kbit projection (hf_kbit.fusion
+# rewrites compiled graphs to these). The references reproduce the roundings of the unfused ops (those of
+# transformers' RMSNorm and SiLU-gated MLPs), so a rewrite changes no result beyond float32 summation
+# order; a backend may fold the prologue into its kernel's x staging.
+_lib.define(
+    "mm_rmsnorm(Tensor x, Tensor norm_weight, float eps, Tensor planes, Tensor block_scales, Tensor row_scales, "
+    "Tensor codebook, SymInt in_features) -> Tensor"
+)
+_lib.define(
+    "mm_add_rmsnorm(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor planes, Tensor block_scales, "
+    "Tensor row_scales, Tensor codebook, SymInt in_features) -> (Tensor, Tensor)"
+)
+_lib.define(
+    "mm_silu_mul(Tensor gate, Tensor up, Tensor planes, Tensor block_scales, Tensor row_scales, Tensor codebook, "
+    "SymInt in_features) -> Tensor"
+)
+
+
+def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: normalized in float32, rounded to h's dtype, then times ``weight``."""
+    f = h.float()
+    return weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``act(gate) * up`` of a SiLU-gated MLP: SiLU in float32, rounded to gate's dtype, times ``up``."""
+    return torch.nn.functional.silu(gate.float()).to(gate.dtype) * up
+
+
+def _check_prologue(name: str, x: torch.Tensor, other: torch.Tensor) -> None:
+    torch._check(
+        other.shape == x.shape and other.dtype == x.dtype,
+        lambda: f"{name} must match x ({x.dtype} {tuple(x.shape)}), got {other.dtype} {tuple(other.shape)}",
+    )
+
+
+def _check_norm_weight(norm_weight: torch.Tensor, in_features) -> None:
+    torch._check(
+        norm_weight.dim() == 1 and norm_weight.shape[0] == in_features,
+        lambda: f"norm_weight must be [{in_features}], got {tuple(norm_weight.shape)}",
+    )
+
+
+@torch.library.impl(_lib, "mm_rmsnorm", "CompositeExplicitAutograd")
+def _mm_rmsnorm_ref(x, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features):
+    """``rms_norm(x, norm_weight, eps) @ W.T``."""
+    _check_norm_weight(norm_weight, in_features)
+    return torch.ops.kbit.mm(rms_norm(x, norm_weight, eps), planes, block_scales, row_scales, codebook, in_features)
+
+
+@torch.library.register_fake("kbit::mm_rmsnorm")
+def _mm_rmsnorm_fake(x, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features):
+    _check_norm_weight(norm_weight, in_features)
+    return _mm_fake(x, planes, block_scales, row_scales, codebook, in_features)
+
+
+@torch.library.impl(_lib, "mm_add_rmsnorm", "CompositeExplicitAutograd")
+def _mm_add_rmsnorm_ref(x, residual, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features):
+    """``(rms_norm(x + residual, norm_weight, eps) @ W.T, x + residual)``: the sum goes on as the residual."""
+    _check_prologue("residual", x, residual)
+    _check_norm_weight(norm_weight, in_features)
+    total = x + residual
+    out = torch.ops.kbit.mm(rms_norm(total, norm_weight, eps), planes, block_scales, row_scales, codebook, in_features)
+    return out, total
+
+
+@torch.library.register_fake("kbit::mm_add_rmsnorm")
+def _mm_add_rmsnorm_fake(x, residual, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features):
+    _check_prologue("residual", x, residual)
+    _check_norm_weight(norm_weight, in_features)
+    return _mm_fake(x, planes, block_scales, row_scales, codebook, in_features), torch.empty_like(x)
+
+
+@torch.library.impl(_lib, "mm_silu_mul", "CompositeExplicitAutograd")
+def _mm_silu_mul_ref(gate, up, planes, block_scales, row_scales, codebook, in_features):
+    """``silu_mul(gate, up) @ W.T``."""
+    _check_prologue("up", gate, up)
+    return torch.ops.kbit.mm(silu_mul(gate, up), planes, block_scales, row_scales, codebook, in_features)
+
+
+@torch.library.register_fake("kbit::mm_silu_mul")
+def _mm_silu_mul_fake(gate, up, planes, block_scales, row_scales, codebook, in_features):
+    _check_prologue("up", gate, up)
+    return _mm_fake(gate, planes, block_scales, row_scales, codebook, in_features)
+
+
 # ---------------------------------------------------------------------------- grouped_mm
 
 

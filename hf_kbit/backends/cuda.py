@@ -256,6 +256,86 @@ def run_path(path: str, x2, planes, block_scales, row_scales, codebook, k: int) 
     return out
 
 
+# ---------------------------------------------------------------------------- mm with a prologue
+
+_PROLOGUES = {"silu_mul": 1, "rmsnorm": 2, "add_rmsnorm": 3}
+_HAS_PROLOGUE = hasattr(_LIB, "kbit_gemv_prologue")
+
+
+def _rows(t: torch.Tensor, k: int) -> torch.Tensor:
+    """``t [..., k]`` as ``[m, k]`` rows with unit element stride (a view where possible, e.g. a slice of a
+    fused gate/up output)."""
+    t2 = t.reshape(-1, k)
+    return t2 if t2.stride(-1) == 1 and (t2.shape[0] <= 1 or t2.stride(0) >= k) else t2.contiguous()
+
+
+def _gemv_prologue(kind, x, x2, norm_weight, eps, planes, block_scales, row_scales, codebook, k):
+    """``(out, sum)`` from the GEMV with prologue ``kind`` when it serves this call, else None (a norm
+    weight of another dtype than x, e.g. kept in float32, takes the reference: its product is float32)."""
+    if not _HAS_PROLOGUE or x.dtype not in _GEMV_DTYPES or row_scales.dim() != 1:
+        return None
+    if norm_weight is not None and norm_weight.dtype != x.dtype:
+        return None
+    n, bits = row_scales.shape[0], planes.shape[-3]
+    lead = x.shape[:-1]
+    xr = _rows(x, k)
+    m = xr.shape[0]
+    if m == 0 or n == 0 or k == 0 or mm_path(m, n, k, bits, x.device.index) != "gemv":
+        return None
+    _check_packed_once(planes, block_scales, row_scales, codebook, k)
+    _same_device(x, planes=planes, block_scales=block_scales, row_scales=row_scales, codebook=codebook)
+    x2r = _rows(x2, k) if x2 is not None else None
+    weight = norm_weight.contiguous() if norm_weight is not None else None
+    total = torch.empty((m, k), dtype=x.dtype, device=x.device) if kind == "add_rmsnorm" else None
+    key = (x.device.index, m, n, k, bits)
+    ws_size = _workspace_sizes.get(key)
+    if ws_size is None:
+        ws_size = _workspace_sizes[key] = int(_LIB.kbit_gemv_workspace_size(x.device.index, m, n, k, bits))
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    ws = torch.empty(ws_size, dtype=torch.float32, device=x.device) if ws_size > 0 else None
+    rc = _LIB.kbit_gemv_prologue(
+        x.device.index, _stream(x.device), _PROLOGUES[kind], xr.data_ptr(), xr.stride(0) if m > 1 else k,
+        x2r.data_ptr() if x2r is not None else None, (x2r.stride(0) if m > 1 else k) if x2r is not None else k,
+        weight.data_ptr() if weight is not None else None, float(eps),
+        total.data_ptr() if total is not None else None, _DTYPE_CODE[x.dtype], planes.data_ptr(),
+        block_scales.data_ptr(), row_scales.data_ptr(), codebook.data_ptr(), bits, m, n, k, out.data_ptr(),
+        ws.data_ptr() if ws is not None else None, ws_size,
+    )
+    _lib.check(rc, f"mm_{kind}")
+    return out.reshape(*lead, n), (total.reshape(x.shape) if total is not None else None)
+
+
+@torch.library.impl(_ops._lib, "mm_silu_mul", "CUDA")
+def _mm_silu_mul_cuda(gate, up, planes, block_scales, row_scales, codebook, in_features):
+    _ops._check_prologue("up", gate, up)
+    served = _gemv_prologue("silu_mul", gate, up, None, 0.0, planes, block_scales, row_scales, codebook, in_features)
+    if served is None:
+        return _ops._mm_silu_mul_ref(gate, up, planes, block_scales, row_scales, codebook, in_features)
+    return served[0]
+
+
+@torch.library.impl(_ops._lib, "mm_rmsnorm", "CUDA")
+def _mm_rmsnorm_cuda(x, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features):
+    _ops._check_norm_weight(norm_weight, in_features)
+    served = _gemv_prologue("rmsnorm", x, None, norm_weight, eps, planes, block_scales, row_scales, codebook,
+                            in_features)
+    if served is None:
+        return _ops._mm_rmsnorm_ref(x, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features)
+    return served[0]
+
+
+@torch.library.impl(_ops._lib, "mm_add_rmsnorm", "CUDA")
+def _mm_add_rmsnorm_cuda(x, residual, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features):
+    _ops._check_prologue("residual", x, residual)
+    _ops._check_norm_weight(norm_weight, in_features)
+    served = _gemv_prologue("add_rmsnorm", x, residual, norm_weight, eps, planes, block_scales, row_scales, codebook,
+                            in_features)
+    if served is None:
+        return _ops._mm_add_rmsnorm_ref(x, residual, norm_weight, eps, planes, block_scales, row_scales, codebook,
+                                        in_features)
+    return served
+
+
 # ---------------------------------------------------------------------------- eager fast path
 
 _HAS_FAST = hasattr(_LIB, "kbit_gemv_run")

@@ -1,0 +1,290 @@
+"""An inductor graph pass that hands kbit projections the elementwise op in front of them.
+
+In a compiled decode step each kbit GEMV follows a small kernel of inductor's: the residual add and
+RMSNorm before q/k/v and gate/up, the SiLU-gated product before down. At batch 1 such a kernel costs
+1-2 us of the step (its launch, its dependency on the kernel before, its own latency), for work a
+GEMV could do while staging its input. This pass rewrites the post-grad graph so that the projection
+takes the op's inputs instead:
+
+- ``kbit.mm(rms_norm(a + b))`` -> ``kbit.mm_add_rmsnorm(a, b)``, whose second output (the sum) takes
+  over every other use of ``a + b`` (the residual stream);
+- ``kbit.mm(rms_norm(h))`` -> ``kbit.mm_rmsnorm(h)``;
+- ``kbit.mm(silu_mul(gate, up))`` -> ``kbit.mm_silu_mul(gate, up)``.
+
+``rms_norm`` and ``silu_mul`` are matched as transformers writes them (hf_kbit._ops), after inductor's
+decompositions, and only where their intermediates have no other use. Use it through
+:func:`compile_options` or, for ``generate``'s own compile, :func:`compile_config`::
+
+    torch.compile(model, options=hf_kbit.fusion.compile_options())
+    model.generate(..., cache_implementation="static", compile_config=hf_kbit.fusion.compile_config())
+
+On CUDA the GEMV serves the fused ops at M <= 16: its x staging computes the prologue, the norm's
+sum of squares over the whole row is loaded beside the staging, and the per-token rsqrt(mean + eps)
+scales the sums in the epilogue (the rounding differs from the unfused ops at bf16-noise level).
+Other paths (M > 16) and devices run the references (the prologue in PyTorch, then ``kbit.mm``),
+which launch more kernels than inductor's own. The pass is meant for batch-1 decoding: by default it
+rewrites only projections of a static single token (``max_tokens``; ``DEFAULT_MAX_TOKENS`` says why).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+from torch import fx
+
+aten, prims, kbit = torch.ops.aten, torch.ops.prims, torch.ops.kbit
+# Tokens per call up to which the pass rewrites by default. Measured on an H100 (Llama-3-8B k = 4,
+# graph step): at 1 token the fused step is 1-2% faster; at 8 tokens 12% slower (each CTA reads the
+# whole rows for the norm's sums, docs/kernels.md).
+DEFAULT_MAX_TOKENS = 1
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _call(node, *targets) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def _only_user(node: fx.Node, user: fx.Node) -> bool:
+    return len(node.users) == 1 and user in node.users
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _to(node, dtypes) -> fx.Node | None:
+    """The input of ``convert_element_type(input, dtype)`` with dtype in ``dtypes``, else None."""
+    if _call(node, prims.convert_element_type.default) and node.args[1] in dtypes:
+        return node.args[0]
+    return None
+
+
+def _operands(node: fx.Node) -> tuple:
+    return tuple(node.args[:2]) if _call(node, aten.mul.Tensor) and not node.kwargs else ()
+
+
+def _projections(x: fx.Node) -> list[fx.Node]:
+    """The kbit.mm nodes that read ``x`` as their input, if every use of ``x`` is one (else [])."""
+    users = list(x.users)
+    ok = all(_call(u, kbit.mm.default) and u.args[0] is x and x not in u.args[1:] for u in users)
+    return users if ok else []
+
+
+def _match_rms_norm(x: fx.Node):
+    """``x = w * to(f * rsqrt(mean(f ** 2, -1, keepdim) + eps), dtype)``, ``f = to(h, float32)``, each
+    intermediate used once (``f`` twice): (the nodes to drop, h, w, eps), else None."""
+    if not _operands(x):
+        return None
+    for low, weight in (_operands(x), _operands(x)[::-1]):
+        scaled = _to(low, _LOW_PRECISION)
+        if scaled is None or not _only_user(low, x) or not _only_user(scaled, low) or not _operands(scaled):
+            continue
+        for f, rsqrt in (_operands(scaled), _operands(scaled)[::-1]):
+            h = _to(f, (torch.float32,))
+            if h is None or not _call(rsqrt, aten.rsqrt.default) or not _only_user(rsqrt, scaled):
+                continue
+            add_eps = rsqrt.args[0]
+            if not _call(add_eps, aten.add.Scalar, aten.add.Tensor) or not isinstance(add_eps.args[1], float):
+                continue
+            mean = add_eps.args[0]
+            if not _call(mean, aten.mean.dim) or list(mean.args[1]) not in ([-1], [_val(f).dim() - 1]):
+                continue
+            if not (len(mean.args) > 2 and mean.args[2]) and not mean.kwargs.get("keepdim"):
+                continue
+            square = mean.args[0]
+            if not _call(square, aten.pow.Tensor_Scalar) or square.args[0] is not f or square.args[1] != 2:
+                continue
+            if set(f.users) != {square, scaled} or not all(_only_user(n, u) for n, u in (
+                    (square, mean), (mean, add_eps), (add_eps, rsqrt))):
+                continue
+            w_val, h_val = _val(weight), _val(h)
+            if w_val is None or h_val is None or w_val.dim() != 1 or w_val.shape[0] != h_val.shape[-1] \
+                    or w_val.dtype != h_val.dtype or _val(low).dtype != h_val.dtype:
+                continue
+            return [x, low, scaled, rsqrt, add_eps, mean, square, f], h, weight, add_eps.args[1]
+    return None
+
+
+def _match_silu_mul(x: fx.Node):
+    """``x = to(silu(to(gate, float32)), dtype) * up`` with SiLU as ``f / (1 + exp(-f))`` or
+    ``f * sigmoid(f)``, intermediates used once: (the nodes to drop, gate, up), else None."""
+    if not _operands(x):
+        return None
+    for low, up in (_operands(x), _operands(x)[::-1]):
+        silu = _to(low, _LOW_PRECISION)
+        if silu is None or not _only_user(low, x) or not _only_user(silu, low):
+            continue
+        if _call(silu, aten.div.Tensor):
+            f, denominator = silu.args
+            if not (_call(denominator, aten.add.Tensor, aten.add.Scalar) and denominator.args[1] == 1):
+                continue
+            exp = denominator.args[0]
+            neg = exp.args[0] if _call(exp, aten.exp.default) else None
+            if not _call(neg, aten.neg.default) or neg.args[0] is not f:
+                continue
+            inner = [denominator, exp, neg]
+        elif _call(silu, aten.mul.Tensor):
+            f, sigmoid = silu.args
+            if not _call(sigmoid, aten.sigmoid.default) or sigmoid.args[0] is not f:
+                continue
+            inner = [sigmoid]
+        else:
+            continue
+        gate = _to(f, (torch.float32,))
+        if gate is None or set(f.users) != {silu, inner[-1]} or not all(len(n.users) == 1 for n in inner):
+            continue
+        g_val, u_val = _val(gate), _val(up)
+        if g_val is None or u_val is None or g_val.shape != u_val.shape or g_val.dtype != u_val.dtype:
+            continue
+        return [x, low, silu, *inner, f], gate, up
+    return None
+
+
+def _defined_before(graph: fx.Graph, inputs, node: fx.Node) -> bool:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return all(not isinstance(i, fx.Node) or order[i] < order[node] for i in inputs)
+
+
+def _same_shape_add(h: fx.Node) -> bool:
+    """``h = a + b`` of two tensors of h's shape and dtype (no broadcast, no alpha)."""
+    if not _call(h, aten.add.Tensor) or h.kwargs:
+        return False
+    vals = [_val(a) for a in h.args]
+    out = _val(h)
+    return all(isinstance(v, torch.Tensor) and v.shape == out.shape and v.dtype == out.dtype for v in vals)
+
+
+def _tokens_at_most(x, max_tokens: int | None) -> bool:
+    """Whether the projection input ``x`` has a static token count (all but its last dim) <= ``max_tokens``
+    (None: any count, symbolic included)."""
+    if max_tokens is None:
+        return True
+    val = _val(x)
+    if not isinstance(val, torch.Tensor) or not all(isinstance(d, int) for d in val.shape[:-1]):
+        return False
+    return math.prod(val.shape[:-1]) <= max_tokens
+
+
+def fuse(graph: fx.Graph, max_tokens: int | None = DEFAULT_MAX_TOKENS) -> dict[str, int]:
+    """Rewrite ``graph`` (post-grad ATen) in place; returns how many of each rewrite it made.
+
+    Only projections whose input has a static token count <= ``max_tokens`` (None: any) are rewritten.
+    A norm read by several projections (siblings not fused into one weight) goes into each of them:
+    the first one that adds takes the sum out, the others read that sum.
+    """
+    made = {"mm_add_rmsnorm": 0, "mm_rmsnorm": 0, "mm_silu_mul": 0}
+    erased: set[fx.Node] = set()
+    for mm in list(graph.nodes):
+        if mm in erased or not _call(mm, kbit.mm.default) or not _tokens_at_most(mm.args[0], max_tokens):
+            continue
+        x = mm.args[0]
+        projections = _projections(x) if isinstance(x, fx.Node) else []
+        if not projections:
+            continue
+        replaced: list[tuple[fx.Node, fx.Node]] = []  # (projection, its replacement)
+        if (norm := _match_rms_norm(x)) is not None:
+            dropped, h, weight, eps = norm
+            inputs = (weight, *(a for p in projections for a in p.args[1:]))
+            if _same_shape_add(h) and _defined_before(graph, (*h.args, *inputs), h):
+                anchor, source = h, h
+                for i, p in enumerate(projections):
+                    with graph.inserting_after(anchor):
+                        if i == 0:
+                            args = (*h.args, weight, eps, *p.args[1:])
+                            fused = graph.call_function(kbit.mm_add_rmsnorm.default, args)
+                            fused.meta["val"] = (_val(p), _val(h))
+                            with graph.inserting_after(fused):
+                                out = graph.call_function(operator.getitem, (fused, 0))
+                                total = graph.call_function(operator.getitem, (fused, 1))
+                            out.meta["val"], total.meta["val"] = _val(p), _val(h)
+                            anchor, source = total, total
+                            made["mm_add_rmsnorm"] += 1
+                        else:
+                            out = graph.call_function(kbit.mm_rmsnorm.default, (source, weight, eps, *p.args[1:]))
+                            out.meta["val"] = _val(p)
+                            anchor = out
+                            made["mm_rmsnorm"] += 1
+                    replaced.append((p, out))
+                h.replace_all_uses_with(source)
+                dropped.append(h)
+            elif _defined_before(graph, inputs, mm):
+                for p in projections:
+                    with graph.inserting_before(p):
+                        out = graph.call_function(kbit.mm_rmsnorm.default, (h, weight, eps, *p.args[1:]))
+                    out.meta["val"] = _val(p)
+                    replaced.append((p, out))
+                    made["mm_rmsnorm"] += 1
+            else:
+                continue
+        elif (gated := _match_silu_mul(x)) is not None:
+            dropped, gate, up = gated
+            for p in projections:
+                with graph.inserting_before(p):
+                    out = graph.call_function(kbit.mm_silu_mul.default, (gate, up, *p.args[1:]))
+                out.meta["val"] = _val(p)
+                replaced.append((p, out))
+                made["mm_silu_mul"] += 1
+        else:
+            continue
+        for p, out in replaced:
+            p.replace_all_uses_with(out)
+            graph.erase_node(p)
+            erased.add(p)
+        for node in dropped:  # consumers first
+            graph.erase_node(node)
+            erased.add(node)
+    return made
+
+
+def _pass_class():
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    class KbitFusionPass(CustomGraphPass):
+        """:func:`fuse` as inductor's ``post_grad_custom_post_pass``; ``rewrites`` counts what it did."""
+
+        def __init__(self, max_tokens: int | None) -> None:
+            self.max_tokens = max_tokens
+            self.rewrites = {"mm_add_rmsnorm": 0, "mm_rmsnorm": 0, "mm_silu_mul": 0}
+
+        def __call__(self, graph: fx.Graph) -> None:
+            for name, count in fuse(graph, self.max_tokens).items():
+                self.rewrites[name] += count
+
+        def uuid(self):
+            return (get_hash_for_files((__file__,)), self.max_tokens)
+
+        def __deepcopy__(self, memo):  # transformers' CompileConfig.to_dict deep-copies its options
+            return self
+
+    return KbitFusionPass
+
+
+def fusion_pass(max_tokens: int | None = DEFAULT_MAX_TOKENS):
+    """A new pass object (inductor's ``CustomGraphPass``) running :func:`fuse` with ``max_tokens``."""
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ValueError(f"max_tokens must be a positive int or None (any token count), got {max_tokens!r}")
+    return _pass_class()(max_tokens)
+
+
+def compile_options(fusion=None, cudagraphs: bool = False) -> dict:
+    """``torch.compile`` options that run the pass (``fusion``, default a new :func:`fusion_pass`);
+    ``cudagraphs``: inductor's CUDA graphs too, what ``mode="reduce-overhead"`` sets (torch.compile takes
+    ``mode`` or ``options``, not both)."""
+    options = {"post_grad_custom_post_pass": fusion if fusion is not None else fusion_pass()}
+    if cudagraphs:
+        options["triton.cudagraphs"] = True
+    return options
+
+
+def compile_config(max_tokens: int | None = DEFAULT_MAX_TOKENS, **kwargs):
+    """A transformers ``CompileConfig`` for ``generate``'s compile of the decode step: its default
+    (reduce-overhead: CUDA graphs) with the pass (:func:`fusion_pass` with ``max_tokens``). ``kwargs`` go
+    to ``CompileConfig`` (``fullgraph``, ``dynamic``, ...)."""
+    from transformers import CompileConfig
+
+    if "mode" in kwargs or "options" in kwargs:
+        raise TypeError(f"compile_config sets mode and options itself (options: the pass and CUDA graphs), "
+                        f"got {sorted(k for k in kwargs if k in ('mode', 'options'))}")
+    return CompileConfig(mode=None, options=compile_options(fusion_pass(max_tokens), cudagraphs=True), **kwargs)

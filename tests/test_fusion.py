@@ -1,0 +1,227 @@
+"""hf_kbit.fusion: the fused ops' references and the inductor pass that rewrites compiled graphs to them."""
+
+import pytest
+import torch
+
+import hf_kbit
+from hf_kbit import _ops, fusion
+from hf_kbit import format as fmt
+from tiny_models import tiny_dense_model
+
+# Compiled (inductor, CPU) against eager: float32 summation order only; bf16 logits of the tiny models are O(1)
+LOGITS_ATOL_BF16 = 2e-2
+
+
+def packed(n, k, bits=4):
+    torch.manual_seed(0)
+    cb = fmt.make_codebook(None, bits)
+    return (*torch.ops.kbit.quantize(torch.randn(n, k), cb), cb)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_opcheck_fused_ops(dtype):
+    n, k = 20, 130
+    weights = packed(n, k)
+    x, r, g = (torch.randn(3, k, dtype=dtype) for _ in range(3))
+    w = torch.rand(k, dtype=dtype) + 0.5
+    torch.library.opcheck(torch.ops.kbit.mm_rmsnorm.default, (x, w, 1e-6, *weights, k))
+    torch.library.opcheck(torch.ops.kbit.mm_add_rmsnorm.default, (x, r, w, 1e-6, *weights, k))
+    torch.library.opcheck(torch.ops.kbit.mm_silu_mul.default, (g, x, *weights, k))
+
+
+def test_fused_ops_are_their_unfused_ops():
+    n, k = 24, 64
+    weights = packed(n, k)
+    x, r, g = (torch.randn(2, 5, k, dtype=torch.bfloat16) for _ in range(3))
+    w = torch.rand(k, dtype=torch.bfloat16) + 0.5
+    mm = lambda a: torch.ops.kbit.mm(a, *weights, k)  # noqa: E731
+    torch.testing.assert_close(torch.ops.kbit.mm_rmsnorm(x, w, 1e-5, *weights, k), mm(_ops.rms_norm(x, w, 1e-5)),
+                               rtol=0, atol=0)
+    out, total = torch.ops.kbit.mm_add_rmsnorm(x, r, w, 1e-5, *weights, k)
+    torch.testing.assert_close(total, x + r, rtol=0, atol=0)
+    torch.testing.assert_close(out, mm(_ops.rms_norm(x + r, w, 1e-5)), rtol=0, atol=0)
+    torch.testing.assert_close(torch.ops.kbit.mm_silu_mul(g, x, *weights, k),
+                               mm(torch.nn.functional.silu(g.float()).to(g.dtype) * x), rtol=0, atol=0)
+
+
+def test_rms_norm_is_transformers_rms_norm():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(48, eps=1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.normal_(1, 0.2)
+    h = torch.randn(3, 48, dtype=torch.bfloat16)
+    torch.testing.assert_close(_ops.rms_norm(h, norm.weight, 1e-5), norm(h), rtol=0, atol=0)
+
+
+def test_fused_ops_name_what_does_not_match():
+    k = 64
+    weights = packed(8, k)
+    x = torch.randn(2, k, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"residual must match x \(torch.bfloat16 \(2, 64\)\), got torch.float32"):
+        torch.ops.kbit.mm_add_rmsnorm(x, x.float(), torch.ones(k, dtype=torch.bfloat16), 1e-6, *weights, k)
+    with pytest.raises(RuntimeError, match=r"norm_weight must be \[64\], got \(63,\)"):
+        torch.ops.kbit.mm_rmsnorm(x, torch.ones(63, dtype=torch.bfloat16), 1e-6, *weights, k)
+    with pytest.raises(RuntimeError, match=r"up must match x"):
+        torch.ops.kbit.mm_silu_mul(x, x[:1], *weights, k)
+
+
+# family -> rewrites of a 2-layer model's forward. The tiny models' gate and up stay two weights (200 rows,
+# not whole 16-row tiles: not fused), so each post-attention norm goes into both: the add into gate's
+# projection, which hands the sum to up's (mm_rmsnorm). Layer 0's input norm reads the embedding (no add),
+# layer 1's and the final one (before the LM head, quantized here) the sum at the end of a layer. gemma3
+# normalizes with (1 + weight) and gates with GELU: left alone.
+EXPECTED = {
+    "llama": {"mm_add_rmsnorm": 4, "mm_rmsnorm": 3, "mm_silu_mul": 2},
+    "qwen3": {"mm_add_rmsnorm": 4, "mm_rmsnorm": 3, "mm_silu_mul": 2},
+    "mistral": {"mm_add_rmsnorm": 4, "mm_rmsnorm": 3, "mm_silu_mul": 2},
+    "gemma3_text": {"mm_add_rmsnorm": 0, "mm_rmsnorm": 0, "mm_silu_mul": 0},
+}
+
+
+def _compile_and_compare(model, expected):
+    ids = torch.randint(0, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        eager = model(input_ids=ids, use_cache=False).logits
+    torch._dynamo.reset()
+    rewrite = fusion.fusion_pass(max_tokens=None)  # a 6-token forward
+    options = {**fusion.compile_options(rewrite), "fx_graph_cache": False}  # the pass must run, not a cache hit
+    compiled = torch.compile(model, fullgraph=True, options=options)
+    with torch.inference_mode():
+        logits = compiled(input_ids=ids, use_cache=False).logits
+    torch._dynamo.reset()
+    assert rewrite.rewrites == expected
+    torch.testing.assert_close(logits, eager, atol=LOGITS_ATOL_BF16 * eager.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("family", sorted(EXPECTED))
+def test_the_pass_rewrites_a_compiled_forward_and_keeps_its_result(family):
+    model = hf_kbit.quantize_model(tiny_dense_model(family), hf_kbit.KbitConfig(bits=4))
+    _compile_and_compare(model, EXPECTED[family])
+
+
+def test_the_pass_follows_fused_gate_up_and_leaves_a_bf16_lm_head():
+    # gate/up in whole tiles: one fused weight, whose output SiLU-mul reads through a split; the final
+    # norm feeds the bf16 LM head (not a kbit projection): not rewritten.
+    model = tiny_dense_model("llama", intermediate_size=192)
+    model = hf_kbit.quantize_model(model, hf_kbit.KbitConfig(bits=4), modules_to_not_convert=["lm_head"])
+    assert hasattr(model.model.layers[0].mlp, "gate_up_proj")
+    _compile_and_compare(model, {"mm_add_rmsnorm": 3, "mm_rmsnorm": 1, "mm_silu_mul": 2})
+
+
+def test_compile_config_runs_the_pass_in_generate():
+    # generate's own compile (static cache) with the pass; transformers compiles on CUDA only unless told.
+    model = hf_kbit.quantize_model(tiny_dense_model("llama"), hf_kbit.KbitConfig(bits=4))
+    ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(2))
+    kwargs = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation="static")
+    with torch.inference_mode():
+        eager = model.generate(ids, disable_compile=True, **kwargs)
+    torch._dynamo.reset()
+    config = fusion.compile_config(fullgraph=True)
+    assert config.mode is None and config.options["triton.cudagraphs"] is True
+    rewrite = config.options["post_grad_custom_post_pass"]
+    config.options["fx_graph_cache"] = False
+    config._compile_all_devices = True
+    with torch.inference_mode():
+        compiled = model.generate(ids, compile_config=config, **kwargs)
+    torch._dynamo.reset()
+    assert rewrite.rewrites["mm_silu_mul"] > 0 and rewrite.rewrites["mm_add_rmsnorm"] > 0, rewrite.rewrites
+    assert torch.equal(compiled, eager)
+
+
+def test_compile_config_names_what_it_sets_itself():
+    with pytest.raises(TypeError, match="mode"):
+        fusion.compile_config(mode="max-autotune")
+
+
+# ---------------------------------------------------------------------------- the matcher on traced graphs
+
+K = 64
+
+
+def traced(fn, *args):
+    """``fn`` traced to ATen with inductor's decompositions: the IR the pass sees after post-grad."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn, decomposition_table=select_decomp_table())(*args)
+
+
+def rewrite_and_run(fn, *args, max_tokens=None):
+    gm = traced(fn, *args)
+    made = fusion.fuse(gm.graph, max_tokens)
+    gm.graph.lint()
+    gm.recompile()
+    for got, want in zip(gm(*args), fn(*args)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    return made, {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+
+
+def inputs():
+    weights = packed(16, K)
+    a, b = (torch.randn(2, K, dtype=torch.bfloat16) for _ in range(2))
+    return a, b, torch.rand(K, dtype=torch.bfloat16) + 0.5, weights
+
+
+def test_fuse_takes_the_add_and_hands_its_sum_on():
+    a, b, w, weights = inputs()
+
+    def fn(a, b, w, *weights):
+        h = a + b
+        return torch.ops.kbit.mm(_ops.rms_norm(h, w, 1e-6), *weights, K), h * 2
+
+    made, targets = rewrite_and_run(fn, a, b, w, *weights)
+    assert made == {"mm_add_rmsnorm": 1, "mm_rmsnorm": 0, "mm_silu_mul": 0}
+    assert "kbit.mm.default" not in targets and "aten.rsqrt.default" not in targets
+
+
+def test_fuse_leaves_calls_of_more_tokens_than_max_tokens():
+    a, b, _, weights = inputs()  # 2 tokens
+
+    def fn(g, u, *ws):
+        return (torch.ops.kbit.mm(_ops.silu_mul(g, u), *ws, K),)
+
+    assert rewrite_and_run(fn, a, b, *weights, max_tokens=2)[0]["mm_silu_mul"] == 1
+    made, targets = rewrite_and_run(fn, a, b, *weights, max_tokens=1)
+    assert made["mm_silu_mul"] == 0 and "kbit.mm.default" in targets
+    assert fusion.fusion_pass().max_tokens == fusion.DEFAULT_MAX_TOKENS == 1
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="max_tokens must be a positive int or None"):
+            fusion.fusion_pass(bad)
+
+
+def test_fuse_takes_silu_mul_in_either_operand_order():
+    a, b, _, weights = inputs()
+    made, targets = rewrite_and_run(lambda g, u, *ws: (torch.ops.kbit.mm(_ops.silu_mul(g, u), *ws, K),), a, b, *weights)
+    assert made["mm_silu_mul"] == 1 and "aten.exp.default" not in targets
+
+    def up_first(g, u, *ws):
+        return (torch.ops.kbit.mm(u * torch.nn.functional.silu(g.float()).to(g.dtype), *ws, K),)
+
+    assert rewrite_and_run(up_first, a, b, *weights)[0]["mm_silu_mul"] == 1
+
+
+def test_fuse_leaves_a_norm_whose_parts_are_used_elsewhere():
+    a, b, w, weights = inputs()
+
+    def normed_used_twice(a, b, w, *weights):  # the normalized x also feeds a non-kbit op
+        x = _ops.rms_norm(a + b, w, 1e-6)
+        return torch.ops.kbit.mm(x, *weights, K), x.sum()
+
+    def float_used_twice(a, b, w, *weights):  # the float32 copy of the sum is used again
+        h = (a + b).float()
+        x = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(a.dtype)
+        return torch.ops.kbit.mm(x, *weights, K), h.exp()
+
+    def gemma_norm(a, b, w, *weights):  # (1 + weight), applied in float32: another norm
+        h = (a + b).float()
+        x = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + w.float())).to(a.dtype)
+        return (torch.ops.kbit.mm(x, *weights, K),)
+
+    def gelu_gate(a, b, w, *weights):  # not SiLU
+        return (torch.ops.kbit.mm(torch.nn.functional.gelu(a.float()).to(a.dtype) * b, *weights, K),)
+
+    for fn in (normed_used_twice, float_used_twice, gemma_norm, gelu_gate):
+        made, targets = rewrite_and_run(fn, a, b, w, *weights)
+        assert made == {"mm_add_rmsnorm": 0, "mm_rmsnorm": 0, "mm_silu_mul": 0}, fn.__name__
+        assert "kbit.mm.default" in targets
