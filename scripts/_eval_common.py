@@ -450,6 +450,7 @@ def measure_speed(
     static_compile: bool,
     repeats: int = 3,
     warmup: int = 1,
+    fusion_pass: bool = False,
 ) -> dict[str, Any]:
     """Prefill and decode tokens/s of ``model.generate`` on random prompts.
 
@@ -457,7 +458,8 @@ def measure_speed(
     decode: ``batch * (new_tokens - 1)`` tokens over (generate time - prefill time), greedy,
     exactly ``new_tokens`` per sequence. ``static_compile``: a static KV cache, which lets
     transformers compile the decode step (torch.compile, CUDA graphs); otherwise eager with
-    the dynamic cache. Medians over ``repeats`` after ``warmup`` runs (which compile).
+    the dynamic cache. Medians over ``repeats`` after ``warmup`` runs (which compile). ``fusion_pass``:
+    that compile runs hf_kbit.fusion's pass (``compile_config``).
     """
     import torch
 
@@ -475,6 +477,10 @@ def measure_speed(
     }
     if static_compile:
         gen_kwargs["cache_implementation"] = "static"
+        if fusion_pass:
+            from hf_kbit import fusion
+
+            gen_kwargs["compile_config"] = fusion.compile_config()
     else:
         gen_kwargs["disable_compile"] = True
 
@@ -624,7 +630,7 @@ def _spin_while_submitting() -> None:
 
 
 def _cuda_graph_step_seconds(
-    step: GreedyDecodeStep, steps: int, repeats: int, warmup: int, profile: bool = False
+    step: GreedyDecodeStep, steps: int, repeats: int, warmup: int, profile: bool = False, options: dict | None = None
 ) -> tuple[float, float, list[tuple[str, float, float]] | None]:
     """Compile the step's forward, capture ``steps`` chained steps in one CUDA graph, time replays with events.
 
@@ -640,7 +646,7 @@ def _cuda_graph_step_seconds(
     import torch
 
     # Default mode, not reduce-overhead: the graph is captured here, around whole steps (forward, argmax, updates).
-    step.forward = torch.compile(step.forward, fullgraph=True)
+    step.forward = torch.compile(step.forward, fullgraph=True, options=options)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # the first call compiles; the rest leave nothing lazy for the capture
@@ -847,6 +853,7 @@ def measure_graph_step(
     steps_per_graph: int = 16,
     warmup: int = 2,
     breakdown: bool = False,
+    fusion_pass: bool = False,
 ) -> dict[str, Any]:
     """Device time of one greedy decode step (``batch`` sequences, one token each), without ``generate``'s host work.
 
@@ -876,7 +883,13 @@ def measure_graph_step(
     calls = kbit_call_order(step) if breakdown else None  # eager, before the forward is compiled
     kernels = None
     if device.startswith("cuda"):
-        step_s, matches, kernels = _cuda_graph_step_seconds(step, steps, repeats, warmup, profile=breakdown)
+        options = None
+        if fusion_pass:
+            from hf_kbit import fusion
+
+            options = fusion.compile_options()
+        step_s, matches, kernels = _cuda_graph_step_seconds(step, steps, repeats, warmup, profile=breakdown,
+                                                            options=options)
     else:
         step_s = _eager_step_seconds(step, steps, repeats, warmup)
     split = kernel_breakdown(kernels, steps, kbit_calls=calls) if breakdown else None

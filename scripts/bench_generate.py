@@ -198,6 +198,7 @@ def settings(
     quantize_lm_head: bool = False,
     kernel_breakdown: bool = False,
     fuse_projections: bool = True,
+    fusion_pass: bool = False,
 ) -> dict[str, Any]:
     """What a run measures, and under which settings, as its JSON records it (all but the results): what
     ``run`` measures under and ``--resume`` compares. ValueError for settings that cannot run together."""
@@ -209,8 +210,12 @@ def settings(
     if kernel_breakdown and not (graph_step and cuda):
         raise ValueError(f"--kernel-breakdown profiles the graph step's CUDA kernels: it needs a CUDA device and "
                          f"the graph step, got device {device!r}, graph step {'on' if graph_step else 'off'}")
-    config = make_config(preset, layers)
     static_compile = cuda if static_compile is None else static_compile
+    if fusion_pass and not (cuda and (graph_step or static_compile)):
+        raise ValueError(f"--fusion-pass rewrites the compiled decode step: it needs a CUDA device and the graph step "
+                         f"or generate()'s compile, got device {device!r}, graph step {'on' if graph_step else 'off'}, "
+                         f"compile {'on' if static_compile else 'off'}")
+    config = make_config(preset, layers)
     return {
         "schema": SCHEMA,
         "preset": preset,
@@ -224,6 +229,8 @@ def settings(
         "static_cache_and_compile": static_compile,
         "lm_head_quantized": quantize_lm_head,
         "fused_projections": fuse_projections,  # q/k/v and gate/up as one kbit launch each
+        # hf_kbit.fusion's inductor pass in the compiled decode steps (generate()'s and the graph step's)
+        "fusion_pass": fusion_pass,
         # TORCHINDUCTOR_ENABLE_PDL=1: inductor's Triton kernels launch as programmatic dependents (None: no such config)
         "inductor_pdl": getattr(inductor_config.triton, "enable_pdl", None),
         "graph_step": None if not graph_step else {
@@ -326,7 +333,8 @@ def run(
         info["setup_seconds"] = round(time.perf_counter() - start, 1)
         rows = []
         for batch in setup["batch_sizes"]:
-            s = common.measure_speed(model, batch, prompt_len, new_tokens, device, static_compile, repeats)
+            s = common.measure_speed(model, batch, prompt_len, new_tokens, device, static_compile, repeats,
+                                     fusion_pass=head["fusion_pass"])
             rows.append({**info, **s})
             log(f"{variant:>6} batch {batch}: decode {s['decode_tok_s']:.1f} tok/s "
                 f"({s['ms_per_decode_step']:.2f} ms/step), prefill {s['prefill_tok_s']:.0f} tok/s, compiled={s['compiled']}")
@@ -339,7 +347,7 @@ def run(
             if graph:
                 g = common.measure_graph_step(
                     model, r["batch"], prompt_len, new_tokens, device, repeats, graph["steps_per_graph"],
-                    breakdown=graph["kernel_breakdown"],
+                    breakdown=graph["kernel_breakdown"], fusion_pass=head["fusion_pass"],
                 )
                 log(f"{variant:>6} batch {r['batch']}: graph step {g['graph_step_ms']:.2f} ms "
                     f"({g['graph_decode_tok_s']:.1f} tok/s), {g['graph_steps']} steps per replay")
@@ -416,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="quantize the LM head too (default: it stays bf16, as in quantize-on-load)")
     parser.add_argument("--no-fuse-projections", action="store_true",
                         help="launch q/k/v and gate/up separately (default: one fused launch each, as KbitConfig's default)")
+    parser.add_argument("--fusion-pass", action="store_true",
+                        help="CUDA: compile the decode steps (generate()'s and the graph step's) with hf_kbit.fusion's "
+                             "pass (norms and SiLU-mul into the kbit GEMVs; single-token calls, i.e. batch 1)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
     parser.add_argument("--dtype", default="bf16", help="compute dtype (default bf16)")
     parser.add_argument("--out", default=None, help="JSON path (default: results/bench_generate_<preset>_<device>.json)")
@@ -434,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         repeats=args.repeats, static_compile=False if args.no_compile else None,
         graph_step=not args.no_graph_step, steps_per_graph=args.steps_per_graph,
         quantize_lm_head=args.quantize_lm_head, kernel_breakdown=args.kernel_breakdown,
-        fuse_projections=not args.no_fuse_projections,
+        fuse_projections=not args.no_fuse_projections, fusion_pass=args.fusion_pass,
     )
     head = "_lmhead" if args.quantize_lm_head else ""
     out = args.out or f"results/bench_generate_{args.preset}_{device.split(':')[0]}{head}.json"

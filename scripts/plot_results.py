@@ -98,7 +98,8 @@ def plot_perplexity(payloads: list[dict[str, Any]], out: Path) -> Path:
 def bench_labels(p: dict[str, Any]) -> list[str]:
     """What sets a bench_generate run apart, for its plot title and its docs heading."""
     return [label for key, label in (("lm_head_quantized", "LM head quantized"), ("inductor_pdl", "inductor PDL"),
-                                     ("fused_projections", "fused q/k/v and gate/up")) if p.get(key)]
+                                     ("fused_projections", "fused q/k/v and gate/up"),
+                                     ("fusion_pass", "fusion pass")) if p.get(key)]
 
 
 def bench_plot_name(p: dict[str, Any]) -> str:
@@ -274,6 +275,10 @@ def bench_markdown(p: dict[str, Any]) -> str:
         if p.get("fused_projections"):
             head += (" The kbit variants run q/k/v and gate/up as one kbit launch each "
                      "(`KbitConfig(fuse_projections=True)`, the default).")
+        if p.get("fusion_pass"):
+            head += (" Both compiled decode steps (generate()'s and the graph step's) run hf_kbit.fusion's inductor "
+                     "pass: the residual add + RMSNorm before q/k/v and gate/up and the SiLU-gated product before "
+                     "down run inside the kbit GEMVs (`compile_config()` / `compile_options()`).")
         matches = ", ".join(f"{r['variant']} batch {r['batch']} {r['graph_replay_tokens_match']:.0%}"
                             for r in p["results"] if r.get("graph_replay_tokens_match") is not None)
         lines += ["", "generate(): `model.generate` decode tokens/s, prefill subtracted; it includes generate's host "

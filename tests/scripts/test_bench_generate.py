@@ -102,6 +102,7 @@ def test_run_reports_graph_step_beside_generate(payload):
     assert payload["results"][0]["graph_decode_speedup_vs_bf16"] == 1.0
     assert payload["graph_step"] == {"timing": "eager_wall_clock", "submission_hidden": False, "compiled": False,
                                      "steps_per_graph": 4, "kernel_breakdown": False}
+    assert payload["fusion_pass"] is False
     assert payload["fused_projections"] is True
     assert all(r["graph_kernel_breakdown"] is None for r in payload["results"])
     assert common.kernel_breakdown_table(payload["results"]) == ""
@@ -219,6 +220,12 @@ def test_kernel_breakdown_needs_cuda_and_the_graph_step():
     model = tiny_model(torch.float32)
     with pytest.raises(ValueError, match="the kernel breakdown profiles CUDA kernels; device is 'cpu'"):
         common.measure_graph_step(model, 1, PROMPT_LEN, 2, "cpu", breakdown=True)
+
+
+def test_fusion_pass_needs_cuda():
+    kwargs = dict(layers=1, batch_sizes=(1,), prompt_len=4, new_tokens=2, repeats=1, log=lambda *_: None)
+    with pytest.raises(ValueError, match="--fusion-pass .* needs a CUDA device .* got device 'cpu'"):
+        bench.run("tiny-llama", [4], "cpu", torch.bfloat16, fusion_pass=True, **kwargs)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
