@@ -150,6 +150,19 @@ GEMV_PLAN_CASES = [(4100, 2040, 3), (6100, 4100, 1), (2048, 5120, 4), (5120, 204
                    (300, 700, 16)]
 
 
+def capture_graph(fn):
+    """Capture ``fn()`` in a CUDA graph after a warm-up on a side stream: ``(graph, output)``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def gemv_plan(n: int, k: int, m: int) -> dict:
     import ctypes
 

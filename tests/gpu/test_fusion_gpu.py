@@ -8,7 +8,7 @@ import torch
 
 from hf_kbit import _lib, _ops
 
-from test_cuda_kernels import GEMV_PLAN_CASES, MM_REL_TOL, packed_reference, rel_err
+from test_cuda_kernels import GEMV_PLAN_CASES, MM_REL_TOL, capture_graph, packed_reference, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -91,14 +91,7 @@ def test_prologue_replays_in_a_cuda_graph():
     w = torch.ones(k, device=DEVICE, dtype=torch.bfloat16)
     run = lambda: torch.ops.kbit.mm_add_rmsnorm(a, b, w, EPS, *weights, k)  # noqa: E731
     eager = run()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run()
+    graph, captured = capture_graph(run)
     graph.replay()
     torch.cuda.synchronize()
     for got, want in zip(captured, eager):

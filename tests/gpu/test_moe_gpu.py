@@ -30,6 +30,8 @@ from hf_kbit import format as fmt
 from hf_kbit.nn import KbitExperts, KbitLinear
 from hf_kbit.nn.experts import PROJECTIONS
 
+from test_cuda_kernels import capture_graph
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -357,19 +359,6 @@ def test_grouped_mm_on_cuda_without_routed_rows(rows):
 # ---------------------------------------------------------------------------- CUDA graphs, torch.compile
 
 
-def _capture(fn):
-    """Capture ``fn()`` in a CUDA graph after a warm-up on a side stream: ``(graph, output)``."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
-
-
 @needs_grouped_kernel
 @pytest.mark.parametrize("num_tokens", [1, 16, 130], ids=lambda t: f"T{t}")
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -379,7 +368,7 @@ def test_cuda_graph_replay_of_experts_equals_eager(family, num_tokens):
     x, index, weights = _to(DEVICE, *_routing(num_tokens, seed=1))
     with torch.no_grad():
         before = gpu(x, index, weights).clone()
-        graph, captured = _capture(lambda: gpu(x, index, weights))
+        graph, captured = capture_graph(lambda: gpu(x, index, weights))
         new = _routing(num_tokens, seed=2)
         for static, value in zip((x, index, weights), new):
             static.copy_(value)
