@@ -30,6 +30,9 @@
 // tile's sum goes to its split's workspace slice or, in a balanced cluster plan (sm_90+, its own
 // kernel instantiation), the splits' CTAs of a row range form a cluster and CTA j % splits of it
 // sums row tile j of the range in split order.
+// Prologues (kPrologue instantiations, hf_kbit.fusion): the staging computes silu(g) * u, or an RMSNorm
+// input w * (a [+ b]) whose per-token rsqrt(mean + eps) scales the sums in the epilogue (XPrologue,
+// RowSquares).
 #pragma once
 
 #include <type_traits>
@@ -327,17 +330,6 @@ __device__ __forceinline__ void mma_tile(const TileWords<BITS>& tw, const uint2*
   }
 }
 
-// Stage activation rows x[row(0..m-1), kc0*128 : kc1*128) in B-fragment order: lane (g, t)'s
-// record of K tile j and token g holds its 8 chunks (64 bytes): 16-byte chunk pair q (chunks 2q,
-// 2q + 1) at position q ^ swizzle, its 32-bit word (c % 2) * 2 + h the pair at K = (kc0 + j) * 128 +
-// 32 t + chunk_offset(c) + h * kPairB. Thread (q, t) = (tid % 4, tid / 4 % 4) fills chunk pair q
-// of lane t's records, one 16-byte store each (a quarter-warp writes 128 contiguous bytes): a
-// chunk pair is the element run 8q .. 8q + 7 of the block (k = 2) or the runs o .. o + 3 and
-// o + 8 .. o + 11 (o = 16 (q / 2) + 4 (q % 2)), words 0, 2, 1, 3 of the run(s). The (K tile, token)
-// record advances by a step without integer division. x beyond K is zero: padded weights of a
-// partial block may decode to nonzero levels. kUnroll: records loaded before the first store
-// (staging is latency-bound otherwise); the GEMV takes 4, the grouped kernel 2 (with 4 its
-// NT = 4 instantiation spilled and ran 10-12% slower at 16-64 tokens on the H100).
 // The plain staging's element source: x itself (stage_x's vector loads).
 struct PlainX {};
 
@@ -482,6 +474,18 @@ template <typename T> struct RowSquares {
   }
 };
 
+// Stage activation rows x[row(0..m-1), kc0*128 : kc1*128) in B-fragment order: lane (g, t)'s
+// record of K tile j and token g holds its 8 chunks (64 bytes): 16-byte chunk pair q (chunks 2q,
+// 2q + 1) at position q ^ swizzle, its 32-bit word (c % 2) * 2 + h the pair at K = (kc0 + j) * 128 +
+// 32 t + chunk_offset(c) + h * kPairB. Thread (q, t) = (tid % 4, tid / 4 % 4) fills chunk pair q
+// of lane t's records, one 16-byte store each (a quarter-warp writes 128 contiguous bytes): a
+// chunk pair is the element run 8q .. 8q + 7 of the block (k = 2) or the runs o .. o + 3 and
+// o + 8 .. o + 11 (o = 16 (q / 2) + 4 (q % 2)), words 0, 2, 1, 3 of the run(s). The (K tile, token)
+// record advances by a step without integer division. x beyond K is zero: padded weights of a
+// partial block may decode to nonzero levels. kUnroll: records loaded before the first store
+// (staging is latency-bound otherwise); the GEMV takes 4, the grouped kernel 2 (with 4 its
+// NT = 4 instantiation spilled and ran 10-12% slower at 16-64 tokens on the H100). fetch: PlainX
+// (x itself, row_of(tok) rows of k) or an XPrologue, which computes each run from its inputs.
 template <int BITS, typename T, int kUnroll, typename RowOf, typename Fetch = PlainX>
 __device__ __forceinline__ void stage_x(const T* x, int64_t k, int m, RowOf row_of, uint32_t* xs, int64_t kc0,
                                         int64_t kc1, Fetch fetch = {}) {
