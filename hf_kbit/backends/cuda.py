@@ -88,7 +88,7 @@ def gemv_wins(m: int, n: int, k: int, bits: int, device: int) -> bool:
     return mm_path(m, n, k, bits, device) == "gemv"
 
 
-_workspace_sizes: dict[tuple, int] = {}
+_gemv_workspace_sizes: dict[tuple, int] = {}
 _gemm_workspace_sizes: dict[tuple, int] = {}
 _checked_shapes: set[tuple] = set()
 
@@ -112,6 +112,21 @@ def _gemm_workspace(device: int, m: int, n: int, k: int, bits: int) -> int:
     if size is None:
         size = _gemm_workspace_sizes[key] = int(_LIB.kbit_gemm_workspace_size(device, m, n, k, bits))
     return size
+
+
+def _gemv_workspace(device: int, m: int, n: int, k: int, bits: int) -> int:
+    """Floats of workspace the GEMV needs on CUDA device index ``device``."""
+    key = (device, m, n, k, bits)
+    size = _gemv_workspace_sizes.get(key)
+    if size is None:
+        size = _gemv_workspace_sizes[key] = int(_LIB.kbit_gemv_workspace_size(device, m, n, k, bits))
+    return size
+
+
+def _dense(planes, block_scales, row_scales, codebook) -> tuple:
+    """The packed tensors as the kernels read them, dense arrays: strided views (e.g. slices of a larger
+    buffer) copied."""
+    return tuple(t.contiguous() for t in (planes, block_scales, row_scales, codebook))
 
 
 def _same_device(x: torch.Tensor, x_name: str = "x", /, **tensors: torch.Tensor) -> None:
@@ -231,8 +246,7 @@ def run_path(path: str, x2, planes, block_scales, row_scales, codebook, k: int) 
     if path not in ("gemv", "gemm"):
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     x2 = x2.contiguous()
-    # The kernels read the packed tensors as dense arrays: copy strided views (e.g. slices of a larger buffer).
-    planes, block_scales, row_scales, codebook = (t.contiguous() for t in (planes, block_scales, row_scales, codebook))
+    planes, block_scales, row_scales, codebook = _dense(planes, block_scales, row_scales, codebook)
     device = x2.device
     if path == "gemm":
         # The GEMM copies 16-byte units of the packed tiles: realign offset views.
@@ -240,10 +254,7 @@ def run_path(path: str, x2, planes, block_scales, row_scales, codebook, k: int) 
         ws_size = _gemm_workspace(device.index, m, n, k, bits)
         launch = _LIB.kbit_gemm
     else:
-        key = (device.index, m, n, k, bits)
-        ws_size = _workspace_sizes.get(key)
-        if ws_size is None:
-            ws_size = _workspace_sizes[key] = int(_LIB.kbit_gemv_workspace_size(device.index, m, n, k, bits))
+        ws_size = _gemv_workspace(device.index, m, n, k, bits)
         launch = _LIB.kbit_gemv
     out = torch.empty((m, n), dtype=x2.dtype, device=device)
     ws = torch.empty(ws_size, dtype=torch.float32, device=device) if ws_size > 0 else None
@@ -286,11 +297,9 @@ def _gemv_prologue(kind, x, x2, norm_weight, eps, planes, block_scales, row_scal
     _same_device(x, planes=planes, block_scales=block_scales, row_scales=row_scales, codebook=codebook)
     x2r = _rows(x2, k) if x2 is not None else None
     weight = norm_weight.contiguous() if norm_weight is not None else None
+    planes, block_scales, row_scales, codebook = _dense(planes, block_scales, row_scales, codebook)
     total = torch.empty((m, k), dtype=x.dtype, device=x.device) if kind == "add_rmsnorm" else None
-    key = (x.device.index, m, n, k, bits)
-    ws_size = _workspace_sizes.get(key)
-    if ws_size is None:
-        ws_size = _workspace_sizes[key] = int(_LIB.kbit_gemv_workspace_size(x.device.index, m, n, k, bits))
+    ws_size = _gemv_workspace(x.device.index, m, n, k, bits)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ws = torch.empty(ws_size, dtype=torch.float32, device=x.device) if ws_size > 0 else None
     rc = _LIB.kbit_gemv_prologue(
