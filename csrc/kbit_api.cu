@@ -575,7 +575,8 @@ struct GemvCall {
   MmParams p;
 };
 
-// Checks of the weight and the problem shared by kbit_gemv and kbit_gemv_prepare; fills the call.
+// Checks of the weight and the problem shared by kbit_gemv, kbit_gemv_prologue and kbit_gemv_prepare;
+// fills the call.
 int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* block_scales, const float* row_scales,
                const float* codebook, int bits, int64_t m, int64_t n, int64_t k, GemvCall* call, int64_t* need) {
   if (int rc = check_common(bits, dtype, n, k)) return rc;
@@ -599,6 +600,14 @@ int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* bloc
   p.cta_rows = plan.balanced ? static_cast<int>(ceil_div(n, kTileN) / (plan.grid / plan.splits)) : 0;
   call->device = device;
   call->grid = plan.grid;
+  return KBIT_OK;
+}
+
+// The caller's workspace against what the call's plan needs (gemv_setup).
+int check_gemv_workspace(int64_t need, const float* workspace, int64_t workspace_size) {
+  if (workspace_size < need || (need > 0 && !workspace))
+    return fail("workspace has %lld floats, this problem needs %lld (kbit_gemv_workspace_size)",
+                static_cast<long long>(workspace_size), static_cast<long long>(need));
   return KBIT_OK;
 }
 
@@ -632,9 +641,7 @@ int kbit_gemv(int device, void* stream, const void* x, int dtype, const int32_t*
     return rc;
   if (n == 0) return KBIT_OK;
   if (!x || !out) return fail("x and out must be device pointers");
-  if (workspace_size < need || (need > 0 && !workspace))
-    return fail("workspace has %lld floats, this problem needs %lld (kbit_gemv_workspace_size)",
-                static_cast<long long>(workspace_size), static_cast<long long>(need));
+  if (int rc = check_gemv_workspace(need, workspace, workspace_size)) return rc;
   return gemv_launch(call, x, out, workspace, stream);
 }
 
@@ -661,9 +668,7 @@ int kbit_gemv_prologue(int device, void* stream, int prologue, const void* x, in
   if (x_stride < k || (uses_x2 && x2_stride < k))
     return fail("x_stride (%lld) and x2_stride (%lld) must be at least in_features (%lld)",
                 static_cast<long long>(x_stride), static_cast<long long>(x2_stride), static_cast<long long>(k));
-  if (workspace_size < need || (need > 0 && !workspace))
-    return fail("workspace has %lld floats, this problem needs %lld (kbit_gemv_workspace_size)",
-                static_cast<long long>(workspace_size), static_cast<long long>(need));
+  if (int rc = check_gemv_workspace(need, workspace, workspace_size)) return rc;
   MmParams& p = call.p;
   p.prologue = prologue;
   p.x2 = x2;
