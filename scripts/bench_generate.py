@@ -28,6 +28,11 @@ With ``TORCHINDUCTOR_ENABLE_PDL=1`` in the environment inductor's Triton kernels
 dependents (sm_90+), so the kernels around them overlap their launch and prologue; the JSON records it
 (``inductor_pdl``).
 
+``--fusion-pass`` (CUDA) compiles both decode steps with ``hf_kbit.fusion``'s inductor pass, which
+moves the residual add + RMSNorm and the SiLU-mul in front of the kbit projections into their GEMVs
+(single-token calls only, its default; bf16 variants run the same compile with nothing to rewrite);
+the JSON records ``fusion_pass``.
+
 ``--kernel-breakdown`` (CUDA) adds where the graph step's device time goes: one more replay of the
 graph under torch.profiler, each kernel charged its exposed time (from the end of the kernels before
 it to its own end; the groups and the idle gaps add up to the step), summed per step by kernel origin
