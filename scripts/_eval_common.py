@@ -460,8 +460,26 @@ def measure_speed(
     transformers compile the decode step (torch.compile, CUDA graphs); otherwise eager with
     the dynamic cache. Medians over ``repeats`` after ``warmup`` runs (which compile). ``fusion_pass``:
     that compile runs hf_kbit.fusion's pass (``compile_config``).
+
+    token_ms_median / token_ms_max: the decode steps one by one, host clock at each token's logits
+    processing (a logits processor that only reads the clock), over the timed runs. generate() syncs
+    the host with the GPU once per token (its check for finished sequences), so an interval is the
+    step's device time plus the host work the GPU waits on; the median leaves out the rare slow
+    tokens that the mean (``ms_per_decode_step``) includes.
     """
+    import statistics
+    import time
+
     import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class TokenClock(LogitsProcessor):
+        def __init__(self):
+            self.stamps: list[float] = []
+
+        def __call__(self, input_ids, scores):
+            self.stamps.append(time.perf_counter())
+            return scores
 
     if new_tokens < 2:
         raise ValueError(f"new_tokens must be >= 2 to time decoding, got {new_tokens}")
@@ -488,9 +506,11 @@ def measure_speed(
         with torch.inference_mode():
             model(input_ids=ids, attention_mask=mask, logits_to_keep=1, use_cache=False)
 
+    clock = TokenClock()
+
     def generate():
         with torch.inference_mode():
-            out = model.generate(ids, **gen_kwargs)
+            out = model.generate(ids, logits_processor=LogitsProcessorList([clock]), **gen_kwargs)
         if out.shape[1] != prompt_len + new_tokens:
             raise RuntimeError(f"generate returned {out.shape[1] - prompt_len} new tokens, expected {new_tokens}")
 
@@ -498,7 +518,14 @@ def measure_speed(
         generate()
         prefill()
     t_prefill = _median_seconds(prefill, device, repeats)
-    t_generate = _median_seconds(generate, device, repeats)
+    step_s = []  # the timed runs' decode steps: stamps of one run, first token (prefill) to last
+
+    def timed_generate():
+        clock.stamps.clear()
+        generate()
+        step_s.extend(b - a for a, b in zip(clock.stamps, clock.stamps[1:]))
+
+    t_generate = _median_seconds(timed_generate, device, repeats)
     decode_s = max(t_generate - t_prefill, 1e-9)
     return {
         "batch": batch,
@@ -511,6 +538,8 @@ def measure_speed(
         "prefill_tok_s": batch * prompt_len / t_prefill,
         "decode_tok_s": batch * (new_tokens - 1) / decode_s,
         "ms_per_decode_step": 1000 * decode_s / (new_tokens - 1),
+        "token_ms_median": 1000 * statistics.median(step_s),
+        "token_ms_max": 1000 * max(step_s),
     }
 
 

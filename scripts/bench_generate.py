@@ -16,7 +16,9 @@ Two decode numbers, reported side by side:
   KV cache + torch.compile, what ``generate`` does for a compileable quantizer. It includes
   generate's host work per token (logits processing, a host sync to check stopping), which the
   GPU waits on; the faster the layers, the larger the share of that fixed cost, so on an H100 it
-  hides much of what quantized layers gain.
+  hides much of what quantized layers gain. The JSON adds the decode steps' median and maximum
+  (``token_ms_median`` / ``token_ms_max``, a host clock at each token); the median, unlike the
+  mean, is not moved by the rare slow tokens.
 - graph step: device time of one greedy decode step (forward over a StaticCache, argmax fed
   back as the next token), compiled with ``torch.compile(fullgraph=True)``, 16 chained steps
   (``--steps-per-graph``) captured in one CUDA graph, replays timed with CUDA events (the GPU
@@ -342,7 +344,8 @@ def run(
                                      fusion_pass=head["fusion_pass"])
             rows.append({**info, **s})
             log(f"{variant:>6} batch {batch}: decode {s['decode_tok_s']:.1f} tok/s "
-                f"({s['ms_per_decode_step']:.2f} ms/step), prefill {s['prefill_tok_s']:.0f} tok/s, compiled={s['compiled']}")
+                f"({s['ms_per_decode_step']:.2f} ms/step, median {s['token_ms_median']:.2f}), "
+                f"prefill {s['prefill_tok_s']:.0f} tok/s, compiled={s['compiled']}")
         if device.startswith("cuda"):  # generate()'s peak, before the graph step allocates its own cache
             for r in rows:
                 r["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30

@@ -287,6 +287,16 @@ def bench_markdown(p: dict[str, Any]) -> str:
                       f"{hidden}. {head} Replay check (sequences whose last replayed token equals the uncaptured compiled "
                       f"steps'): {matches}. Random-weight logits are nearly flat, so a rounding difference under "
                       "capture most likely flips a near-tie, and the chain carries it on."]
+    if clocked := [r for r in p["results"] if r.get("token_ms_median")]:
+        line = ("generate()'s decode steps one by one (host clock at each token's logits processing, the timed runs), "
+                "median ms (max): " + ", ".join(f"{r['variant']} batch {r['batch']} {r['token_ms_median']:.2f} "
+                                                 f"({r['token_ms_max']:.1f})" for r in clocked)
+                + ". generate() syncs the host with the GPU once per token (its check for finished sequences), so a "
+                "step is the device's work plus the host work the GPU waits on")
+        if graph:
+            line += ("; the median step minus the graph step: " + ", ".join(
+                f"{r['variant']} batch {r['batch']} {r['token_ms_median'] - r['graph_step_ms']:.2f} ms" for r in clocked))
+        lines += ["", line + "."]
     if breakdown := breakdown_markdown(p):
         lines += ["", breakdown]
     lines += ["", "Prefill: one eager forward over the prompts (not compiled, no cache), host dispatch included; "

@@ -99,6 +99,8 @@ def test_run_reports_graph_step_beside_generate(payload):
             assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] > 0, (r["variant"], key)
         assert r["graph_decode_tok_s"] == pytest.approx(r["batch"] * 1000 / r["graph_step_ms"])
         assert r["graph_replay_tokens_match"] is None  # a CUDA-graph check; the CPU runs the steps eagerly
+        # generate()'s decode steps one by one: inside the one timed run (repeats=1)
+        assert 0 < r["token_ms_median"] <= r["token_ms_max"] < 1000 * r["generate_s"], r
     assert payload["results"][0]["graph_decode_speedup_vs_bf16"] == 1.0
     assert payload["graph_step"] == {"timing": "eager_wall_clock", "submission_hidden": False, "compiled": False,
                                      "steps_per_graph": 4, "kernel_breakdown": False}

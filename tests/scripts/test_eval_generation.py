@@ -89,6 +89,9 @@ def test_bench_plot_and_markdown(tmp_path):
         assert f"{r['decode_tok_s']:.1f}" in text
     assert "; k = 4, 5; batch 1, 2" in text
     assert "--kernel-breakdown" not in text  # no breakdown measured: no breakdown table
+    kbit5 = payload["results"][-1]
+    assert (f"kbit5 batch 2 {kbit5['token_ms_median']:.2f} ({kbit5['token_ms_max']:.1f})" in text
+            and f"kbit5 batch 2 {kbit5['token_ms_median'] - kbit5['graph_step_ms']:.2f} ms" in text)
 
 
 def test_bench_markdown_shows_the_kernel_breakdown():
