@@ -474,6 +474,8 @@ def measure_speed(
     from transformers import LogitsProcessor, LogitsProcessorList
 
     class TokenClock(LogitsProcessor):
+        """Reads the host clock once per generated token; leaves the scores as they are."""
+
         def __init__(self):
             self.stamps: list[float] = []
 
@@ -518,7 +520,7 @@ def measure_speed(
         generate()
         prefill()
     t_prefill = _median_seconds(prefill, device, repeats)
-    step_s = []  # the timed runs' decode steps: stamps of one run, first token (prefill) to last
+    step_s = []  # the timed runs' decode steps: differences of a run's consecutive stamps (the first follows prefill)
 
     def timed_generate():
         clock.stamps.clear()
