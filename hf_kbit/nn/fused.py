@@ -9,7 +9,9 @@ How the call site stays untouched: the first member called on an input ``x`` run
 GEMV and keeps the other members' output slices; a sibling called next with the *same tensor*
 ``x`` (identity, ``is``) takes its slice without a launch. A sibling called with another input
 runs the fused weight again, so results never depend on the call pattern, only the launches
-saved do. The one assumption: nobody writes into ``x`` in place between sibling calls.
+saved do. The one assumption: nobody writes into ``x`` in place between sibling calls. The
+slices wait in one module-level slot (``hf_kbit.nn.linear.fused_output``), not in the fused
+module, so that a compiled forward reaches the fused module through the launching member only.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 
 from .. import format as fmt
-from .linear import ROW_TENSORS, KbitLinear, KbitModule, packed_matmul
+from .linear import ROW_TENSORS, KbitLinear, KbitModule, fused_group, packed_matmul
 
 # Fused module name -> the sibling projections it serves (they must share their input).
 FUSED_GROUPS: dict[str, tuple[str, ...]] = {
@@ -51,19 +53,16 @@ class KbitFusedProjections(KbitModule):
             self.__dict__["codebook"] = first.codebook.clone()
         self.__dict__["members"] = tuple(members)
         for index, member in enumerate(members):
-            member.__dict__["fused_into"] = (self, index)
+            member.__dict__["fused_into"] = (self, index, fused_group(self))
         self._link()
 
     def _link(self) -> None:
-        """Point every member's row tensors at its rows of the fused ones; forget pending outputs."""
+        """Point every member's row tensors at its rows of the fused ones."""
         tiles = [n // fmt.TILE_N for n in self.sizes]  # whole tiles: _fusable checks
         for name in ROW_TENSORS:
             parts = self.__dict__[name].split(tiles if name != "row_scales" else list(self.sizes))
             for member, part in zip(self.members, parts):
                 member._buffers[name] = part
-        # [x, outputs of the last launch not yet taken (None where taken)]: one list mutated in place, so
-        # that a compiled forward replays one cheap list update per group, not module attribute writes
-        self.__dict__["_stash"] = [None, None]
 
     def _apply(self, fn, recurse=True):
         for name in (*ROW_TENSORS, "codebook"):
@@ -76,22 +75,6 @@ class KbitFusedProjections(KbitModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W_fused.T`` (the members' outputs side by side, biases not added)."""
         return packed_matmul(self, x)
-
-    def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        """Member ``index``'s ``x @ W.T``: kept from a sibling's launch on this same ``x``, else launched."""
-        stash = self._stash
-        pending = stash[1]
-        if pending is not None and stash[0] is x and pending[index] is not None:
-            out = pending[index]
-            pending[index] = None
-            if all(p is None for p in pending):
-                stash[0] = stash[1] = None
-            return out
-        pending = list(self(x).split(self.sizes, dim=-1))
-        out = pending[index]
-        pending[index] = None
-        stash[0], stash[1] = x, pending
-        return out
 
     def extra_repr(self) -> str:
         return f"members={self.names}, in_features={self.in_features}, out_features={self.sizes}, bits={self.bits}"

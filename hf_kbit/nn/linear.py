@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 from torch import nn
 
@@ -51,11 +54,19 @@ class KbitLinear(KbitModule):
     While a model is quantized on load, a ``weight`` placeholder (meta) receives the
     checkpoint's full-precision weight, which the quantize op packs and then removes.
 
-    ``fused_into``: ``(KbitFusedProjections, index)`` once :func:`hf_kbit.nn.fuse_projections`
-    has joined this layer with its siblings (its row tensors are then views into the fused ones).
+    ``fused_into``: ``(KbitFusedProjections, index, group)`` once :func:`hf_kbit.nn.fuse_projections`
+    has joined this layer with its siblings (its row tensors are then views into the fused ones);
+    ``group`` is an int that names the fused module in the pending slot (:func:`fused_output`).
     """
 
     fused_into = None
+
+    def __setstate__(self, state):
+        # deepcopy and unpickling make a new fused module: its members' group follows it
+        super().__setstate__(state)
+        if self.fused_into is not None:
+            fused, index, _ = self.fused_into
+            self.__dict__["fused_into"] = (fused, index, fused_group(fused))
 
     def __init__(
         self,
@@ -126,10 +137,7 @@ class KbitLinear(KbitModule):
             del self._parameters["weight"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_into is not None:
-            out = self.fused_into[0].output(self.fused_into[1], x)
-        else:
-            out = packed_matmul(self, x)
+        out = packed_matmul(self, x) if self.fused_into is None else fused_output(self.fused_into, x)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out
@@ -176,6 +184,44 @@ def packed_matmul(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
             raise TypeError(f"KbitLinear input must be one of {COMPUTE_DTYPES}, got {x.dtype}")
         out = torch.ops.kbit.mm(x, module.planes, module.block_scales, module.row_scales, module.codebook,
                                 module.in_features)
+    return out
+
+
+# The fused launch whose sibling outputs are not all taken yet: [group, x, outputs (None where taken)].
+# One slot for all fused modules, which every member reaches by the same name: under torch.compile, a
+# stash reached through each member's own path (q_proj.fused_into[0]..., k_proj.fused_into[0]...) cost
+# guards on every path and alias guards between them, evaluated at every call.
+_PENDING: list = [None, None, None]
+_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_NEXT_GROUP = itertools.count()
+
+
+def fused_group(fused: nn.Module) -> int:
+    """The int that names ``fused`` in the pending slot: one per fused module object, never reused."""
+    if fused not in _GROUPS:
+        _GROUPS[fused] = next(_NEXT_GROUP)
+    return _GROUPS[fused]
+
+
+def fused_output(link: tuple, x: torch.Tensor) -> torch.Tensor:
+    """Member ``link[1]``'s output of the fused module ``link[0]`` on ``x`` (see hf_kbit.nn.fused).
+
+    A sibling's launch on this same ``x`` (identity) left it in the pending slot: taken without a
+    launch, and without touching the fused module. Otherwise the fused weight runs and the other
+    members' slices wait in the slot, replacing whatever was there (a member that then misses its
+    slice launches again: only launches depend on the call pattern, never results).
+    """
+    index, group = link[1], link[2]
+    pending_group, pending_x, outputs = _PENDING  # one unpack: another thread's store cannot split it
+    if pending_group == group and pending_x is x and outputs[index] is not None:
+        out, outputs[index] = outputs[index], None
+        if all(o is None for o in outputs) and _PENDING[2] is outputs:
+            _PENDING[:] = [None, None, None]
+        return out
+    fused = link[0]
+    outputs = list(fused(x).split(fused.sizes, dim=-1))
+    out, outputs[index] = outputs[index], None
+    _PENDING[:] = [group, x, outputs]
     return out
 
 

@@ -7,6 +7,7 @@ CPU only: the op's reference path computes the fused weight exactly as the membe
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from transformers import AutoModelForCausalLM
 import hf_kbit
 from hf_kbit import KbitConfig
 from hf_kbit.nn import KbitFusedProjections, KbitLinear, fuse_projections, unfuse_projections
+from hf_kbit.nn import linear as linear_module
 from tiny_models import tiny_dense_model
 
 # Fused and unfused compute every output row with the same reference dequantize + matmul; only
@@ -90,7 +92,7 @@ def test_members_called_with_other_inputs_get_their_own_outputs():
             torch.testing.assert_close(getattr(layer, name)(inp), getattr(reference, name)(inp), atol=1e-5, rtol=0)
     with pytest.raises(TypeError, match="input must be one of"):  # as an unfused KbitLinear says it
         layer.k_proj(x.double())
-    pending = layer.qkv_proj._stash[1]
+    pending = linear_module._PENDING[2]
     assert pending is None or all(p is None or p.shape[-1] in (32, 64) for p in pending)
 
 
@@ -123,6 +125,56 @@ def test_cast_move_and_deepcopy_keep_members_as_views():
             assert member.planes.untyped_storage().data_ptr() == group.planes.untyped_storage().data_ptr()
             assert member.planes.dtype == torch.int32 and member.row_scales.dtype == torch.float32
     torch.testing.assert_close(logits(fused, IDS), logits(plain.to(torch.bfloat16), IDS), atol=0, rtol=0)
+
+
+def qkv_layer():
+    layer = torch.nn.Module()
+    for name, n in (("q_proj", 64), ("k_proj", 32), ("v_proj", 32)):
+        setattr(layer, name, KbitLinear.from_linear(torch.nn.Linear(96, n, bias=False), bits=4))
+    assert fuse_projections(layer) == ["qkv_proj"]
+    return layer
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_never_takes_the_originals_pending_outputs(how):
+    """A copy's group has its own name in the pending slot: its k_proj, called after the original's q_proj on
+    the same input, launches its own weight (here scaled by 2) instead of taking the original's slice."""
+    layer = qkv_layer()
+    if how == "deepcopy":
+        twin = copy.deepcopy(layer)
+    else:
+        buffer = io.BytesIO()
+        torch.save(layer, buffer)
+        twin = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    groups = {m.fused_into[2] for m in (twin.q_proj, twin.k_proj, twin.v_proj)}
+    assert len(groups) == 1 and groups != {layer.q_proj.fused_into[2]}
+    assert twin.k_proj.fused_into[0] is twin.qkv_proj
+    with torch.no_grad():
+        twin.qkv_proj.row_scales.mul_(2)  # the members' row scales are views of it
+        x = torch.randn(3, 96)
+        reference = layer.k_proj(x.clone())  # k alone: its pending siblings are for the clone, not for x
+        layer.q_proj(x)  # leaves the original's k and v slices for x
+        torch.testing.assert_close(twin.k_proj(x), 2 * reference, atol=1e-5, rtol=0)
+        torch.testing.assert_close(layer.k_proj(x), reference, atol=1e-5, rtol=0)
+
+
+def test_compiled_forward_reaches_each_fused_module_through_one_member():
+    """Siblings take their slices from the module-level slot: no guard of the compiled forward goes through
+    k_proj / v_proj / up_proj to the fused module (each such path cost guards at every call)."""
+    _, fused = quantized_pair("llama")
+    names = []
+
+    def record(entries):
+        names.extend(e.name for e in entries)
+        return [True] * len(entries)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fused, fullgraph=True, options={"guard_filter_fn": record})
+    logits(compiled, IDS)
+    assert any("'q_proj'].fused_into[0]" in n for n in names), "the launching member's path is guarded"
+    siblings = [n for n in names if any(f"'{m}'].fused_into[0]" in n for m in ("k_proj", "v_proj", "up_proj"))]
+    assert not siblings, siblings[:5]
+    torch._dynamo.reset()
 
 
 def test_unfuse_restores_independent_members_and_dequantize_unfuses():
