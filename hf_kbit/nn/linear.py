@@ -65,7 +65,7 @@ class KbitLinear(KbitModule):
         # deepcopy and unpickling make a new fused module: its members' group follows it
         super().__setstate__(state)
         if self.fused_into is not None:
-            fused, index, _ = self.fused_into
+            fused, index = self.fused_into[:2]  # pickles from before the group have (fused, index)
             self.__dict__["fused_into"] = (fused, index, fused_group(fused))
 
     def __init__(
