@@ -1,11 +1,12 @@
 """hf_kbit: k-bit (2-5 bit) codebook weight quantization for Hugging Face transformers.
 
 ``import hf_kbit`` registers ``quant_method="kbit"`` with transformers (an installed
-hf-kbit also registers itself when transformers loads its quantizers, without the import).
+hf-kbit also registers itself when transformers loads its quantizers, without the import) and the
+single-token grouped-query attention ``attn_implementation="kbit_decode"`` (hf_kbit.attention).
 """
 
 from . import _ops  # noqa: F401  (defines torch.ops.kbit.*)
-from . import _lib
+from . import _lib, attention
 from ._register import register
 from .config import KbitConfig
 from .format import FORMAT_VERSION, SUPPORTED_BITS
@@ -14,6 +15,8 @@ from .nn import KbitExperts, KbitLinear, fuse_projections, quantize_model, unfus
 __version__ = "0.1.0"
 
 register()
+if not attention.transformers_is_importing():  # else the autoload hook registers it once transformers has
+    attention.register()  # attn_implementation="kbit_decode"
 
 if _lib.available():  # CUDA kernels for kbit ops on CUDA tensors (else the PyTorch reference)
     from .backends import cuda as _cuda_backend  # noqa: F401

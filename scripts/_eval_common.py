@@ -729,7 +729,7 @@ def _cuda_graph_step_seconds(
 # Kernel groups of the decode-step breakdown, by where a kernel comes from (its demangled name). First match
 # wins: hf_kbit's own kernels (namespace kbit::, whose names may hold "gemv") before cuBLAS's, and inductor's
 # Triton kernels (named after the ops they fuse, e.g. "..._scaled_dot_product_cudnn_attention_...") before
-# the attention kernels proper (cuDNN's or flash SDPA).
+# the attention kernels proper (cuDNN's or flash SDPA, hf_kbit.attention's ``_decode_attention_*`` kernels).
 KERNEL_GROUPS = (
     ("kbit", ("kbit::",)),
     ("cublas", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "splitkreduce", "cublas")),

@@ -35,6 +35,11 @@ moves the residual add + RMSNorm and the SiLU-mul in front of the kbit projectio
 (single-token calls only, its default; bf16 variants run the same compile with nothing to rewrite);
 the JSON records ``fusion_pass``.
 
+``--attention kbit_decode`` builds every variant, bf16 included, with hf_kbit.attention's single-token
+grouped-query attention instead of transformers' ``sdpa`` (which copies each key/value head once per
+query head before attending); the JSON records ``attention``. The ratio then compares the same
+attention on both sides.
+
 ``--kernel-breakdown`` (CUDA) adds where the graph step's device time goes: one more replay of the
 graph under torch.profiler, each kernel charged its exposed time (from the end of the kernels before
 it to its own end; the groups and the idle gaps add up to the step), summed per step by kernel origin
@@ -70,6 +75,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _eval_common as common  # noqa: E402
 
 SCHEMA = "hf_kbit.bench_generate/1"
+# transformers attention implementations a run may build its variants with (--attention).
+ATTENTIONS = ("sdpa", "kbit_decode")
 
 # Published config values (the models' config.json); tiny-* are small stand-ins for CPU smoke tests.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -155,14 +162,17 @@ def make_config(preset: str, layers: int | None = None):
     return AutoConfig.for_model(model_type, **values)
 
 
-def build_model(config, device: str, dtype, seed: int = 0):
-    """Random-weight model from ``config`` on ``device`` (same seed, same weights)."""
+def build_model(config, device: str, dtype, seed: int = 0, attention: str = "sdpa"):
+    """Random-weight model from ``config`` on ``device`` (same seed, same weights), with transformers
+    attention implementation ``attention``."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    import hf_kbit  # noqa: F401  (registers "kbit_decode")
+
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
     return model.eval()
 
 
@@ -206,6 +216,7 @@ def settings(
     kernel_breakdown: bool = False,
     fuse_projections: bool = True,
     fusion_pass: bool = False,
+    attention: str = "sdpa",
 ) -> dict[str, Any]:
     """What a run measures, and under which settings, as its JSON records it (all but the results): what
     ``run`` measures under and ``--resume`` compares. ValueError for settings that cannot run together."""
@@ -222,6 +233,8 @@ def settings(
         raise ValueError(f"--fusion-pass rewrites the compiled decode step: it needs a CUDA device and the graph step "
                          f"or generate()'s compile, got device {device!r}, graph step {'on' if graph_step else 'off'}, "
                          f"compile {'on' if static_compile else 'off'}")
+    if attention not in ATTENTIONS:
+        raise ValueError(f"--attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
     config = make_config(preset, layers)
     return {
         "schema": SCHEMA,
@@ -238,6 +251,7 @@ def settings(
         "fused_projections": fuse_projections,  # q/k/v and gate/up as one kbit launch each
         # hf_kbit.fusion's inductor pass in the compiled decode steps (generate()'s and the graph step's)
         "fusion_pass": fusion_pass,
+        "attention": attention,  # transformers attention implementation of every variant
         # TORCHINDUCTOR_ENABLE_PDL=1: inductor's Triton kernels launch as programmatic dependents (None: no such config)
         "inductor_pdl": getattr(inductor_config.triton, "enable_pdl", None),
         "graph_step": None if not graph_step else {
@@ -329,7 +343,7 @@ def run(
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        model = build_model(config, device, dtype)
+        model = build_model(config, device, dtype, attention=head["attention"])
         info: dict[str, Any] = {"variant": variant, "bits": bits}
         if bits is None:
             info.update({"bits_per_weight": 16.0, "quantized_fraction": 0.0})
@@ -435,6 +449,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fusion-pass", action="store_true",
                         help="CUDA: compile the decode steps (generate()'s and the graph step's) with hf_kbit.fusion's "
                              "pass (norms and SiLU-mul into the kbit GEMVs; single-token calls, i.e. batch 1)")
+    parser.add_argument("--attention", default="sdpa", choices=ATTENTIONS,
+                        help="attention of every variant: transformers' sdpa (default) or hf_kbit's single-token "
+                             "grouped-query kbit_decode")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
     parser.add_argument("--dtype", default="bf16", help="compute dtype (default bf16)")
     parser.add_argument("--out", default=None, help="JSON path (default: results/bench_generate_<preset>_<device>.json)")
@@ -453,10 +470,11 @@ def main(argv: list[str] | None = None) -> int:
         repeats=args.repeats, static_compile=False if args.no_compile else None,
         graph_step=not args.no_graph_step, steps_per_graph=args.steps_per_graph,
         quantize_lm_head=args.quantize_lm_head, kernel_breakdown=args.kernel_breakdown,
-        fuse_projections=not args.no_fuse_projections, fusion_pass=args.fusion_pass,
+        fuse_projections=not args.no_fuse_projections, fusion_pass=args.fusion_pass, attention=args.attention,
     )
     head = "_lmhead" if args.quantize_lm_head else ""
-    out = args.out or f"results/bench_generate_{args.preset}_{device.split(':')[0]}{head}.json"
+    attention = "" if args.attention == "sdpa" else f"_{args.attention}"
+    out = args.out or f"results/bench_generate_{args.preset}_{device.split(':')[0]}{head}{attention}.json"
     environment = common.environment()
     kept = None
     if args.resume:

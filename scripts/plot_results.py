@@ -97,9 +97,10 @@ def plot_perplexity(payloads: list[dict[str, Any]], out: Path) -> Path:
 
 def bench_labels(p: dict[str, Any]) -> list[str]:
     """What sets a bench_generate run apart, for its plot title and its docs heading."""
-    return [label for key, label in (("lm_head_quantized", "LM head quantized"), ("inductor_pdl", "inductor PDL"),
-                                     ("fused_projections", "fused q/k/v and gate/up"),
-                                     ("fusion_pass", "fusion pass")) if p.get(key)]
+    labels = [label for key, label in (("lm_head_quantized", "LM head quantized"), ("inductor_pdl", "inductor PDL"),
+                                       ("fused_projections", "fused q/k/v and gate/up"),
+                                       ("fusion_pass", "fusion pass")) if p.get(key)]
+    return labels + ([f"{p['attention']} attention"] if p.get("attention", "sdpa") != "sdpa" else [])
 
 
 def bench_plot_name(p: dict[str, Any]) -> str:
@@ -225,7 +226,7 @@ def breakdown_markdown(p: dict[str, Any]) -> str:
         "before its predecessor ends and waits), so the groups and the idle gaps add up to the profiled step. "
         "Groups by origin: kbit (hf_kbit's kernels), cublas (cuBLAS GEMMs and GEMVs: the bf16 layers and LM "
         "head), triton (inductor's fused kernels: norms, rotary, KV-cache writes, SiLU, residual adds, argmax), "
-        "attention (the SDPA kernel), other (torch's own).",
+        "attention (the SDPA kernel, or hf_kbit.attention's two Triton kernels), other (torch's own).",
         "",
         table,
         *per_module,
@@ -279,6 +280,10 @@ def bench_markdown(p: dict[str, Any]) -> str:
             head += (" Both compiled decode steps (generate()'s and the graph step's) run hf_kbit.fusion's inductor "
                      "pass: the residual add + RMSNorm before q/k/v and gate/up and the SiLU-gated product before "
                      "down run inside the kbit GEMVs (`compile_config()` / `compile_options()`).")
+        if p.get("attention", "sdpa") != "sdpa":
+            head += (" Every variant, bf16 included, attends with `attn_implementation=" + repr(p["attention"]) + "` "
+                     "(hf_kbit.attention: a decoded token's query heads served per key/value head, no repeat_kv) "
+                     "instead of transformers' sdpa.")
         matches = ", ".join(f"{r['variant']} batch {r['batch']} {r['graph_replay_tokens_match']:.0%}"
                             for r in p["results"] if r.get("graph_replay_tokens_match") is not None)
         lines += ["", "generate(): `model.generate` decode tokens/s, prefill subtracted; it includes generate's host "

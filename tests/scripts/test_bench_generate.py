@@ -176,6 +176,8 @@ def test_cli_names_a_bad_steps_per_graph():
      "attention"),
     ("cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16_knob_3_64x64x128_4x1x1_cga1x1x1_kernel0_0",
      "attention"),
+    ("_decode_attention_slice_kernel", "attention"),  # hf_kbit.attention's Triton kernels
+    ("_decode_attention_merge_kernel", "attention"),
     ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0", "triton"),
     ("triton_poi_fused__scaled_dot_product_cudnn_attention__to_copy_add_cat_1", "triton"),  # fused around SDPA
     ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<long>>(int, ...)", "other"),
@@ -228,6 +230,21 @@ def test_fusion_pass_needs_cuda():
     kwargs = dict(layers=1, batch_sizes=(1,), prompt_len=4, new_tokens=2, repeats=1, log=lambda *_: None)
     with pytest.raises(ValueError, match="--fusion-pass .* needs a CUDA device .* got device 'cpu'"):
         bench.run("tiny-llama", [4], "cpu", torch.bfloat16, fusion_pass=True, **kwargs)
+
+
+def test_attention_builds_every_variant_with_it(monkeypatch):
+    from hf_kbit import attention
+
+    calls = []
+    packed = attention.packed_sdpa
+    monkeypatch.setattr(attention, "packed_sdpa", lambda *a: calls.append(a[0].dtype) or packed(*a))
+    kwargs = dict(layers=1, batch_sizes=(1,), prompt_len=4, new_tokens=3, repeats=1, log=lambda *_: None)
+    payload = bench.run("tiny-llama", [4], "cpu", torch.float32, attention="kbit_decode", **kwargs)
+    assert payload["attention"] == "kbit_decode"
+    assert calls  # generate() and the graph step decoded through it
+    assert bench.run("tiny-llama", [4], "cpu", torch.float32, graph_step=False, **kwargs)["attention"] == "sdpa"
+    with pytest.raises(ValueError, match="--attention must be one of sdpa, kbit_decode, got 'flash'"):
+        bench.run("tiny-llama", [4], "cpu", torch.float32, attention="flash", **kwargs)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
