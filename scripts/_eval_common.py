@@ -294,8 +294,18 @@ def kbit_summary(model) -> dict[str, Any]:
 LM_HEAD = "lm_head"  # the output projection's module name in transformers' causal LMs
 
 
+# transformers attention implementations the scripts build models with (--attention): transformers' sdpa,
+# or hf_kbit.attention's single-token grouped-query kbit_decode.
+ATTENTIONS = ("sdpa", "kbit_decode")
+
+
+def check_attention(attention: str) -> None:
+    if attention not in ATTENTIONS:
+        raise ValueError(f"--attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
+
+
 def load_variant(folder: Path, bits: int | None, device: str, dtype, dequantize_on_cpu: bool = True,
-                 lm_head_bits: int | None = None):
+                 lm_head_bits: int | None = None, attention: str = "sdpa"):
     """The model of ``folder`` as bf16 (``bits=None``) or quantized on load at ``bits``.
 
     Returns ``(model, info)``. On CPU the kbit forward is the pure-PyTorch reference, which
@@ -303,7 +313,8 @@ def load_variant(folder: Path, bits: int | None, device: str, dtype, dequantize_
     ``nn.Linear`` holding exactly its dequantized weight (same numbers, much faster).
     ``lm_head_bits``: quantize the LM head too, at that k (variant ``kbit<bits>-head<k>``), as
     ``KbitConfig(bits=bits, modules_to_not_convert=[], module_bits={"^lm_head$": k})`` does; ValueError
-    where the model ties its LM head to the input embedding (kbit keeps a tied head).
+    where the model ties its LM head to the input embedding (kbit keeps a tied head). ``attention``: the
+    transformers attention implementation (``ATTENTIONS``).
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -313,7 +324,8 @@ def load_variant(folder: Path, bits: int | None, device: str, dtype, dequantize_
 
     if lm_head_bits is not None and bits is None:
         raise ValueError("lm_head_bits quantizes the LM head of a kbit variant; bits is None (bf16)")
-    kwargs: dict[str, Any] = {"dtype": dtype}
+    check_attention(attention)
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attention}
     if lm_head_bits is not None:
         kwargs["quantization_config"] = hf_kbit.KbitConfig(
             bits=bits, modules_to_not_convert=[], module_bits={f"^{LM_HEAD}$": lm_head_bits})

@@ -75,8 +75,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _eval_common as common  # noqa: E402
 
 SCHEMA = "hf_kbit.bench_generate/1"
-# transformers attention implementations a run may build its variants with (--attention).
-ATTENTIONS = ("sdpa", "kbit_decode")
 
 # Published config values (the models' config.json); tiny-* are small stand-ins for CPU smoke tests.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -233,8 +231,7 @@ def settings(
         raise ValueError(f"--fusion-pass rewrites the compiled decode step: it needs a CUDA device and the graph step "
                          f"or generate()'s compile, got device {device!r}, graph step {'on' if graph_step else 'off'}, "
                          f"compile {'on' if static_compile else 'off'}")
-    if attention not in ATTENTIONS:
-        raise ValueError(f"--attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
+    common.check_attention(attention)
     config = make_config(preset, layers)
     return {
         "schema": SCHEMA,
@@ -449,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fusion-pass", action="store_true",
                         help="CUDA: compile the decode steps (generate()'s and the graph step's) with hf_kbit.fusion's "
                              "pass (norms and SiLU-mul into the kbit GEMVs; single-token calls, i.e. batch 1)")
-    parser.add_argument("--attention", default="sdpa", choices=ATTENTIONS,
+    parser.add_argument("--attention", default="sdpa", choices=common.ATTENTIONS,
                         help="attention of every variant: transformers' sdpa (default) or hf_kbit's single-token "
                              "grouped-query kbit_decode")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")

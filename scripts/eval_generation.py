@@ -6,7 +6,8 @@ decode tokens/s at ``--batch-sizes`` (default 1 and 8) on random prompts of ``--
 tokens. On CUDA the timing uses a static KV cache, so transformers compiles the decode step
 (torch.compile); on CPU it is plain eager, and the kbit variants run as dequantized nn.Linear
 (the same weights; the pure-PyTorch kbit forward is a reference, not a speed path), so CPU
-speeds only show that the pipeline works.
+speeds only show that the pipeline works. ``--attention kbit_decode`` builds every variant, bf16
+too, with hf_kbit.attention's single-token grouped-query attention instead of transformers' sdpa.
 
     python scripts/eval_generation.py --model smollm2-135m --bits 4
     python scripts/eval_generation.py --model qwen2.5-coder-0.5b --bits 2,3,4,5 --device cuda
@@ -100,9 +101,11 @@ def run(
     speed_new_tokens: int = 64,
     repeats: int = 3,
     include_bf16: bool = True,
+    attention: str = "sdpa",
     log=print,
 ) -> dict[str, Any]:
-    """Generations and speed of every variant; returns the JSON payload."""
+    """Generations and speed of every variant, each built with transformers attention ``attention``; returns
+    the JSON payload."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -110,7 +113,7 @@ def run(
     static_compile = device.startswith("cuda")
     variants = []
     for bits in ([None] if include_bf16 else []) + list(bits_list):
-        model, info = common.load_variant(folder, bits, device, dtype)
+        model, info = common.load_variant(folder, bits, device, dtype, attention=attention)
         start = time.perf_counter()
         generations = generate_texts(model, tokenizer, prompts, max_new_tokens, use_chat, seed)
         info["generation_seconds"] = round(time.perf_counter() - start, 2)
@@ -132,6 +135,7 @@ def run(
         "model": model_info,
         "device": device,
         "compute_dtype": common.dtype_name(dtype),
+        "attention": attention,  # transformers attention implementation of every variant
         "chat_template": use_chat,
         "max_new_tokens": max_new_tokens,
         "sampling": {"seed": seed, **SAMPLING},
@@ -182,6 +186,8 @@ def render_markdown(payload: dict[str, Any]) -> str:
         parts += [common.format_table(["prompt", *names], rows), ""]
     sp = payload["speed_setup"]
     how = "static KV cache + torch.compile" if sp["static_cache_and_compile"] else "eager, dynamic cache"
+    if payload.get("attention", "sdpa") != "sdpa":
+        how += f", attn_implementation={payload['attention']!r} in every variant"
     parts += [
         f"### Generation speed ({payload['device']}, {payload['compute_dtype']}, {how})",
         "",
@@ -207,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens in the speed runs (default 128)")
     parser.add_argument("--speed-new-tokens", type=int, default=64, help="new tokens per speed run (default 64)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement, median reported")
+    parser.add_argument("--attention", default="sdpa", choices=common.ATTENTIONS,
+                        help="attention of every variant: transformers' sdpa (default) or hf_kbit's single-token "
+                             "grouped-query kbit_decode")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
     parser.add_argument("--dtype", default="auto", help="compute dtype: auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32")
     parser.add_argument("--out", default=None, help="JSON path (default: results/generation_<model>.json)")
@@ -223,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = run(
         folder, model_info, prompts, bits_list, device, dtype, args.max_new_tokens, args.chat, args.seed,
         batch_sizes, args.prompt_len, args.speed_new_tokens, args.repeats, include_bf16=not args.no_bf16,
+        attention=args.attention,
     )
     payload["command"] = common.command_line()
     payload["environment"] = common.environment()

@@ -45,6 +45,23 @@ def test_generation_side_by_side(generation_payload):
     json.dumps(p)  # the payload is JSON-serialisable
 
 
+def test_attention_builds_every_variant_with_it(tiny_folder, monkeypatch):
+    from hf_kbit import attention
+
+    calls = []
+    packed = attention.packed_sdpa
+    monkeypatch.setattr(attention, "packed_sdpa", lambda *a: calls.append(1) or packed(*a))
+    p = eg.run(
+        tiny_folder, {"name": "tiny", "spec": "tiny", "slug": "tiny", "source": "test"}, ["It is"], [4], "cpu",
+        torch.float32, max_new_tokens=3, chat="off", batch_sizes=(1,), prompt_len=8, speed_new_tokens=2, repeats=1,
+        attention="kbit_decode", log=lambda *_: None,
+    )
+    assert p["attention"] == "kbit_decode" and "attn_implementation='kbit_decode' in every variant" in p["markdown"]
+    assert calls  # both variants decoded through it
+    with pytest.raises(ValueError, match="--attention must be one of sdpa, kbit_decode, got 'eager'"):
+        eg.run(tiny_folder, {"name": "tiny"}, ["x"], [4], "cpu", torch.float32, attention="eager")
+
+
 def test_greedy_is_deterministic(tiny_folder):
     import _eval_common as common
     from transformers import AutoTokenizer
