@@ -53,7 +53,9 @@ def packed_group(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if kwargs.get("output_attentions") or any(kwargs.get(name) is not None for name in _UNSUPPORTED_KWARGS):
         return None
     b, hq, _, d = query.shape
-    if key.shape[0] != b or key.shape[1] == 0 or hq % key.shape[1] or key.shape[-1] != d or value.shape[:3] != key.shape[:3]:
+    if key.shape[0] != b or key.shape[1] == 0 or hq % key.shape[1] or key.shape[-1] != d:
+        return None
+    if value.shape[:3] != key.shape[:3]:
         return None
     if attention_mask is not None and (
         attention_mask.dim() != 4 or attention_mask.shape[1] != 1 or attention_mask.shape[2] != 1
