@@ -14,13 +14,12 @@ times the L2), CUDA-graph replays timed with events. Writes JSON and a markdown 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import shlex
 import sys
 
 import torch
-from bench_kernels import copies_for, settle, time_calls
+from bench_kernels import copies_for, settle, time_calls, write_results
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 CASES = [(1, 256), (1, 1024), (1, 4096), (1, 16384), (8, 256), (8, 2048), (8, 8192)]  # (batch, cached tokens)
@@ -97,11 +96,7 @@ def main() -> None:
             "command": shlex.join(["python", "scripts/bench_attention.py", *sys.argv[1:]])}
     md = markdown(results, meta)
     print(md)
-    if args.out:
-        with open(args.out + ".json", "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=1)
-        with open(args.out + ".md", "w") as f:
-            f.write(md)
+    write_results(args.out, meta, results, md)
 
 
 if __name__ == "__main__":

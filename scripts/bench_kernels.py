@@ -42,6 +42,15 @@ MIN_CALLS = 24
 WALL_CALLS, WALL_ROUNDS = 2000, 7  # eager wall time: the least of WALL_ROUNDS rounds of WALL_CALLS calls
 
 
+def write_results(prefix: str | None, meta: dict, results: list, md: str) -> None:
+    """``prefix``.json (meta and results) and ``prefix``.md; nothing without a prefix."""
+    if prefix:
+        with open(prefix + ".json", "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+        with open(prefix + ".md", "w") as f:
+            f.write(md)
+
+
 def measure_bandwidth() -> float:
     """Device-to-device copy, bytes read + written per second."""
     n = 512 * 2**20
@@ -378,11 +387,7 @@ def main() -> None:
         print(f"eager overhead: {meta['eager_overhead']}", flush=True)
         md = markdown(results, args.bits, meta)
     print(md)
-    if args.out:
-        with open(args.out + ".json", "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=1)
-        with open(args.out + ".md", "w") as f:
-            f.write(md)
+    write_results(args.out, meta, results, md)
 
 
 if __name__ == "__main__":
