@@ -15,7 +15,7 @@ from .nn import KbitExperts, KbitLinear, fuse_projections, quantize_model, unfus
 __version__ = "0.1.0"
 
 register()
-if not attention.transformers_is_importing():  # else the autoload hook registers it once transformers has
+if not attention.transformers_is_importing():  # else the .pth hook does, once transformers' import is done
     attention.register()  # attn_implementation="kbit_decode"
 
 if _lib.available():  # CUDA kernels for kbit ops on CUDA tensors (else the PyTorch reference)
