@@ -51,7 +51,7 @@ The JSON is written after every variant, marked ``"complete": false`` until the 
 that is stopped (a time limit, an out-of-memory error) keeps what it measured. ``--resume`` finishes
 such a run: it keeps the variants the ``--out`` file holds, checks that they were measured with the
 same settings (model, layers, device and GPU, dtype, batch sizes, lengths, repeats, LM head,
-fusion, inductor PDL, graph step), measures the others and records the kept ones in
+fusion, attention, inductor PDL, graph step), measures the others and records the kept ones in
 ``resumed_variants``: their numbers, bf16's among them, come from the earlier process.
 
 On CPU both run eagerly, for a smoke test of the pipeline only (the kbit CPU forward is the reference).
@@ -451,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
                              "grouped-query kbit_decode")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
     parser.add_argument("--dtype", default="bf16", help="compute dtype (default bf16)")
-    parser.add_argument("--out", default=None, help="JSON path (default: results/bench_generate_<preset>_<device>.json)")
+    parser.add_argument("--out", default=None, help="JSON path (default: results/bench_generate_<preset>_<device>"
+                                                   "[_lmhead][_kbit_decode].json)")
     parser.add_argument("--resume", action="store_true",
                         help="finish the stopped run in --out: keep its variants (same arguments and GPU required), "
                              "measure the others")
