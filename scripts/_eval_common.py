@@ -738,6 +738,72 @@ def _cuda_graph_step_seconds(
     return statistics.median(times), matches, kernels
 
 
+def measure_decode_loop(
+    model,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    device: str,
+    repeats: int = 3,
+    warmup: int = 2,
+    fusion_pass: bool = False,
+) -> dict[str, Any]:
+    """Wall-clock tokens/s of a greedy decode loop that the host drives one token at a time, with no sync per token.
+
+    A ``GreedyDecodeStep`` over a StaticCache of ``prompt_len + new_tokens`` positions, prefilled with a random
+    prompt, runs ``new_tokens - 1`` steps per timed run; the host waits for the GPU once, after the last step
+    (generate() waits once per token, for its stopping check). On CUDA the step's forward is compiled as
+    generate() compiles its decode step (``fullgraph=True``, inductor's CUDA graphs: ``mode="reduce-overhead"``,
+    or hf_kbit.fusion's options with them under ``fusion_pass``), so every step is dynamo's guards, one graph
+    replay and the argmax fed back; the host's work overlaps the GPU's as long as the host keeps ahead. On
+    CPU the steps run eagerly. Medians over ``repeats`` after ``warmup`` runs (the first compiles).
+
+    ``loop_tokens_argmax_match``: the fraction of one more run's tokens that equal the argmax of an eager
+    forward over the prompt and the tokens before each (teacher forcing). 1 where the loop decodes what the
+    model computes; a flipped near-tie (random-weight logits are nearly flat) costs one token, not the rest.
+    """
+    import statistics
+    import time
+
+    import torch
+
+    if new_tokens < 2:
+        raise ValueError(f"new_tokens must be >= 2 to time a decode loop, got {new_tokens}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    steps = new_tokens - 1
+    prompt = random_prompt(model.config.get_text_config().vocab_size, batch, prompt_len, device)
+    step = GreedyDecodeStep(model, prompt, prompt_len + new_tokens)
+    if device.startswith("cuda"):
+        if fusion_pass:
+            from hf_kbit import fusion
+
+            step.forward = torch.compile(step.forward, fullgraph=True, options=fusion.compile_options(cudagraphs=True))
+        else:
+            step.forward = torch.compile(step.forward, fullgraph=True, mode="reduce-overhead")
+    times = []
+    for i in range(warmup + repeats):
+        step.rewind()
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        synchronize(device)
+        if i >= warmup:
+            times.append((time.perf_counter() - start) / steps)
+    if step.position.item() != prompt_len + steps:
+        raise RuntimeError(f"decode loop: {steps} steps moved the position to {step.position.item()}, "
+                           f"expected {prompt_len + steps}")
+    tokens = step.tokens(new_tokens)  # [batch, new_tokens]: the prefill's token, then the loop's
+    with torch.inference_mode():
+        logits = model(input_ids=torch.cat([prompt, tokens[:, :-1]], dim=1), use_cache=False,
+                       logits_to_keep=new_tokens).logits
+    match = (logits.argmax(-1) == tokens).float().mean().item()
+    step_s = statistics.median(times)
+    return {"loop_step_ms": 1000 * step_s, "loop_decode_tok_s": batch / step_s, "loop_steps": steps,
+            "loop_tokens_argmax_match": match}
+
+
 # Kernel groups of the decode-step breakdown, by where a kernel comes from (its demangled name). First match
 # wins: hf_kbit's own kernels (namespace kbit::, whose names may hold "gemv") before cuBLAS's, and inductor's
 # Triton kernels (named after the ops they fuse, e.g. "..._scaled_dot_product_cudnn_attention_...") before

@@ -10,7 +10,7 @@ Sibling projections that read the same input (q/k/v, gate/up) run as one kbit la
 ``KbitConfig(fuse_projections=True)`` (the default) does; ``--no-fuse-projections`` launches
 every projection on its own (the JSON records ``fused_projections``).
 
-Two decode numbers, reported side by side:
+Three decode numbers, reported side by side:
 
 - generate(): tokens/s of ``model.generate`` (greedy), prefill time subtracted. On CUDA: static
   KV cache + torch.compile, what ``generate`` does for a compileable quantizer. It includes
@@ -25,15 +25,21 @@ Two decode numbers, reported side by side:
   spins while the host submits each replay, so the submission is not timed). It is
   what a serving engine that captures its decode step in a CUDA graph sees; tokens/s = batch /
   step time. ``--no-graph-step`` skips it.
+- decode loop: wall-clock tokens/s of a greedy loop that the host drives token by token, the
+  step's forward compiled as generate() compiles it (static cache, fullgraph, inductor's CUDA
+  graphs), the argmax fed back on the GPU, and one host sync after the last token instead of
+  generate()'s one per token. It is the graph step plus whatever host work per step (dynamo's
+  guards, the replay's submission) the GPU cannot hide; ``loop_tokens_argmax_match`` checks the
+  tokens against an eager forward (teacher forcing). ``--no-decode-loop`` skips it.
 
 With ``TORCHINDUCTOR_ENABLE_PDL=1`` in the environment inductor's Triton kernels launch as programmatic
 dependents (sm_90+), so the kernels around them overlap their launch and prologue; the JSON records it
 (``inductor_pdl``).
 
-``--fusion-pass`` (CUDA) compiles both decode steps with ``hf_kbit.fusion``'s inductor pass, which
-moves the residual add + RMSNorm and the SiLU-mul in front of the kbit projections into their GEMVs
-(single-token calls only, its default; bf16 variants run the same compile with nothing to rewrite);
-the JSON records ``fusion_pass``.
+``--fusion-pass`` (CUDA) compiles the decode steps (generate()'s, the graph step's, the loop's) with
+``hf_kbit.fusion``'s inductor pass, which moves the residual add + RMSNorm and the SiLU-mul in front
+of the kbit projections into their GEMVs (single-token calls only, its default; bf16 variants run the
+same compile with nothing to rewrite); the JSON records ``fusion_pass``.
 
 ``--attention kbit_decode`` builds every variant, bf16 included, with hf_kbit.attention's single-token
 grouped-query attention instead of transformers' ``sdpa`` (which copies each key/value head once per
@@ -51,10 +57,10 @@ The JSON is written after every variant, marked ``"complete": false`` until the 
 that is stopped (a time limit, an out-of-memory error) keeps what it measured. ``--resume`` finishes
 such a run: it keeps the variants the ``--out`` file holds, checks that they were measured with the
 same settings (model, layers, device and GPU, dtype, batch sizes, lengths, repeats, LM head,
-fusion, attention, inductor PDL, graph step), measures the others and records the kept ones in
+fusion, attention, inductor PDL, graph step, decode loop), measures the others and records the kept ones in
 ``resumed_variants``: their numbers, bf16's among them, come from the earlier process.
 
-On CPU both run eagerly, for a smoke test of the pipeline only (the kbit CPU forward is the reference).
+On CPU all three run eagerly, for a smoke test of the pipeline only (the kbit CPU forward is the reference).
 
     python scripts/bench_generate.py --preset llama3-8b                       # H100
     python scripts/bench_generate.py --preset qwen3-30b-a3b --layers 24       # H100
@@ -210,6 +216,7 @@ def settings(
     static_compile: bool | None = None,
     graph_step: bool = True,
     steps_per_graph: int = 16,
+    decode_loop: bool = True,
     quantize_lm_head: bool = False,
     kernel_breakdown: bool = False,
     fuse_projections: bool = True,
@@ -227,9 +234,10 @@ def settings(
         raise ValueError(f"--kernel-breakdown profiles the graph step's CUDA kernels: it needs a CUDA device and "
                          f"the graph step, got device {device!r}, graph step {'on' if graph_step else 'off'}")
     static_compile = cuda if static_compile is None else static_compile
-    if fusion_pass and not (cuda and (graph_step or static_compile)):
-        raise ValueError(f"--fusion-pass rewrites the compiled decode step: it needs a CUDA device and the graph step "
-                         f"or generate()'s compile, got device {device!r}, graph step {'on' if graph_step else 'off'}, "
+    if fusion_pass and not (cuda and (graph_step or decode_loop or static_compile)):
+        raise ValueError(f"--fusion-pass rewrites the compiled decode step: it needs a CUDA device and the graph step, "
+                         f"the decode loop or generate()'s compile, got device {device!r}, graph step "
+                         f"{'on' if graph_step else 'off'}, decode loop {'on' if decode_loop else 'off'}, "
                          f"compile {'on' if static_compile else 'off'}")
     common.check_attention(attention)
     config = make_config(preset, layers)
@@ -246,7 +254,7 @@ def settings(
         "static_cache_and_compile": static_compile,
         "lm_head_quantized": quantize_lm_head,
         "fused_projections": fuse_projections,  # q/k/v and gate/up as one kbit launch each
-        # hf_kbit.fusion's inductor pass in the compiled decode steps (generate()'s and the graph step's)
+        # hf_kbit.fusion's inductor pass in the compiled decode steps (generate()'s, the graph step's, the loop's)
         "fusion_pass": fusion_pass,
         "attention": attention,  # transformers attention implementation of every variant
         # TORCHINDUCTOR_ENABLE_PDL=1: inductor's Triton kernels launch as programmatic dependents (None: no such config)
@@ -257,6 +265,11 @@ def settings(
             "compiled": cuda,
             "steps_per_graph": min(steps_per_graph, new_tokens),
             "kernel_breakdown": kernel_breakdown,
+        },
+        "decode_loop": None if not decode_loop else {
+            "timing": "wall_clock",
+            "compiled": cuda,  # fullgraph, inductor's CUDA graphs (generate()'s compile of the decode step)
+            "steps": new_tokens - 1,
         },
         "setup": {"prompt_len": prompt_len, "new_tokens": new_tokens, "batch_sizes": list(batch_sizes),
                   "repeats": repeats},
@@ -371,6 +384,16 @@ def run(
                 log(f"{variant:>6} batch {r['batch']}: graph step {g['graph_step_ms']:.2f} ms "
                     f"({g['graph_decode_tok_s']:.1f} tok/s), {g['graph_steps']} steps per replay")
             r.update({key: g[key] for key in keys})
+            keys = ("loop_step_ms", "loop_decode_tok_s", "loop_tokens_argmax_match")
+            loop = dict.fromkeys(keys)
+            if head["decode_loop"]:
+                reset_compiled(model)  # the loop compiles the forward once more: stay clear of the recompile limit
+                loop = common.measure_decode_loop(model, r["batch"], prompt_len, new_tokens, device, repeats,
+                                                  fusion_pass=head["fusion_pass"])
+                log(f"{variant:>6} batch {r['batch']}: decode loop {loop['loop_step_ms']:.2f} ms "
+                    f"({loop['loop_decode_tok_s']:.1f} tok/s), tokens at the eager argmax "
+                    f"{loop['loop_tokens_argmax_match']:.0%}")
+            r.update({key: loop[key] for key in keys})
         results.extend(rows)
         reset_compiled(model)
         del model
@@ -388,12 +411,16 @@ def add_speedups(results: list[dict[str, Any]]) -> None:
         ref_graph = ref.get("graph_decode_tok_s") if ref else None
         graph = r.get("graph_decode_tok_s")
         r["graph_decode_speedup_vs_bf16"] = graph / ref_graph if graph and ref_graph else None
+        ref_loop = ref.get("loop_decode_tok_s") if ref else None
+        loop = r.get("loop_decode_tok_s")
+        r["loop_decode_speedup_vs_bf16"] = loop / ref_loop if loop and ref_loop else None
 
 
 def acceptance(payload: dict[str, Any]) -> dict[str, Any]:
     """Issue 6's bar: Llama-3-8B-shaped decode at batch 1 on the H100, kbit4 >= 2.5x bf16 tokens/s.
 
-    ``passed`` judges the generate() number; ``graph_passed`` the graph-step one (None when not measured).
+    ``passed`` judges the generate() number; ``graph_passed`` the graph-step one and ``loop_passed`` the decode
+    loop's (None when not measured).
     """
     if payload["preset"] != "llama3-8b" or not payload["device"].startswith("cuda"):
         return {}
@@ -401,22 +428,26 @@ def acceptance(payload: dict[str, Any]) -> dict[str, Any]:
     if k4 is None or k4["decode_speedup_vs_bf16"] is None:
         return {}
     target = 2.5
-    graph = k4.get("graph_decode_speedup_vs_bf16")
+    graph, loop = k4.get("graph_decode_speedup_vs_bf16"), k4.get("loop_decode_speedup_vs_bf16")
     return {"llama3-8b_kbit4_batch1_decode_speedup": k4["decode_speedup_vs_bf16"], "target": target,
             "passed": k4["decode_speedup_vs_bf16"] >= target,
             "llama3-8b_kbit4_batch1_graph_decode_speedup": graph,
-            "graph_passed": graph >= target if graph is not None else None}
+            "graph_passed": graph >= target if graph is not None else None,
+            "llama3-8b_kbit4_batch1_loop_decode_speedup": loop,
+            "loop_passed": loop >= target if loop is not None else None}
 
 
 def render_table(payload: dict[str, Any]) -> str:
     rows = [
         [r["variant"], r["bits_per_weight"], r["batch"], r["decode_tok_s"], r["ms_per_decode_step"],
          r["decode_speedup_vs_bf16"], r.get("graph_decode_tok_s"), r.get("graph_step_ms"),
-         r.get("graph_decode_speedup_vs_bf16"), r["prefill_tok_s"]]
+         r.get("graph_decode_speedup_vs_bf16"), r.get("loop_decode_tok_s"), r.get("loop_step_ms"),
+         r.get("loop_decode_speedup_vs_bf16"), r["prefill_tok_s"]]
         for r in payload["results"]
     ]
     headers = ["variant", "bits/weight", "batch", "decode tok/s", "ms/step", "decode x bf16",
-               "graph tok/s", "graph ms/step", "graph x bf16", "prefill tok/s"]
+               "graph tok/s", "graph ms/step", "graph x bf16", "loop tok/s", "loop ms/step", "loop x bf16",
+               "prefill tok/s"]
     return common.format_table(headers, rows)
 
 
@@ -434,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="on CUDA, time generate() eager with a dynamic cache (the graph step still compiles)")
     parser.add_argument("--no-graph-step", action="store_true",
                         help="skip the graph step (compiled decode step replayed in a CUDA graph)")
+    parser.add_argument("--no-decode-loop", action="store_true",
+                        help="skip the decode loop (wall clock, compiled like generate(), no host sync per token)")
     parser.add_argument("--steps-per-graph", type=int, default=16,
                         help="graph step: chained decode steps per CUDA graph (default 16, at most --new-tokens)")
     parser.add_argument("--kernel-breakdown", action="store_true",
@@ -444,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-fuse-projections", action="store_true",
                         help="launch q/k/v and gate/up separately (default: one fused launch each, as KbitConfig's default)")
     parser.add_argument("--fusion-pass", action="store_true",
-                        help="CUDA: compile the decode steps (generate()'s and the graph step's) with hf_kbit.fusion's "
+                        help="CUDA: compile the decode steps (generate()'s, the graph step's, the loop's) with hf_kbit.fusion's "
                              "pass (norms and SiLU-mul into the kbit GEMVs; single-token calls, i.e. batch 1)")
     parser.add_argument("--attention", default="sdpa", choices=common.ATTENTIONS,
                         help="attention of every variant: transformers' sdpa (default) or hf_kbit's single-token "
@@ -467,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         layers=args.layers, batch_sizes=batch_sizes, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
         repeats=args.repeats, static_compile=False if args.no_compile else None,
         graph_step=not args.no_graph_step, steps_per_graph=args.steps_per_graph,
-        quantize_lm_head=args.quantize_lm_head, kernel_breakdown=args.kernel_breakdown,
+        decode_loop=not args.no_decode_loop, quantize_lm_head=args.quantize_lm_head, kernel_breakdown=args.kernel_breakdown,
         fuse_projections=not args.no_fuse_projections, fusion_pass=args.fusion_pass, attention=args.attention,
     )
     head = "_lmhead" if args.quantize_lm_head else ""
@@ -497,6 +530,9 @@ def main(argv: list[str] | None = None) -> int:
         g = payload["graph_step"]
         how = f"compiled, {g['steps_per_graph']} steps per CUDA graph" if g["compiled"] else "eager, wall clock"
         print(f"graph step: one greedy decode step without generate()'s host work ({how})")
+    if payload["decode_loop"]:
+        how = "compiled with CUDA graphs" if payload["decode_loop"]["compiled"] else "eager"
+        print(f"decode loop: wall clock of {payload['decode_loop']['steps']} greedy steps, one host sync ({how})")
     print(render_table(payload))
     if breakdown := common.kernel_breakdown_table(payload["results"]):
         print("\ngraph step device time by kernel origin (one profiled replay, exposed microseconds per step)")

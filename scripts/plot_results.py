@@ -235,6 +235,7 @@ def breakdown_markdown(p: dict[str, Any]) -> str:
 
 def bench_markdown(p: dict[str, Any]) -> str:
     graph = any(r.get("graph_decode_tok_s") for r in p["results"])
+    loop = any(r.get("loop_decode_tok_s") for r in p["results"])
 
     def speedup(v):
         return f"{v:.2f}x" if v else "-"
@@ -245,10 +246,14 @@ def bench_markdown(p: dict[str, Any]) -> str:
                f"{r['ms_per_decode_step']:.2f}", speedup(r["decode_speedup_vs_bf16"])]
         if graph:
             row += [f"{r['graph_decode_tok_s']:.1f}", f"{r['graph_step_ms']:.2f}", speedup(r.get("graph_decode_speedup_vs_bf16"))]
+        if loop:
+            row += [f"{r['loop_decode_tok_s']:.1f}", f"{r['loop_step_ms']:.2f}", speedup(r.get("loop_decode_speedup_vs_bf16"))]
         rows.append(row + [f"{r['prefill_tok_s']:.0f}"])
     headers = ["variant", "bits/weight", "batch", "generate() tok/s", "ms/step", "x bf16"]
     if graph:
         headers += ["graph-step tok/s", "ms/step", "x bf16"]
+    if loop:
+        headers += ["loop tok/s", "ms/step", "x bf16"]
     headers.append("prefill tok/s")
     how = "static KV cache + torch.compile" if p["static_cache_and_compile"] else "eager, dynamic cache"
     if p.get("inductor_pdl"):
@@ -292,6 +297,15 @@ def bench_markdown(p: dict[str, Any]) -> str:
                       f"{hidden}. {head} Replay check (sequences whose last replayed token equals the uncaptured compiled "
                       f"steps'): {matches}. Random-weight logits are nearly flat, so a rounding difference under "
                       "capture most likely flips a near-tie, and the chain carries it on."]
+    if loop:
+        argmax = ", ".join(f"{r['variant']} batch {r['batch']} {r['loop_tokens_argmax_match']:.0%}" for r in p["results"])
+        compiled = ("the step's forward compiled as generate() compiles it (fullgraph, inductor's CUDA graphs), so "
+                    "each step is dynamo's guards and one graph replay; " if p["decode_loop"]["compiled"] else "")
+        lines += ["", f"Decode loop: wall clock of {p['decode_loop']['steps']} greedy steps that the host drives one "
+                      f"token at a time, {compiled}the argmax is fed back on the device and the host syncs once, after "
+                      "the last step (generate() syncs once per token). It is the graph step plus the host work per "
+                      "step that the GPU cannot hide. Tokens that equal the argmax of an eager forward over the prompt "
+                      f"and the tokens before them (teacher forcing): {argmax}."]
     if clocked := [r for r in p["results"] if r.get("token_ms_median")]:
         line = ("generate()'s decode steps one by one (host clock at each token's logits processing, the timed runs), "
                 "median ms (max): " + ", ".join(f"{r['variant']} batch {r['batch']} {r['token_ms_median']:.2f} "
@@ -316,6 +330,9 @@ def bench_markdown(p: dict[str, Any]) -> str:
         if c.get("llama3-8b_kbit4_batch1_graph_decode_speedup") is not None:
             line += (f"; graph step {c['llama3-8b_kbit4_batch1_graph_decode_speedup']:.2f}x: "
                      f"{'passed' if c['graph_passed'] else 'NOT passed'}")
+        if c.get("llama3-8b_kbit4_batch1_loop_decode_speedup") is not None:
+            line += (f"; decode loop {c['llama3-8b_kbit4_batch1_loop_decode_speedup']:.2f}x: "
+                     f"{'passed' if c['loop_passed'] else 'NOT passed'}")
         lines += ["", line + "."]
     lines += ["", "```bash", p["command"], "```", ""]
     return "\n".join(lines)

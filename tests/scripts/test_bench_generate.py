@@ -1,6 +1,7 @@
-"""bench_generate.py's graph step on the CPU: the step chains the tokens ``generate`` picks greedily (eager and
-traced by dynamo with fullgraph=True), ``run`` reports it beside generate() end to end, the acceptance dict
-shows both speedups, and bad arguments are named. The CUDA-graph capture itself runs on the GPU machine only.
+"""bench_generate.py's graph step and decode loop on the CPU: the step chains the tokens ``generate`` picks
+greedily (eager and traced by dynamo with fullgraph=True), the loop's token check catches a loop that feeds
+back the wrong tokens, ``run`` reports both beside generate() end to end, the acceptance dict shows every
+speedup, and bad arguments are named. The CUDA graphs themselves run on the GPU machine only.
 No timing assertions beyond "positive and finite"."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 GRAPH_KEYS = ("graph_step_ms", "graph_decode_tok_s", "graph_decode_speedup_vs_bf16")
+LOOP_KEYS = ("loop_step_ms", "loop_decode_tok_s", "loop_decode_speedup_vs_bf16", "loop_tokens_argmax_match")
 PROMPT_LEN, NEW_TOKENS = 8, 5
 
 
@@ -86,22 +88,59 @@ def test_step_rejects_bad_arguments():
         common.measure_graph_step(model, 1, PROMPT_LEN, 2, "cpu", steps_per_graph=0)
 
 
+@pytest.mark.parametrize("dtype, bits", [(torch.float32, None), (torch.float32, 4)], ids=["fp32", "kbit4"])
+def test_decode_loop_decodes_the_greedy_tokens(dtype, bits):
+    model = tiny_model(dtype, bits)
+    out = common.measure_decode_loop(model, 2, PROMPT_LEN, NEW_TOKENS, "cpu", repeats=1, warmup=0)
+    assert out["loop_steps"] == NEW_TOKENS - 1
+    assert out["loop_tokens_argmax_match"] == 1.0
+    assert out["loop_decode_tok_s"] == pytest.approx(2 * 1000 / out["loop_step_ms"])
+
+
+def test_decode_loop_check_sees_tokens_the_model_did_not_pick(monkeypatch):
+    """The teacher-forced check is what vouches for the loop's tokens: a loop that feeds back another token
+    than the argmax (here: the argmax + 1) must score below 1."""
+    model = tiny_model(torch.float32)
+    step_call = common.GreedyDecodeStep.__call__
+
+    def off_by_one(self):
+        step_call(self)
+        with torch.inference_mode():
+            self.ids.add_(1).remainder_(model.config.vocab_size)
+
+    monkeypatch.setattr(common.GreedyDecodeStep, "__call__", off_by_one)
+    out = common.measure_decode_loop(model, 2, PROMPT_LEN, NEW_TOKENS, "cpu", repeats=1, warmup=0)
+    assert out["loop_tokens_argmax_match"] == pytest.approx(1 / NEW_TOKENS)  # only the prefill's token is right
+
+
+def test_decode_loop_rejects_bad_arguments():
+    model = tiny_model(torch.float32)
+    with pytest.raises(ValueError, match="new_tokens must be >= 2 to time a decode loop, got 1"):
+        common.measure_decode_loop(model, 1, PROMPT_LEN, 1, "cpu")
+    with pytest.raises(ValueError, match="repeats must be >= 1, got 0"):
+        common.measure_decode_loop(model, 1, PROMPT_LEN, 2, "cpu", repeats=0)
+
+
 @pytest.fixture(scope="module")
 def payload():
     return bench.run("tiny-llama", [4], "cpu", torch.bfloat16, batch_sizes=(1,), prompt_len=PROMPT_LEN,
                      new_tokens=4, repeats=1, log=lambda *_: None)
 
 
-def test_run_reports_graph_step_beside_generate(payload):
+def test_run_reports_graph_step_and_loop_beside_generate(payload):
     assert [r["variant"] for r in payload["results"]] == ["bf16", "kbit4"]
     for r in payload["results"]:
-        for key in GRAPH_KEYS + ("decode_tok_s", "decode_speedup_vs_bf16"):
+        for key in GRAPH_KEYS + LOOP_KEYS + ("decode_tok_s", "decode_speedup_vs_bf16"):
             assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] > 0, (r["variant"], key)
         assert r["graph_decode_tok_s"] == pytest.approx(r["batch"] * 1000 / r["graph_step_ms"])
+        assert r["loop_decode_tok_s"] == pytest.approx(r["batch"] * 1000 / r["loop_step_ms"])
+        assert r["loop_tokens_argmax_match"] == 1.0
         assert r["graph_replay_tokens_match"] is None  # a CUDA-graph check; the CPU runs the steps eagerly
         # generate()'s decode steps one by one: inside the one timed run (repeats=1)
         assert 0 < r["token_ms_median"] <= r["token_ms_max"] < 1000 * r["generate_s"], r
     assert payload["results"][0]["graph_decode_speedup_vs_bf16"] == 1.0
+    assert payload["results"][0]["loop_decode_speedup_vs_bf16"] == 1.0
+    assert payload["decode_loop"] == {"timing": "wall_clock", "compiled": False, "steps": 3}
     assert payload["graph_step"] == {"timing": "eager_wall_clock", "submission_hidden": False, "compiled": False,
                                      "steps_per_graph": 4, "kernel_breakdown": False}
     assert payload["fusion_pass"] is False
@@ -111,22 +150,23 @@ def test_run_reports_graph_step_beside_generate(payload):
     assert payload["checks"] == {}  # the acceptance bar applies to Llama-3-8B on CUDA only
     assert payload["inductor_pdl"] in (False, None)  # TORCHINDUCTOR_ENABLE_PDL is not set here
     table = bench.render_table(payload)
-    assert "| graph tok/s | graph ms/step | graph x bf16 |" in table and "| kbit4 |" in table
+    assert "| graph tok/s | graph ms/step | graph x bf16 | loop tok/s | loop ms/step | loop x bf16 |" in table
+    assert "| kbit4 |" in table
     json.dumps(payload)
 
 
-def test_no_graph_step_leaves_the_keys_empty():
+def test_no_graph_step_and_no_loop_leave_the_keys_empty():
     p = bench.run("tiny-llama", [4], "cpu", torch.bfloat16, layers=1, batch_sizes=(1,), prompt_len=4, new_tokens=2,
-                  repeats=1, graph_step=False, log=lambda *_: None)
-    assert p["graph_step"] is None
-    assert all(r[key] is None for r in p["results"] for key in GRAPH_KEYS + ("graph_replay_tokens_match",))
+                  repeats=1, graph_step=False, decode_loop=False, log=lambda *_: None)
+    assert p["graph_step"] is None and p["decode_loop"] is None
+    assert all(r[key] is None for r in p["results"] for key in GRAPH_KEYS + LOOP_KEYS + ("graph_replay_tokens_match",))
     assert all(r["decode_tok_s"] > 0 for r in p["results"])
-    assert "| - | - | - |" in bench.render_table(p)
+    assert "| - | - | - | - | - | - |" in bench.render_table(p)
 
 
 def test_quantize_lm_head_converts_the_head_too():
     kwargs = dict(layers=1, batch_sizes=(1,), prompt_len=4, new_tokens=2, repeats=1, graph_step=False,
-                  include_bf16=False, log=lambda *_: None)
+                  decode_loop=False, include_bf16=False, log=lambda *_: None)
     kept = bench.run("tiny-llama", [4], "cpu", torch.bfloat16, **kwargs)
     converted = bench.run("tiny-llama", [4], "cpu", torch.bfloat16, quantize_lm_head=True, **kwargs)
     assert kept["lm_head_quantized"] is False and converted["lm_head_quantized"] is True
@@ -143,22 +183,24 @@ def test_reset_compiled_lets_generate_compile_again():
     assert callable(again) and again is not first
 
 
-def test_acceptance_shows_generate_and_graph_speedups():
-    def row(bits, decode, graph):
-        return {"bits": bits, "batch": 1, "decode_tok_s": decode, "prefill_tok_s": 1.0, "graph_decode_tok_s": graph}
+def test_acceptance_shows_generate_graph_and_loop_speedups():
+    def row(bits, decode, graph, loop):
+        return {"bits": bits, "batch": 1, "decode_tok_s": decode, "prefill_tok_s": 1.0, "graph_decode_tok_s": graph,
+                "loop_decode_tok_s": loop}
 
-    results = [row(None, 100.0, 120.0), row(4, 150.0, 360.0)]
+    results = [row(None, 100.0, 120.0, 110.0), row(4, 150.0, 360.0, 264.0)]
     bench.add_speedups(results)
     checks = bench.acceptance({"preset": "llama3-8b", "device": "cuda", "results": results})
     assert checks == {
         "llama3-8b_kbit4_batch1_decode_speedup": 1.5, "target": 2.5, "passed": False,
         "llama3-8b_kbit4_batch1_graph_decode_speedup": 3.0, "graph_passed": True,
+        "llama3-8b_kbit4_batch1_loop_decode_speedup": pytest.approx(2.4), "loop_passed": False,
     }
-    results = [row(None, 100.0, None), row(4, 300.0, None)]  # --no-graph-step
+    results = [row(None, 100.0, None, None), row(4, 300.0, None, None)]  # --no-graph-step --no-decode-loop
     bench.add_speedups(results)
     checks = bench.acceptance({"preset": "llama3-8b", "device": "cuda", "results": results})
     assert checks["passed"] is True and checks["llama3-8b_kbit4_batch1_graph_decode_speedup"] is None
-    assert checks["graph_passed"] is None
+    assert checks["graph_passed"] is None and checks["loop_passed"] is None
 
 
 def test_cli_names_a_bad_steps_per_graph():
@@ -283,7 +325,8 @@ def test_a_stopped_run_keeps_its_variants_and_resume_finishes_it(tmp_path, monke
 
     out = tmp_path / "bench_generate_tiny.json"
     argv = ["--preset", "tiny-llama", "--device", "cpu", "--layers", "1", "--bits", "4,5", "--batch-sizes", "1",
-            "--prompt-len", "4", "--new-tokens", "2", "--repeats", "1", "--no-graph-step", "--out", str(out)]
+            "--prompt-len", "4", "--new-tokens", "2", "--repeats", "1", "--no-graph-step", "--no-decode-loop",
+            "--out", str(out)]
     quantize = bench.quantize
 
     def stop_at_kbit5(model, bits, **kwargs):

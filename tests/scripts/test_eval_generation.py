@@ -109,6 +109,9 @@ def test_bench_plot_and_markdown(tmp_path):
     kbit5 = payload["results"][-1]
     assert (f"kbit5 batch 2 {kbit5['token_ms_median']:.2f} ({kbit5['token_ms_max']:.1f})" in text
             and f"kbit5 batch 2 {kbit5['token_ms_median'] - kbit5['graph_step_ms']:.2f} ms" in text)
+    assert "| graph-step tok/s | ms/step | x bf16 | loop tok/s | ms/step | x bf16 |" in text
+    assert f"| {kbit5['loop_decode_tok_s']:.1f} | {kbit5['loop_step_ms']:.2f} |" in text
+    assert "Decode loop: wall clock of 2 greedy steps" in text and "kbit5 batch 2 100%" in text
 
 
 def test_bench_markdown_shows_the_kernel_breakdown():
