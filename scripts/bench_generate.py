@@ -194,10 +194,19 @@ def quantize(model, bits: int, lm_head: bool = False, fuse_projections: bool = T
 
 
 def reset_compiled(model=None) -> None:
-    """Forget compiled graphs between variants, so no variant runs into dynamo's recompile limit."""
+    """Forget compiled graphs between variants, so no variant runs into dynamo's recompile limit, and inductor's
+    CUDA graph trees (generate()'s and the decode loop's), which keep their memory pool and recorded graphs until
+    reset; then collect the garbage that referred to them."""
+    import gc
+
     import torch
 
     torch._dynamo.reset()
+    if torch.cuda.is_available():
+        from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+        reset_cudagraph_trees()  # torch's reset() does this itself only in later versions
+    gc.collect()
     if model is not None and hasattr(model, "_compiled_call"):
         del model._compiled_call  # not None: transformers compiles anew only where the attribute is absent
 
@@ -352,6 +361,7 @@ def run(
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+            log(f"{variant:>6}: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated before the build")
         start = time.perf_counter()
         model = build_model(config, device, dtype, attention=head["attention"])
         info: dict[str, Any] = {"variant": variant, "bits": bits}
