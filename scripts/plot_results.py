@@ -282,7 +282,8 @@ def bench_markdown(p: dict[str, Any]) -> str:
             head += (" The kbit variants run q/k/v and gate/up as one kbit launch each "
                      "(`KbitConfig(fuse_projections=True)`, the default).")
         if p.get("fusion_pass"):
-            head += (" Both compiled decode steps (generate()'s and the graph step's) run hf_kbit.fusion's inductor "
+            which = "generate()'s, the graph step's and the decode loop's" if loop else "generate()'s and the graph step's"
+            head += (f" The compiled decode steps ({which}) run hf_kbit.fusion's inductor "
                      "pass: the residual add + RMSNorm before q/k/v and gate/up and the SiLU-gated product before "
                      "down run inside the kbit GEMVs (`compile_config()` / `compile_options()`).")
         if p.get("attention", "sdpa") != "sdpa":
