@@ -646,16 +646,20 @@ class GreedyDecodeStep:
         return torch.cat(out, dim=1)
 
 
-def _eager_step_seconds(step: GreedyDecodeStep, steps: int, repeats: int, warmup: int) -> float:
+def _wall_clock_step_seconds(step: GreedyDecodeStep, steps: int, repeats: int, warmup: int, device: str) -> float:
+    """Median wall-clock seconds per step of ``steps`` chained calls from the rewound state, the host synced with
+    ``device`` before the first call and after the last only."""
     import statistics
     import time
 
     times = []
     for i in range(warmup + repeats):
         step.rewind()
+        synchronize(device)
         start = time.perf_counter()
         for _ in range(steps):
             step()
+        synchronize(device)
         if i >= warmup:
             times.append((time.perf_counter() - start) / steps)
     return statistics.median(times)
@@ -762,9 +766,6 @@ def measure_decode_loop(
     forward over the prompt and the tokens before each (teacher forcing). 1 where the loop decodes what the
     model computes; a flipped near-tie (random-weight logits are nearly flat) costs one token, not the rest.
     """
-    import statistics
-    import time
-
     import torch
 
     if new_tokens < 2:
@@ -781,16 +782,7 @@ def measure_decode_loop(
             step.forward = torch.compile(step.forward, fullgraph=True, options=fusion.compile_options(cudagraphs=True))
         else:
             step.forward = torch.compile(step.forward, fullgraph=True, mode="reduce-overhead")
-    times = []
-    for i in range(warmup + repeats):
-        step.rewind()
-        synchronize(device)
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        synchronize(device)
-        if i >= warmup:
-            times.append((time.perf_counter() - start) / steps)
+    step_s = _wall_clock_step_seconds(step, steps, repeats, warmup, device)
     if step.position.item() != prompt_len + steps:
         raise RuntimeError(f"decode loop: {steps} steps moved the position to {step.position.item()}, "
                            f"expected {prompt_len + steps}")
@@ -799,7 +791,6 @@ def measure_decode_loop(
         logits = model(input_ids=torch.cat([prompt, tokens[:, :-1]], dim=1), use_cache=False,
                        logits_to_keep=new_tokens).logits
     match = (logits.argmax(-1) == tokens).float().mean().item()
-    step_s = statistics.median(times)
     return {"loop_step_ms": 1000 * step_s, "loop_decode_tok_s": batch / step_s, "loop_steps": steps,
             "loop_tokens_argmax_match": match}
 
@@ -1000,7 +991,7 @@ def measure_graph_step(
         step_s, matches, kernels = _cuda_graph_step_seconds(step, steps, repeats, warmup, profile=breakdown,
                                                             options=options)
     else:
-        step_s = _eager_step_seconds(step, steps, repeats, warmup)
+        step_s = _wall_clock_step_seconds(step, steps, repeats, warmup, device)
     split = kernel_breakdown(kernels, steps, kbit_calls=calls) if breakdown else None
     return {"graph_step_ms": 1000 * step_s, "graph_decode_tok_s": batch / step_s, "graph_steps": steps,
             "graph_replay_tokens_match": matches, "graph_kernel_breakdown": split}

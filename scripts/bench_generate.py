@@ -487,8 +487,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-fuse-projections", action="store_true",
                         help="launch q/k/v and gate/up separately (default: one fused launch each, as KbitConfig's default)")
     parser.add_argument("--fusion-pass", action="store_true",
-                        help="CUDA: compile the decode steps (generate()'s, the graph step's, the loop's) with hf_kbit.fusion's "
-                             "pass (norms and SiLU-mul into the kbit GEMVs; single-token calls, i.e. batch 1)")
+                        help="CUDA: compile the decode steps (generate()'s, the graph step's, the loop's) with "
+                             "hf_kbit.fusion's pass (norms and SiLU-mul into the kbit GEMVs; single-token calls, "
+                             "i.e. batch 1)")
     parser.add_argument("--attention", default="sdpa", choices=common.ATTENTIONS,
                         help="attention of every variant: transformers' sdpa (default) or hf_kbit's single-token "
                              "grouped-query kbit_decode")
@@ -510,7 +511,8 @@ def main(argv: list[str] | None = None) -> int:
         layers=args.layers, batch_sizes=batch_sizes, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
         repeats=args.repeats, static_compile=False if args.no_compile else None,
         graph_step=not args.no_graph_step, steps_per_graph=args.steps_per_graph,
-        decode_loop=not args.no_decode_loop, quantize_lm_head=args.quantize_lm_head, kernel_breakdown=args.kernel_breakdown,
+        decode_loop=not args.no_decode_loop, quantize_lm_head=args.quantize_lm_head,
+        kernel_breakdown=args.kernel_breakdown,
         fuse_projections=not args.no_fuse_projections, fusion_pass=args.fusion_pass, attention=args.attention,
     )
     head = "_lmhead" if args.quantize_lm_head else ""

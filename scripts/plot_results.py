@@ -247,7 +247,8 @@ def bench_markdown(p: dict[str, Any]) -> str:
         if graph:
             row += [f"{r['graph_decode_tok_s']:.1f}", f"{r['graph_step_ms']:.2f}", speedup(r.get("graph_decode_speedup_vs_bf16"))]
         if loop:
-            row += [f"{r['loop_decode_tok_s']:.1f}", f"{r['loop_step_ms']:.2f}", speedup(r.get("loop_decode_speedup_vs_bf16"))]
+            row += [f"{r['loop_decode_tok_s']:.1f}", f"{r['loop_step_ms']:.2f}",
+                    speedup(r.get("loop_decode_speedup_vs_bf16"))]
         rows.append(row + [f"{r['prefill_tok_s']:.0f}"])
     headers = ["variant", "bits/weight", "batch", "generate() tok/s", "ms/step", "x bf16"]
     if graph:
@@ -282,7 +283,8 @@ def bench_markdown(p: dict[str, Any]) -> str:
             head += (" The kbit variants run q/k/v and gate/up as one kbit launch each "
                      "(`KbitConfig(fuse_projections=True)`, the default).")
         if p.get("fusion_pass"):
-            which = "generate()'s, the graph step's and the decode loop's" if loop else "generate()'s and the graph step's"
+            which = ("generate()'s, the graph step's and the decode loop's" if loop
+                     else "generate()'s and the graph step's")
             head += (f" The compiled decode steps ({which}) run hf_kbit.fusion's inductor "
                      "pass: the residual add + RMSNorm before q/k/v and gate/up and the SiLU-gated product before "
                      "down run inside the kbit GEMVs (`compile_config()` / `compile_options()`).")
@@ -299,7 +301,8 @@ def bench_markdown(p: dict[str, Any]) -> str:
                       f"steps'): {matches}. Random-weight logits are nearly flat, so a rounding difference under "
                       "capture most likely flips a near-tie, and the chain carries it on."]
     if loop:
-        argmax = ", ".join(f"{r['variant']} batch {r['batch']} {r['loop_tokens_argmax_match']:.0%}" for r in p["results"])
+        argmax = ", ".join(f"{r['variant']} batch {r['batch']} {r['loop_tokens_argmax_match']:.0%}"
+                           for r in p["results"])
         compiled = ("the step's forward compiled as generate() compiles it (fullgraph, inductor's CUDA graphs), so "
                     "each step is dynamo's guards and one graph replay; " if p["decode_loop"]["compiled"] else "")
         lines += ["", f"Decode loop: wall clock of {p['decode_loop']['steps']} greedy steps that the host drives one "
