@@ -24,6 +24,12 @@ scales the sums in the epilogue (the rounding differs from the unfused ops at bf
 Other paths (M > 16) and devices run the references (the prologue in PyTorch, then ``kbit.mm``),
 which launch more kernels than inductor's own. The pass is meant for batch-1 decoding: by default it
 rewrites only projections of a static single token (``max_tokens``; ``DEFAULT_MAX_TOKENS`` says why).
+
+Both also turn on inductor's combo kernels (``combo_kernels=False`` leaves them off), which launch
+independent kernels as one: in a Llama-style decode step each layer's RoPE of q, RoPE and cache write of
+k, cache write of v and attention mask are four small kernels otherwise. Measured on an H100 (Llama-3-8B,
+batch 1, graph step, inductor PDL, same models compiled both ways, two passes): k = 4 2.855 -> 2.728 ms
+with the LM head in bf16, 2.577 -> 2.453 with it quantized; bf16 6.36-6.66 ms either way.
 """
 
 from __future__ import annotations
@@ -268,23 +274,28 @@ def fusion_pass(max_tokens: int | None = DEFAULT_MAX_TOKENS):
     return _pass_class()(max_tokens)
 
 
-def compile_options(fusion=None, cudagraphs: bool = False) -> dict:
+def compile_options(fusion=None, cudagraphs: bool = False, combo_kernels: bool = True) -> dict:
     """``torch.compile`` options that run the pass (``fusion``, default a new :func:`fusion_pass`);
     ``cudagraphs``: inductor's CUDA graphs too, what ``mode="reduce-overhead"`` sets (torch.compile takes
-    ``mode`` or ``options``, not both)."""
+    ``mode`` or ``options``, not both); ``combo_kernels``: inductor's horizontal fusion of independent
+    kernels (see the module doc)."""
     options = {"post_grad_custom_post_pass": fusion if fusion is not None else fusion_pass()}
     if cudagraphs:
         options["triton.cudagraphs"] = True
+    if combo_kernels:
+        options["combo_kernels"] = True
     return options
 
 
-def compile_config(max_tokens: int | None = DEFAULT_MAX_TOKENS, **kwargs):
+def compile_config(max_tokens: int | None = DEFAULT_MAX_TOKENS, combo_kernels: bool = True, **kwargs):
     """A transformers ``CompileConfig`` for ``generate``'s compile of the decode step: its default
-    (reduce-overhead: CUDA graphs) with the pass (:func:`fusion_pass` with ``max_tokens``). ``kwargs`` go
-    to ``CompileConfig`` (``fullgraph``, ``dynamic``, ...)."""
+    (reduce-overhead: CUDA graphs) with the pass (:func:`fusion_pass` with ``max_tokens``) and, unless
+    ``combo_kernels`` is False, inductor's combo kernels (:func:`compile_options`). ``kwargs`` go to
+    ``CompileConfig`` (``fullgraph``, ``dynamic``, ...)."""
     from transformers import CompileConfig
 
     if "mode" in kwargs or "options" in kwargs:
         raise TypeError(f"compile_config sets mode and options itself (options: the pass and CUDA graphs), "
                         f"got {sorted(k for k in kwargs if k in ('mode', 'options'))}")
-    return CompileConfig(mode=None, options=compile_options(fusion_pass(max_tokens), cudagraphs=True), **kwargs)
+    options = compile_options(fusion_pass(max_tokens), cudagraphs=True, combo_kernels=combo_kernels)
+    return CompileConfig(mode=None, options=options, **kwargs)

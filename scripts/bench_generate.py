@@ -39,7 +39,9 @@ dependents (sm_90+), so the kernels around them overlap their launch and prologu
 ``--fusion-pass`` (CUDA) compiles the decode steps (generate()'s, the graph step's, the loop's) with
 ``hf_kbit.fusion``'s inductor pass, which moves the residual add + RMSNorm and the SiLU-mul in front
 of the kbit projections into their GEMVs (single-token calls only, its default; bf16 variants run the
-same compile with nothing to rewrite); the JSON records ``fusion_pass``.
+same compile with nothing to rewrite). Those compiles also turn on inductor's combo kernels, which launch
+each layer's small independent kernels (RoPE, cache writes, mask) as one, for every variant; the JSON
+records ``fusion_pass`` and ``combo_kernels``.
 
 ``--attention kbit_decode`` builds every variant, bf16 included, with hf_kbit.attention's single-token
 grouped-query attention instead of transformers' ``sdpa`` (which copies each key/value head once per
@@ -57,8 +59,9 @@ The JSON is written after every variant, marked ``"complete": false`` until the 
 that is stopped (a time limit, an out-of-memory error) keeps what it measured. ``--resume`` finishes
 such a run: it keeps the variants the ``--out`` file holds, checks that they were measured with the
 same settings (model, layers, device and GPU, dtype, batch sizes, lengths, repeats, LM head,
-fusion, attention, inductor PDL, graph step, decode loop), measures the others and records the kept ones in
-``resumed_variants``: their numbers, bf16's among them, come from the earlier process.
+fusion, combo kernels, attention, inductor PDL, graph step, decode loop), measures the others and
+records the kept ones in ``resumed_variants``: their numbers, bf16's among them, come from the earlier
+process.
 
 On CPU all three run eagerly, for a smoke test of the pipeline only (the kbit CPU forward is the reference).
 
@@ -265,6 +268,7 @@ def settings(
         "fused_projections": fuse_projections,  # q/k/v and gate/up as one kbit launch each
         # hf_kbit.fusion's inductor pass in the compiled decode steps (generate()'s, the graph step's, the loop's)
         "fusion_pass": fusion_pass,
+        "combo_kernels": fusion_pass,  # hf_kbit.fusion's compile options turn them on, for every variant
         "attention": attention,  # transformers attention implementation of every variant
         # TORCHINDUCTOR_ENABLE_PDL=1: inductor's Triton kernels launch as programmatic dependents (None: no such config)
         "inductor_pdl": getattr(inductor_config.triton, "enable_pdl", None),

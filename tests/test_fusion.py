@@ -225,3 +225,10 @@ def test_fuse_leaves_a_norm_whose_parts_are_used_elsewhere():
         made, targets = rewrite_and_run(fn, a, b, w, *weights)
         assert made == {"mm_add_rmsnorm": 0, "mm_rmsnorm": 0, "mm_silu_mul": 0}, fn.__name__
         assert "kbit.mm.default" in targets
+
+
+def test_compile_options_turn_on_combo_kernels_unless_told():
+    assert fusion.compile_options()["combo_kernels"] is True
+    assert "combo_kernels" not in fusion.compile_options(combo_kernels=False)
+    assert fusion.compile_config().options["combo_kernels"] is True
+    assert "combo_kernels" not in fusion.compile_config(combo_kernels=False).options
