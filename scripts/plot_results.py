@@ -289,8 +289,8 @@ def bench_markdown(p: dict[str, Any]) -> str:
                      "pass: the residual add + RMSNorm before q/k/v and gate/up and the SiLU-gated product before "
                      "down run inside the kbit GEMVs (`compile_config()` / `compile_options()`).")
             if p.get("combo_kernels"):
-                head += (" Those compiles turn on inductor's combo kernels for every variant: each layer's RoPE, "
-                         "cache writes and attention mask run as one kernel.")
+                head += (" Those compiles turn on inductor's combo kernels for every variant, which launch independent "
+                         "small kernels together (each layer's RoPE, KV-cache writes and attention mask).")
         if p.get("attention", "sdpa") != "sdpa":
             head += (" Every variant, bf16 included, attends with `attn_implementation=" + repr(p["attention"]) + "` "
                      "(hf_kbit.attention: a decoded token's query heads served per key/value head, no repeat_kv) "
