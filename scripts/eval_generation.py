@@ -9,6 +9,13 @@ tokens. On CUDA the timing uses a static KV cache, so transformers compiles the 
 speeds only show that the pipeline works. ``--attention kbit_decode`` builds every variant, bf16
 too, with hf_kbit.attention's single-token grouped-query attention instead of transformers' sdpa.
 
+Beside generate()'s decode tokens/s each batch size also gets the decode loop's (``_eval_common.
+measure_decode_loop``, as in ``bench_generate.py``): the host drives greedy steps one token at a time
+through the decode step compiled as generate() compiles it (CUDA), feeds the argmax back on the device
+and syncs once after the last step, where generate() syncs every token. It is the reading a serving
+loop that does not wait for each token sees. ``--decode-loop auto`` (the default) times it on CUDA
+only: on the CPU its eager steps over a static cache add minutes and no kernel speed.
+
     python scripts/eval_generation.py --model smollm2-135m --bits 4
     python scripts/eval_generation.py --model qwen2.5-coder-0.5b --bits 2,3,4,5 --device cuda
 
@@ -102,12 +109,19 @@ def run(
     repeats: int = 3,
     include_bf16: bool = True,
     attention: str = "sdpa",
+    decode_loop: bool | None = None,
     log=print,
 ) -> dict[str, Any]:
-    """Generations and speed of every variant, each built with transformers attention ``attention``; returns
-    the JSON payload."""
+    """Generations and speed of every variant, each built with transformers attention ``attention``, with the
+    decode loop's tokens/s beside generate()'s where ``decode_loop`` says (None: on CUDA); returns the JSON
+    payload."""
     from transformers import AutoTokenizer
 
+    if decode_loop is None:
+        decode_loop = device.startswith("cuda")
+    if decode_loop and speed_new_tokens < 2:
+        raise ValueError(f"--speed-new-tokens must be >= 2 to time the decode loop (or pass --decode-loop off), "
+                         f"got {speed_new_tokens}")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     use_chat = tokenizer.chat_template is not None if chat == "auto" else chat == "on"
     static_compile = device.startswith("cuda")
@@ -120,8 +134,14 @@ def run(
         speed = []
         for batch in batch_sizes:
             s = common.measure_speed(model, batch, prompt_len, speed_new_tokens, device, static_compile, repeats)
+            line = (f"{info['variant']:>6} batch {batch}: prefill {s['prefill_tok_s']:.1f} tok/s, "
+                    f"decode {s['decode_tok_s']:.1f} tok/s")
+            if decode_loop:
+                s.update(common.measure_decode_loop(model, batch, prompt_len, speed_new_tokens, device, repeats))
+                line += (f", decode loop {s['loop_decode_tok_s']:.1f} tok/s (tokens at the eager argmax "
+                         f"{s['loop_tokens_argmax_match']:.0%})")
             speed.append(s)
-            log(f"{info['variant']:>6} batch {batch}: prefill {s['prefill_tok_s']:.1f} tok/s, decode {s['decode_tok_s']:.1f} tok/s")
+            log(line)
         variants.append({**info, "generations": generations, "speed": speed})
         del model
     if static_compile:
@@ -130,6 +150,8 @@ def run(
         for v in variants:
             for s in v["speed"]:
                 s["decode_speedup_vs_bf16"] = s["prefill_speedup_vs_bf16"] = None
+                if decode_loop:
+                    s["loop_decode_speedup_vs_bf16"] = None
     payload = {
         "schema": SCHEMA,
         "model": model_info,
@@ -145,6 +167,7 @@ def run(
             "batch_sizes": list(batch_sizes),
             "repeats": repeats,
             "static_cache_and_compile": static_compile,
+            "decode_loop": decode_loop,
         },
         "prompts": prompts,
         "variants": variants,
@@ -160,15 +183,20 @@ def add_speedups(variants: list[dict[str, Any]]) -> None:
             ref = next((b for b in base["speed"] if b["batch"] == s["batch"]), None) if base else None
             s["decode_speedup_vs_bf16"] = s["decode_tok_s"] / ref["decode_tok_s"] if ref else None
             s["prefill_speedup_vs_bf16"] = s["prefill_tok_s"] / ref["prefill_tok_s"] if ref else None
+            if "loop_decode_tok_s" in s:
+                s["loop_decode_speedup_vs_bf16"] = s["loop_decode_tok_s"] / ref["loop_decode_tok_s"] if ref else None
 
 
 def speed_table(payload: dict[str, Any]) -> str:
+    loop = payload["speed_setup"].get("decode_loop", False)
     rows = [
         [v["variant"], v["bits_per_weight"], s["batch"], s["prefill_tok_s"], s["decode_tok_s"], s.get("decode_speedup_vs_bf16")]
+        + ([s["loop_decode_tok_s"], s.get("loop_decode_speedup_vs_bf16")] if loop else [])
         for v in payload["variants"]
         for s in v["speed"]
     ]
     headers = ["variant", "bits/weight", "batch", "prefill tok/s", "decode tok/s", "decode x bf16"]
+    headers += ["loop tok/s", "loop x bf16"] if loop else []
     return common.format_table(headers, rows)
 
 
@@ -195,6 +223,13 @@ def render_markdown(payload: dict[str, Any]) -> str:
         "",
         speed_table(payload),
     ]
+    if sp.get("decode_loop"):
+        how_loop = ("the decode step compiled as generate() compiles it" if sp["static_cache_and_compile"]
+                    else "eager decode steps")
+        parts += ["", "Decode tok/s: `generate()`, which waits for the device after every token. Loop: "
+                      f"{sp['new_tokens'] - 1} greedy steps that the host drives one token at a time ({how_loop}, the "
+                      "argmax fed back on the device), waiting once after the last; it shows what the model decodes "
+                      "at when the host keeps ahead of the device."]
     if not payload["device"].startswith("cuda"):
         parts += ["", "CPU: kbit runs as dequantized nn.Linear here, so these speeds are not kbit kernel speeds."]
     return "\n".join(parts) + "\n"
@@ -216,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention", default="sdpa", choices=common.ATTENTIONS,
                         help="attention of every variant: transformers' sdpa (default) or hf_kbit's single-token "
                              "grouped-query kbit_decode")
+    parser.add_argument("--decode-loop", choices=("auto", "on", "off"), default="auto",
+                        help="time the decode loop (greedy steps driven by the host, one sync at the end) beside "
+                             "generate(); auto: on CUDA only")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
     parser.add_argument("--dtype", default="auto", help="compute dtype: auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32")
     parser.add_argument("--out", default=None, help="JSON path (default: results/generation_<model>.json)")
@@ -232,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = run(
         folder, model_info, prompts, bits_list, device, dtype, args.max_new_tokens, args.chat, args.seed,
         batch_sizes, args.prompt_len, args.speed_new_tokens, args.repeats, include_bf16=not args.no_bf16,
-        attention=args.attention,
+        attention=args.attention, decode_loop=None if args.decode_loop == "auto" else args.decode_loop == "on",
     )
     payload["command"] = common.command_line()
     payload["environment"] = common.environment()

@@ -28,7 +28,7 @@ def generation_payload(tiny_folder):
     return eg.run(
         tiny_folder, {"name": "tiny", "spec": "tiny", "slug": "tiny", "source": "test"}, ["It is a truth", "a wife"],
         [5], "cpu", torch.float32, max_new_tokens=6, chat="off", batch_sizes=(1, 2), prompt_len=8,
-        speed_new_tokens=3, repeats=1, log=lambda *_: None,
+        speed_new_tokens=3, repeats=1, decode_loop=True, log=lambda *_: None,
     )
 
 
@@ -41,8 +41,28 @@ def test_generation_side_by_side(generation_payload):
         assert all(0 < g["greedy_tokens"] <= 6 for g in v["generations"])
         assert [s["batch"] for s in v["speed"]] == [1, 2]
         assert all(SPEED_KEYS <= s.keys() and s["decode_tok_s"] > 0 for s in v["speed"])
+        # the decode loop beside generate(): CPU eager steps, the greedy tokens (fp32: equal to the eager argmax)
+        assert all(s["loop_decode_tok_s"] > 0 and s["loop_steps"] == 2 for s in v["speed"])
+        assert all(s["loop_tokens_argmax_match"] == 1.0 for s in v["speed"])
+        assert all(s["loop_decode_speedup_vs_bf16"] is None for s in v["speed"])  # CPU: no speed-ups
+    assert p["speed_setup"]["decode_loop"] is True
     assert "| prompt | bf16 | kbit5 |" in p["markdown"] and "decode tok/s" in p["markdown"]
+    assert "loop tok/s" in p["markdown"] and "Loop: 2 greedy steps" in p["markdown"]
     json.dumps(p)  # the payload is JSON-serialisable
+
+
+def test_decode_loop_is_cuda_only_by_default(tiny_folder):
+    p = eg.run(  # decode_loop=None: on CUDA only
+        tiny_folder, {"name": "tiny", "spec": "tiny", "slug": "tiny", "source": "test"}, ["It is"], [4], "cpu",
+        torch.float32, max_new_tokens=2, chat="off", batch_sizes=(1,), prompt_len=8, speed_new_tokens=2, repeats=1,
+        log=lambda *_: None,
+    )
+    assert p["speed_setup"]["decode_loop"] is False
+    assert all("loop_decode_tok_s" not in s for v in p["variants"] for s in v["speed"])
+    assert "loop tok/s" not in p["markdown"] and "Loop:" not in p["markdown"]
+    loop_needs_two = r"--speed-new-tokens must be >= 2 to time the decode loop \(or pass --decode-loop off\), got 1"
+    with pytest.raises(ValueError, match=loop_needs_two):
+        eg.run(tiny_folder, {"name": "tiny"}, ["x"], [4], "cpu", torch.float32, speed_new_tokens=1, decode_loop=True)
 
 
 def test_attention_builds_every_variant_with_it(tiny_folder, monkeypatch):
