@@ -15,7 +15,8 @@ position biases, per-head masks) runs transformers' ``sdpa`` unchanged, and mask
 ``sdpa``. On CUDA with Triton the decode runs ``kbit::decode_attention``: one program per (batch,
 key/value head, slice of the keys) computes its query group's softmax-weighted values with an online
 softmax in float32 (tensor-core dots), and a second kernel merges the slices, one program per query
-row (deterministic). Elsewhere it is ``scaled_dot_product_attention`` on the packed query, which is
+row (deterministic); on sm_90+ both are programmatic dependent launches, as the kbit GEMV is.
+Elsewhere it is ``scaled_dot_product_attention`` on the packed query, which is
 also the reference the GPU tests hold the kernel to. Nothing here depends on kbit weights: bf16
 models take it as well, which is how the benchmarks compare like with like.
 """
@@ -125,6 +126,12 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.cache
+def _pdl_supported(index: int) -> bool:
+    """Programmatic dependent launch (griddepcontrol): sm_90 and later."""
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
 def plan_splits(batch: int, kv_heads: int, kv_len: int, sm_count: int) -> int:
     """Key slices per (batch, key/value head): about ``PROGRAMS_PER_SM`` programs per SM, at least one
     block of keys each."""
@@ -135,7 +142,17 @@ def plan_splits(batch: int, kv_heads: int, kv_len: int, sm_count: int) -> int:
 if _HAS_TRITON:
     import triton
     import triton.language as tl
-    from torch.library import triton_op, wrap_triton
+
+    @triton.jit
+    def _pdl_wait(PDL: tl.constexpr):
+        # A programmatic dependent launch (sm_90+) starts while the kernel before it finishes: wait for that
+        # kernel's grid (its writes included) before reading anything, then let the next kernel launch, so
+        # its prologue overlaps this one. Triggering only after the wait keeps the kernels before this one
+        # complete by the time the next one starts (inductor's PDL kernels read older buffers before their
+        # own wait; the kbit GEMV reads only its weight).
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
     def _decode_attention_slice_kernel(
@@ -144,10 +161,13 @@ if _HAS_TRITON:
         kv_heads, kv_len, slice_len, qk_scale,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
         DV: tl.constexpr, DV_P: tl.constexpr, BLOCK: tl.constexpr, MASK: tl.constexpr, ONE_SLICE: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         # One (batch, key/value head, key slice): the group's rows of softmax(q k^T * scale + mask) v, as
         # float32 sums with their running max and denominator (log2 domain), or the normalized output
-        # when the keys are not sliced. MASK: 0 none, 1 boolean (True attends), 2 additive.
+        # when the keys are not sliced. MASK: 0 none, 1 boolean (True attends), 2 additive. PDL: launched
+        # as a programmatic dependent (_pdl_wait).
+        _pdl_wait(PDL)
         bh = tl.program_id(0)
         s = tl.program_id(1)
         b = bh // kv_heads
@@ -199,9 +219,10 @@ if _HAS_TRITON:
     @triton.jit
     def _decode_attention_merge_kernel(part_ptr, stats_ptr, out_ptr, slices,
                                        GROUP: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr,
-                                       SLICES_P: tl.constexpr):
+                                       SLICES_P: tl.constexpr, PDL: tl.constexpr):
         # One query row (batch, query head), all its slices at once: their sums rescaled to the common max
         # and added. The row's index is also its output row's.
+        _pdl_wait(PDL)
         row = tl.program_id(0)
         bh = row // GROUP
         s = tl.arange(0, SLICES_P)
@@ -215,12 +236,17 @@ if _HAS_TRITON:
         out = tl.sum(w[:, None] * acc, 0) / l_sum
         tl.store(out_ptr + row * DV + dv, out.to(out_ptr.dtype.element_ty), mask=dv < DV)
 
-    @triton_op("kbit::decode_attention", mutates_args={})
+    @torch.library.custom_op("kbit::decode_attention", mutates_args=())
     def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          mask: torch.Tensor | None, scale: float, slices: int = 0) -> torch.Tensor:
         """Single-token grouped-query attention: query (b, hq, 1, d), key (b, hkv, n, d), value
         (b, hkv, n, dv), mask None or (b | 1, 1, 1, n) boolean (True attends) or additive -> (b, 1, hq, dv).
-        ``slices``: key slices per (batch, key/value head); 0 picks enough to fill the GPU (``plan_splits``)."""
+        ``slices``: key slices per (batch, key/value head); 0 picks enough to fill the GPU (``plan_splits``).
+
+        An opaque op that launches its Triton kernels itself, so that on sm_90+ they are programmatic
+        dependent launches (inductor launches a ``triton_op``'s kernels without that attribute): each
+        kernel's launch and setup overlap the kernel before it, and the next kernel's (the output
+        projection's GEMV) overlap it."""
         b, hq, _, d = query.shape
         hkv, n, dv = key.shape[1], key.shape[2], value.shape[-1]
         group = hq // hkv
@@ -240,17 +266,23 @@ if _HAS_TRITON:
         else:
             part = query.new_empty((b * hkv * slices * group, dv_p), dtype=torch.float32)
             stats = query.new_empty((b * hkv * slices * group, 2), dtype=torch.float32)
-        wrap_triton(_decode_attention_slice_kernel)[(b * hkv, slices)](
-            query, key, value, mask_arg, out, part, stats,
-            query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
-            value.stride(0), value.stride(1), value.stride(2), m_sb, m_sn,
-            hkv, n, slice_len, scale * 1.4426950408889634,
-            GROUP=group, GROUP_P=group_p, D=d, D_P=triton.next_power_of_2(d), DV=dv, DV_P=dv_p,
-            BLOCK=BLOCK_N, MASK=mask_kind, ONE_SLICE=slices == 1, num_warps=4,
-        )
-        if slices > 1:
-            wrap_triton(_decode_attention_merge_kernel)[(b * hq,)](
-                part, stats, out, slices, GROUP=group, DV=dv, DV_P=dv_p, SLICES_P=triton.next_power_of_2(slices),
-                num_warps=4,
+        pdl = _pdl_supported(query.device.index or 0)
+        with torch.cuda.device(query.device):  # Triton launches on the current device's current stream
+            _decode_attention_slice_kernel[(b * hkv, slices)](
+                query, key, value, mask_arg, out, part, stats,
+                query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
+                value.stride(0), value.stride(1), value.stride(2), m_sb, m_sn,
+                hkv, n, slice_len, scale * 1.4426950408889634,
+                GROUP=group, GROUP_P=group_p, D=d, D_P=triton.next_power_of_2(d), DV=dv, DV_P=dv_p,
+                BLOCK=BLOCK_N, MASK=mask_kind, ONE_SLICE=slices == 1, PDL=pdl, num_warps=4, launch_pdl=pdl,
             )
+            if slices > 1:
+                _decode_attention_merge_kernel[(b * hq,)](
+                    part, stats, out, slices, GROUP=group, DV=dv, DV_P=dv_p,
+                    SLICES_P=triton.next_power_of_2(slices), PDL=pdl, num_warps=4, launch_pdl=pdl,
+                )
         return out
+
+    @decode_attention.register_fake
+    def _(query, key, value, mask, scale, slices=0):
+        return query.new_empty((query.shape[0], 1, query.shape[1], value.shape[-1]))
