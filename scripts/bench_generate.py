@@ -239,6 +239,8 @@ def settings(
     ``run`` measures under and ``--resume`` compares. ValueError for settings that cannot run together."""
     import torch._inductor.config as inductor_config
 
+    from hf_kbit import fusion
+
     cuda = device.startswith("cuda")
     if graph_step and steps_per_graph < 1:
         raise ValueError(f"--steps-per-graph must be >= 1, got {steps_per_graph}")
@@ -268,7 +270,8 @@ def settings(
         "fused_projections": fuse_projections,  # q/k/v and gate/up as one kbit launch each
         # hf_kbit.fusion's inductor pass in the compiled decode steps (generate()'s, the graph step's, the loop's)
         "fusion_pass": fusion_pass,
-        "combo_kernels": fusion_pass,  # hf_kbit.fusion's compile options turn them on, for every variant
+        # inductor's combo kernels, which hf_kbit.fusion's compile options turn on, for every variant
+        "combo_kernels": fusion_pass and fusion.compile_options().get("combo_kernels", False),
         "attention": attention,  # transformers attention implementation of every variant
         # TORCHINDUCTOR_ENABLE_PDL=1: inductor's Triton kernels launch as programmatic dependents (None: no such config)
         "inductor_pdl": getattr(inductor_config.triton, "enable_pdl", None),
