@@ -182,7 +182,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1) gemm_kernel(MmParams p) {
   build_table<BITS, T>(table, codebook_lane<BITS>(p.codebook, threadIdx.x & 31));
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const uint32_t lane_word = BITS == 2 ? lane * 8u : BITS <= 4 ? lane * 4u : (lane & 15u) * 4u * 0x01010101u;
+  const uint32_t lane_word = table_lane_word<BITS, false>(lane, 0);
   float acc[kGemmRowTiles][NT][4];
 #pragma unroll
   for (int r = 0; r < kGemmRowTiles; ++r)

@@ -11,8 +11,8 @@
 //    plane words of a block into words whose byte b holds the codebook indices of an element
 //    pair (k = 3..5: elements 8b+2s, 8b+2s+1 in word s) or quad (k = 2: 8b+{0,1,4,5} / {2,3,6,7}).
 //  * One byte permute + one conflict-free shared-memory load per pair (quad for k = 2) from a
-//    table of codebook pairs in the activation dtype, 32 (k = 5: 16) lane-private copies; the
-//    pair is then scaled by the block scale with one packed multiply and is an mma operand.
+//    table of codebook pairs in the activation dtype, 32 (k = 2, 5: 16) lane-private copies;
+//    the pair is then scaled by the block scale with one packed multiply and is an mma operand.
 //  * The dot product over K is order-free, so the mma's K order is chosen to match the
 //    decode: within a K tile, lane t's block supplies mma rows 2t, 2t+1, 2t+8, 2t+9 of every
 //    chunk. The activations are staged in shared memory already permuted into that B-fragment
@@ -84,7 +84,7 @@ constexpr uint32_t kTableWindow = kGemvTablePad;  // 64 KB: byte 2 of the addres
 // window's top byte, `window_hi` (in a cluster launch CTA rank r's shared window starts at
 // r << 24; k <= 4 only: k = 5 takes relative mode there).
 template <int BITS, bool kAbs> __device__ __forceinline__ uint32_t table_lane_word(int lane, uint32_t window_hi) {
-  const uint32_t w = BITS == 2 ? lane * 8u : BITS <= 4 ? lane * 4u : (lane & 15u) * 4u * 0x01010101u;
+  const uint32_t w = BITS == 2 ? (lane & 15u) * 8u : BITS <= 4 ? lane * 4u : (lane & 15u) * 4u * 0x01010101u;
   return kAbs && BITS <= 4 ? w | kTableWindow | window_hi : w;
 }
 
@@ -127,8 +127,11 @@ __device__ __forceinline__ int x_swizzle(int g, int t) { return ((g * 4 + t) >> 
 
 // Pair table: 256 slots of 256 bytes (64 KB). k = 3, 4: slot = pair index i0 | i1 << 4, 32
 // copies of a 4-byte pair in its first 128 bytes (the byte permute yields slot * 256 + lane * 4
-// directly). k = 2: slot = quad index, 32 copies of an 8-byte quad. k = 5: slot = the two
-// low nibbles, then 4 (high bits) x 16 copies of a 4-byte pair (lane l uses copy l % 16).
+// directly). k = 2: slot = quad index, 16 copies of an 8-byte quad in its first 128 bytes, lane
+// l using copy l % 16 (an 8-byte load is served per half-warp, so lanes l and l + 16 never meet
+// in one bank). k = 5: slot = the two low nibbles, then 4 (high bits) x 16 copies of a 4-byte
+// pair (lane l uses copy l % 16). Only the bytes that lookups read are written (32 KB for
+// k = 2-4): the CTAs that start last wait on the build.
 template <typename T> __device__ __forceinline__ uint32_t scale_pair(uint32_t code);
 
 // Codebook level lane % 2^BITS of this lane: build_table reads the levels from the warp's
@@ -146,10 +149,12 @@ __device__ __forceinline__ void build_table(char* table, float levels) {
   // After the pair table: the 256 E4M4 block scales as pairs of the activation dtype.
   for (int i = threadIdx.x; i < 256; i += blockDim.x)
     reinterpret_cast<uint32_t*>(table + kGemvTableBytes)[i] = scale_pair<T>(i);
-  static_assert(kGemvTableBytes % (32 * 16) == 0, "build_table's shuffles need whole warps");
-  for (int i = threadIdx.x; i < kGemvTableBytes / 16; i += blockDim.x) {
-    const int slot = i >> 4, within = (i & 15) * 16;
-    uint4 v = make_uint4(0, 0, 0, 0);
+  // 16-byte units written per slot: k = 2, 3, 4 read only a slot's first 128 bytes.
+  constexpr int kUnits = BITS <= 4 ? 8 : 16;
+  static_assert(256 * kUnits % (32 * 16) == 0, "build_table's shuffles need whole warps");
+  for (int i = threadIdx.x; i < 256 * kUnits; i += blockDim.x) {
+    const int slot = i / kUnits, within = (i % kUnits) * 16;
+    uint4 v;
     if (BITS == 2) {
       // quad index bits: [1:0] element A.lo, [3:2] B.lo, [5:4] A.hi, [7:6] B.hi
       const uint32_t a = pack2<T>(level(slot), level(slot >> 4));
@@ -158,13 +163,12 @@ __device__ __forceinline__ void build_table(char* table, float levels) {
     } else if (BITS <= 4) {
       const uint32_t a = pack2<T>(level(slot), level(slot >> 4));
       v = make_uint4(a, a, a, a);
-      if (within >= 128) continue;  // never read (after the shuffles, which need every lane)
     } else {
       const int hi = within >> 6;
       const uint32_t a = pack2<T>(level((slot & 15) | ((hi & 1) << 4)), level((slot >> 4) | ((hi >> 1) << 4)));
       v = make_uint4(a, a, a, a);
     }
-    *reinterpret_cast<uint4*>(table + i * 16) = v;
+    *reinterpret_cast<uint4*>(table + slot * 256 + within) = v;
   }
 }
 
@@ -486,9 +490,14 @@ template <typename T> struct RowSquares {
 // (staging is latency-bound otherwise); the GEMV takes 4, the grouped kernel 2 (with 4 its
 // NT = 4 instantiation spilled and ran 10-12% slower at 16-64 tokens on the H100). fetch: PlainX
 // (x itself, row_of(tok) rows of k) or an XPrologue, which computes each run from its inputs.
-template <int BITS, typename T, int kUnroll, typename RowOf, typename Fetch = PlainX>
+// between(): called once by every thread while its first loads are in flight (the GEMV builds its
+// table there).
+struct NoWork {
+  __device__ void operator()() const {}
+};
+template <int BITS, typename T, int kUnroll, typename RowOf, typename Fetch = PlainX, typename Between = NoWork>
 __device__ __forceinline__ void stage_x(const T* x, int64_t k, int m, RowOf row_of, uint32_t* xs, int64_t kc0,
-                                        int64_t kc1, Fetch fetch = {}) {
+                                        int64_t kc1, Fetch fetch = {}, Between between = {}) {
   constexpr int kSecond = BITS == 2 ? 4 : 8;  // element offset of the run's second half
   union Run { uint4 u; uint32_t w[4]; T e[8]; };
   const int q = threadIdx.x & 3, t = (threadIdx.x >> 2) & 3, step = blockDim.x >> 4;
@@ -498,7 +507,8 @@ __device__ __forceinline__ void stage_x(const T* x, int64_t k, int m, RowOf row_
   int rec = threadIdx.x >> 4;
   int j = rec / m, tok = rec - j * m;
   const int dj = step / m, dtok = step - dj * m;
-  while (rec < recs) {
+  bool first = true;
+  do {  // the first pass by every thread, for between()
     uint4 v[kUnroll];
     int dst[kUnroll];
 #pragma unroll
@@ -535,10 +545,12 @@ __device__ __forceinline__ void stage_x(const T* x, int64_t k, int m, RowOf row_
         ++j;
       }
     }
+    if (first) between();
+    first = false;
 #pragma unroll
     for (int r = 0; r < kUnroll; ++r)
       if (dst[r] >= 0) *reinterpret_cast<uint4*>(xs + dst[r]) = v[r];
-  }
+  } while (rec < recs);
 }
 
 // The receive slots of cluster plans, after the staged x.
@@ -709,10 +721,17 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
 
   // A programmatic dependent launch (KBIT_PDL): everything above reads only the packed weight
   // and its codebook, copied in or written by the quantize kernel, which fences its stores
-  // (quantize_kernel.cuh), so the plane loads, row scales and table build overlap the previous
-  // kernel's tail; x is read after that kernel has completed. The next kernel may launch only
-  // after the wait (kbit_common.cuh).
-  build_table<BITS, T>(table, codebook_lane<BITS>(p.codebook, lane));
+  // (quantize_kernel.cuh), so the plane loads and row scales overlap the previous kernel's tail;
+  // x is read after that kernel has completed. k <= 4 build the table while the first x loads
+  // are in flight: the CTAs that start last (on the SMs the previous kernel leaves last) find the
+  // wait already met, and end the call. k = 5's table, twice as large, takes longer than those
+  // loads and is built before the wait. The next kernel may launch only after the wait
+  // (kbit_common.cuh).
+  const float levels = codebook_lane<BITS>(p.codebook, lane);
+  if constexpr (BITS == 5) build_table<BITS, T>(table, levels);
+  const auto table_build = [&] {
+    if constexpr (BITS <= 4) build_table<BITS, T>(table, levels);
+  };
   wait_for_primary_grid();
 #if KBIT_TRACE
   trace.stamp(1);
@@ -724,14 +743,14 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
     const bool norm = p.prologue >= kPrologueNorm;
     RowSquares<T> squares;
     if (norm) squares.issue(prologue, p.k, m);
-    stage_x<BITS, T, 4>(static_cast<const T*>(p.x), p.k, m, row_of, xs, kc0, kc1, prologue);
+    stage_x<BITS, T, 4>(static_cast<const T*>(p.x), p.k, m, row_of, xs, kc0, kc1, prologue, table_build);
     __syncthreads();
     if (norm) {
       squares.finish(prologue, p.k, m, static_cast<T*>(p.sum_out), warp_ss);
       __syncthreads();
     }
   } else {
-    stage_x<BITS, T, 4>(static_cast<const T*>(p.x), p.k, m, row_of, xs, kc0, kc1);
+    stage_x<BITS, T, 4>(static_cast<const T*>(p.x), p.k, m, row_of, xs, kc0, kc1, PlainX{}, table_build);
     __syncthreads();
   }
 #if KBIT_TRACE

@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) grouped_gemv_ker
   const int64_t work = grouped ? chunk_start[num_experts] : p.s;
   const int64_t units = work * groups;
   const int expert_tiles = static_cast<int>(n_tiles * k_tiles);
-  const uint32_t lane_word = BITS == 2 ? lane * 8u : BITS <= 4 ? lane * 4u : (lane & 15u) * 4u * 0x01010101u;
+  const uint32_t lane_word = table_lane_word<BITS, false>(lane, 0);
   const T* x = static_cast<const T*>(p.x);
   T* out = static_cast<T*>(p.out);
 
