@@ -1,8 +1,9 @@
 """hf_kbit: k-bit (2-5 bit) codebook weight quantization for Hugging Face transformers.
 
-``import hf_kbit`` registers ``quant_method="kbit"`` with transformers (an installed
-hf-kbit also registers itself when transformers loads its quantizers, without the import) and the
-single-token grouped-query attention ``attn_implementation="kbit_decode"`` (hf_kbit.attention).
+``import hf_kbit`` registers ``quant_method="kbit"`` with transformers and the single-token
+grouped-query attention ``attn_implementation="kbit_decode"`` (hf_kbit.attention). An installed
+hf-kbit also does this without the import: its ``.pth`` hook (python/_hf_kbit_autoload.py) imports
+hf_kbit the first time transformers looks either up.
 """
 
 from . import _ops  # noqa: F401  (defines torch.ops.kbit.*)
@@ -15,8 +16,7 @@ from .nn import KbitExperts, KbitLinear, fuse_projections, quantize_model, unfus
 __version__ = "0.1.0"
 
 register()
-if not attention.transformers_is_importing():  # else the .pth hook does, once transformers' import is done
-    attention.register()  # attn_implementation="kbit_decode"
+attention.register()  # attn_implementation="kbit_decode"
 
 if _lib.available():  # CUDA kernels for kbit ops on CUDA tensors (else the PyTorch reference)
     from .backends import cuda as _cuda_backend  # noqa: F401

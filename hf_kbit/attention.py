@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -108,13 +107,6 @@ def register() -> None:
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, decode_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-
-
-def transformers_is_importing() -> bool:
-    """Whether transformers' modeling code is still being imported (it imports hf_kbit through the autoload
-    hook of an installed hf-kbit, python/_hf_kbit_autoload.py, which registers once that import is done)."""
-    module = sys.modules.get("transformers.modeling_utils")
-    return module is not None and getattr(module.__spec__, "_initializing", False)
 
 
 def _padded_group(group: int) -> int:

@@ -7,7 +7,7 @@ ensure_venv() {
   shift
   local stamp="$venv/.hf_kbit_stamp"
   local want
-  want="$(cat pyproject.toml CMakeLists.txt scripts/_venv.sh) ${TORCH_SPEC:-torch==2.13.0} $*"
+  want="$(cat pyproject.toml CMakeLists.txt scripts/_venv.sh python/_hf_kbit_autoload.py python/hf_kbit_autoload.pth) ${TORCH_SPEC:-torch==2.13.0} $*"
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     return 0
   fi

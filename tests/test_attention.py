@@ -119,22 +119,18 @@ def test_plan_splits_aims_at_two_programs_per_sm(batch, kv_len, expected):
     assert attention.plan_splits(batch, 8, kv_len, 132) == expected
 
 
-@pytest.mark.parametrize("case", ["hook, transformers only", "no hook, transformers first", "no hook, hf_kbit first"])
+@pytest.mark.parametrize("case", ["no hook, transformers first", "no hook, hf_kbit first"])
 def test_registered_whatever_imports_first(case):
-    """kbit_decode is registered however the process gets to it: through the .pth hook of an installed
-    hf-kbit while transformers imports its modeling code (which imports hf_kbit half-way), or by
-    ``import hf_kbit`` before or after transformers without the hook (hf_kbit on PYTHONPATH)."""
+    """kbit_decode is registered by ``import hf_kbit`` before or after transformers, without the .pth
+    hook (hf_kbit on PYTHONPATH); tests/test_autoload.py covers the hook."""
     repo = Path(hf_kbit.__file__).resolve().parent.parent
     imports = {
-        "hook, transformers only": f"import site; site.addsitedir({str(repo / 'python')!r}); "
-                                   "from transformers import LlamaForCausalLM",
         "no hook, transformers first": "from transformers import LlamaForCausalLM; import hf_kbit",
         "no hook, hf_kbit first": "import hf_kbit; from transformers import LlamaForCausalLM",
     }[case]
     script = f"""
 import sys
-if {case.startswith("no hook")!r}:  # started with -S: this environment's site-packages without their .pth files
-    sys.path.extend({site.getsitepackages()!r})
+sys.path.extend({site.getsitepackages()!r})  # started with -S: site-packages without their .pth files
 {imports}
 from transformers import LlamaConfig
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -145,6 +141,5 @@ model = LlamaForCausalLM._from_config(config, attn_implementation="kbit_decode")
 assert model.config._attn_implementation == "kbit_decode"
 assert ALL_ATTENTION_FUNCTIONS["kbit_decode"].__module__ == "hf_kbit.attention"
 """
-    flags = ["-S"] if case.startswith("no hook") else []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, *flags, "-c", script], check=True, env=env, timeout=300)
+    subprocess.run([sys.executable, "-S", "-c", script], check=True, env=env, timeout=300)
