@@ -3,8 +3,10 @@
 The library depends on the CUDA driver only (the runtime is linked statically), not on a
 torch version, so one prebuilt wheel serves every torch. It is looked up at
 ``$HF_KBIT_LIBRARY`` if set, else next to this file (where a wheel installs it), else in the
-``hf_kbit/`` folder of each ``sys.path`` entry: an editable install (scikit-build-core) keeps
-the Python files in the source tree and installs the built library into site-packages.
+``hf_kbit/`` folder of the environment's site-packages: an editable install (scikit-build-core)
+keeps the Python files in the source tree and installs the built library there. Never in the
+current directory or another ``sys.path`` entry: a library found there would run its
+constructor in every program that imports hf_kbit from that directory.
 Nothing here imports torch's CUDA state: :func:`available` is cheap and never raises.
 """
 
@@ -12,7 +14,8 @@ from __future__ import annotations
 
 import ctypes
 import os
-import sys
+import site
+import sysconfig
 from pathlib import Path
 
 LIBRARY_NAME = "libhf_kbit_cuda.so"
@@ -35,9 +38,8 @@ _load_error: str | None = None
 
 def library_candidates() -> list[Path]:
     """Where the library is searched when ``$HF_KBIT_LIBRARY`` is unset, in order, without
-    duplicates: this package's folder, then ``<entry>/hf_kbit/`` for every ``sys.path`` entry."""
-    folders = [_PACKAGE_DIR]
-    folders += [Path(entry or os.curdir) / "hf_kbit" for entry in sys.path if isinstance(entry, str)]
+    duplicates: this package's folder, then ``<site-packages>/hf_kbit/`` for each of :func:`site_dirs`."""
+    folders = [_PACKAGE_DIR] + [Path(entry) / "hf_kbit" for entry in site_dirs()]
     seen: set[Path] = set()
     candidates = []
     for folder in folders:
@@ -49,6 +51,13 @@ def library_candidates() -> list[Path]:
             seen.add(folder)
             candidates.append(folder / LIBRARY_NAME)
     return candidates
+
+
+def site_dirs() -> list[str]:
+    """The environment's site-packages folders (absolute), where installs put files."""
+    dirs = [*site.getsitepackages(), site.getusersitepackages()]
+    dirs += [sysconfig.get_paths()[key] for key in ("purelib", "platlib")]
+    return [d for d in dirs if isinstance(d, str) and os.path.isabs(d)]
 
 
 def library_path() -> Path:

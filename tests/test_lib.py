@@ -1,8 +1,8 @@
 """hf_kbit._lib: where the compiled CUDA library is looked for, and the errors when it can't be had.
 
 CPU only: the search is tested with empty placeholder files (never dlopen'ed, except where a
-test wants the "could not be loaded" error), with the package folder and ``sys.path``
-replaced by temporary folders so that a real installed library never interferes.
+test wants the "could not be loaded" error), with the package folder and the site-packages
+folders replaced by temporary folders so that a real installed library never interferes.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from hf_kbit import _lib
 
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
-    """``_lib`` with nothing loaded, no $HF_KBIT_LIBRARY, an empty package folder and a
-    ``sys.path`` of two empty folders; yields ``(package_dir, [path entries])``."""
+    """``_lib`` with nothing loaded, no $HF_KBIT_LIBRARY, an empty package folder and two empty
+    site-packages folders; yields ``(package_dir, [site folders])``."""
     monkeypatch.setattr(_lib, "_lib", None)
     monkeypatch.setattr(_lib, "_load_error", None)
     monkeypatch.delenv(_lib.LIBRARY_ENV, raising=False)
@@ -28,7 +28,7 @@ def fresh(monkeypatch, tmp_path):
     entries = [tmp_path / "site-a", tmp_path / "site-b"]
     for entry in entries:
         entry.mkdir()
-    monkeypatch.setattr(sys, "path", [str(e) for e in entries])
+    monkeypatch.setattr(_lib, "site_dirs", lambda: [str(e) for e in entries])
     return package, entries
 
 
@@ -39,25 +39,25 @@ def _place(folder, name=_lib.LIBRARY_NAME):
     return path
 
 
-def test_finds_library_in_a_sys_path_hf_kbit_folder(fresh):
+def test_finds_library_in_a_site_packages_hf_kbit_folder(fresh):
     """scikit-build-core editable installs: Python files in the source tree, library in site-packages/hf_kbit/."""
     package, (site_a, site_b) = fresh
     placed = _place(site_b / "hf_kbit")
     assert _lib.library_path() == placed.resolve()
 
 
-def test_search_order_package_folder_then_sys_path_in_order(fresh):
+def test_search_order_package_folder_then_site_packages_in_order(fresh):
     package, (site_a, site_b) = fresh
     in_b = _place(site_b / "hf_kbit")
     in_a = _place(site_a / "hf_kbit")
-    assert _lib.library_path() == in_a.resolve(), "the earlier sys.path entry wins"
+    assert _lib.library_path() == in_a.resolve(), "the earlier site-packages folder wins"
     in_package = _place(package)
-    assert _lib.library_path() == in_package.resolve(), "the package folder wins over sys.path"
+    assert _lib.library_path() == in_package.resolve(), "the package folder wins over site-packages"
     candidates = _lib.library_candidates()
     assert candidates[:3] == [in_package.resolve(), in_a.resolve(), in_b.resolve()]
 
 
-def test_sys_path_folder_without_library_is_skipped(fresh):
+def test_site_folder_without_library_is_skipped(fresh):
     package, (site_a, site_b) = fresh
     (site_a / "hf_kbit").mkdir()
     _place(site_a / "hf_kbit", "libsomething_else.so")
@@ -67,11 +67,26 @@ def test_sys_path_folder_without_library_is_skipped(fresh):
 
 def test_candidates_have_no_duplicates(fresh, monkeypatch):
     package, (site_a, _) = fresh
-    # The source tree's parent on sys.path (running from a checkout) names the package folder again.
-    monkeypatch.setattr(sys, "path", [str(package.parent), str(site_a), str(site_a), "", str(site_a) + "/"])
+    # A site folder may name the package folder again (an install into the source tree's parent).
+    monkeypatch.setattr(_lib, "site_dirs", lambda: [str(package.parent), str(site_a), str(site_a), str(site_a) + "/"])
     candidates = _lib.library_candidates()
     assert len(candidates) == len(set(candidates))
     assert candidates[0] == package.resolve() / _lib.LIBRARY_NAME
+
+
+def test_current_directory_and_sys_path_are_never_searched(fresh, monkeypatch, tmp_path):
+    """A library planted in ./hf_kbit/ (or any sys.path entry) must not be dlopen'ed."""
+    package, _ = fresh
+    monkeypatch.undo()  # the real site_dirs, sys.path and package folder
+    monkeypatch.setattr(_lib, "_lib", None)
+    monkeypatch.setattr(_lib, "_load_error", None)
+    monkeypatch.delenv(_lib.LIBRARY_ENV, raising=False)
+    planted = tmp_path / "cwd"
+    _place(planted / "hf_kbit")
+    monkeypatch.chdir(planted)
+    monkeypatch.setattr(sys, "path", ["", str(planted), *sys.path])
+    assert all(not str(c).startswith(str(planted.resolve())) for c in _lib.library_candidates())
+    assert not str(_lib.library_path()).startswith(str(planted.resolve()))
 
 
 def test_environment_variable_overrides_search(fresh, monkeypatch, tmp_path):
