@@ -47,6 +47,11 @@ def _dtype_of(tensor_name: str) -> torch.dtype:
     raise KeyError(tensor_name)
 
 
+def _is_packed_name(tensor_name: str) -> bool:
+    """Whether ``tensor_name`` is named like a format tensor (``planes``, ``gate_up_row_scales``, ...)."""
+    return any(tensor_name == base or tensor_name.endswith("_" + base) for base in fmt.PACKED_DTYPES)
+
+
 def read_safetensors_header(path: str | os.PathLike) -> dict:
     """The JSON header of a safetensors file, with every tensor's data checked to lie inside the file."""
     size = os.path.getsize(path)
@@ -83,6 +88,7 @@ def validate_files(
     e.g. Mixtral saves ``.mlp.`` as ``.block_sparse_moe.``); identity when ``None``.
     """
     expected = expected_tensors(model)
+    modules = dict(model.named_modules())
     prefix = getattr(model, "base_model_prefix", "")
     found = set()
     for path in files:
@@ -95,6 +101,7 @@ def validate_files(
             candidates = (renamed, key, f"{prefix}.{renamed}", f"{prefix}.{key}")
             name = next((c for c in candidates if c in expected), None)
             if name is None:
+                _check_not_stray(key, path, candidates, modules)
                 continue
             found.add(name)
             shape, dtype = expected[name]
@@ -110,6 +117,34 @@ def validate_files(
         raise KbitCheckpointError(
             f"kbit checkpoint lacks {len(missing)} packed tensor(s), e.g. '{missing[0]}'; was it saved with a "
             "different quantization_config (bits, modules_to_not_convert)?"
+        )
+
+
+def _check_not_stray(key: str, path, candidates: Iterable[str], modules: dict[str, nn.Module]) -> None:
+    """Refuse a packed tensor for a module of the model that is not a kbit module (or lacks that tensor).
+
+    Without this, loading would skip it as unexpected and leave the module's weight randomly
+    initialised. Packed tensors of modules the model does not have at all (checkpoint layers the
+    model drops on purpose) stay transformers' business.
+    """
+    for candidate in candidates:
+        module_name, _, tensor_name = candidate.rpartition(".")
+        module = modules.get(module_name)
+        if module is None or not _is_packed_name(tensor_name):
+            continue
+        if tensor_name in module._parameters or tensor_name in module._buffers:
+            return  # the module's own tensor that happens to be named like a format tensor
+        if getattr(module, "packed_shapes", None) is None:
+            raise KbitCheckpointError(
+                f"checkpoint tensor '{key}' in {os.path.basename(path)} is a packed kbit tensor, but the "
+                f"quantization_config in config.json keeps '{module_name}' ({type(module).__name__}) in full "
+                "precision: config and tensors disagree; remove it from modules_to_not_convert (or use the "
+                "config.json the checkpoint was saved with)"
+            )
+        raise KbitCheckpointError(
+            f"checkpoint tensor '{key}' in {os.path.basename(path)} is not a tensor of the kbit module "
+            f"'{module_name}' (expected {sorted(module.packed_shapes())}); the file is corrupt or was written "
+            "with a different quantization_config"
         )
 
 

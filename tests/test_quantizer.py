@@ -224,3 +224,19 @@ with torch.no_grad():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
     subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=300)
     assert torch.equal(torch.load(kbit_checkpoint / "out.pt"), expected)
+
+
+def _set_quantization_config(path: Path, **fields) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"].update(fields)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("skip", ["q_proj", "self_attn", "model.layers.1.mlp.down_proj"], ids=lambda s: s)
+def test_packed_tensors_of_unconverted_module_are_refused(kbit_checkpoint, skip):
+    """A config.json that keeps a module in full precision while the file holds its packed tensors
+    must not load (the module's weight would be missing and randomly initialised)."""
+    _set_quantization_config(kbit_checkpoint, modules_to_not_convert=["lm_head", skip])
+    packed_key = r"'model\.layers\.\d\.\S+\.(planes|block_scales|row_scales|codebook)'"
+    with pytest.raises(KbitCheckpointError, match=packed_key + r".*full precision.*modules_to_not_convert"):
+        AutoModelForCausalLM.from_pretrained(kbit_checkpoint)

@@ -454,3 +454,13 @@ def test_quantize_on_load_rejects_wrong_fused_shape(bf16_checkpoints):
     kbit = KbitExperts.from_experts(copy.deepcopy(_experts_modules(_tiny_model("gpt_oss"))[name]), name=name)
     with pytest.raises(ValueError, match=rf"{name}\.gate_up_proj: the fused expert weight has shape \(7, 64, 80\)"):
         kbit.pack("gate_up_proj", torch.zeros(7, 64, 80), kbit.gate_up_codebook, name)
+
+
+def test_packed_experts_of_unconverted_module_are_refused(kbit4_models, tmp_path):
+    """config.json says the experts stay full precision but the file holds their packed tensors."""
+    kbit4_models("mixtral").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"] = ["lm_head", "experts"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(KbitCheckpointError, match=r"experts\.(gate_up|down)_\w+'.*MixtralExperts.*full precision"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
