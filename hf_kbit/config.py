@@ -5,6 +5,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
+try:
+    from re import _parser as _re_parser
+except ImportError:  # Python 3.10
+    import sre_parse as _re_parser
+
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from . import format as fmt
@@ -19,6 +24,18 @@ _FORMAT_FACTS = {
     "scale_format": "e4m4+row_f32",
 }
 
+# Patterns come from config.json, i.e. from whoever published the checkpoint, and Python's
+# backtracking matcher has no time limit: "(.*)*#" runs for hours on one module name. So a pattern
+# must have a structure whose matching cost is bounded (check_pattern; the worst patterns that pass
+# take about 2 ms on a 100-character module name on one CPU core, common ones microseconds).
+MAX_PATTERN_LENGTH = 256
+MAX_PATTERNS = 1024  # entries per field
+_NAME_LENGTH = 64  # a long module name: the scale of the cost estimate
+MAX_PATTERN_PATHS = 1 << 14  # backtracking paths from one start position: two free repeats (.*) and a '?'
+MAX_PATTERN_ALTERNATIVES = 1 << 8  # of those, paths through alternations (a|b), which cost ~10x a repeat's
+MAX_CONFIG_PATHS = 1 << 15  # summed over all patterns of a config
+_REPEATS = ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT")
+
 
 class KbitConfig(QuantizationConfigMixin):
     """Configuration of k-bit codebook weight quantization.
@@ -30,12 +47,15 @@ class KbitConfig(QuantizationConfigMixin):
             [-1, 1], or ``None`` for the measured default of each k.
         modules_to_not_convert: modules kept in full precision, with everything below them:
             dotted prefixes (``model.layers.0``), name components (``lm_head``,
-            ``shared_expert``) or full-name regexes. ``None`` keeps the output embedding
-            (LM head) and tied weights unquantized; an explicit list replaces that default, but a
-            module whose weight is tied to another's (an LM head sharing the input embedding)
-            stays unquantized either way.
+            ``shared_expert``) or full-name regexes (held to the bounds of ``module_bits``'
+            patterns). ``None`` keeps the output embedding (LM head) and tied weights
+            unquantized; an explicit list replaces that default, but a module whose weight is
+            tied to another's (an LM head sharing the input embedding) stays unquantized either way.
         module_bits: ``{regex: bits}``; a Linear/experts module whose full name matches a
             pattern (``re.search``, first match wins) uses those bits instead of ``bits``.
+            Patterns must match in bounded time: at most 256 characters, no repeat containing
+            another repeat, an alternation or a backreference (``(a+)*``, ``(ab|c)+``), and few
+            enough repeats and alternatives (:func:`check_pattern`).
         format_version: version of the packed format; a checkpoint newer than this library
             is refused.
         fuse_projections: after loading, run sibling projections that read the same input
@@ -78,12 +98,12 @@ class KbitConfig(QuantizationConfigMixin):
         _check_bits("bits", self.bits)
         if not isinstance(self.module_bits, dict):
             raise TypeError(f"KbitConfig.module_bits must be a dict {{regex: bits}}, got {type(self.module_bits)}")
+        if len(self.module_bits) > MAX_PATTERNS:
+            raise ValueError(f"KbitConfig.module_bits has {len(self.module_bits)} patterns, at most {MAX_PATTERNS}")
+        paths = 0
         for pattern, bits in self.module_bits.items():
             _check_bits(f"module_bits[{pattern!r}]", bits)
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                raise ValueError(f"KbitConfig.module_bits key {pattern!r} is not a valid regex: {e}") from None
+            paths += check_pattern(pattern, "KbitConfig.module_bits key")
         all_bits = {self.bits, *self.module_bits.values()}
         if self.codebook is None or isinstance(self.codebook, str):
             if self.codebook is not None and self.codebook not in fmt.CODEBOOKS:
@@ -101,6 +121,19 @@ class KbitConfig(QuantizationConfigMixin):
         ):
             raise TypeError(
                 f"KbitConfig.modules_to_not_convert must be a list of module names, got {self.modules_to_not_convert!r}"
+            )
+        if self.modules_to_not_convert is not None:
+            if len(self.modules_to_not_convert) > MAX_PATTERNS:
+                raise ValueError(
+                    f"KbitConfig.modules_to_not_convert has {len(self.modules_to_not_convert)} entries, "
+                    f"at most {MAX_PATTERNS}"
+                )
+            for entry in self.modules_to_not_convert:
+                paths += check_pattern(entry, "KbitConfig.modules_to_not_convert entry")
+        if paths > MAX_CONFIG_PATHS:
+            raise ValueError(
+                f"KbitConfig: the patterns of module_bits and modules_to_not_convert together cost {paths} "
+                f"backtracking paths per match, at most {MAX_CONFIG_PATHS}; use fewer or simpler patterns"
             )
         if not isinstance(self.fuse_projections, bool):
             raise TypeError(f"KbitConfig.fuse_projections must be a bool, got {self.fuse_projections!r}")
@@ -133,6 +166,74 @@ class KbitConfig(QuantizationConfigMixin):
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, KbitConfig) and self.to_dict() == other.to_dict()
+
+
+def check_pattern(pattern: Any, field: str = "pattern") -> int:
+    """Raise ValueError unless ``pattern`` is a regex that matches module names in bounded time;
+    returns its cost estimate (:func:`_match_paths`). ``field`` names it in errors."""
+    if not isinstance(pattern, str):
+        raise TypeError(f"{field} must be a str, got {type(pattern).__name__} {pattern!r}")
+    if len(pattern) > MAX_PATTERN_LENGTH:
+        raise ValueError(f"{field} {pattern[:40]!r}... has {len(pattern)} characters, at most {MAX_PATTERN_LENGTH}")
+    try:
+        re.compile(pattern)
+        parsed = _re_parser.parse(pattern)
+    except (re.error, OverflowError, RecursionError) as e:
+        raise ValueError(f"{field} {pattern!r} is not a valid regex: {e}") from None
+    paths, alternatives = _match_paths(parsed, pattern, field)
+    if paths > MAX_PATTERN_PATHS or alternatives > MAX_PATTERN_ALTERNATIVES:
+        raise ValueError(
+            f"{field} {pattern!r} may backtrack through {paths} paths per match ({alternatives} through "
+            f"alternations), at most {MAX_PATTERN_PATHS} ({MAX_PATTERN_ALTERNATIVES}); use fewer repeats "
+            "(*, +, {m,n}) and alternatives (|)"
+        )
+    return paths
+
+
+def _match_paths(items, pattern: str, field: str) -> tuple[int, int]:
+    """Upper bounds on the paths a backtracking matcher tries from one start position on a name of
+    ``_NAME_LENGTH`` characters, all and those through alternations: a repeat tries up to that many
+    counts, an alternation each alternative, a sequence every combination. Sound because no repeat
+    may hold another repeat, an alternation or a backreference (refused here): those are what make
+    the count exponential in the name's length."""
+    paths = alternatives = 1
+    for op, av in items:
+        name = op.name
+        if name in _REPEATS and av[1] > 1:
+            _refuse_backtracking_in_repeat(av[2], pattern, field)
+            paths *= min(av[1], _NAME_LENGTH) + 1
+            continue
+        if name in _REPEATS:  # at most once: matched or skipped
+            sub, sub_alternatives = _match_paths(av[2], pattern, field)
+            paths, alternatives = paths * (sub + 1), alternatives * sub_alternatives
+        elif name in ("SUBPATTERN", "ATOMIC_GROUP", "ASSERT", "ASSERT_NOT", "GROUPREF_EXISTS", "BRANCH"):
+            if name == "GROUPREF_EXISTS":
+                branches = [av[1], av[2] or []]
+            elif name == "BRANCH":
+                branches = av[1]
+            else:
+                branches = [av if name == "ATOMIC_GROUP" else av[-1]]
+            counts = [_match_paths(branch, pattern, field) for branch in branches]
+            sub = sum(c[0] for c in counts)
+            sub_alternatives = sum(c[1] for c in counts) if len(branches) > 1 else counts[0][1]
+            paths, alternatives = paths * sub, alternatives * sub_alternatives
+    return paths, alternatives
+
+
+def _refuse_backtracking_in_repeat(items, pattern: str, field: str) -> None:
+    for op, av in items:
+        name = op.name
+        what = {"BRANCH": "an alternation (|)", "GROUPREF": "a backreference", "GROUPREF_EXISTS": "a conditional"}
+        what.update(dict.fromkeys(_REPEATS, "another repeat"))
+        if name in what:
+            raise ValueError(
+                f"{field} {pattern!r} has a repeat (*, +, {{m,n}}) containing {what[name]}, which can backtrack "
+                "for hours; rewrite it without nesting (e.g. '.*' instead of '(.*)*')"
+            )
+        if name in ("SUBPATTERN", "ASSERT", "ASSERT_NOT"):
+            _refuse_backtracking_in_repeat(av[-1], pattern, field)
+        elif name == "ATOMIC_GROUP":
+            _refuse_backtracking_in_repeat(av, pattern, field)
 
 
 def _check_bits(field: str, bits: Any) -> None:

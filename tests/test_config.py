@@ -1,6 +1,8 @@
 """KbitConfig: validation naming the field, JSON round-trip, versioning, registration."""
 
 import json
+import re
+import time
 
 import pytest
 
@@ -72,3 +74,71 @@ def test_registered_with_transformers():
     assert AUTO_QUANTIZATION_CONFIG_MAPPING["kbit"] is KbitConfig
     assert AUTO_QUANTIZER_MAPPING["kbit"] is KbitHfQuantizer
     hf_kbit.register()  # idempotent
+
+
+# ---------------------------------------------------------------------------- untrusted patterns
+
+# A refused pattern must fail at once, never after matching (catastrophic patterns run for hours).
+MAX_REFUSAL_SECONDS = 1.0
+# The worst accepted pattern on a long module name (measured ~2 ms; generous for a loaded CI core).
+MAX_ACCEPTED_MATCH_SECONDS = 0.1
+LONG_NAME = "model.language_model.layers.123.block_sparse_moe.experts.shared_expert.gate_up_proj_" + "x" * 14
+
+LEGIT_PATTERNS = [
+    (r"mlp\.down_proj$", "model.layers.3.mlp.down_proj"),
+    (r"layers\.\d+\.self_attn\.(q|k|v)_proj", "model.layers.12.self_attn.k_proj"),
+    ("^lm_head$", "lm_head"),
+    (r"model\.layers\.(0|1|2|3|4|5|6|7|8|9|10|11)\.mlp", "model.layers.10.mlp.up_proj"),
+    (r".*\.shared_experts?\..*", "model.layers.1.mlp.shared_experts.down_proj"),
+    (r"(?=.*attn)layers\.\d+\.", "model.layers.2.self_attn.o_proj"),
+]
+
+
+@pytest.mark.parametrize("pattern, name", LEGIT_PATTERNS, ids=[p for p, _ in LEGIT_PATTERNS])
+def test_legit_patterns_are_accepted(pattern, name):
+    fields = {"quant_method": "kbit", "module_bits": {pattern: 2}, "modules_to_not_convert": [pattern]}
+    cfg = KbitConfig.from_dict(fields)
+    assert cfg.bits_for(name) == 2 and cfg.bits_for("model.embed_tokens") == 4
+    assert cfg.modules_to_not_convert == [pattern]
+
+
+HANG_PATTERNS = {
+    "(.*)*#": "another repeat",
+    "(a+)+$": "another repeat",
+    "(a?)*b": "another repeat",
+    "(?:.*){3}#": "another repeat",
+    r"(ab|a)*c": "alternation",
+    r"(\w)\1*#": "backreference",
+    r"\w*\w*\w*#": "paths per match",
+    "(.|.)" * 12 + "#": "through alternations",
+    "a" * 300: "characters",
+}
+
+
+@pytest.mark.parametrize("field", ["module_bits", "modules_to_not_convert"])
+@pytest.mark.parametrize("pattern", list(HANG_PATTERNS), ids=lambda p: p if len(p) < 40 else p[:20] + "...")
+def test_catastrophic_patterns_are_refused_at_once(pattern, field):
+    value = {pattern: 5} if field == "module_bits" else ["lm_head", pattern]
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=rf"KbitConfig\.{field} .*{re.escape(HANG_PATTERNS[pattern])}"):
+        KbitConfig.from_dict({"quant_method": "kbit", "bits": 4, field: value})
+    assert time.perf_counter() - start < MAX_REFUSAL_SECONDS
+
+
+def test_accepted_patterns_match_fast():
+    from hf_kbit.config import MAX_PATTERN_PATHS, check_pattern
+
+    worst = [r".*.*.?#", "(?:.|.)" * 8 + "#", "(?:.|.)" * 6 + r"\w*\w?#"]
+    for pattern in worst:
+        assert check_pattern(pattern) <= MAX_PATTERN_PATHS
+        start = time.perf_counter()
+        assert re.search(pattern, LONG_NAME) is None and re.fullmatch(pattern, LONG_NAME) is None
+        assert time.perf_counter() - start < MAX_ACCEPTED_MATCH_SECONDS, pattern
+
+
+def test_pattern_budget_is_per_config():
+    many = {rf".*{i}.*x.?#": 5 for i in range(8)}  # each within the per-pattern bound
+    with pytest.raises(ValueError, match="together cost"):
+        KbitConfig(module_bits=many)
+    with pytest.raises(TypeError, match="modules_to_not_convert"):
+        KbitConfig(modules_to_not_convert=["lm_head", 3])

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -240,3 +241,20 @@ def test_packed_tensors_of_unconverted_module_are_refused(kbit_checkpoint, skip)
     packed_key = r"'model\.layers\.\d\.\S+\.(planes|block_scales|row_scales|codebook)'"
     with pytest.raises(KbitCheckpointError, match=packed_key + r".*full precision.*modules_to_not_convert"):
         AutoModelForCausalLM.from_pretrained(kbit_checkpoint)
+
+
+# A catastrophic regex from config.json is refused before anything is matched (it would run for hours).
+MAX_REFUSAL_SECONDS = 1.0
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("module_bits", {"(.*)*#": 5}), ("modules_to_not_convert", ["lm_head", "(.*)*#"])],
+    ids=["module_bits", "modules_to_not_convert"],
+)
+def test_catastrophic_regex_in_config_json_fails_fast(kbit_checkpoint, field, value):
+    _set_quantization_config(kbit_checkpoint, **{field: value})
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=rf"{field} \w* ?'\(\.\*\)\*#' has a repeat .* containing another repeat"):
+        AutoModelForCausalLM.from_pretrained(kbit_checkpoint)
+    assert time.perf_counter() - start < MAX_REFUSAL_SECONDS
