@@ -11,6 +11,10 @@ constexpr int kTileN = 16;         // rows per tile
 constexpr int kBlocksPerTile = 4;  // plane words per (row, plane) per tile: one 16-byte load
 constexpr int kTileK = kBlockSize * kBlocksPerTile;
 constexpr int kE4M4Bias = 11;
+// format.ROW_SCALE_MAX: the largest float32 r with 31 * r finite, so a decoded block scale
+// (e4m4(code) * row_scale) never overflows; quantize clamps row scales to it.
+constexpr float kRowScaleMax = 0x1.08420ep+123f;
+static_assert(kRowScaleMax * 31.0f <= 0x1.fffffep+127f, "31 x the largest row scale must be a finite float");
 
 // Activation dtypes the kernels take (values fixed: they cross the C ABI).
 enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };

@@ -11,7 +11,7 @@ namespace kbit {
 
 constexpr int kQuantizeThreads = 256;
 
-// One warp per row: row_scale = nextafter(rowmax / 31, inf), 1.0 for an all-zero row.
+// One warp per row: row_scale = min(nextafter(rowmax / 31, inf), kRowScaleMax), 1.0 for an all-zero row.
 template <typename T>
 __global__ void __launch_bounds__(kQuantizeThreads) row_scale_kernel(QuantizeParams p) {
   const int64_t rows = p.batch * p.n;
@@ -25,7 +25,7 @@ __global__ void __launch_bounds__(kQuantizeThreads) row_scale_kernel(QuantizePar
   for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   if (lane == 0) {
     const float e4m4_max = e4m4_decode(255);  // 31
-    p.row_scales[row] = mx > 0.f ? nextafterf(__fdiv_rn(mx, e4m4_max), INFINITY) : 1.f;
+    p.row_scales[row] = mx > 0.f ? fminf(nextafterf(__fdiv_rn(mx, e4m4_max), INFINITY), kRowScaleMax) : 1.f;
   }
 }
 
@@ -68,6 +68,7 @@ __global__ void __launch_bounds__(kQuantizeThreads) quantize_blocks_kernel(Quant
   for (int step = 128; step > 0; step >>= 1)
     if (e4m4[code + step - 1] < ratio) code += step;
   code = min(code, 255);
+  if (bmax > 0.f) code = max(code, 1);  // a ratio that underflows to 0 must not zero a non-zero block
   const float scale = __fmul_rn(e4m4[code], rs);
 
   uint32_t planes[BITS];

@@ -172,5 +172,8 @@ def validate_loaded(model: nn.Module) -> None:
                 if not bool(torch.isfinite(cb).all()) or not bool((cb[:, 1:] > cb[:, :-1]).all()) or float(cb.abs().max()) > 1:
                     raise KbitCheckpointError(f"'{name}.{tensor_name}' is not a sorted codebook within [-1, 1]")
             elif tensor_name.endswith("row_scales"):
-                if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
-                    raise KbitCheckpointError(f"'{name}.{tensor_name}' holds non-finite or non-positive scales")
+                if not bool(((t > 0) & (t <= fmt.ROW_SCALE_MAX)).all()):  # NaN fails both
+                    raise KbitCheckpointError(
+                        f"'{name}.{tensor_name}' holds non-finite, non-positive or too large scales (at most "
+                        f"{fmt.ROW_SCALE_MAX:.7g}, above which 31 x the scale overflows float32)"
+                    )

@@ -67,6 +67,19 @@ def e4m4_table() -> torch.Tensor:
 E4M4_MAX = float(e4m4_table()[-1])  # 31.0
 
 
+def _row_scale_max() -> float:
+    """The largest float32 ``r`` with ``float32(E4M4_MAX * r)`` finite."""
+    r = torch.tensor(torch.finfo(torch.float32).max / E4M4_MAX, dtype=torch.float32, device="cpu")
+    while not bool(torch.isfinite(r * E4M4_MAX)):
+        r = torch.nextafter(r, torch.zeros_like(r))
+    return float(r)
+
+
+# Row scales above this would decode a top block scale (31 x row scale) to inf; quantize clamps to
+# it (only rows whose max is within ~1e-7 of float32's max reach it) and loaders refuse larger ones.
+ROW_SCALE_MAX = _row_scale_max()
+
+
 def padded_shape(n: int, k: int) -> tuple[int, int]:
     """Rows and columns after padding to whole tiles (padding is zeros, never visible)."""
     return math.ceil(n / TILE_N) * TILE_N, math.ceil(k / TILE_K) * TILE_K
@@ -176,6 +189,8 @@ def pack_bitplanes(indices: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_bitplanes(planes: torch.Tensor) -> torch.Tensor:
     """[..., bits] int32 plane words -> [..., 32] int64 indices (element order)."""
+    if planes.numel() == 0:  # an empty tensor cannot be viewed as bytes
+        return torch.zeros(*planes.shape[:-1], BLOCK_SIZE, dtype=torch.int64, device=planes.device)
     if planes.device.type == "cpu":
         return _unpack_bitplanes_numpy(planes)
     return _unpack_bitplanes_torch(planes)
@@ -243,10 +258,12 @@ def quantize(weight: torch.Tensor, codebook: torch.Tensor) -> tuple[torch.Tensor
     The arithmetic, in float32 and in this order, is part of the format (the GPU quantize
     kernel reproduces it bit for bit):
 
-    1. ``row_scale = nextafter(rowmax / 31, inf)`` (``1.0`` for an all-zero row), so every
-       block ratio below is <= 31 and encodes without clipping.
+    1. ``row_scale = min(nextafter(rowmax / 31, inf), ROW_SCALE_MAX)`` (``1.0`` for an
+       all-zero row), so every block ratio below is <= 31 and encodes without clipping, and
+       ``31 * row_scale`` is finite (at float32's edge the top block clips by a few ulp).
     2. ``ratio = blockmax / row_scale``; the block code is the *smallest* E4M4 code whose
-       value is >= ratio (round up, so ``|w| / scale <= 1``).
+       value is >= ratio (round up, so ``|w| / scale <= 1``), clamped to 255, and at least 1
+       for a block that is not all zeros (its ratio may underflow to 0).
     3. ``scale = e4m4(code) * row_scale``; ``x = w / scale`` (``0`` where ``scale == 0``).
     4. index = number of codebook midpoints ``(c[i] + c[i+1]) / 2`` strictly below ``x``
        (nearest level, ties to the lower one).
@@ -259,13 +276,15 @@ def quantize(weight: torch.Tensor, codebook: torch.Tensor) -> tuple[torch.Tensor
     rowmax = w.abs().amax(-1) if k > 0 else torch.zeros(*lead, n, device=w.device)
     row_scale = torch.where(rowmax > 0, rowmax / E4M4_MAX, torch.ones_like(rowmax))
     row_scale = torch.where(rowmax > 0, torch.nextafter(row_scale, torch.full_like(row_scale, math.inf)), row_scale)
+    row_scale = row_scale.clamp(max=ROW_SCALE_MAX)
 
     w = torch.nn.functional.pad(w, (0, k_pad - k, 0, n_pad - n))
     blocks = w.reshape(*lead, n_pad, k_pad // BLOCK_SIZE, BLOCK_SIZE)
     rs = torch.nn.functional.pad(row_scale, (0, n_pad - n), value=1.0)[..., None]  # [..., n_pad, 1]
     table = e4m4_table().to(w.device)
-    ratio = blocks.abs().amax(-1) / rs
-    codes = torch.searchsorted(table, ratio.contiguous()).clamp_(max=255)
+    blockmax = blocks.abs().amax(-1)
+    codes = torch.searchsorted(table, (blockmax / rs).contiguous()).clamp_(max=255)
+    codes = torch.where(blockmax > 0, codes.clamp(min=1), codes)  # code 0 would zero a non-zero block
     scale = table[codes] * rs
     x = torch.where(scale[..., None] > 0, blocks / scale[..., None], torch.zeros_like(blocks))
     cb = codebook.to(device=w.device, dtype=torch.float32)
@@ -302,7 +321,7 @@ def dequantize(
     indices = unpack_indices(planes)[..., :n, :]
     scale = block_scale_values(block_scales, row_scales)
     values = codebook.float()[..., indices] if codebook.dim() == 1 else _gather_codebook(codebook, indices)
-    values = values.reshape(*values.shape[:-1], -1, BLOCK_SIZE) * scale[..., None]
+    values = values.reshape(*values.shape[:-1], values.shape[-1] // BLOCK_SIZE, BLOCK_SIZE) * scale[..., None]
     return values.flatten(-2)[..., :k].to(dtype)
 
 

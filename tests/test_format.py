@@ -1,6 +1,9 @@
 """Format v1 reference: bounds, SQNR, extremes, packing and tiling invariants."""
 
+import hashlib
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,6 +66,80 @@ def test_extreme_magnitudes(magnitude, bits):
     assert bool((w_hat[3] == 0).all()) and bool((w_hat[5, 64:96] == 0).all())
     # the outlier is reproduced, not clipped
     assert abs(float(w_hat[7, 10]) - float(w[7, 10])) <= float(bound[7, 10]) * (1 + BOUND_RTOL)
+
+
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["max", "-max"])
+def test_weight_at_float32_max_stays_finite(sign, bits):
+    """31 x row_scale must not overflow: a weight at float32's max used to dequantize to NaN."""
+    w = torch.randn(20, 200, generator=torch.Generator().manual_seed(0))
+    w[2, 5] = sign * torch.finfo(torch.float32).max
+    w[4, :] = torch.finfo(torch.float32).max / 2  # a whole row near the edge
+    cb = fmt.make_codebook(None, bits)
+    planes, scales, rows = quantize_weight(w, cb)
+    w_hat, bound = fmt.dequantize(planes, scales, rows, cb, 200), fmt.error_bound(cb, scales, rows, 200)
+    assert bool(torch.isfinite(w_hat).all())
+    assert float(((w_hat - w).abs() - bound * (1 + BOUND_RTOL)).max()) <= 0
+    assert bool(torch.isfinite(fmt.block_scale_values(scales, rows)).all())
+    assert float(rows.max()) <= fmt.ROW_SCALE_MAX
+
+
+def test_row_scale_max_is_the_float32_edge():
+    top = torch.tensor(fmt.ROW_SCALE_MAX, dtype=torch.float32)
+    assert bool(torch.isfinite(top * fmt.E4M4_MAX))
+    assert not bool(torch.isfinite(torch.nextafter(top, torch.tensor(math.inf)) * fmt.E4M4_MAX))
+
+
+def test_cuda_quantize_uses_the_same_row_scale_max():
+    """csrc/kbit_params.h restates ROW_SCALE_MAX for the GPU quantize kernel; they must agree."""
+    header = (Path(__file__).parents[1] / "csrc" / "kbit_params.h").read_text()
+    literal = re.search(r"constexpr float kRowScaleMax = (\S+)f;", header)
+    assert literal is not None and float.fromhex(literal.group(1)) == fmt.ROW_SCALE_MAX
+
+
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+@pytest.mark.parametrize("tiny", [1e-44, 1e-40], ids=lambda t: f"block{t:g}")
+def test_block_whose_ratio_underflows_keeps_a_scale(tiny, bits):
+    """blockmax / row_scale underflowing to 0 must not give code 0 (scale 0: error above error_bound)."""
+    w = torch.zeros(3, 64)
+    w[0, :32] = tiny
+    w[0, 40] = 3e36
+    w[1, :32] = tiny  # alone in its row: row scale tiny, a normal code
+    cb = fmt.make_codebook(None, bits)
+    planes, scales, rows = quantize_weight(w, cb)
+    codes = fmt.untile(scales)[:3, :2]
+    assert int(codes[0, 0]) >= 1 and int(codes[1, 0]) >= 1 and int(codes[2, 0]) == 0  # an all-zero block keeps 0
+    w_hat, bound = fmt.dequantize(planes, scales, rows, cb, 64), fmt.error_bound(cb, scales, rows, 64)
+    assert float(((w_hat - w).abs() - bound * (1 + BOUND_RTOL)).max()) <= 0
+
+
+# Digest of the packed bytes of seeded weights (magnitudes 1e-8 .. 1e4, zero rows and blocks, outliers)
+# as format v1 has always written them: edge-case fixes must not change any ordinary weight's bytes.
+ORDINARY_PACKED_SHA256 = "542f8f5105ffcb79ac772860d3ad0e219df9c68338d471a72f231c01bac301e8"
+
+
+def test_ordinary_weights_pack_to_the_same_bytes():
+    h = hashlib.sha256()
+    for bits in BITS:
+        for magnitude in (1e-8, 1.0, 1e4):
+            w = torch.randn(37, 300, generator=torch.Generator().manual_seed(bits)) * magnitude
+            w[3] = 0.0
+            w[5, 64:96] = 0.0
+            w[7, 10] = magnitude * 1e4
+            w[9] *= 1e-6
+            for t in fmt.quantize(w, fmt.make_codebook(None, bits)):
+                h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    assert h.hexdigest() == ORDINARY_PACKED_SHA256
+
+
+@pytest.mark.parametrize("shape", [(0, 40), (40, 0), (0, 0)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_empty_weight_roundtrip(shape):
+    cb = fmt.make_codebook(None, 4)
+    planes, scales, rows = quantize_weight(torch.zeros(shape), cb)
+    assert tuple(planes.shape) == fmt.packed_shapes(*shape, 4)["planes"]
+    w_hat = fmt.dequantize(planes, scales, rows, cb, shape[1])
+    assert w_hat.shape == shape and w_hat.dtype == torch.float32
+    assert fmt.error_bound(cb, scales, rows, shape[1]).shape == shape
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])

@@ -97,3 +97,20 @@ def test_fake_mode_shapes():
         assert planes.shape == fmt.packed_shapes(50, 300, 3)["planes"]
         out = torch.ops.kbit.mm(torch.empty(7, 300, dtype=torch.bfloat16), planes, scales, rows, cb, 300)
         assert out.shape == (7, 50) and out.dtype == torch.bfloat16
+
+
+EMPTY = [(0, 33), (20, 0), (0, 0)]
+
+
+@pytest.mark.parametrize("shape", EMPTY, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_ops_on_empty_weights(shape):
+    """out_features or in_features 0: the reference returns empty / all-zero results of the right shape."""
+    n, k = shape
+    w, (planes, scales, rows, cb) = packed(n, k, 3)
+    assert torch.equal(torch.ops.kbit.dequantize(planes, scales, rows, cb, k, torch.bfloat16), w.bfloat16())
+    x = torch.randn(4, k)
+    assert torch.equal(torch.ops.kbit.mm(x, planes, scales, rows, cb, k), torch.zeros(4, n))
+    torch.library.opcheck(torch.ops.kbit.mm.default, (x, planes, scales, rows, cb, k))
+    _, (ep, es, er, ecb) = packed(n, k, 3, lead=(2,))
+    out = torch.ops.kbit.grouped_mm(x, torch.tensor([1, 0, 1, 1]), ep, es, er, ecb, k)
+    assert torch.equal(out, torch.zeros(4, n))

@@ -185,6 +185,23 @@ def test_corrupt_codebook_values(kbit_checkpoint):
         AutoModelForCausalLM.from_pretrained(kbit_checkpoint)
 
 
+@pytest.mark.parametrize(
+    "value", [float("nan"), 0.0, -1.0, 1e38], ids=["nan", "zero", "negative", "overflows-31x"]
+)
+def test_corrupt_row_scale_values(kbit_checkpoint, value):
+    """A row scale whose decoded block scale (up to 31 x) would overflow float32 is refused like a NaN one."""
+    key = "model.layers.0.mlp.gate_proj.row_scales"
+
+    def corrupt(t):
+        t = t.clone()
+        t[5] = value
+        return t
+
+    _rewrite(kbit_checkpoint, key, corrupt)
+    with pytest.raises(KbitCheckpointError, match=key.replace(".", r"\.") + ".* scales"):
+        AutoModelForCausalLM.from_pretrained(kbit_checkpoint)
+
+
 def test_missing_tensor(kbit_checkpoint):
     tensors = load_file(kbit_checkpoint / "model.safetensors")
     del tensors["model.layers.1.self_attn.o_proj.row_scales"]

@@ -88,6 +88,25 @@ def test_quantize_extreme_magnitudes():
         assert torch.equal(o.cpu(), r)
 
 
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+def test_quantize_float32_edges(bits):
+    """Row scales clamped to ROW_SCALE_MAX (a weight at float32's max) and blocks whose ratio
+    underflows to 0 (code raised to 1): bit-exact, and the GPU dequantize stays finite."""
+    cb = fmt.make_codebook(None, bits)
+    w = torch.randn(20, 300)
+    w[0, 7] = torch.finfo(torch.float32).max
+    w[1, :] = -torch.finfo(torch.float32).max / 2
+    w[2, :32], w[2, 40] = 1e-44, 3e36
+    w[3, :32], w[3, 64:96], w[3, 200] = 1e-40, 0.0, 1e4
+    ref = fmt.quantize(w, cb)
+    got = torch.ops.kbit.quantize(w.to(DEVICE), cb.to(DEVICE))
+    for name, r, o in zip(("planes", "block_scales", "row_scales"), ref, got):
+        assert torch.equal(o.cpu(), r), f"{name} differs from the reference"
+    out = torch.ops.kbit.dequantize(*got, cb.to(DEVICE), 300, torch.float32)
+    assert bool(torch.isfinite(out).all())
+    assert torch.equal(out.cpu(), fmt.dequantize(*ref, cb, 300))
+
+
 # ---------------------------------------------------------------------------- dequantize
 
 
