@@ -53,7 +53,8 @@ def _is_packed_name(tensor_name: str) -> bool:
 
 
 def read_safetensors_header(path: str | os.PathLike) -> dict:
-    """The JSON header of a safetensors file, with every tensor's data checked to lie inside the file."""
+    """The JSON header of a safetensors file, with every entry checked to be well formed and every
+    tensor's data to lie inside the file; errors name the file and the key."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -64,19 +65,59 @@ def read_safetensors_header(path: str | os.PathLike) -> dict:
             raise KbitCheckpointError(f"{path}: header claims {header_len} bytes but the file has {size} (truncated?)")
         try:
             header = json.loads(f.read(header_len))
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise KbitCheckpointError(f"{path}: unreadable safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise KbitCheckpointError(
+            f"{path}: the safetensors header is a JSON {_json_type(header)}, expected an object of tensor "
+            "entries: the file is corrupt"
+        )
     data_size = size - 8 - header_len
     for key, info in header.items():
         if key == "__metadata__":
+            if not isinstance(info, dict):
+                raise KbitCheckpointError(f"{path}: '__metadata__' is a JSON {_json_type(info)}, expected an object")
             continue
-        end = info["data_offsets"][1]
+        start, end = _check_header_entry(path, key, info)
         if end > data_size:
             raise KbitCheckpointError(
                 f"{path}: tensor '{key}' ends at byte {end} of the data section, which has only {data_size} "
                 "bytes: the file is truncated; download or convert it again"
             )
     return header
+
+
+def _json_type(value) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return names.get(type(value), "null")
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_header_entry(path, key: str, info) -> tuple[int, int]:
+    """``(start, end)`` of a header entry ``{"dtype": str, "shape": [int], "data_offsets": [start, end]}``."""
+    where = f"{path}: tensor '{key}'"
+    if not isinstance(info, dict):
+        raise KbitCheckpointError(
+            f"{where} has a header entry that is a JSON {_json_type(info)}, expected an object with dtype, shape "
+            "and data_offsets: the file is corrupt"
+        )
+    if not isinstance(info.get("dtype"), str):
+        raise KbitCheckpointError(f"{where}: header 'dtype' must be a string, got {info.get('dtype')!r}")
+    shape = info.get("shape")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise KbitCheckpointError(f"{where}: header 'shape' must be a list of non-negative ints, got {shape!r}")
+    offsets = info.get("data_offsets")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+        raise KbitCheckpointError(
+            f"{where}: header 'data_offsets' must be [start, end] of non-negative ints, got {offsets!r}"
+        )
+    start, end = offsets
+    if start > end:
+        raise KbitCheckpointError(f"{where}: header 'data_offsets' {offsets} start after they end")
+    return start, end
 
 
 def validate_files(
@@ -93,7 +134,13 @@ def validate_files(
     found = set()
     for path in files:
         if not str(path).endswith(".safetensors"):
-            continue
+            if not expected:
+                continue
+            raise KbitCheckpointError(
+                f"{os.path.basename(path)}: kbit checkpoints are safetensors only and this file is not one; re-save "
+                "the quantized model with save_pretrained (safetensors is its default) or convert the original "
+                "model again (kbit-convert)"
+            )
         for key, info in read_safetensors_header(path).items():
             if key == "__metadata__":
                 continue
@@ -115,8 +162,8 @@ def validate_files(
     missing = sorted(set(expected) - found)
     if missing:
         raise KbitCheckpointError(
-            f"kbit checkpoint lacks {len(missing)} packed tensor(s), e.g. '{missing[0]}'; was it saved with a "
-            "different quantization_config (bits, modules_to_not_convert)?"
+            f"kbit checkpoint lacks {len(missing)} packed tensor(s), e.g. '{missing[0]}': its files are incomplete "
+            "or corrupt, or were saved with a different quantization_config (bits, modules_to_not_convert)"
         )
 
 

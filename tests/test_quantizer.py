@@ -2,6 +2,7 @@
 
 import json
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -214,6 +215,23 @@ def test_truncated_file_names_a_tensor(kbit_checkpoint):
     f = kbit_checkpoint / "model.safetensors"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     with pytest.raises(KbitCheckpointError, match=r"tensor '.+' .*truncated"):
+        AutoModelForCausalLM.from_pretrained(kbit_checkpoint)
+
+
+def test_bin_checkpoint_is_refused_saying_why(kbit_checkpoint):
+    torch.save(load_file(kbit_checkpoint / "model.safetensors"), kbit_checkpoint / "pytorch_model.bin")
+    (kbit_checkpoint / "model.safetensors").unlink()
+    with pytest.raises(KbitCheckpointError, match=r"pytorch_model\.bin: kbit checkpoints are safetensors only"):
+        AutoModelForCausalLM.from_pretrained(kbit_checkpoint)
+
+
+def test_header_that_is_a_json_list_is_refused_naming_the_file(kbit_checkpoint):
+    f = kbit_checkpoint / "model.safetensors"
+    data = f.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.dumps(list(json.loads(data[8 : 8 + n]).items())).encode()
+    f.write_bytes(struct.pack("<Q", len(header)) + header + data[8 + n :])
+    with pytest.raises(KbitCheckpointError, match=r"model\.safetensors: the safetensors header is a JSON array"):
         AutoModelForCausalLM.from_pretrained(kbit_checkpoint)
 
 
