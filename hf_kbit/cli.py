@@ -169,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from . import hub
     from .config import KbitConfig
-    from .convert import ConversionError, check_output, command_line, convert, parse_size
+    from .convert import ConversionError, check_output, command_line, convert, parse_size, source_paths
 
     if push_only:
         return _push(hub, Path(args.model), args)
@@ -179,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         parse_size(args.max_shard_size)
         if not args.dry_run:
-            check_output(args.out, args.overwrite)
+            check_output(args.out, args.overwrite, source_paths(args.model))
     except (ValueError, TypeError) as e:
         parser.error(str(e))
 

@@ -11,8 +11,9 @@ output is bit-identical to quantize-on-load
 Fused MoE expert tensors are built and quantized a few experts at a time.
 
 Output is written into a hidden temporary folder next to ``out`` and renamed into place only
-when complete; ``config.json`` is the last file written there, so an interrupted run never
-leaves a folder that looks loadable.
+when complete (:mod:`hf_kbit._paths`: the rename never replaces what it was not asked to);
+``config.json`` is the last file written there, so an interrupted run never leaves a folder that
+looks loadable.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import os
 import re
 import shlex
 import shutil
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,6 +34,20 @@ import torch
 
 from . import checkpoint
 from . import format as fmt
+from ._paths import (  # noqa: F401 -- ConversionError, OutputConflictError and check_output are public here
+    ConversionError,
+    OutputConflictError,
+    OutputTarget,
+    check_output,
+    extra_files,
+    publish,
+    refuse_protected,
+    scratch_dir,
+    source_file,
+    source_paths,
+    temp_output,
+    weight_files,
+)
 from .config import KbitConfig
 from .nn.experts import PROJECTIONS as EXPERT_PROJECTIONS
 from .nn.experts import ExpertsLayout, KbitExperts
@@ -73,7 +87,7 @@ _SAFETENSORS_DTYPES = {
     "BOOL": torch.bool,
 }
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
-_TMP_SUFFIX = ".kbit-tmp-"
+_GGUF_SCRATCH = ".gguf-source"  # inside the hidden output folder: the dequantized GGUF model, removed before the rename
 
 # A few sentences of plain English for `--eval` when no text file is given. Written for this
 # project; the card says the check is a smoke test on this text, not a benchmark.
@@ -87,10 +101,6 @@ DEFAULT_EVAL_TEXT = (
     "is older than the church, and that the mill has ground flour for more than three hundred "
     "years. Most of them do not believe it, but they enjoy the story all the same."
 )
-
-
-class ConversionError(ValueError):
-    """The input, output or options of a conversion are not usable; the message says why and what to do."""
 
 
 # ---------------------------------------------------------------------------- plan
@@ -255,7 +265,7 @@ def plan_conversion(
     """Plan the conversion of the model folder ``source`` (reads only config and safetensors headers)."""
     source = Path(source)
     hf_config, model_cls = _load_architecture(source)
-    files = _safetensors_files(source)
+    files = weight_files(source)
     ckpt: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     ckpt_nbytes: dict[str, int] = {}
     locations: dict[str, tuple[int, int]] = {}
@@ -542,6 +552,7 @@ def _load_architecture(source: Path):
 
     if not (source / "config.json").is_file():
         raise ConversionError(f"{source} is not a model folder: it has no config.json")
+    source_file(source, "config.json", "the model folder")
     try:
         hf_config = transformers.AutoConfig.from_pretrained(source)
     except (ValueError, KeyError) as e:
@@ -569,27 +580,6 @@ def _load_architecture(source: Path):
 
 def _get(obj: Any, key: str) -> Any:
     return obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
-
-
-def _safetensors_files(source: Path) -> list[Path]:
-    files = sorted(source.glob("*.safetensors"))
-    if not files:
-        other = sorted(p.name for p in source.glob("*.bin")) + sorted(p.name for p in source.glob("*.pt*"))
-        hint = (
-            f" It has {other[0]}: kbit-convert reads safetensors only (pickle files can run code); "
-            "convert them with transformers' save_pretrained(safe_serialization=True) first."
-            if other
-            else ""
-        )
-        raise ConversionError(f"{source} has no *.safetensors weights.{hint}")
-    index = source / "model.safetensors.index.json"
-    if index.is_file():
-        listed = sorted({source / f for f in json.loads(index.read_text())["weight_map"].values()})
-        absent = [p.name for p in listed if not p.is_file()]
-        if absent:
-            raise ConversionError(f"{source} lacks shard(s) listed in its index, e.g. {absent[0]}; download them first")
-        return listed
-    return files
 
 
 def _resolve_dtype(dtype, hf_config, ckpt) -> torch.dtype:
@@ -644,7 +634,9 @@ def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def resolve_source(
     model: str | os.PathLike, workdir: Path, revision: str | None = None
 ) -> tuple[Path, dict[str, Any]]:
-    """A local model folder for ``model`` (folder, ``.gguf`` file or Hub repo id) and facts for the card."""
+    """A local model folder for ``model`` (folder, ``.gguf`` file or Hub repo id) and facts for the card.
+
+    A GGUF file is dequantized into ``workdir`` (created; the caller removes it)."""
     path = Path(model).expanduser()
     if path.is_dir():
         if revision is not None:
@@ -761,65 +753,51 @@ def convert(
     out = Path(out).expanduser()
     shard_bytes = parse_size(max_shard_size)
     device = _resolve_device(device)
-    if not dry_run:
-        check_output(out, overwrite)
     if eval_text is not None and not eval_text.strip():
         raise ConversionError("eval_text is empty")
+    if dry_run:
+        scratch = scratch_dir()  # a GGUF input is dequantized here; a dry run writes nothing beside out
+        try:
+            source, _ = resolve_source(model, scratch, revision)
+            return plan_conversion(source, kbit_config, dtype, key_rules)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
 
-    workdir = Path(tempfile.mkdtemp(prefix="kbit-convert-"))
+    target = check_output(out, overwrite, source_paths(model))
+    tmp = temp_output(target)
     try:
-        source, source_info = resolve_source(model, workdir, revision)
+        source, source_info = resolve_source(model, tmp / _GGUF_SCRATCH, revision)
+        refuse_protected(out, target.path, [source])  # a Hub snapshot's place is known only now
         if source_info["kind"] == "hub" and base_model is None:
             base_model = source_info["name"]
-        if not dry_run and out.resolve() == source.resolve():
-            raise ConversionError(f"out ({out}) is the source folder; choose another output folder")
         plan = plan_conversion(source, kbit_config, dtype, key_rules)
-        if dry_run:
-            return plan
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}{_TMP_SUFFIX}", dir=_parent(out)))
-        try:
-            stats = _write(plan, tmp, device, shard_bytes, progress)
-            _copy_extras(source, tmp)
-            eval_result = None
-            if eval:
-                eval_result = measure_perplexity(
-                    source, tmp, output_config(source, plan), plan.dtype, eval_text, eval_max_tokens, device
-                )
-            card = hub.render_card(
-                plan=plan,
-                stats=stats,
-                source_info=source_info,
-                base_model=base_model,
-                command=command or _python_call(model, out, kbit_config),
-                eval=eval_result,
-                repo_id=repo_id,
+        extras = extra_files(source, COPIED_FILE_PATTERNS)  # checked before the long part
+        stats = _write(plan, tmp, device, shard_bytes, progress)
+        for f in extras:
+            shutil.copy2(f, tmp / f.name)
+        eval_result = None
+        if eval:
+            eval_result = measure_perplexity(
+                source, tmp, output_config(source, plan), plan.dtype, eval_text, eval_max_tokens, device
             )
-            card.save(tmp / "README.md")
-            _write_config(source, tmp, plan)  # last: its presence marks a complete checkpoint
-            _replace(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return ConversionResult(out=out, plan=plan, stats=stats, eval=eval_result)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-def check_output(out: Path, overwrite: bool) -> None:
-    """Refuse a non-empty ``out`` unless ``overwrite``; check its parent is writable. Cheap, run first."""
-    if out.exists() and not out.is_dir():
-        raise ConversionError(f"out={out} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ConversionError(f"out={out} is not empty; pass --overwrite (overwrite=True) to replace it")
-    parent = _parent(out)
-    if not parent.is_dir():
-        raise ConversionError(f"the parent folder of out={out} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise ConversionError(f"cannot write to {parent} (needed for out={out})")
-
-
-def _parent(out: Path) -> Path:
-    return out.resolve().parent
+        card = hub.render_card(
+            plan=plan,
+            stats=stats,
+            source_info=source_info,
+            base_model=base_model,
+            command=command or _python_call(model, out, kbit_config),
+            eval=eval_result,
+            repo_id=repo_id,
+        )
+        card.save(tmp / "README.md")
+        config = output_config(source, plan)
+        shutil.rmtree(tmp / _GGUF_SCRATCH, ignore_errors=True)
+        _write_config(tmp, config)  # last: its presence marks a complete checkpoint
+        publish(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ConversionResult(out=out, plan=plan, stats=stats, eval=eval_result)
 
 
 def parse_size(size: int | str) -> int:
@@ -1015,12 +993,6 @@ def _quantize_experts(p: TensorPlan, reader: _SourceReader, codebook: torch.Tens
     return outputs
 
 
-def _copy_extras(source: Path, folder: Path) -> None:
-    for name in COPIED_FILE_PATTERNS:
-        if (source / name).is_file():
-            shutil.copy2(source / name, folder / name)
-
-
 def output_config(source: Path, plan: ConversionPlan) -> dict[str, Any]:
     """The source's config.json with the kbit ``quantization_config`` and the output dtype."""
     config = json.loads((source / "config.json").read_text())
@@ -1030,27 +1002,10 @@ def output_config(source: Path, plan: ConversionPlan) -> dict[str, Any]:
     return config
 
 
-def _write_config(source: Path, folder: Path, plan: ConversionPlan) -> None:
+def _write_config(folder: Path, config: dict[str, Any]) -> None:
     tmp = folder / "config.json.partial"
-    tmp.write_text(json.dumps(output_config(source, plan), indent=2, sort_keys=True) + "\n")
+    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tmp.rename(folder / "config.json")
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    """Move the complete ``tmp`` to ``out``; an existing ``out`` is removed only after the swap."""
-    # mkdtemp (and some writers) create owner-only modes; give the output the usual umask modes.
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)
-    for f in tmp.iterdir():
-        f.chmod(0o666 & ~umask)
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.kbit-old-", dir=_parent(out)))
-        out.rename(old / "out")
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(out)
 
 
 def _python_call(model, out, cfg: KbitConfig) -> str:

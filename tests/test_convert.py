@@ -275,7 +275,7 @@ def test_missing_shard_is_refused(llama_fp32, tmp_path):
 
 
 def test_output_inside_source_is_refused(llama_fp32, tmp_path):
-    with pytest.raises(ConversionError, match="not empty"):
+    with pytest.raises(ConversionError, match="is the source"):
         convert(llama_fp32, llama_fp32)
 
 
