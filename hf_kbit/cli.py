@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 import sys
 from collections.abc import Sequence
@@ -135,7 +136,8 @@ def _is_kbit_folder(path: Path) -> bool:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    return (config.get("quantization_config") or {}).get("quant_method") == "kbit"
+    quantization = config.get("quantization_config") if isinstance(config, dict) else None
+    return isinstance(quantization, dict) and quantization.get("quant_method") == "kbit"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -166,10 +168,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--eval-tokens must be at least 2")
     module_bits = _parse_module_bits(parser, args.module_bits)
     codebook = _parse_codebook(parser, args.codebook)
+    if args.push_to_hub:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(args.push_to_hub)
+        except HFValidationError as e:
+            parser.error(f"--push-to-hub {args.push_to_hub!r}: not a valid Hub repo id ({e})")
 
     from . import hub
     from .config import KbitConfig
     from .convert import ConversionError, check_output, command_line, convert, parse_size, source_paths
+
+    _redact_log_records(hub.redact)
 
     if push_only:
         return _push(hub, Path(args.model), args)
@@ -203,8 +214,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress=not args.no_progress,
         )
     except ConversionError as e:
-        print(f"kbit-convert: error: {e}", file=sys.stderr)
+        print(f"kbit-convert: error: {_one_line(hub.redact(str(e)))}", file=sys.stderr)
         return 2
+    except OSError as e:  # the environment, not the input: a full disk, a failing device, permissions
+        print(f"kbit-convert: error: {_one_line(hub.redact(str(e)))}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("kbit-convert: interrupted; no output was written", file=sys.stderr)
         return 130
@@ -226,6 +240,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _redact_log_records(redact) -> None:
+    """Log records of every library (huggingface_hub logs request URLs at debug level) pass through ``redact``:
+    no credentials of HF_ENDPOINT and no token in this process's logs."""
+    make_record = logging.getLogRecordFactory()
+    if getattr(make_record, "kbit_redacts", False):
+        return
+
+    def redacted_record(*args, **kwargs):
+        record = make_record(*args, **kwargs)
+        record.msg, record.args = redact(record.getMessage()), None
+        if record.exc_info:
+            record.exc_text = redact(logging.Formatter().formatException(record.exc_info))
+        return record
+
+    redacted_record.kbit_redacts = True
+    logging.setLogRecordFactory(redacted_record)
+
+
+def _one_line(message: str) -> str:
+    """Messages quoting other libraries may span lines; an error is one line."""
+    return " ".join(message.split())
+
+
 def _push(hub, folder: Path, args) -> int:
     try:
         url = hub.push_to_hub(
@@ -238,7 +275,7 @@ def _push(hub, folder: Path, args) -> int:
     except hub.PushError as e:
         print(f"kbit-convert: error: {e}", file=sys.stderr)
         return 3
-    print(f"pushed {folder} to {args.push_to_hub}: {url}")
+    print(f"pushed {folder} to {args.push_to_hub}: {hub.redact(url)}")
     return 0
 
 

@@ -19,6 +19,7 @@ looks loadable.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -101,6 +102,13 @@ DEFAULT_EVAL_TEXT = (
     "is older than the church, and that the mill has ground flour for more than three hundred "
     "years. Most of them do not believe it, but they enjoy the story all the same."
 )
+
+
+class OutputWriteError(OSError):
+    """Writing the output failed (e.g. the disk is full); the partial output was removed."""
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
 
 
 # ---------------------------------------------------------------------------- plan
@@ -270,15 +278,28 @@ def plan_conversion(
     ckpt_nbytes: dict[str, int] = {}
     locations: dict[str, tuple[int, int]] = {}
     for index, path in enumerate(files):
-        for key, info in checkpoint.read_safetensors_header(path).items():
-            if key == "__metadata__":
-                continue
-            ckpt[key] = (tuple(info["shape"]), _SAFETENSORS_DTYPES.get(info["dtype"]) or info["dtype"])
-            ckpt_nbytes[key] = info["data_offsets"][1] - info["data_offsets"][0]
-            locations[key] = (index, info["data_offsets"][0])
+        try:
+            for key, info in checkpoint.read_safetensors_header(path).items():
+                if key == "__metadata__":
+                    continue
+                ckpt[key] = (tuple(info["shape"]), _SAFETENSORS_DTYPES.get(info["dtype"]) or info["dtype"])
+                ckpt_nbytes[key] = info["data_offsets"][1] - info["data_offsets"][0]
+                locations[key] = (index, info["data_offsets"][0])
+        except checkpoint.KbitCheckpointError as e:  # names the file and what is wrong with it
+            raise ConversionError(f"{e}") from None
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+            raise ConversionError(
+                f"{path}: not a readable safetensors file ({type(e).__name__}: {e}); download or save it again"
+            ) from None
     dtype = _resolve_dtype(dtype, hf_config, ckpt)
 
-    model = _skeleton(model_cls, hf_config, dtype, kbit_config)
+    try:
+        model = _skeleton(model_cls, hf_config, dtype, kbit_config)
+    except Exception as e:  # noqa: BLE001 -- any failure here comes from the values in config.json
+        raise ConversionError(
+            f"{source}/config.json: transformers cannot build {model_cls.__name__} from it "
+            f"({type(e).__name__}: {_first_line(e)}); fix or download config.json again"
+        ) from None
     quantizer = model._kbit_quantizer
     model_tensors = {k: (tuple(t.shape), t.dtype) for k, t in _model_tensors(model).items()}
     quantized = {
@@ -547,18 +568,38 @@ def _expert_sources(
     return tuple(zip(*by_pattern.values())) if streams else None
 
 
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0]
+
+
 def _load_architecture(source: Path):
     import transformers
 
     if not (source / "config.json").is_file():
         raise ConversionError(f"{source} is not a model folder: it has no config.json")
-    source_file(source, "config.json", "the model folder")
+    path = source_file(source, "config.json", "the model folder")
     try:
-        hf_config = transformers.AutoConfig.from_pretrained(source)
-    except (ValueError, KeyError) as e:
+        raw = json.loads(path.read_text())
+    except ValueError as e:
+        raise ConversionError(f"{path} is not valid JSON ({e}); fix or download it again") from None
+    if not isinstance(raw, dict):
+        raise ConversionError(f"{path} holds a JSON {type(raw).__name__}, expected an object; fix or download it again")
+    try:
+        # Never run code from the model folder; without False transformers may ask on the terminal.
+        hf_config = transformers.AutoConfig.from_pretrained(source, trust_remote_code=False)
+    except ValueError as e:
+        if "auto_map" in raw and "trust_remote_code" in str(e):
+            raise ConversionError(
+                f"{path} needs custom code (auto_map: {raw['auto_map']}) for model_type {raw.get('model_type')!r}, "
+                "which transformers does not implement; kbit-convert never runs code from a model folder"
+            ) from None
         raise ConversionError(
-            f"unsupported architecture in {source}/config.json: transformers {transformers.__version__} cannot "
-            f"read it ({e}). Upgrade transformers or check model_type."
+            f"unsupported architecture in {path}: transformers {transformers.__version__} cannot read it "
+            f"({_first_line(e)}). Upgrade transformers or check model_type."
+        ) from None
+    except Exception as e:  # noqa: BLE001 -- a field of the wrong type or value; the message names it
+        raise ConversionError(
+            f"{path}: transformers cannot read it ({type(e).__name__}: {' '.join(str(e).split())})"
         ) from None
     if getattr(hf_config, "quantization_config", None):
         method = _get(hf_config.quantization_config, "quant_method")
@@ -566,7 +607,13 @@ def _load_architecture(source: Path):
             f"{source} is already quantized (quant_method={method!r}); convert the full-precision model instead"
         )
     archs = getattr(hf_config, "architectures", None) or []
-    model_cls = getattr(transformers, archs[0], None) if archs else None
+    model_cls = getattr(transformers, archs[0], None) if archs and isinstance(archs[0], str) else None
+    if model_cls is not None and not (
+        isinstance(model_cls, type) and issubclass(model_cls, transformers.PreTrainedModel)
+    ):
+        raise ConversionError(
+            f"{path}: architectures names {archs[0]!r}, which is not a transformers model class; fix architectures"
+        )
     if model_cls is None:
         try:
             model_cls = transformers.AutoModelForCausalLM._model_mapping[type(hf_config)]
@@ -650,6 +697,12 @@ def resolve_source(
         )
     if not _REPO_ID.match(str(model)):
         raise ConversionError(f"{model}: no such folder or file (and not a Hub repo id of the form 'org/name')")
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(str(model))
+    except HFValidationError as e:
+        raise ConversionError(f"{model}: no such folder or file, and not a valid Hub repo id ({e})") from None
     return _download(str(model), revision), {"kind": "hub", "name": str(model), "revision": revision}
 
 
@@ -657,19 +710,26 @@ def _download(repo_id: str, revision: str | None) -> Path:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
+    from .hub import redact
+
+    endpoint = redact(constants.ENDPOINT)
     try:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS))
     except RevisionNotFoundError:
-        raise ConversionError(f"{repo_id}: revision {revision!r} not found on {constants.ENDPOINT}") from None
+        raise ConversionError(f"{repo_id}: revision {revision!r} not found on {endpoint}") from None
     except RepositoryNotFoundError:
         raise ConversionError(
-            f"{repo_id}: not a local folder, and no such repo on {constants.ENDPOINT} (or it is private/gated: "
+            f"{repo_id}: not a local folder, and no such repo on {endpoint} (or it is private/gated: "
             "log in with `hf auth login` or set HF_TOKEN)"
         ) from None
     except (HfHubHTTPError, OSError) as e:
         raise ConversionError(
-            f"{repo_id}: not a local folder, and {constants.ENDPOINT} could not be reached "
+            f"{repo_id}: not a local folder, and {endpoint} could not be reached "
             f"({type(e).__name__}). Check the network or HF_ENDPOINT, or pass a local folder."
+        ) from None
+    except ValueError as e:  # huggingface_hub refuses a file name of the repo (e.g. one with '..')
+        raise ConversionError(
+            f"{repo_id} on {endpoint}: huggingface_hub refuses to download it ({redact(_first_line(e))})"
         ) from None
 
 
@@ -679,8 +739,8 @@ def _dequantize_gguf(path: Path, workdir: Path) -> Path:
 
     out = workdir / "gguf-dequantized"
     try:
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=False)
     except ImportError as e:
         raise ConversionError(f"reading GGUF needs the gguf package: `pip install gguf` ({e})") from None
     except (ValueError, KeyError, RuntimeError) as e:
@@ -765,6 +825,7 @@ def convert(
 
     target = check_output(out, overwrite, source_paths(model))
     tmp = temp_output(target)
+    plan = None
     try:
         source, source_info = resolve_source(model, tmp / _GGUF_SCRATCH, revision)
         refuse_protected(out, target.path, [source])  # a Hub snapshot's place is known only now
@@ -794,10 +855,26 @@ def convert(
         shutil.rmtree(tmp / _GGUF_SCRATCH, ignore_errors=True)
         _write_config(tmp, config)  # last: its presence marks a complete checkpoint
         publish(tmp, target)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise _disk_full(e, target, plan) from None
         raise
     return ConversionResult(out=out, plan=plan, stats=stats, eval=eval_result)
+
+
+def _disk_full(e: OSError, target: OutputTarget, plan: ConversionPlan | None) -> OutputWriteError:
+    what = "no space left" if e.errno == errno.ENOSPC else "disk quota exceeded"
+    need = f"; the output needs about {format_bytes(plan.stats()['size_after_bytes'])}" if plan is not None else ""
+    try:
+        free = f", {format_bytes(shutil.disk_usage(target.path.parent).free)} is free there"
+    except OSError:
+        free = ""
+    return OutputWriteError(
+        e.errno,
+        f"{what} on the device of {target.path.parent} while writing out={target.path}{need}{free}; the partial "
+        "output was removed. Free some space or pass another --out",
+    )
 
 
 def parse_size(size: int | str) -> int:
@@ -849,12 +926,19 @@ class _ShardWriter:
         self.total_bytes += nbytes
 
     def flush(self) -> None:
+        from safetensors import SafetensorError
         from safetensors.torch import save_file
 
         if not self.current:
             return
         name = f"part-{len(self.shards):05d}.safetensors"
-        save_file(self.current, self.folder / name, metadata={"format": "pt"})
+        try:
+            save_file(self.current, self.folder / name, metadata={"format": "pt"})
+        except SafetensorError as e:  # an I/O error as text, "... (os error 28)": raise it as the OSError it is
+            code = re.search(r"\(os error (\d+)\)", str(e))
+            if code is None:
+                raise
+            raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(self.folder / name)) from e
         self.shards.append((name, list(self.current)))
         self.current, self.current_bytes = {}, 0
 
@@ -895,9 +979,18 @@ class _SourceReader:
         return self.handles[index]
 
     def get(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        if rows is None:
-            return self._handle(key).get_tensor(key)
-        return self._handle(key).get_slice(key)[rows[0] : rows[1]]
+        from safetensors import SafetensorError
+
+        try:
+            if rows is None:
+                return self._handle(key).get_tensor(key)
+            return self._handle(key).get_slice(key)[rows[0] : rows[1]]
+        except (SafetensorError, OSError, RuntimeError) as e:
+            path = self.plan.files[self.plan.locations[key][0]]
+            raise ConversionError(
+                f"cannot read tensor '{key}' from {path} ({type(e).__name__}: {_first_line(e)}); the file is damaged "
+                "or was changed during the conversion: download or save it again"
+            ) from None
 
     def tensor(self, p: TensorPlan, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """``p``'s tensor in ``p.dtype`` (``rows``: only experts ``rows[0]..rows[1]`` of a fused experts
@@ -910,6 +1003,13 @@ class _SourceReader:
         if p.combine is None:
             return self.get(p.sources[0]).to(p.dtype)
         return p.combine({k: self.get(k).to(p.dtype) for k in p.sources}).to(p.dtype)
+
+
+def _sources_of(plan: ConversionPlan, p: TensorPlan) -> str:
+    """Where ``p`` comes from, for errors: its checkpoint tensor(s) and file(s)."""
+    files = sorted({plan.files[plan.locations[k][0]].name for k in p.sources})
+    keys = f"checkpoint tensor '{p.sources[0]}'" + (f" and {len(p.sources) - 1} more" if len(p.sources) > 1 else "")
+    return f"{keys} in {', '.join(files)}"
 
 
 def _expert_chunk(p: TensorPlan) -> int:
@@ -945,13 +1045,19 @@ def _write(plan: ConversionPlan, folder: Path, device: torch.device, shard_bytes
             if p.bits not in codebooks:
                 codebooks[p.bits] = fmt.make_codebook(plan.kbit_config.codebook, p.bits)
             codebook = codebooks[p.bits]
-            if p.experts is None:
-                tensor = reader.tensor(p)
-                packed = quantize_weight(tensor.to(device), codebook.to(device), name=p.name)
-                outputs = dict(zip(p.outputs(), (*(t.cpu() for t in packed), codebook.clone())))
-                del tensor, packed
-            else:
-                outputs = _quantize_experts(p, reader, codebook, device)
+            try:
+                if p.experts is None:
+                    tensor = reader.tensor(p)
+                    packed = quantize_weight(tensor.to(device), codebook.to(device), name=p.name)
+                    outputs = dict(zip(p.outputs(), (*(t.cpu() for t in packed), codebook.clone())))
+                    del tensor, packed
+                else:
+                    outputs = _quantize_experts(p, reader, codebook, device)
+            except ConversionError:
+                raise
+            except (ValueError, TypeError) as e:  # quantize_weight's checks (NaN/Inf, ...) name the model tensor
+                raise ConversionError(f"{e} ({_sources_of(plan, p)}); fix the source weights, or keep "
+                                      f"'{p.prefix}' in full precision with --skip-modules") from None
             for key, t in outputs.items():
                 writer.add(plan.output_key(key), t)
                 q_bytes += t.numel() * t.element_size()
@@ -1051,7 +1157,7 @@ def measure_perplexity(
     has_tokenizer = (converted / "tokenizer_config.json").is_file() or (converted / "tokenizer.json").is_file()
     tok_dir = converted if has_tokenizer else source
     try:
-        tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+        tokenizer = AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise ConversionError(f"--eval needs a tokenizer in the model folder ({e})") from None
     ids = tokenizer(text, return_tensors="pt").input_ids[:, :max_tokens].to(device)
@@ -1061,7 +1167,8 @@ def measure_perplexity(
     config_dict = dict(converted_config)
     config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
     for label, folder, kwargs in (("base", source, {}), ("kbit", converted, {"config": config})):
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=False, **kwargs)
+        model = model.to(device).eval()
         loss = model(ids, labels=ids).loss
         result[f"{label}_perplexity"] = float(torch.exp(loss.float()))
         del model

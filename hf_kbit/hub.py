@@ -8,6 +8,7 @@ caller as measured; a field without a measurement is left out, never estimated.
 from __future__ import annotations
 
 import platform
+import re
 import shlex
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,20 @@ _TEMPLATE_DIRS = (Path(__file__).parent / "model_cards", Path(__file__).resolve(
 
 class PushError(RuntimeError):
     """Pushing to the Hub failed; the local output is intact and the message says how to retry."""
+
+
+_URL_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
+
+
+def redact(text: str, token: str | None = None) -> str:
+    """``text`` with the ``user:password@`` part of URLs (e.g. in HF_ENDPOINT) and the Hub token replaced by ``***``."""
+    from huggingface_hub.utils import get_token
+
+    text = _URL_USERINFO.sub("***@", text)
+    for secret in (token, get_token()):
+        if secret:
+            text = text.replace(secret, "***")
+    return text
 
 
 def template_path() -> Path:
@@ -159,11 +174,11 @@ def push_to_hub(
     """Create ``repo_id`` (if needed) and upload ``folder`` to it; returns the commit URL.
 
     The token comes from huggingface_hub's usual sources (``HF_TOKEN``, ``hf auth login``)
-    unless given; it is never printed or put in an error message. On failure raises
+    unless given; it is never printed or put in an error message, nor are credentials in the endpoint URL.
+    On failure raises
     :class:`PushError` naming the cause and the command that retries the push.
     """
     from huggingface_hub import HfApi, constants
-    from huggingface_hub.utils import get_token
 
     folder = Path(folder)
     api = HfApi(token=token)
@@ -176,13 +191,10 @@ def push_to_hub(
             repo_id=repo_id, folder_path=folder, revision=revision, commit_message=message, repo_type="model"
         )
     except Exception as e:  # noqa: BLE001 -- any failure keeps the local output; the message says how to retry
-        cause = f"{type(e).__name__}: {e}"
-        secret = token or get_token()
-        if secret:
-            cause = cause.replace(secret, "***")
+        cause = redact(f"{type(e).__name__}: {e}", token)
         raise PushError(
-            f"pushing {folder} to {repo_id} on {constants.ENDPOINT} failed ({cause.splitlines()[0]}).\n"
+            f"pushing {folder} to {repo_id} on {redact(constants.ENDPOINT)} failed ({cause.splitlines()[0]}).\n"
             f"The converted checkpoint is kept in {folder}. Retry the push with:\n"
             f"  {retry_command(folder, repo_id, private, revision, commit_message)}"
         ) from None
-    return str(info.commit_url if hasattr(info, "commit_url") else info)
+    return redact(str(info.commit_url if hasattr(info, "commit_url") else info), token)

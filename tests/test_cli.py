@@ -162,3 +162,114 @@ def test_push_only_needs_push_target(capsys, llama_fp32, tmp_path):
     assert run(capsys, llama_fp32, "--out", out, "--no-progress")[0] == 0
     code, err = run_exit(capsys, out)
     assert code == 2 and "already a kbit checkpoint" in err
+
+
+# ---------------------------------------------------------------------------- one-line errors, never a traceback
+
+
+def one_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("kbit-convert: error: "), err
+    return lines[0]
+
+
+def copy_of(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_nan_weight_names_the_tensor(capsys, llama_fp32, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = copy_of(llama_fp32, tmp_path / "src")
+    key = "model.layers.1.self_attn.q_proj.weight"
+    shard = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][key]
+    tensors = load_file(src / shard)
+    tensors[key][3, 5] = float("nan")
+    save_file(tensors, src / shard, metadata={"format": "pt"})
+    code, _, err = run(capsys, src, "--out", tmp_path / "out", "--no-progress")
+    line = one_line(err)
+    assert code == 2 and key in line and shard in line and "NaN" in line and "--skip-modules" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_truncated_source_names_the_file(capsys, llama_fp32, tmp_path):
+    src = copy_of(llama_fp32, tmp_path / "src")
+    shard = sorted(src.glob("model-*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    code, _, err = run(capsys, src, "--out", tmp_path / "out", "--no-progress")
+    line = one_line(err)
+    assert code == 2 and shard.name in line and "truncated" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: '{"model_type": "llama", ', "is not valid JSON"),
+    (lambda c: "[1, 2]", "holds a JSON list, expected an object"),
+    (lambda c: json.dumps({**c, "hidden_size": "big"}), "transformers cannot read it"),
+    (lambda c: json.dumps({**c, "architectures": ["pipeline"]}), "not a transformers model class"),
+], ids=["not-json", "not-object", "bad-field", "not-a-model-class"])
+def test_broken_config_json(capsys, llama_fp32, tmp_path, edit, message):
+    src = copy_of(llama_fp32, tmp_path / "src")
+    (src / "config.json").write_text(edit(json.loads((src / "config.json").read_text())))
+    code, _, err = run(capsys, src, "--out", tmp_path / "out", "--no-progress")
+    line = one_line(err)
+    assert code == 2 and "config.json" in line and message in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_full_disk_is_reported_and_the_partial_output_removed(capsys, llama_fp32, tmp_path, monkeypatch):
+    import errno
+
+    import safetensors.torch
+
+    def full(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\0" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device", str(filename))
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    code, _, err = run(capsys, llama_fp32, "--out", tmp_path / "out", "--no-progress")
+    line = one_line(err)
+    assert code not in (0, 2)
+    assert "no space left" in line and str(tmp_path) in line and "removed" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_invalid_hub_repo_ids(capsys, llama_fp32, tmp_path):
+    code, _, err = run(capsys, "org/na..me", "--out", tmp_path / "out")
+    line = one_line(err)
+    assert code == 2 and "org/na..me" in line and "repo id" in line
+    code, err = run_exit(capsys, llama_fp32, "--out", tmp_path / "out", "--push-to-hub", "me/bad..name")
+    assert code == 2 and "--push-to-hub" in err and "bad..name" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_overwrite_of_the_current_folder_is_refused(capsys, llama_fp32, tmp_path, monkeypatch):
+    import shutil
+
+    shutil.copytree(llama_fp32, tmp_path / "model")
+    monkeypatch.chdir(tmp_path)
+    code, err = run_exit(capsys, "./model", "--out", ".", "--overwrite")
+    assert code == 2 and "current folder" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_credentials_in_the_endpoint_are_never_printed(capsys, caplog, dead_endpoint, tmp_path, monkeypatch):
+    import logging
+
+    from huggingface_hub import constants
+
+    url = dead_endpoint.replace("http://", "http://someone:s3cretpass@")
+    monkeypatch.setattr(constants, "ENDPOINT", url)
+    monkeypatch.setenv("HF_ENDPOINT", url)
+    monkeypatch.setattr(logging, "_logRecordFactory", logging.getLogRecordFactory())  # the CLI installs its own
+    with caplog.at_level(logging.DEBUG, logger="huggingface_hub"):  # huggingface_hub logs request URLs at debug
+        code, stdout, err = run(capsys, "someorg/somemodel", "--out", tmp_path / "out")
+    assert code == 2 and "could not be reached" in err
+    redacted = dead_endpoint.replace("http://", "http://***@")
+    assert redacted in err and any(redacted in r.getMessage() for r in caplog.records)
+    assert "s3cretpass" not in stdout + err + caplog.text and TOKEN not in stdout + err + caplog.text

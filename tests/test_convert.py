@@ -584,3 +584,44 @@ def test_split_tensors_are_written_as_stored_or_refused(llama_fp32, llama_split_
     assert_same_state(converted, quantize_on_load(src, config))
     assert isinstance(converted.model.layers[0].mlp.down_proj, KbitLinear)
     assert not isinstance(converted.model.layers[0].mlp.gate_proj, KbitLinear)
+
+
+# ---------------------------------------------------------------------------- errors of the environment and the input
+
+
+def test_custom_code_is_never_run(llama_fp32, tmp_path, monkeypatch):
+    """A config.json with auto_map for a model type transformers does not know: refused, never imported,
+    even for a user who would answer yes to transformers' "run the custom code?" prompt."""
+    import shutil
+
+    import transformers.dynamic_module_utils as dynamic
+
+    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    monkeypatch.setattr("builtins.input", lambda *args: "y")
+    src = tmp_path / "src"
+    shutil.copytree(llama_fp32, src)
+    marker = tmp_path / "code-ran"
+    (src / "configuration_custom.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    config = json.loads((src / "config.json").read_text())
+    config.update(model_type="kbit_test_custom", auto_map={"AutoConfig": "configuration_custom.CustomConfig"})
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConversionError, match="custom code"):
+        convert(src, tmp_path / "out", progress=False)
+    assert not marker.exists()
+
+
+def test_safetensors_write_error_keeps_its_cause(llama_fp32, tmp_path, monkeypatch):
+    """safetensors reports a full disk as SafetensorError("... (os error 28)"): it becomes the same clear error."""
+    import errno
+
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full(tensors, filename, metadata=None):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    with pytest.raises(convert_mod.OutputWriteError, match="no space left") as e:
+        convert(llama_fp32, tmp_path / "out", progress=False)
+    assert e.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []

@@ -121,3 +121,54 @@ def test_cli_convert_push_pull_in_fresh_processes(llama_fp32, hub_server, tmp_pa
     assert hub_server.repos["me/cli-kbit4"].messages[commit] == "from the CLI"
     card = hub_server.repos["me/cli-kbit4"].commits[commit]["README.md"].decode()
     assert "--push-to-hub me/cli-kbit4" in card and json.dumps(TOKEN)[1:-1] not in card
+
+
+def test_hub_index_cannot_read_or_push_local_files(llama_fp32, hub_server, tmp_path, capsys):
+    """A repo whose index maps every key to an absolute local path: nothing outside the snapshot is read or pushed."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    tensors = {}
+    for f in llama_fp32.glob("*.safetensors"):
+        tensors.update(load_file(f))
+    save_file(tensors, secret / "weights.safetensors", metadata={"format": "pt"})
+    evil = tmp_path / "evil"
+    shutil.copytree(llama_fp32, evil, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file({"unused": torch.zeros(1)}, evil / "model-00001-of-00001.safetensors", metadata={"format": "pt"})
+    index = json.loads((evil / "model.safetensors.index.json").read_text())
+    index["weight_map"] = dict.fromkeys(tensors, str(secret / "weights.safetensors"))
+    (evil / "model.safetensors.index.json").write_text(json.dumps(index))
+    hub.push_to_hub(evil, "org/evil")
+    capsys.readouterr()
+    code = cli.main(["org/evil", "--out", str(tmp_path / "out"), "--no-progress", "--push-to-hub", "me/leak"])
+    err = capsys.readouterr().err
+    assert code == 2 and "expected a file name relative" in err, err
+    assert "me/leak" not in hub_server.repos and not (tmp_path / "out").exists()
+
+
+def test_hub_file_name_that_huggingface_hub_refuses(llama_fp32, hub_server, tmp_path, capsys):
+    hub.push_to_hub(llama_fp32, "org/odd")
+    repo = hub_server.repos["org/odd"]
+    repo.commits[repo.branches["main"]]["sub/../../escape.safetensors"] = b"x"
+    capsys.readouterr()
+    code = cli.main(["org/odd", "--out", str(tmp_path / "out"), "--no-progress"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip() and "Fetching" not in line]
+    assert code == 2 and len(lines) == 1 and "org/odd" in lines[0] and "escape.safetensors" in lines[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_push_error_hides_endpoint_credentials(llama_fp32, dead_endpoint, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    url = dead_endpoint.replace("http://", "http://someone:s3cretpass@")
+    monkeypatch.setattr(constants, "ENDPOINT", url)
+    monkeypatch.setenv("HF_ENDPOINT", url)
+    out = convert(llama_fp32, tmp_path / "out", progress=False).out
+    with pytest.raises(hub.PushError) as e:
+        hub.push_to_hub(out, "me/x")
+    assert "s3cretpass" not in str(e.value) and TOKEN not in str(e.value)
+    assert dead_endpoint.replace("http://", "http://***@") in str(e.value)
