@@ -79,7 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     io = p.add_argument_group("input and output")
     io.add_argument("--revision", default=None, help="branch, tag or commit of a Hub input repo")
     io.add_argument("--max-shard-size", default="5GB", help="output shard size limit, e.g. 5GB, 500MB (default: 5GB)")
-    io.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (only once the new output is complete)")
+    io.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a non-empty --out: only the folder there now, once the new output is complete (never the "
+        "source, the current folder, home or a folder holding them)",
+    )
     io.add_argument("--dry-run", action="store_true", help="print what would be produced (size, bits/weight) and exit")
     io.add_argument("--no-progress", action="store_true", help="no progress bars")
     ev = p.add_argument_group("model card and evaluation")
