@@ -15,7 +15,6 @@ import platform
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 import zipfile
@@ -27,14 +26,10 @@ from typing import Any
 
 
 def cache_dir() -> Path:
-    """Root of the evaluation cache (created on demand)."""
-    root = os.environ.get("HF_KBIT_CACHE")
-    if root:
-        path = Path(root)
-    else:
-        path = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hf_kbit"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """Root of the evaluation cache (created on demand): hf_kbit.eval.corpus.cache_dir."""
+    from hf_kbit.eval import corpus
+
+    return corpus.cache_dir()
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -50,79 +45,20 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 
 def _run(cmd: list[str], cwd: Path, what: str) -> None:
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"{what} failed: `{shlex.join(cmd)}` exited {proc.returncode}:\n{proc.stderr.strip()[-2000:]}"
-        )
+    from hf_kbit.eval import corpus
+
+    corpus.run_command(cmd, cwd, what)
 
 
 # ----------------------------------------------------------------------------- corpora
-
-AUSTEN_DEB = "r-cran-janeaustenr"
-# Publication order; the names are the R objects in the package's data.
-AUSTEN_BOOKS = ("sensesensibility", "prideprejudice", "mansfieldpark", "emma", "northangerabbey", "persuasion")
+# The corpora live in hf_kbit.eval.corpus (janeausten, python-stdlib, text files).
 
 
-def austen_text_from_package_tree(root: Path) -> str:
-    """The six novels as one text from an extracted janeaustenr package (``dpkg -x`` output or an R library).
+def load_corpus(corpus: str, austen_deb: str | None = None):
+    """``--corpus`` as an hf_kbit.eval.corpus.Corpus (see its load_corpus)."""
+    from hf_kbit.eval import corpus as corpora
 
-    Lines of a novel are joined with newlines; novels are separated by a blank line, in
-    publication order.
-    """
-    import _rdata
-
-    hits = sorted(root.rglob("janeaustenr/data/Rdata.rdx"))
-    if not hits:
-        raise FileNotFoundError(f"no janeaustenr/data/Rdata.rdx under {root}")
-    data = _rdata.read_lazyload_db(hits[0])
-    missing = [b for b in AUSTEN_BOOKS if b not in data]
-    if missing:
-        raise RuntimeError(f"janeaustenr data lacks {missing}; found {sorted(data)}")
-    return "\n\n".join("\n".join(line or "" for line in data[book]) for book in AUSTEN_BOOKS) + "\n"
-
-
-def austen_corpus(deb: Path | None = None) -> Path:
-    """Path of the cached Jane Austen text, fetched from Debian's r-cran-janeaustenr on first use.
-
-    The package is downloaded (``apt-get download``), unpacked with ``dpkg -x`` in a
-    temporary folder (never installed) and its R data parsed; only the text is cached.
-    ``deb``: use this already-downloaded .deb instead (offline machines).
-    """
-    target = cache_dir() / "corpora" / "janeausten.txt"
-    if target.exists():
-        return target
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        if deb is None:
-            if shutil.which("apt-get") is None:
-                raise RuntimeError(
-                    "the Jane Austen corpus comes from Debian's r-cran-janeaustenr package and needs `apt-get` "
-                    "(or pass a downloaded .deb with --austen-deb, or any text file with --corpus)"
-                )
-            _run(["apt-get", "download", AUSTEN_DEB], tmp, f"downloading Debian's {AUSTEN_DEB} (run `apt-get update` first?)")
-            debs = sorted(tmp.glob(f"{AUSTEN_DEB}_*.deb"))
-            if not debs:
-                raise RuntimeError(f"apt-get download {AUSTEN_DEB} produced no .deb")
-            deb = debs[-1]
-        _run(["dpkg", "-x", str(deb), str(tmp / "tree")], tmp, f"unpacking {deb.name}")
-        text = austen_text_from_package_tree(tmp / "tree")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(".partial")
-    partial.write_text(text, encoding="utf-8")
-    partial.replace(target)
-    return target
-
-
-def load_corpus(corpus: str, austen_deb: str | None = None) -> tuple[str, str]:
-    """(name, text) for ``--corpus``: ``janeausten`` (default corpus) or a UTF-8 text file."""
-    if corpus == "janeausten":
-        path = austen_corpus(Path(austen_deb) if austen_deb else None)
-        return "janeausten (Debian r-cran-janeaustenr, 6 novels)", path.read_text(encoding="utf-8")
-    path = Path(corpus)
-    if not path.is_file():
-        raise FileNotFoundError(f"--corpus: {corpus!r} is neither 'janeausten' nor a text file")
-    return path.name, path.read_text(encoding="utf-8")
+    return corpora.load_corpus(corpus, austen_deb)
 
 
 # ----------------------------------------------------------------------------- offline models
