@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import os
 import platform
 import re
 import shlex
@@ -209,25 +208,10 @@ def dtype_name(dtype) -> str:
 
 
 def kbit_summary(model) -> dict[str, Any]:
-    """Storage of a kbit model: average bits/weight of quantized Linears, share of parameters quantized."""
-    from hf_kbit import format as fmt
-    from hf_kbit.nn import KbitLinear
+    """Storage of a kbit model (hf_kbit.eval.variants.kbit_summary): bits/weight, share of parameters quantized."""
+    from hf_kbit.eval import variants
 
-    quantized_elems, quantized_bits, total = 0, 0.0, 0
-    for module in model.modules():
-        if isinstance(module, KbitLinear):
-            n, k = module.out_features, module.in_features
-            quantized_elems += n * k
-            quantized_bits += fmt.bits_per_weight(n, k, module.bits) * n * k
-    total = quantized_elems + sum(p.numel() for p in model.parameters())
-    return {
-        "quantized_params": quantized_elems,
-        "quantized_fraction": quantized_elems / total if total else 0.0,
-        "bits_per_weight": quantized_bits / quantized_elems if quantized_elems else None,
-    }
-
-
-LM_HEAD = "lm_head"  # the output projection's module name in transformers' causal LMs
+    return variants.kbit_summary(model)
 
 
 # transformers attention implementations the scripts build models with (--attention): transformers' sdpa,
@@ -242,52 +226,26 @@ def check_attention(attention: str) -> None:
 
 def load_variant(folder: Path, bits: int | None, device: str, dtype, dequantize_on_cpu: bool = True,
                  lm_head_bits: int | None = None, attention: str = "sdpa"):
-    """The model of ``folder`` as bf16 (``bits=None``) or quantized on load at ``bits``.
+    """The model of ``folder`` as bf16 (``bits=None``) or quantized on load at ``bits``: ``(model, info)``.
 
-    Returns ``(model, info)``. On CPU the kbit forward is the pure-PyTorch reference, which
-    dequantizes every weight on every call; ``dequantize_on_cpu`` swaps each KbitLinear for an
-    ``nn.Linear`` holding exactly its dequantized weight (same numbers, much faster).
-    ``lm_head_bits``: quantize the LM head too, at that k (variant ``kbit<bits>-head<k>``), as
-    ``KbitConfig(bits=bits, modules_to_not_convert=[], module_bits={"^lm_head$": k})`` does; ValueError
-    where the model ties its LM head to the input embedding (kbit keeps a tied head). ``attention``: the
-    transformers attention implementation (``ATTENTIONS``).
+    hf_kbit.eval.variants.load_variant for the variant ``bf16`` or ``kbit<bits>``. ``lm_head_bits``: quantize
+    the LM head too, at that k (variant ``kbit<bits>-head<k>``, ``KbitConfig(bits=bits, modules_to_not_convert=[],
+    module_bits={"^lm_head$": k})``); ValueError where the model ties its LM head to the input embedding (kbit keeps
+    a tied head). ``dequantize_on_cpu``: on CPU, swap each KbitLinear for an ``nn.Linear`` holding exactly its
+    dequantized weight (same numbers as the reference forward, much faster). ``attention``: the transformers
+    attention implementation (``ATTENTIONS``).
     """
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    import hf_kbit
-    from hf_kbit.nn import KbitLinear
+    from hf_kbit.eval import variants
 
     if lm_head_bits is not None and bits is None:
         raise ValueError("lm_head_bits quantizes the LM head of a kbit variant; bits is None (bf16)")
     check_attention(attention)
-    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attention}
-    if lm_head_bits is not None:
-        kwargs["quantization_config"] = hf_kbit.KbitConfig(
-            bits=bits, modules_to_not_convert=[], module_bits={f"^{LM_HEAD}$": lm_head_bits})
-    elif bits is not None:
-        kwargs["quantization_config"] = hf_kbit.KbitConfig(bits=bits)
-    model = AutoModelForCausalLM.from_pretrained(folder, **kwargs).to(device)
-    model.eval()
-    if lm_head_bits is not None:
-        head = model.get_output_embeddings()
-        if not isinstance(head, KbitLinear):
-            raise ValueError(f"--lm-head-bits: the LM head of {folder} is tied to its input embedding, and kbit keeps "
-                             f"a tied LM head in full precision (quantizing it would store the matrix twice)")
-        if head.bits != lm_head_bits:
-            raise ValueError(f"--lm-head-bits: the LM head of {folder} is not the module {LM_HEAD!r}")
-    variant = "bf16" if bits is None else f"kbit{bits}" + (f"-head{lm_head_bits}" if lm_head_bits else "")
-    info: dict[str, Any] = {"variant": variant, "bits": bits, "lm_head_bits": lm_head_bits}
     if bits is None:
-        info.update({"bits_per_weight": 16.0, "quantized_fraction": 0.0, "kbit_forward": None})
+        spec = variants.VariantSpec("bf16", "bf16")
     else:
-        info.update(kbit_summary(model))
-        info["kbit_forward"] = "kernel" if device.startswith("cuda") else "reference"
-        if dequantize_on_cpu and not device.startswith("cuda"):
-            model.dequantize(dtype=dtype)
-            info["kbit_forward"] = "dequantized-to-nn.Linear"
-    torch.manual_seed(0)
-    return model, info
+        name = f"kbit{bits}" + (f"-head{lm_head_bits}" if lm_head_bits else "")
+        spec = variants.VariantSpec(name, "kbit", bits, lm_head_bits=lm_head_bits)
+    return variants.load_variant(folder, spec, device, dtype, dequantize_on_cpu, attention=attention)
 
 
 # ----------------------------------------------------------------------------- output

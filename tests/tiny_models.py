@@ -72,3 +72,41 @@ def tiny_moe_model(family: str, dtype: torch.dtype = torch.bfloat16, seed: int =
             if p.dim() >= 2:
                 p.normal_(0, 0.1)
     return model.to(dtype).eval()
+
+
+# A few lines of Pride and Prejudice (public domain), enough for several windows of a char-level tokenizer.
+TINY_TEXT = (
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+    "must be in want of a wife.\n\nHowever little known the feelings or views of such a man may be on his "
+    "first entering a neighbourhood, this truth is so well fixed in the minds of the surrounding families, "
+    "that he is considered the rightful property of some one or other of their daughters.\n"
+)
+
+
+def char_tokenizer(text: str):
+    """A character-level fast tokenizer over the characters of ``text`` (built offline)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<eos>": 1}
+    for ch in sorted(set(text)):
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>", pad_token="<eos>")
+
+
+def save_tiny_text_model(folder):
+    """A tiny random Llama (bf16 weights, untied LM head) with a char-level tokenizer over TINY_TEXT, saved as a
+    transformers folder; returns the folder. K = 128 and 256: every anchor's group size divides it."""
+    tokenizer = char_tokenizer(TINY_TEXT)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -36,7 +36,7 @@ def cache_dir() -> Path:
 
 def run_command(cmd: list[str], cwd: Path, what: str) -> None:
     """Run ``cmd``; RuntimeError naming ``what``, the command and its stderr when it fails."""
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, check=False, cwd=cwd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(
             f"{what} failed: `{shlex.join(cmd)}` exited {proc.returncode}:\n{proc.stderr.strip()[-2000:]}"

@@ -9,8 +9,7 @@ import zlib
 
 import pytest
 
-from hf_kbit.eval import corpus
-from hf_kbit.eval import rdata
+from hf_kbit.eval import corpus, rdata
 
 NIL = struct.pack(">i", rdata.NILVALUE_SXP)
 
