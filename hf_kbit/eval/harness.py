@@ -101,6 +101,11 @@ def evaluate(
     corpus_info = dict(corpus.info)
     if corpus.segments and chars is not None:
         corpus_info["files_in_prefix"] = corpus.segments_within(chars)
+    packages = {}
+    if any(v.method == "hqq" for v in variants):
+        from importlib.metadata import version
+
+        packages["hqq"] = version("hqq")
     return {
         "schema": SCHEMA,
         "model": model_info,
@@ -113,6 +118,7 @@ def evaluate(
         "compute_dtype": str(dtype).removeprefix("torch."),
         "statistics": "delta vs bf16: paired over windows, delta-method standard errors "
                       "(hf_kbit.eval.perplexity.paired_delta)",
+        "anchor_packages": packages,
         "results": results,
     }
 

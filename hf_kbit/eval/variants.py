@@ -55,14 +55,20 @@ class VariantSpec:
             if self.bits is not None or self.options or self.lm_head_bits is not None:
                 raise ValueError(f"variant {self.name!r}: bf16 takes no bits and no options")
         elif self.method == "kbit":
-            self.kbit_config()  # KbitConfig validates bits and every option, naming the field
+            try:
+                self.kbit_config()  # KbitConfig validates bits and every option, naming the field
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"variant {self.name!r}: {e}") from None
         else:
             if self.lm_head_bits is not None:
                 raise ValueError(f"variant {self.name!r}: lm_head_bits applies to kbit variants only")
             unknown = sorted(set(self.options) - {"group_size"})
             if unknown:
                 raise ValueError(f"variant {self.name!r}: unknown option(s) {unknown}; anchors take group_size")
-            self.anchor()  # validates bits and group_size
+            try:
+                self.anchor()  # validates bits and group_size
+            except ValueError as e:
+                raise ValueError(f"variant {self.name!r}: {e}") from None
 
     def kbit_config(self):
         import hf_kbit

@@ -1,0 +1,100 @@
+"""Variant specs, the Linears the anchors quantize, and loading every kind of variant."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import save_tiny_text_model
+
+from hf_kbit.eval import variants as V
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return save_tiny_text_model(tmp_path_factory.mktemp("tiny_llama"))
+
+
+def test_parse_plain_specs():
+    specs = V.parse_variants("bf16, kbit4,hqq3,rtn2,nf4")
+    assert [(s.name, s.method, s.bits) for s in specs] == [
+        ("bf16", "bf16", None), ("kbit4", "kbit", 4), ("hqq3", "hqq", 3), ("rtn2", "rtn", 2), ("nf4", "nf", 4)]
+    assert specs[2].anchor().group_size == 64 and specs[3].anchor().group_size == 128
+
+
+def test_options_go_to_kbitconfig_as_json_values():
+    cb = [-1.0, -0.25, 0.25, 1.0]
+    spec, other = V.parse_variants(f"kbit2:codebook={cb}:fuse_projections=false:name=kbit2-mine,kbit3:codebook=nf")
+    assert (spec.name, spec.options) == ("kbit2-mine", {"codebook": cb, "fuse_projections": False})
+    config = spec.kbit_config()
+    assert config.codebook == cb and config.fuse_projections is False
+    assert other.kbit_config().codebook == "nf" and other.name == "kbit3:codebook=nf"
+
+
+def test_lm_head_option():
+    spec = V.parse_variant("kbit4:lm_head_bits=5")
+    assert spec.lm_head_bits == 5 and spec.options == {}
+    config = spec.kbit_config()
+    assert config.modules_to_not_convert == [] and config.module_bits == {"^lm_head$": 5}
+    assert [s.name for s in V.bits_variants([4], [5])] == ["bf16", "kbit4", "kbit4-head5"]
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ("int4", "METHOD one of"), ("kbit", "needs its bits"), ("kbit6", "must be one of"),
+    ("kbit4:codebook_fit=lloyd", "unexpected field"), ("kbit4:codebook=xx", "codebook must be one of"),
+    ("rtn4:block=3", "unknown option"), ("nf3", "nf anchors take bits"), ("bf16:x=1", "no bits and no options"),
+    ("kbit4:codebook=[1,2", "unbalanced"), ("kbit4:nonsense", "not KEY=VALUE"), ("hqq4:lm_head_bits=4", "kbit"),
+])
+def test_bad_specs_name_the_variant(text, match):
+    with pytest.raises(ValueError, match=match):
+        V.parse_variant(text)
+
+
+def test_duplicate_labels_are_refused():
+    with pytest.raises(ValueError, match="duplicate"):
+        V.parse_variants("kbit4,kbit4")
+
+
+def test_anchors_quantize_the_linears_kbit_quantizes(tiny_folder, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hf_kbit
+    from hf_kbit.nn import KbitLinear
+
+    for folder, tied in ((tiny_folder, False), (tmp_path, True)):
+        if tied:
+            AutoModelForCausalLM.from_pretrained(tiny_folder, tie_word_embeddings=True).save_pretrained(tmp_path)
+            AutoTokenizer.from_pretrained(tiny_folder).save_pretrained(tmp_path)
+        plain = AutoModelForCausalLM.from_pretrained(folder)
+        config = hf_kbit.KbitConfig(bits=4, fuse_projections=False)
+        kbit = AutoModelForCausalLM.from_pretrained(folder, quantization_config=config)
+        kbit_names = [n for n, m in kbit.named_modules() if isinstance(m, KbitLinear)]
+        assert V.quantizable_linears(plain) == kbit_names
+        assert "lm_head" not in kbit_names and len(kbit_names) == 2 * 7
+
+
+@pytest.mark.parametrize("text", ["rtn3", "nf4", "hqq4"])
+def test_anchor_variant_rewrites_decoder_linears_only(tiny_folder, text):
+    if text.startswith("hqq"):
+        pytest.importorskip("hqq", reason="hqq is an optional dependency (pip install hf-kbit[eval])")
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32)
+    model, info = V.load_variant(tiny_folder, V.parse_variant(text), "cpu", torch.float32)
+    names = V.quantizable_linears(plain)
+    for name, p in plain.named_parameters():
+        changed = not torch.equal(p, model.get_parameter(name))
+        assert changed == (name.removesuffix(".weight") in names), name
+    assert info["quantized_modules"] == len(names) and 10 < info["weight_sqnr_db"] < 40
+    # every K here (128, 256) is a multiple of every group size: all layers cost the same bits/weight
+    assert info["bits_per_weight"] == pytest.approx(V.parse_variant(text).anchor().bits_per_weight(256, 128))
+
+
+def test_kbit_variant_reports_sqnr_against_the_checkpoint(tiny_folder):
+    reference = V.reference_weights(tiny_folder)
+    assert "lm_head" in reference  # untied: kept for the -head variants
+    _, k4 = V.load_variant(tiny_folder, V.parse_variant("kbit4"), "cpu", torch.float32, reference=reference)
+    _, k5 = V.load_variant(tiny_folder, V.parse_variant("kbit5"), "cpu", torch.float32, reference=reference)
+    _, head = V.load_variant(tiny_folder, V.parse_variant("kbit4:lm_head_bits=5"), "cpu", torch.float32,
+                             reference=reference)
+    assert 15 < k4["weight_sqnr_db"] < k5["weight_sqnr_db"] and head["weight_sqnr_db"] is not None
+    assert k4["kbit_forward"] == "dequantized-to-nn.Linear" and head["quantized_modules"] == k4["quantized_modules"] + 1
