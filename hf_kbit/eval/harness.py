@@ -86,7 +86,7 @@ def evaluate(
         start = time.perf_counter()
         nll = score_windows(model, token_ids, windows, batch_size)
         if device.startswith("cuda"):
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
         ppl = perplexity(nll, tokens)
         results.append({**info, "nll_per_token": sum(nll) / sum(tokens), "ppl": ppl, "scored_tokens": sum(tokens),

@@ -334,7 +334,7 @@ def load_variant(folder: Path, spec: VariantSpec, device: str, dtype, dequantize
     else:
         info.update(apply_anchor(model, spec.anchor()))
     if device.startswith("cuda"):
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
     info["load_seconds"] = round(time.perf_counter() - start, 2)
     torch.manual_seed(0)
     return model, info
