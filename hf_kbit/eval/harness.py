@@ -30,11 +30,16 @@ def _free(device: str) -> None:
 
 
 def _check_same_linears(results: list[dict[str, Any]], result: dict[str, Any]) -> None:
-    """Every quantized variant without a quantized LM head must quantize the same Linears, or the comparison
-    between formats is not like for like."""
-    if result["method"] == "bf16" or result.get("lm_head_bits") is not None:
+    """Every quantized variant must quantize the same Linears, or the comparison between formats is not like for
+    like; variants that choose their modules on purpose (``lm_head_bits``, ``modules_to_not_convert``) are exempt."""
+
+    def compared(r: dict[str, Any]) -> bool:
+        chosen = r.get("lm_head_bits") is not None or "modules_to_not_convert" in r.get("options", {})
+        return r["method"] != "bf16" and not chosen
+
+    if not compared(result):
         return
-    first = next((r for r in results if r["method"] != "bf16" and r.get("lm_head_bits") is None), None)
+    first = next((r for r in results if compared(r)), None)
     if first and first["quantized_modules_sha256"] != result["quantized_modules_sha256"]:
         raise RuntimeError(
             f"{result['variant']} quantized {result['quantized_modules']} modules ({result['quantized_params']} "

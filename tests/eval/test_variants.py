@@ -98,3 +98,18 @@ def test_kbit_variant_reports_sqnr_against_the_checkpoint(tiny_folder):
                              reference=reference)
     assert 15 < k4["weight_sqnr_db"] < k5["weight_sqnr_db"] and head["weight_sqnr_db"] is not None
     assert k4["kbit_forward"] == "dequantized-to-nn.Linear" and head["quantized_modules"] == k4["quantized_modules"] + 1
+
+
+def test_run_refuses_variants_that_quantize_different_linears():
+    from hf_kbit.eval.harness import _check_same_linears
+
+    def result(variant, sha, **extra):
+        return {"variant": variant, "method": "kbit", "quantized_modules": 3, "quantized_params": 30,
+                "quantized_modules_sha256": sha, "options": {}, **extra}
+
+    done = [{"variant": "bf16", "method": "bf16"}, result("kbit4", "a")]
+    _check_same_linears(done, result("rtn4", "a"))
+    _check_same_linears(done, result("kbit4-head5", "b", lm_head_bits=5))  # chosen on purpose
+    _check_same_linears(done, result("kbit4:skip", "b", options={"modules_to_not_convert": ["model.layers.0"]}))
+    with pytest.raises(RuntimeError, match="nf4 quantized 3 modules .* kbit4 3"):
+        _check_same_linears(done, result("nf4", "c"))
