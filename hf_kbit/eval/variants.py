@@ -311,6 +311,9 @@ def load_variant(folder: Path, spec: VariantSpec, device: str, dtype, dequantize
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attention}
     if spec.method == "kbit":
         kwargs["quantization_config"] = spec.kbit_config()
+    if device.startswith("cuda"):
+        # Load straight onto the GPU: kbit then quantizes on load with its CUDA kernel (bit-identical to the CPU).
+        kwargs["device_map"] = device
     model = AutoModelForCausalLM.from_pretrained(folder, **kwargs).to(device)
     model.eval()
     info: dict[str, Any] = {**spec.to_json(), "kbit_forward": None, "weight_sqnr_db": None}
