@@ -18,8 +18,10 @@ def should_convert(name: str, modules_to_not_convert: list[str]) -> bool:
     dotted path prefix (``model.layers.1``), as whole name components anywhere
     (``shared_expert`` skips ``...mlp.shared_expert.up_proj``), or as a full regex."""
     dotted = f".{name}."
+    parts = name.split(".")
+    lineage = [".".join(parts[: i + 1]) for i in range(len(parts))]  # "a", "a.b", ..., name
     for key in modules_to_not_convert:
-        if name.startswith(key + ".") or f".{key}." in dotted or re.fullmatch(key, name):
+        if name.startswith(key + ".") or f".{key}." in dotted or any(re.fullmatch(key, n) for n in lineage):
             return False
     return True
 
