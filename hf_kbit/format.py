@@ -273,18 +273,13 @@ def quantize(weight: torch.Tensor, codebook: torch.Tensor) -> tuple[torch.Tensor
     bits = int(codebook.numel()).bit_length() - 1
     n_pad, k_pad = padded_shape(n, k)
     w = weight.float()
-    rowmax = w.abs().amax(-1) if k > 0 else torch.zeros(*lead, n, device=w.device)
-    row_scale = torch.where(rowmax > 0, rowmax / E4M4_MAX, torch.ones_like(rowmax))
-    row_scale = torch.where(rowmax > 0, torch.nextafter(row_scale, torch.full_like(row_scale, math.inf)), row_scale)
-    row_scale = row_scale.clamp(max=ROW_SCALE_MAX)
+    row_scale = row_scales(w)
 
     w = torch.nn.functional.pad(w, (0, k_pad - k, 0, n_pad - n))
     blocks = w.reshape(*lead, n_pad, k_pad // BLOCK_SIZE, BLOCK_SIZE)
     rs = torch.nn.functional.pad(row_scale, (0, n_pad - n), value=1.0)[..., None]  # [..., n_pad, 1]
     table = e4m4_table().to(w.device)
-    blockmax = blocks.abs().amax(-1)
-    codes = torch.searchsorted(table, (blockmax / rs).contiguous()).clamp_(max=255)
-    codes = torch.where(blockmax > 0, codes.clamp(min=1), codes)  # code 0 would zero a non-zero block
+    codes = absmax_codes(blocks, rs[..., 0])
     scale = table[codes] * rs
     x = torch.where(scale[..., None] > 0, blocks / scale[..., None], torch.zeros_like(blocks))
     cb = codebook.to(device=w.device, dtype=torch.float32)
@@ -294,6 +289,24 @@ def quantize(weight: torch.Tensor, codebook: torch.Tensor) -> tuple[torch.Tensor
     planes = tile_planes(pack_bitplanes(indices, bits))
     block_scales = tile(codes.to(torch.uint8))
     return planes, block_scales, row_scale.contiguous()
+
+
+def row_scales(weight: torch.Tensor) -> torch.Tensor:
+    """Step 1 of :func:`quantize`: float32 row scales ``[..., N]`` of ``weight [..., N, K]``."""
+    w = weight.float()
+    rowmax = w.abs().amax(-1) if w.shape[-1] > 0 else torch.zeros(w.shape[:-1], device=w.device)
+    row_scale = torch.where(rowmax > 0, rowmax / E4M4_MAX, torch.ones_like(rowmax))
+    row_scale = torch.where(rowmax > 0, torch.nextafter(row_scale, torch.full_like(row_scale, math.inf)), row_scale)
+    return row_scale.clamp(max=ROW_SCALE_MAX)
+
+
+def absmax_codes(blocks: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Step 2 of :func:`quantize`: int64 E4M4 codes ``[..., N, B]`` of ``blocks [..., N, B, 32]`` under row
+    scales ``rows [..., N]``."""
+    table = e4m4_table().to(blocks.device)
+    blockmax = blocks.abs().amax(-1)
+    codes = torch.searchsorted(table, (blockmax / rows[..., None]).contiguous()).clamp_(max=255)
+    return torch.where(blockmax > 0, codes.clamp(min=1), codes)  # code 0 would zero a non-zero block
 
 
 def unpack_indices(planes: torch.Tensor) -> torch.Tensor:
