@@ -1,0 +1,355 @@
+"""Data-free fitting of the choices format v1 leaves to the quantizer.
+
+:func:`hf_kbit.format.quantize` is the simple rule: each block's scale code rounds its absmax up
+and the codebook is fixed per k. Kernels read only the codes, the indices, the row scales and the
+layer's codebook, so *how* those are chosen costs nothing at inference. This module chooses them
+to lower the squared reconstruction error of the weight, without calibration data:
+
+- **block-scale codes** (:func:`search_block_codes`): each block tries the E4M4 codes from
+  ``codes_below`` under its absmax code (clipping its largest elements) to ``codes_above`` over
+  it, and keeps the code of least squared error. 16 codes are one octave.
+- **codebook** (:func:`fit_codebook`): Lloyd iterations on the block-normalised weights,
+  alternating with the code search, started from the default codebook of ``bits``. A level's
+  new value is its least-squares value given the block scales, ``sum(s * w) / sum(s * s)`` over
+  the elements nearest to it (weight-space error), and the codebook is then rescaled to
+  ``max |c| = 1`` (the scale search absorbs the factor).
+
+:func:`quantize_fitted` packs the result into the format v1 tensors, which
+:func:`hf_kbit.format.dequantize` reads unchanged; :func:`fit_quantize` does both with the
+settings measured best per k (:data:`DEFAULT_SETTINGS`).
+
+Everything is plain PyTorch on the weight's device. It is deterministic: no random numbers and no
+atomic accumulation, so the same weight on the same device and thread count gives the same bytes
+(CPU and CUDA may differ where two candidate codes tie to rounding). The absmax code is always a
+candidate and wins ties, so the reconstruction error never exceeds format.quantize's with the same
+codebook and row scales. Leading dims stack experts: a weight ``[E, N, K]`` gets a codebook
+``[E, 2**bits]``, fitted per expert (a fused experts module stores one codebook per projection: fit that
+one on the experts stacked as rows, ``[E * N, K]``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import format as fmt
+
+__all__ = [
+    "DEFAULT_SETTINGS",
+    "FitSettings",
+    "absmax_codes",
+    "fit_codebook",
+    "fit_quantize",
+    "quantize_fitted",
+    "row_scales",
+    "search_block_codes",
+]
+
+# Elements per temporary tensor of the code search ([rows, blocks, candidates, 32] floats): 2**24
+# is 64 MB in float32, small next to a GPU and to a CPU's memory, large enough to keep either busy.
+CHUNK_ELEMENTS = 1 << 24
+# Blocks per layer (per expert) the codebook is fitted on; a larger layer contributes every
+# m-th row. 2**16 blocks are 2M weights, 65536 samples per level at k = 5: plenty for 32 means.
+MAX_FIT_BLOCKS = 1 << 16
+
+
+@dataclass(frozen=True)
+class FitSettings:
+    """How :func:`fit_quantize` chooses the free parts of format v1 for one k.
+
+    Args:
+        codes_below: E4M4 codes under each block's absmax code that the code search tries.
+        codes_above: E4M4 codes over it that the search tries.
+        lloyd_iters: Lloyd iterations of the codebook (0 keeps the initial codebook).
+        codebook: initial codebook, a :func:`hf_kbit.format.make_codebook` name or ``None`` for
+            the format's default for this k.
+        max_fit_blocks: blocks per layer (per expert) the codebook is fitted on.
+    """
+
+    codes_below: int
+    codes_above: int = 0
+    lloyd_iters: int = 0
+    codebook: str | None = None
+    max_fit_blocks: int = MAX_FIT_BLOCKS
+
+    def __post_init__(self):
+        for name in ("codes_below", "codes_above", "lloyd_iters"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"FitSettings.{name} must be a non-negative int, got {value!r}")
+        if self.codes_below + self.codes_above > 255:
+            raise ValueError(f"FitSettings: codes_below + codes_above must be <= 255, got "
+                             f"{self.codes_below} + {self.codes_above}")
+        if not isinstance(self.max_fit_blocks, int) or self.max_fit_blocks < 1:
+            raise ValueError(f"FitSettings.max_fit_blocks must be a positive int, got {self.max_fit_blocks!r}")
+
+
+# Per k, the levers screened by perplexity on SmolLM2-135M (a Lloyd codebook and codes above the absmax code
+# helped at every k; more codes below than these did not). Measured against the anchors as `kbitfit<k>` in
+# results/perplexity_*.json (docs/results.md); not yet what quantize-on-load writes.
+DEFAULT_SETTINGS = {
+    2: FitSettings(codes_below=24, codes_above=4, lloyd_iters=4),
+    3: FitSettings(codes_below=12, codes_above=4, lloyd_iters=4),
+    4: FitSettings(codes_below=8, codes_above=2, lloyd_iters=4),
+    5: FitSettings(codes_below=6, codes_above=2, lloyd_iters=4),
+}
+
+
+# ---------------------------------------------------------------------------- layout helpers
+
+
+def _as_groups(weight: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """weight [..., N, K] -> float32 [G, N, K] (G = prod of the leading dims) and the leading shape."""
+    if weight.dim() < 2:
+        raise ValueError(f"weight must be [..., N, K] with at least 2 dims, got shape {tuple(weight.shape)}")
+    if not weight.is_floating_point():
+        raise TypeError(f"weight must be floating point, got {weight.dtype}")
+    lead = tuple(weight.shape[:-2])
+    return weight.float().reshape(-1, *weight.shape[-2:]), lead
+
+
+def _blocks(w: torch.Tensor, n_pad: int | None = None, k_pad: int | None = None) -> torch.Tensor:
+    """[G, N, K] -> [G, n_pad, k_pad / 32, 32], zero-padded (default: K to whole blocks, N as is)."""
+    g, n, k = w.shape
+    n_pad = n if n_pad is None else n_pad
+    k_pad = math.ceil(k / fmt.BLOCK_SIZE) * fmt.BLOCK_SIZE if k_pad is None else k_pad
+    return torch.nn.functional.pad(w, (0, k_pad - k, 0, n_pad - n)).reshape(g, n_pad, k_pad // fmt.BLOCK_SIZE, fmt.BLOCK_SIZE)
+
+
+def _element_mask(k: int, n_blocks: int, device: torch.device) -> torch.Tensor | None:
+    """[n_blocks, 32] float32, 1 on real elements and 0 on K padding; None when no block is partial
+    (whole padding blocks are all zero: they keep code 0 and add no error)."""
+    if k % fmt.BLOCK_SIZE == 0:
+        return None
+    col = torch.arange(n_blocks * fmt.BLOCK_SIZE, device=device).reshape(n_blocks, fmt.BLOCK_SIZE)
+    return (col < k).float()
+
+
+def _codebook_groups(codebook: torch.Tensor, lead: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A codebook [L] (shared) or [*lead, L] (one per expert) -> float32 [G, L], validated."""
+    cb = codebook.to(device=device, dtype=torch.float32)
+    levels = cb.shape[-1]
+    bits = levels.bit_length() - 1
+    if bits not in fmt.SUPPORTED_BITS or levels != 1 << bits:
+        raise ValueError(f"codebook must have 2**bits entries for bits in {fmt.SUPPORTED_BITS}, got {levels}")
+    if cb.dim() == 1:
+        cb = cb.expand(math.prod(lead), levels)
+    elif tuple(cb.shape[:-1]) != lead:
+        raise ValueError(f"codebook must be [{levels}] or [*{list(lead)}, {levels}] for this weight, "
+                         f"got {tuple(codebook.shape)}")
+    cb = cb.reshape(-1, levels).contiguous()
+    for row in cb.cpu():
+        fmt.validate_codebook(row, bits)
+    return cb
+
+
+def _nearest(x: torch.Tensor, cb: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest level (ties to the lower one, as format.quantize) of x [G, ...] in cb [G, L]."""
+    mids = (cb[:, 1:] + cb[:, :-1]) / 2
+    return torch.searchsorted(mids, x.reshape(x.shape[0], -1).contiguous()).reshape(x.shape)
+
+
+def _levels(cb: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """cb [G, L] gathered at idx [G, ...]."""
+    return torch.gather(cb, 1, idx.reshape(idx.shape[0], -1)).reshape(idx.shape)
+
+
+# ---------------------------------------------------------------------------- scales
+
+
+# format.quantize's steps 1 and 2, the starting point of every search here.
+row_scales = fmt.row_scales
+absmax_codes = fmt.absmax_codes
+
+
+def _search(blocks, rows, cb, codes_below, codes_above, mask):
+    """Code search on [G, N, B, 32] blocks, [G, N] row scales, [G, L] codebooks -> codes [G, N, B]."""
+    c0 = absmax_codes(blocks, rows)
+    if codes_below == 0 and codes_above == 0:
+        return c0
+    table = fmt.e4m4_table().to(blocks.device)
+    # Candidate offsets, the absmax code first: argmin keeps the first of equal errors, so the
+    # absmax code wins ties and the result is never worse than format.quantize.
+    steps = torch.arange(-codes_above, codes_below + 1, device=blocks.device)
+    offsets = torch.cat([steps.new_zeros(1), steps[steps != 0]])
+    g, n, n_blocks, _ = blocks.shape
+    rows_per_chunk = max(1, CHUNK_ELEMENTS // (n_blocks * offsets.numel() * fmt.BLOCK_SIZE))
+    out = torch.empty_like(c0)
+    for start in range(0, n, rows_per_chunk):
+        b = blocks[:, start : start + rows_per_chunk]
+        base = c0[:, start : start + rows_per_chunk, :, None]
+        # An all-zero block keeps code 0; any other block keeps a non-zero code (code 0 would zero it).
+        cand = torch.where(base == 0, 0, (base - offsets).clamp(1, 255))  # [G, n, B, C]
+        scale = table[cand] * rows[:, start : start + rows_per_chunk, None, None]
+        x = b[:, :, :, None, :] / torch.where(scale > 0, scale, 1.0)[..., None]
+        d = _levels(cb, _nearest(x, cb)).sub_(x).square_()
+        if mask is not None:
+            d.mul_(mask[:, None, :])
+        err = d.sum(-1) * scale.square()
+        best = err.argmin(-1, keepdim=True)
+        out[:, start : start + rows_per_chunk] = cand.gather(-1, best)[..., 0]
+    return out
+
+
+def search_block_codes(
+    weight: torch.Tensor,
+    rows: torch.Tensor,
+    codebook: torch.Tensor,
+    codes_below: int,
+    codes_above: int = 0,
+) -> torch.Tensor:
+    """Per block, the E4M4 code of least squared reconstruction error.
+
+    Args:
+        weight: ``[..., N, K]`` floating point.
+        rows: row scales ``[..., N]`` float32, positive.
+        codebook: ``[2**bits]`` or one per leading index ``[..., 2**bits]``.
+        codes_below / codes_above: the window of codes tried around each block's absmax code
+            (:func:`absmax_codes`), clamped to 1..255.
+    Returns:
+        int64 codes ``[..., N, ceil(K / 32)]`` (block order, untiled). An all-zero block gets 0.
+    The error of a block is ``sum((w - c[nearest(w / s)] * s)**2)`` over its real elements, with
+    ``s = e4m4(code) * row_scale``; ties go to the absmax code, then to the larger code.
+    """
+    w, lead = _as_groups(weight)
+    cb = _codebook_groups(codebook, lead, w.device)
+    rs = rows.to(device=w.device, dtype=torch.float32).reshape(w.shape[0], w.shape[1])
+    blocks = _blocks(w)
+    codes = _search(blocks, rs, cb, codes_below, codes_above, _element_mask(w.shape[-1], blocks.shape[2], w.device))
+    return codes.reshape(*lead, *codes.shape[1:])
+
+
+# ---------------------------------------------------------------------------- codebook
+
+
+def _lloyd_step(blocks, scales, cb, mask):
+    """One Lloyd update of cb [G, L] from blocks [G, n, B, 32] at block scales [G, n, B]."""
+    s = scales[..., None].expand_as(blocks)
+    x = blocks / torch.where(s > 0, s, 1.0)
+    idx = _nearest(x, cb).reshape(cb.shape[0], -1)
+    # Weight-space least squares per level: sum(s * w) / sum(s * s). Zero blocks (s = 0) and K
+    # padding carry no weight. Sums per level are plain reductions (deterministic on every
+    # device, unlike scatter_add's atomics on CUDA), in float64.
+    keep = s if mask is None else s * mask
+    sw = (keep * blocks).reshape(cb.shape[0], -1).double()
+    ss = (keep * s).reshape(cb.shape[0], -1).double()
+    num = torch.stack([torch.where(idx == i, sw, 0.0).sum(-1) for i in range(cb.shape[1])], -1)
+    den = torch.stack([torch.where(idx == i, ss, 0.0).sum(-1) for i in range(cb.shape[1])], -1)
+    new = torch.where(den > 0, num / torch.where(den > 0, den, 1.0), cb.double())
+    return _normalise(new)
+
+
+def _normalise(values: torch.Tensor) -> torch.Tensor:
+    """[G, L] float64 -> a valid codebook per row: sorted, max |c| = 1, strictly increasing."""
+    values = torch.sort(values, dim=-1).values
+    peak = values.abs().amax(-1, keepdim=True)
+    values = torch.where(peak > 0, values / torch.where(peak > 0, peak, 1.0), values).float().clamp(-1.0, 1.0)
+    # Two levels can only coincide when a cell is empty; nudge upward (and back down from 1) so
+    # the codebook stays strictly increasing, as format v1 requires.
+    levels = values.shape[-1]
+    min_gap = 2.0 ** -20
+    for i in range(1, levels):
+        values[:, i] = torch.maximum(values[:, i], values[:, i - 1] + min_gap)
+    for i in range(levels - 1, -1, -1):
+        top = 1.0 - (levels - 1 - i) * min_gap
+        values[:, i] = torch.minimum(values[:, i], torch.full_like(values[:, i], top))
+    return values
+
+
+def _fit_rows(n: int, n_blocks: int, max_fit_blocks: int) -> slice:
+    """Every m-th row, m the smallest stride that keeps at most max_fit_blocks blocks."""
+    return slice(None, None, max(1, math.ceil(n * n_blocks / max_fit_blocks)))
+
+
+def fit_codebook(
+    weight: torch.Tensor,
+    bits: int,
+    settings: FitSettings | None = None,
+    init: str | torch.Tensor | list[float] | None = None,
+) -> torch.Tensor:
+    """A codebook for ``weight [..., N, K]`` at ``bits``: ``[2**bits]`` for a 2-D weight, ``[..., 2**bits]``
+    (one per expert) for a stacked one.
+
+    Starts from ``init`` (default: ``settings.codebook``, else the format's default for ``bits``)
+    and alternates the code search with Lloyd updates ``settings.lloyd_iters`` times, on at most
+    ``settings.max_fit_blocks`` blocks per layer (every m-th row). The result is sorted, strictly
+    increasing, within [-1, 1] and reaches +-1 at one end.
+    """
+    settings = DEFAULT_SETTINGS[_check_bits(bits)] if settings is None else settings
+    w, lead = _as_groups(weight)
+    start = fmt.make_codebook(init if init is not None else settings.codebook, bits)
+    cb = start.to(w.device).expand(w.shape[0], -1).contiguous()
+    if settings.lloyd_iters == 0 or w.numel() == 0:
+        return cb.reshape(*lead, -1) if lead else cb[0]
+    blocks = _blocks(w)
+    rows_sel = _fit_rows(blocks.shape[1], blocks.shape[2], settings.max_fit_blocks)
+    fit_blocks = blocks[:, rows_sel]
+    rows = row_scales(w)[:, rows_sel]
+    mask = _element_mask(w.shape[-1], blocks.shape[2], w.device)
+    table = fmt.e4m4_table().to(w.device)
+    for _ in range(settings.lloyd_iters):
+        codes = _search(fit_blocks, rows, cb, settings.codes_below, settings.codes_above, mask)
+        cb = _lloyd_step(fit_blocks, table[codes] * rows[..., None], cb, mask)
+    return cb.reshape(*lead, -1) if lead else cb[0]
+
+
+# ---------------------------------------------------------------------------- quantize
+
+
+def quantize_fitted(
+    weight: torch.Tensor,
+    codebook: torch.Tensor,
+    codes_below: int,
+    codes_above: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize ``weight [..., N, K]`` with ``codebook`` and searched block codes -> format v1 tensors.
+
+    Returns ``(planes, block_scales, row_scales)`` with the shapes and dtypes of
+    :func:`hf_kbit.format.quantize` (``planes`` int32 ``[..., N_tiles, K_tiles, bits, 16, 4]``,
+    ``block_scales`` uint8 ``[..., N_tiles, K_tiles, 16, 4]``, ``row_scales`` float32 ``[..., N]``);
+    :func:`hf_kbit.format.dequantize` with the same codebook reads them. Row scales follow the
+    format's rule; block codes come from :func:`search_block_codes`; each index is the nearest
+    level, as in format.quantize. With ``codes_below = codes_above = 0`` the bytes equal
+    format.quantize's.
+    """
+    w, lead = _as_groups(weight)
+    cb = _codebook_groups(codebook, lead, w.device)
+    g, n, k = w.shape
+    bits = cb.shape[1].bit_length() - 1
+    n_pad, k_pad = fmt.padded_shape(n, k)
+    # Work on the padded weight, as format.quantize does: padding rows get row scale 1.0, padding
+    # blocks code 0, every padding element the index of the level nearest to 0.
+    rows = row_scales(w)
+    rows_pad = torch.nn.functional.pad(rows, (0, n_pad - n), value=1.0)
+    blocks = _blocks(w, n_pad, k_pad)
+    codes = _search(blocks, rows_pad, cb, codes_below, codes_above, _element_mask(k, blocks.shape[2], w.device))
+    scale = fmt.e4m4_table().to(w.device)[codes] * rows_pad[..., None]
+    x = torch.where(scale[..., None] > 0, blocks / torch.where(scale > 0, scale, 1.0)[..., None], 0.0)
+    planes = fmt.tile_planes(fmt.pack_bitplanes(_nearest(x, cb), bits))
+    block_scales = fmt.tile(codes.to(torch.uint8))
+    return (
+        planes.reshape(*lead, *planes.shape[1:]),
+        block_scales.reshape(*lead, *block_scales.shape[1:]),
+        rows.reshape(*lead, n).contiguous(),
+    )
+
+
+def fit_quantize(
+    weight: torch.Tensor, bits: int, settings: FitSettings | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`fit_codebook` then :func:`quantize_fitted`: ``(planes, block_scales, row_scales, codebook)``.
+
+    ``settings`` defaults to ``DEFAULT_SETTINGS[bits]``, the levers measured best at that k.
+    """
+    settings = DEFAULT_SETTINGS[_check_bits(bits)] if settings is None else settings
+    codebook = fit_codebook(weight, bits, settings)
+    planes, block_scales, rows = quantize_fitted(weight, codebook, settings.codes_below, settings.codes_above)
+    return planes, block_scales, rows, codebook
+
+
+def _check_bits(bits: int) -> int:
+    if bits not in fmt.SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {fmt.SUPPORTED_BITS}, got {bits!r}")
+    return bits

@@ -1,0 +1,258 @@
+"""Data-free fitting (hf_kbit.fitting): each step against a slow reference, error never above
+format.quantize's, determinism, experts, edge cases."""
+
+import math
+
+import pytest
+import torch
+
+from hf_kbit import fitting
+from hf_kbit import format as fmt
+
+BITS = list(fmt.SUPPORTED_BITS)
+# Float32 sums over a block in a different order (vectorised vs the reference's loop) may differ by
+# a few ulps; a code choice may then differ only where two candidates' errors are that close.
+ERROR_RTOL = 1e-5
+
+
+def heavy_tailed(shape, seed=0):
+    """Student-t (3 degrees of freedom) weights with per-row scales: heavy tails, as real layers have."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(shape, generator=g)
+    chi = torch.randn((*shape, 3), generator=g).square().sum(-1) / 3
+    return z / chi.sqrt() * torch.rand((*shape[:-1], 1), generator=g).add(0.1)
+
+
+def gaussian(shape, seed=0):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+WEIGHTS = {"gaussian": gaussian, "heavy": heavy_tailed}
+
+
+def reconstruct(packed, codebook, k):
+    planes, scales, rows = packed
+    return fmt.dequantize(planes, scales, rows, codebook, k)
+
+
+def sq_error(w, w_hat):
+    return float((w.double() - w_hat.double()).square().sum())
+
+
+# ---------------------------------------------------------------------------- slow references
+
+
+def reference_codes(w, rows, codebook, below, above):
+    """Loop over blocks and candidate codes: the least squared error; ties go to the absmax code,
+    then to the larger code."""
+    table = fmt.e4m4_table()
+    n, k = w.shape
+    n_blocks = math.ceil(k / fmt.BLOCK_SIZE)
+    out = torch.zeros(n, n_blocks, dtype=torch.int64)
+    for r in range(n):
+        for b in range(n_blocks):
+            block = w[r, b * fmt.BLOCK_SIZE : (b + 1) * fmt.BLOCK_SIZE]
+            ratio = (block.abs().max() / rows[r]).reshape(1)
+            absmax_code = min(int(torch.searchsorted(table, ratio)), 255)
+            if absmax_code == 0:
+                continue  # an all-zero block keeps code 0
+            candidates = [absmax_code] + list(range(absmax_code + above, absmax_code - below - 1, -1))
+            best, best_err = None, math.inf
+            for c in dict.fromkeys(min(max(c, 1), 255) for c in candidates):
+                scale = float(table[c]) * float(rows[r])
+                err = sum(min((float(v) - float(level) * scale) ** 2 for level in codebook) for v in block)
+                if err < best_err:
+                    best, best_err = c, err
+            out[r, b] = best
+    return out
+
+
+def block_error(w, codes, rows, codebook):
+    """Per-block squared error of nearest-level quantization at the given codes, float64."""
+    table = fmt.e4m4_table().double()
+    n, k = w.shape
+    err = torch.zeros(codes.shape, dtype=torch.float64)
+    for r in range(n):
+        for b in range(codes.shape[1]):
+            block = w[r, b * fmt.BLOCK_SIZE : (b + 1) * fmt.BLOCK_SIZE].double()
+            scale = table[codes[r, b]] * float(rows[r])
+            levels = codebook.double() * scale
+            err[r, b] = (block[:, None] - levels[None, :]).square().amin(-1).sum()
+    return err
+
+
+def reference_lloyd_step(w, codes, rows, codebook):
+    """Hand-rolled Lloyd update: per level, sum(s * w) / sum(s * s) over the elements nearest to it."""
+    table = fmt.e4m4_table()
+    num = [0.0] * codebook.numel()
+    den = [0.0] * codebook.numel()
+    n, k = w.shape
+    for r in range(n):
+        for col in range(k):
+            s = float(table[codes[r, col // fmt.BLOCK_SIZE]]) * float(rows[r])
+            if s == 0:
+                continue
+            x = float(w[r, col]) / s
+            dist = [abs(x - float(c)) for c in codebook]
+            i = dist.index(min(dist))  # first of equal distances: the lower level, as format.quantize
+            num[i] += s * float(w[r, col])
+            den[i] += s * s
+    values = [num[i] / den[i] if den[i] > 0 else float(codebook[i]) for i in range(codebook.numel())]
+    values = sorted(values)
+    peak = max(abs(v) for v in values)
+    return torch.tensor([v / peak for v in values], dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------- code search
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4], ids=lambda b: f"k{b}")
+@pytest.mark.parametrize("kind", sorted(WEIGHTS))
+@pytest.mark.parametrize("window", [(0, 0), (6, 0), (5, 3)], ids=lambda w: f"below{w[0]}-above{w[1]}")
+def test_code_search_matches_loop(bits, kind, window):
+    w = WEIGHTS[kind]((6, 70), seed=bits)  # 70 = 2 blocks + a partial one
+    w[2, 40:64] = 0.0  # a zero block
+    rows = fitting.row_scales(w)
+    cb = fmt.make_codebook(None, bits)
+    got = fitting.search_block_codes(w, rows, cb, *window)
+    want = reference_codes(w, rows, cb, *window)
+    # Equal codes, or (float32 rounding ties) codes of equal error.
+    err_got, err_want = block_error(w, got, rows, cb), block_error(w, want, rows, cb)
+    assert torch.allclose(err_got, err_want, rtol=ERROR_RTOL, atol=0)
+    assert float((got != want).float().mean()) <= 0.05
+
+
+def test_code_search_window_zero_is_absmax_rule():
+    w = heavy_tailed((33, 300))
+    cb = fmt.make_codebook(None, 4)
+    planes, scales, rows = fmt.quantize(w, cb)
+    codes = fitting.search_block_codes(w, rows, cb, 0, 0)
+    assert torch.equal(codes.to(torch.uint8), fmt.untile(scales)[:33, : codes.shape[1]])
+
+
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+def test_quantize_fitted_without_search_is_format_quantize(bits):
+    w = heavy_tailed((37, 300), seed=bits)
+    cb = fmt.make_codebook(None, bits)
+    for got, want in zip(fitting.quantize_fitted(w, cb, 0, 0), fmt.quantize(w, cb)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+# ---------------------------------------------------------------------------- Lloyd
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4], ids=lambda b: f"k{b}")
+def test_one_lloyd_step_matches_loop(bits):
+    w = heavy_tailed((5, 64), seed=bits)
+    settings = fitting.FitSettings(codes_below=4, codes_above=1, lloyd_iters=1)
+    got = fitting.fit_codebook(w, bits, settings)
+    rows = fitting.row_scales(w)
+    start = fmt.make_codebook(None, bits)
+    codes = fitting.search_block_codes(w, rows, start, 4, 1)
+    want = reference_lloyd_step(w, codes, rows, start)
+    assert torch.allclose(got, want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+def test_fitted_codebook_is_valid(bits):
+    cb = fitting.fit_codebook(heavy_tailed((64, 256)), bits)
+    fmt.validate_codebook(cb, bits)
+    assert float(cb.abs().max()) == 1.0
+
+
+def test_lloyd_lowers_error_of_a_fixed_search():
+    w = heavy_tailed((128, 512))
+    start = fmt.make_codebook(None, 3)
+    fitted = fitting.fit_codebook(w, 3, fitting.FitSettings(codes_below=8, lloyd_iters=4))
+    err = [sq_error(w, reconstruct(fitting.quantize_fitted(w, cb, 8), cb, 512)) for cb in (start, fitted)]
+    assert err[1] < err[0]
+
+
+# ---------------------------------------------------------------------------- never worse
+
+
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+@pytest.mark.parametrize("kind", sorted(WEIGHTS))
+def test_never_worse_than_format_quantize(bits, kind):
+    w = WEIGHTS[kind]((96, 384), seed=bits)
+    w[7, 100] = 60 * float(w.abs().max())  # a single huge outlier
+    cb = fmt.make_codebook(None, bits)
+    base = sq_error(w, reconstruct(fmt.quantize(w, cb), cb, 384))
+    same_codebook = sq_error(w, reconstruct(fitting.quantize_fitted(w, cb, 8, 2), cb, 384))
+    planes, scales, rows, fitted = fitting.fit_quantize(w, bits)
+    assert same_codebook <= base
+    assert sq_error(w, reconstruct((planes, scales, rows), fitted, 384)) <= base
+
+
+# ---------------------------------------------------------------------------- determinism, experts
+
+
+@pytest.mark.parametrize("bits", [3, 5], ids=lambda b: f"k{b}")
+def test_identical_bytes_on_repeated_calls(bits):
+    w = heavy_tailed((48, 200))
+    first = fitting.fit_quantize(w, bits)
+    second = fitting.fit_quantize(w.clone(), bits)
+    for a, b in zip(first, second):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_experts_fit_per_expert():
+    w = torch.stack([heavy_tailed((40, 96), seed=e) * (e + 1) for e in range(3)])
+    planes, scales, rows, cb = fitting.fit_quantize(w, 3)
+    shapes = fmt.packed_shapes(40, 96, 3)
+    assert planes.shape == (3, *shapes["planes"]) and scales.shape == (3, *shapes["block_scales"])
+    assert rows.shape == (3, 40) and cb.shape == (3, 8)
+    w_hat = fmt.dequantize(planes, scales, rows, cb, 96)
+    for e in range(3):
+        alone = fitting.fit_quantize(w[e], 3)
+        for stacked, single in zip((planes[e], scales[e], rows[e], cb[e]), alone):
+            assert torch.equal(stacked, single)
+        assert torch.equal(w_hat[e], fmt.dequantize(*alone, 96))
+
+
+def test_codebook_shape_checked():
+    w = gaussian((2, 16, 64))
+    with pytest.raises(ValueError, match="codebook"):
+        fitting.quantize_fitted(w, fmt.make_codebook(None, 3).expand(3, 8), 4)
+
+
+# ---------------------------------------------------------------------------- edge cases
+
+
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+@pytest.mark.parametrize("magnitude", [1e-8, 1e-4, 1.0, 1e4], ids=lambda m: f"mag{m:g}")
+def test_edge_cases(bits, magnitude):
+    w = gaussian((40, 300), seed=1) * magnitude
+    w[3, :] = 0.0  # an all-zero row
+    w[5, 64:96] = 0.0  # an all-zero block
+    w[7, 10] = magnitude * 1e4  # a single huge outlier
+    w[9, :] *= 1e-6  # a row far below the others
+    planes, scales, rows, cb = fitting.fit_quantize(w, bits)
+    w_hat = fmt.dequantize(planes, scales, rows, cb, 300)
+    assert bool(torch.isfinite(w_hat).all())
+    assert bool((w_hat[3] == 0).all()) and bool((w_hat[5, 64:96] == 0).all())
+    assert bool((rows > 0).all())
+    base = sq_error(w, reconstruct(fmt.quantize(w, fmt.make_codebook(None, bits)), fmt.make_codebook(None, bits), 300))
+    assert sq_error(w, w_hat) <= base * (1 + ERROR_RTOL)
+    # The tiny row keeps its shape rather than collapsing to zero.
+    assert sq_error(w[9:10], w_hat[9:10]) < float(w[9].double().square().sum())
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 33), (17, 1), (16, 128)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_small_and_zero_weights(shape):
+    for w in (gaussian(shape), torch.zeros(shape)):
+        planes, scales, rows, cb = fitting.fit_quantize(w, 4)
+        fmt.validate_codebook(cb, 4)
+        w_hat = fmt.dequantize(planes, scales, rows, cb, shape[1])
+        assert w_hat.shape == w.shape and bool(torch.isfinite(w_hat).all())
+        if not bool(w.any()):
+            assert bool((w_hat == 0).all())
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="bits"):
+        fitting.fit_quantize(gaussian((4, 32)), 6)
+    with pytest.raises(ValueError, match="codes_below"):
+        fitting.FitSettings(codes_below=-1)
+    with pytest.raises(ValueError, match="2 dims"):
+        fitting.fit_quantize(torch.randn(32), 4)
