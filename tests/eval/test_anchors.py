@@ -132,3 +132,27 @@ def test_bits_per_weight_arithmetic():
 def test_anchor_rejects_bad_arguments(method, bits, group, match):
     with pytest.raises(ValueError, match=match):
         anchors.Anchor(method, bits, group)
+
+
+def test_kbitfit_is_the_fitted_format_dequantized():
+    from hf_kbit import fitting
+    from hf_kbit import format as fmt
+
+    torch.manual_seed(0)
+    w = torch.randn(48, 200) * torch.rand(48, 1)
+    anchor = anchors.Anchor("kbitfit", 3, fmt.BLOCK_SIZE, (("lloyd_iters", 2),))
+    approx, bits = anchor.fake_quantize(w)
+    settings = fitting.DEFAULT_SETTINGS[3]
+    packed = fitting.fit_quantize(w, 3, fitting.FitSettings(settings.codes_below, settings.codes_above, 2))
+    assert torch.equal(approx, fmt.dequantize(*packed, 200))
+    assert bits == fmt.bits_per_weight(48, 200, 3)
+    absmax = fmt.dequantize(*fmt.quantize(w, fmt.make_codebook(None, 3)), fmt.make_codebook(None, 3), 200)
+    assert (approx - w).square().sum() < (absmax - w).square().sum()
+
+
+@pytest.mark.parametrize(("fit", "match"), [
+    ((("lloyd_iter", 2),), "unknown option"), ((("codes_below", -1),), "non-negative"),
+])
+def test_kbitfit_rejects_bad_options(fit, match):
+    with pytest.raises(ValueError, match=match):
+        anchors.Anchor("kbitfit", 4, 32, fit)
