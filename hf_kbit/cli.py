@@ -116,10 +116,12 @@ def _parse_module_bits(parser, items: Sequence[str]) -> dict[str, int]:
             parser.error(f"--module-bits expects REGEX=BITS, got {item!r}")
         if int(bits) not in SUPPORTED_BITS:
             parser.error(f"--module-bits {item!r}: bits must be one of {SUPPORTED_BITS}")
+        from .config import check_pattern  # KbitConfig's bounds on patterns, checked before any work
+
         try:
-            re.compile(pattern)
-        except re.error as e:
-            parser.error(f"--module-bits {item!r}: invalid regex ({e})")
+            check_pattern(pattern, f"--module-bits {item!r}: the regex")
+        except (TypeError, ValueError) as e:
+            parser.error(str(e))
         module_bits[pattern] = int(bits)
     return module_bits
 

@@ -107,7 +107,8 @@ def test_moe_dry_run_and_convert(capsys, moe_checkpoint, tmp_path):
         (["--bits", "4"], "--out is required"),
         (["--module-bits", "down_proj", "--out", "X"], "REGEX=BITS"),
         (["--module-bits", "down_proj=7", "--out", "X"], "bits must be one of"),
-        (["--module-bits", "(=4", "--out", "X"], "invalid regex"),
+        (["--module-bits", "(=4", "--out", "X"], "not a valid regex"),
+        (["--module-bits", "(.*)*#=4", "--out", "X"], "containing another repeat"),
         (["--codebook", "[0.1, oops]", "--out", "X"], "--codebook"),
         (["--codebook", "bogus", "--out", "X"], "codebook must be one of"),
         (["--push-to-hub", "not a repo", "--out", "X"], "repo id"),
@@ -115,7 +116,8 @@ def test_moe_dry_run_and_convert(capsys, moe_checkpoint, tmp_path):
         (["--max-shard-size", "huge", "--out", "X"], "max_shard_size"),
         (["--dry-run", "--push-to-hub", "a/b"], "nothing to push"),
     ],
-    ids=["bits", "no-out", "module-bits-form", "module-bits-value", "module-bits-regex", "codebook-json",
+    ids=["bits", "no-out", "module-bits-form", "module-bits-value", "module-bits-regex", "module-bits-backtracking",
+         "codebook-json",
          "codebook-name", "repo-id", "private-alone", "shard-size", "dry-run-push"],
 )
 def test_bad_arguments(capsys, llama_fp32, tmp_path, argv, message):
