@@ -80,3 +80,25 @@ def test_non_safetensors_files_are_refused_with_a_true_reason(tmp_path):
         validate_files([path], model)
     assert "quantization_config" not in str(info.value)
     validate_files([path], nn.Sequential(nn.Linear(4, 4)))  # no kbit module: not this check's business
+
+
+# A Qwen3-MoE tiny model (tests/tiny_models.py, seed 7) quantized on load at k = 3 (down
+# projections k = 5) and saved by hf-kbit 0.1's absmax quantizer, with its logits on the CPU
+# reference: format v1 checkpoints must keep loading to the same model whatever the quantizer
+# writes today.
+V1_CHECKPOINT = Path(__file__).parent / "data" / "kbit_v1_qwen3_moe"
+V1_LOGITS_ATOL = 1e-4  # float32 CPU reference; only reduction order may differ
+
+
+def test_a_format_v1_checkpoint_loads_to_its_logits():
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import hf_kbit  # noqa: F401  (registers the kbit quantizer)
+
+    expected = load_file(V1_CHECKPOINT / "expected_logits.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(V1_CHECKPOINT)
+    assert model.config.quantization_config.to_dict()["format_version"] == 1
+    with torch.no_grad():
+        logits = model(expected["input_ids"]).logits.float()
+    torch.testing.assert_close(logits, expected["logits"], rtol=0, atol=V1_LOGITS_ATOL)
