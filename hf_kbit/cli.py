@@ -27,6 +27,7 @@ The Hub token comes from huggingface_hub's usual sources (HF_TOKEN or `hf auth l
 
 SUPPORTED_BITS = (2, 3, 4, 5)  # checked again by KbitConfig; listed here so --help needs no torch import
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+FITTING_CHOICES = ("absmax", "fit")  # hf_kbit.fitting.FITTINGS, listed here for the same reason
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="'nf' (normal-float with an exact zero), 'nf-sym' (equiprobable normal-float), or a JSON list of "
         "2**bits increasing values in [-1, 1] (default: the measured default of each k)",
+    )
+    q.add_argument(
+        "--fitting",
+        default=None,
+        choices=FITTING_CHOICES,
+        help="'fit': block scale codes chosen by least squared error and a codebook fitted to each layer; "
+        "'absmax': block absmax rounded up and the codebook as given (default: the measured default of each k, "
+        "'fit' today); inference costs the same either way",
     )
     q.add_argument(
         "--module-bits",
@@ -193,7 +202,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _push(hub, Path(args.model), args)
     try:
         config = KbitConfig(
-            bits=args.bits, codebook=codebook, modules_to_not_convert=args.skip_modules, module_bits=module_bits
+            bits=args.bits,
+            codebook=codebook,
+            modules_to_not_convert=args.skip_modules,
+            module_bits=module_bits,
+            fitting=args.fitting,
         )
         parse_size(args.max_shard_size)
         if not args.dry_run:

@@ -13,6 +13,7 @@ except ImportError:  # Python 3.10
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from . import format as fmt
+from .fitting import FITTINGS
 
 QUANT_METHOD = "kbit"
 
@@ -56,6 +57,12 @@ class KbitConfig(QuantizationConfigMixin):
             Patterns must match in bounded time: at most 256 characters, no repeat containing
             another repeat, an alternation or a backreference (``(a+)*``, ``(ab|c)+``), and few
             enough repeats and alternatives (:func:`check_pattern`).
+        fitting: how quantization chooses each layer's block scale codes and codebook:
+            ``"fit"`` searches each block's code for the least squared error and fits the
+            codebook to the layer (Lloyd iterations started from ``codebook``; an explicit list
+            of values is kept as given); ``"absmax"`` rounds each block's absmax up and uses
+            ``codebook`` as is. ``None`` takes the measured default of each k
+            (:data:`hf_kbit.fitting.DEFAULT_FITTING`). Inference costs the same either way.
         format_version: version of the packed format; a checkpoint newer than this library
             is refused.
         fuse_projections: after loading, run sibling projections that read the same input
@@ -70,6 +77,7 @@ class KbitConfig(QuantizationConfigMixin):
         codebook: str | list[float] | None = None,
         modules_to_not_convert: list[str] | None = None,
         module_bits: dict[str, int] | None = None,
+        fitting: str | None = None,
         format_version: int = fmt.FORMAT_VERSION,
         fuse_projections: bool = True,
         **kwargs: Any,
@@ -79,6 +87,7 @@ class KbitConfig(QuantizationConfigMixin):
         self.codebook = list(codebook) if isinstance(codebook, tuple) else codebook
         self.modules_to_not_convert = modules_to_not_convert
         self.module_bits = dict(module_bits) if module_bits else {}
+        self.fitting = fitting
         self.format_version = format_version
         self.fuse_projections = fuse_projections
         kwargs.pop("quant_method", None)
@@ -91,7 +100,7 @@ class KbitConfig(QuantizationConfigMixin):
 
     @staticmethod
     def _fields() -> list[str]:
-        return ["bits", "codebook", "modules_to_not_convert", "module_bits", "format_version", "fuse_projections"]
+        return ["bits", "codebook", "modules_to_not_convert", "module_bits", "fitting", "format_version", "fuse_projections"]
 
     def post_init(self) -> None:
         """Validate every field; errors name the field, the expectation and the value."""
@@ -135,6 +144,8 @@ class KbitConfig(QuantizationConfigMixin):
                 f"KbitConfig: the patterns of module_bits and modules_to_not_convert together cost {paths} "
                 f"backtracking paths per match, at most {MAX_CONFIG_PATHS}; use fewer or simpler patterns"
             )
+        if self.fitting is not None and self.fitting not in FITTINGS:
+            raise ValueError(f"KbitConfig.fitting must be one of {FITTINGS} or None, got {self.fitting!r}")
         if not isinstance(self.fuse_projections, bool):
             raise TypeError(f"KbitConfig.fuse_projections must be a bool, got {self.fuse_projections!r}")
         if not isinstance(self.format_version, int) or self.format_version < 1:
@@ -159,6 +170,7 @@ class KbitConfig(QuantizationConfigMixin):
             "codebook": self.codebook,
             "modules_to_not_convert": self.modules_to_not_convert,
             "module_bits": dict(self.module_bits),
+            "fitting": self.fitting,
             "format_version": self.format_version,
             "fuse_projections": self.fuse_projections,
             **_FORMAT_FACTS,

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from . import checkpoint
+from . import checkpoint, fitting
 from . import format as fmt
 from ._paths import (  # noqa: F401 -- ConversionError, OutputConflictError and check_output are public here
     ConversionError,
@@ -1027,14 +1027,14 @@ def _write(plan: ConversionPlan, folder: Path, device: torch.device, shard_bytes
     time), quantize, and write kbit output shards; returns sizes measured on what was written."""
     from tqdm.auto import tqdm
 
-    from .nn.linear import quantize_weight
+    from .nn.linear import quantize_layer
 
     writer = _ShardWriter(folder, shard_bytes)
-    codebooks = {}
     q_numel = q_bytes = 0
     # In the order the source shards hold the tensors (a plan comes when its last source is reached).
     order = sorted(plan.tensors, key=lambda p: max(plan.locations[k] for k in p.sources))
     bar = tqdm(total=len(order), desc="Converting", unit="tensor", disable=not progress)
+    config = plan.kbit_config
     with contextlib.ExitStack() as stack:
         reader = _SourceReader(plan, stack)
         for p in order:
@@ -1042,17 +1042,14 @@ def _write(plan: ConversionPlan, folder: Path, device: torch.device, shard_bytes
                 writer.add(plan.output_key(p.name), reader.tensor(p))
                 bar.update(1)
                 continue
-            if p.bits not in codebooks:
-                codebooks[p.bits] = fmt.make_codebook(plan.kbit_config.codebook, p.bits)
-            codebook = codebooks[p.bits]
             try:
                 if p.experts is None:
                     tensor = reader.tensor(p)
-                    packed = quantize_weight(tensor.to(device), codebook.to(device), name=p.name)
-                    outputs = dict(zip(p.outputs(), (*(t.cpu() for t in packed), codebook.clone())))
+                    packed = quantize_layer(tensor.to(device), p.bits, config.codebook, config.fitting, name=p.name)
+                    outputs = dict(zip(p.outputs(), (t.cpu() for t in packed)))
                     del tensor, packed
                 else:
-                    outputs = _quantize_experts(p, reader, codebook, device)
+                    outputs = _quantize_experts(p, reader, config, device)
             except ConversionError:
                 raise
             except (ValueError, TypeError) as e:  # quantize_weight's checks (NaN/Inf, ...) name the model tensor
@@ -1075,19 +1072,40 @@ def _write(plan: ConversionPlan, folder: Path, device: torch.device, shard_bytes
     }
 
 
-def _quantize_experts(p: TensorPlan, reader: _SourceReader, codebook: torch.Tensor, device) -> dict[str, torch.Tensor]:
+def _quantize_experts(p: TensorPlan, reader: _SourceReader, config: KbitConfig, device) -> dict[str, torch.Tensor]:
     """The packed tensors of the fused experts weight ``p``, built a chunk of experts at a time with
-    ``KbitExperts.pack`` (what quantize-on-load runs; experts are packed independently)."""
+    ``KbitExperts.pack`` (what quantize-on-load runs). The experts share one codebook, fitted first
+    on the rows quantize-on-load samples from the whole weight (read once more, chunk by chunk)."""
+    from .nn.linear import codebook_sample
+
     module_name, _, projection = p.name.rpartition(".")
     outputs = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in p.outputs().items()}
     num_experts, step = p.shape[0], _expert_chunk(p)
-    for start in range(0, num_experts, step):
-        stop = min(start + step, num_experts)
+    bits = p.bits
+    settings = fitting.settings_for(config.fitting, bits, config.codebook)
+    # A meta KbitExperts of all experts, and one of a chunk's: they check each chunk's shape.
+    whole = KbitExperts(p.experts, gate_up_bits=bits, down_bits=bits, device="meta")
+    total_rows = num_experts * whole.layout.linear_shape(projection)[0]
+    chunks = [(start, min(start + step, num_experts)) for start in range(0, num_experts, step)]
+
+    def chunk_weight(start, stop):
         rows = None if (start, stop) == (0, num_experts) else (start, stop)
-        chunk = reader.tensor(p, rows)
-        # A meta KbitExperts of just these experts: pack() checks the chunk's shape against it.
-        packer = KbitExperts(replace(p.experts, num_experts=stop - start), device="meta")
-        packed = packer.pack(projection, chunk.to(device), codebook.to(device), module_name)
+        packer = KbitExperts(replace(p.experts, num_experts=stop - start), bits, bits, device="meta")
+        return packer, reader.tensor(p, rows).to(device)
+
+    sample = []
+    for start, stop in chunks if settings is not None and settings.lloyd_iters else ():
+        packer, chunk = chunk_weight(start, stop)
+        weight = packer.linear_weight(projection, chunk, module_name)
+        first = start * whole.layout.linear_shape(projection)[0]
+        sample.append(codebook_sample(weight, settings, total_rows, first).float())
+        del chunk, weight
+    k = whole.layout.linear_shape(projection)[1]
+    sample = torch.cat(sample) if sample else torch.empty(0, k, device=device)
+    codebook = fitting.layer_codebook(sample, bits, settings, config.codebook)
+    for start, stop in chunks:
+        packer, chunk = chunk_weight(start, stop)
+        packed = packer.pack(projection, chunk, codebook, module_name, config.fitting)
         del chunk
         for name, t in packed.items():
             key = f"{module_name}.{name}"

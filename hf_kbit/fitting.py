@@ -29,6 +29,7 @@ one on the experts stacked as rows, ``[E * N, K]``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -37,14 +38,19 @@ import torch
 from . import format as fmt
 
 __all__ = [
+    "DEFAULT_FITTING",
     "DEFAULT_SETTINGS",
+    "FITTINGS",
     "FitSettings",
     "absmax_codes",
     "fit_codebook",
     "fit_quantize",
+    "layer_codebook",
     "quantize_fitted",
     "row_scales",
+    "sample_stride",
     "search_block_codes",
+    "settings_for",
 ]
 
 # Elements per temporary tensor of the code search ([rows, blocks, candidates, 32] floats): 2**24
@@ -88,13 +94,37 @@ class FitSettings:
 
 # Per k, the levers screened by perplexity on SmolLM2-135M (a Lloyd codebook and codes above the absmax code
 # helped at every k; more codes below than these did not). Measured against the anchors as `kbitfit<k>` in
-# results/perplexity_*.json (docs/results.md); not yet what quantize-on-load writes.
+# results/perplexity_*.json (docs/results.md).
 DEFAULT_SETTINGS = {
     2: FitSettings(codes_below=24, codes_above=4, lloyd_iters=4),
     3: FitSettings(codes_below=12, codes_above=4, lloyd_iters=4),
     4: FitSettings(codes_below=8, codes_above=2, lloyd_iters=4),
     5: FitSettings(codes_below=6, codes_above=2, lloyd_iters=4),
 }
+
+
+# How a layer's free parts are chosen (KbitConfig.fitting): "absmax" is format.quantize's rule with the
+# configured codebook; "fit" searches block codes and fits the codebook with DEFAULT_SETTINGS[bits].
+FITTINGS = ("absmax", "fit")
+# Per k, what quantize-on-load and kbit-convert use when KbitConfig.fitting is None: "fit" lowered
+# perplexity against "absmax" at every k on both offline models and corpora (docs/results.md).
+DEFAULT_FITTING = dict.fromkeys(fmt.SUPPORTED_BITS, "fit")
+
+
+def settings_for(fitting: str | None, bits: int, codebook: object = None) -> FitSettings | None:
+    """The FitSettings of ``fitting`` (``None``: this k's default) at ``bits``; ``None`` for "absmax".
+
+    An explicit codebook (a list or tensor of levels) is kept as given: only block codes are searched.
+    """
+    fitting = DEFAULT_FITTING[_check_bits(bits)] if fitting is None else fitting
+    if fitting not in FITTINGS:
+        raise ValueError(f"fitting must be one of {FITTINGS} or None, got {fitting!r}")
+    if fitting == "absmax":
+        return None
+    settings = DEFAULT_SETTINGS[bits]
+    if codebook is not None and not isinstance(codebook, str):
+        return dataclasses.replace(settings, lloyd_iters=0)
+    return dataclasses.replace(settings, codebook=codebook)
 
 
 # ---------------------------------------------------------------------------- layout helpers
@@ -258,9 +288,9 @@ def _normalise(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
-def _fit_rows(n: int, n_blocks: int, max_fit_blocks: int) -> slice:
-    """Every m-th row, m the smallest stride that keeps at most max_fit_blocks blocks."""
-    return slice(None, None, max(1, math.ceil(n * n_blocks / max_fit_blocks)))
+def sample_stride(rows: int, k: int, max_fit_blocks: int = MAX_FIT_BLOCKS) -> int:
+    """m such that every m-th of ``rows`` rows of length ``k`` keeps at most ``max_fit_blocks`` blocks."""
+    return max(1, math.ceil(rows * math.ceil(k / fmt.BLOCK_SIZE) / max_fit_blocks))
 
 
 def fit_codebook(
@@ -284,7 +314,7 @@ def fit_codebook(
     if settings.lloyd_iters == 0 or w.numel() == 0:
         return cb.reshape(*lead, -1) if lead else cb[0]
     blocks = _blocks(w)
-    rows_sel = _fit_rows(blocks.shape[1], blocks.shape[2], settings.max_fit_blocks)
+    rows_sel = slice(None, None, sample_stride(w.shape[1], w.shape[2], settings.max_fit_blocks))
     fit_blocks = blocks[:, rows_sel]
     rows = row_scales(w)[:, rows_sel]
     mask = _element_mask(w.shape[-1], blocks.shape[2], w.device)
@@ -293,6 +323,23 @@ def fit_codebook(
         codes = _search(fit_blocks, rows, cb, settings.codes_below, settings.codes_above, mask)
         cb = _lloyd_step(fit_blocks, table[codes] * rows[..., None], cb, mask)
     return cb.reshape(*lead, -1) if lead else cb[0]
+
+
+def layer_codebook(
+    sample: torch.Tensor, bits: int, settings: FitSettings | None, codebook: str | torch.Tensor | list[float] | None = None
+) -> torch.Tensor:
+    """The one codebook ``[2**bits]`` of a layer (or of a fused experts projection), fitted on ``sample``.
+
+    ``sample`` is ``[R, K]``: the layer's rows ``[::sample_stride(rows, K, settings.max_fit_blocks)]``,
+    experts stacked as rows (``[E * N, K]``), so a caller that reads a weight in pieces gathers the
+    same rows and gets the same codebook. ``settings`` ``None`` ("absmax") returns the configured
+    ``codebook`` (:func:`hf_kbit.format.make_codebook`) unchanged.
+    """
+    if settings is None or settings.lloyd_iters == 0:
+        start = settings.codebook if settings is not None and codebook is None else codebook
+        return fmt.make_codebook(start, bits).to(sample.device)
+    whole = dataclasses.replace(settings, max_fit_blocks=max(1, sample.shape[0] * math.ceil(sample.shape[1] / fmt.BLOCK_SIZE)))
+    return fit_codebook(sample, bits, whole, init=codebook)
 
 
 # ---------------------------------------------------------------------------- quantize

@@ -11,10 +11,9 @@ from transformers.quantizers.quantizers_utils import get_module_from_name
 
 from . import checkpoint
 from .config import KbitConfig
-from .format import make_codebook
 from .nn.experts import KbitExperts, quantize_experts_on_load, replace_experts_with_kbit, replace_kbit_experts_with_float
 from .nn.fused import fuse_projections
-from .nn.linear import COMPUTE_DTYPES, FORMAT_TENSORS, KbitLinear, quantize_weight
+from .nn.linear import COMPUTE_DTYPES, FORMAT_TENSORS, KbitLinear, quantize_layer
 from .nn.replace import replace_kbit_with_linear, replace_linear_with_kbit, tied_modules
 
 
@@ -119,9 +118,10 @@ class KbitQuantize(ConversionOps):
                 missing_keys.discard(full_layer_name)
             return packed
         prefix = full_layer_name.rpartition(".")[0]
-        # The module sits on the meta device while loading: rebuild its codebook from the config.
-        codebook = make_codebook(self.hf_quantizer.quantization_config.codebook, module.bits).to(value.device)
-        planes, block_scales, row_scales = quantize_weight(value, codebook, name=full_layer_name)
+        config = self.hf_quantizer.quantization_config
+        planes, block_scales, row_scales, codebook = quantize_layer(
+            value, module.bits, config.codebook, config.fitting, name=full_layer_name
+        )
         del module._parameters["weight"]
         if missing_keys is not None:
             missing_keys.discard(full_layer_name)

@@ -39,14 +39,22 @@ def test_help_documents_every_option(capsys):
     del text
 
 
+def test_listed_choices_are_the_librarys():
+    """The CLI lists bits and fittings without importing torch; they must be the library's."""
+    from hf_kbit import fitting
+    from hf_kbit import format as fmt
+
+    assert cli.SUPPORTED_BITS == fmt.SUPPORTED_BITS and cli.FITTING_CHOICES == fitting.FITTINGS
+
+
 def test_convert_end_to_end(capsys, llama_fp32, tmp_path):
     out = tmp_path / "out"
     code, stdout, _ = run(capsys, llama_fp32, "--bits", "3", "--module-bits", r"mlp\.down_proj=5", "--out", out,
-                          "--max-shard-size", "50KB", "--no-progress")
+                          "--max-shard-size", "50KB", "--no-progress", "--fitting", "absmax")
     assert code == 0, stdout
     assert "wrote" in stdout
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert qc["bits"] == 3 and qc["module_bits"] == {r"mlp\.down_proj": 5}
+    assert qc["bits"] == 3 and qc["module_bits"] == {r"mlp\.down_proj": 5} and qc["fitting"] == "absmax"
     card = (out / "README.md").read_text()
     assert r"kbit-convert" in card and "--module-bits" in card  # the exact command
     from transformers import AutoModelForCausalLM
@@ -111,6 +119,7 @@ def test_moe_dry_run_and_convert(capsys, moe_checkpoint, tmp_path):
         (["--module-bits", "(.*)*#=4", "--out", "X"], "containing another repeat"),
         (["--codebook", "[0.1, oops]", "--out", "X"], "--codebook"),
         (["--codebook", "bogus", "--out", "X"], "codebook must be one of"),
+        (["--fitting", "gptq", "--out", "X"], "invalid choice: 'gptq'"),
         (["--push-to-hub", "not a repo", "--out", "X"], "repo id"),
         (["--private", "--out", "X"], "need --push-to-hub"),
         (["--max-shard-size", "huge", "--out", "X"], "max_shard_size"),
@@ -118,7 +127,7 @@ def test_moe_dry_run_and_convert(capsys, moe_checkpoint, tmp_path):
     ],
     ids=["bits", "no-out", "module-bits-form", "module-bits-value", "module-bits-regex", "module-bits-backtracking",
          "codebook-json",
-         "codebook-name", "repo-id", "private-alone", "shard-size", "dry-run-push"],
+         "codebook-name", "fitting", "repo-id", "private-alone", "shard-size", "dry-run-push"],
 )
 def test_bad_arguments(capsys, llama_fp32, tmp_path, argv, message):
     argv = [str(tmp_path / a) if a == "X" else a for a in argv]

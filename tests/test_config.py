@@ -13,12 +13,24 @@ from hf_kbit.format import FORMAT_VERSION
 
 def test_defaults_and_json_roundtrip():
     cfg = KbitConfig(
-        bits=3, codebook="nf", module_bits={r"mlp\.down_proj": 5}, modules_to_not_convert=["lm_head"], fuse_projections=False
+        bits=3,
+        codebook="nf",
+        module_bits={r"mlp\.down_proj": 5},
+        modules_to_not_convert=["lm_head"],
+        fitting="absmax",
+        fuse_projections=False,
     )
     d = json.loads(cfg.to_json_string())
     assert d["quant_method"] == "kbit" and d["format_version"] == FORMAT_VERSION and d["block_size"] == 32
     again = KbitConfig.from_dict(d)
-    assert again == cfg and again.to_dict() == cfg.to_dict()
+    assert again == cfg and again.to_dict() == cfg.to_dict() and again.fitting == "absmax"
+
+
+def test_a_config_without_fitting_takes_the_measured_default():
+    """Checkpoints written before the field existed read it as None: each k's default."""
+    d = KbitConfig(bits=4).to_dict()
+    del d["fitting"]
+    assert KbitConfig.from_dict(d).fitting is None
 
 
 def test_custom_codebook_roundtrip():
@@ -46,6 +58,7 @@ def test_module_bits_pattern():
         ({"modules_to_not_convert": "lm_head"}, "modules_to_not_convert"),
         ({"format_version": 0}, "format_version"),
         ({"fuse_projections": "yes"}, "fuse_projections"),
+        ({"fitting": "gptq"}, "fitting"),
     ],
     ids=lambda v: str(v) if isinstance(v, str) else None,
 )

@@ -410,9 +410,11 @@ def test_moe_shared_experts_can_be_skipped(moe_checkpoint, tmp_path):
     assert isinstance(converted.model.layers[1].mlp.experts, KbitExperts)
 
 
-def test_moe_streams_a_few_experts_at_a_time(moe_checkpoint, tmp_path, monkeypatch):
+@pytest.mark.parametrize("fitting", ["absmax", "fit"])
+def test_moe_streams_a_few_experts_at_a_time(moe_checkpoint, tmp_path, monkeypatch, fitting):
     """Bounded memory: each pack sees at most a chunk of experts, and only that chunk's sources
-    are read before it is packed (never a whole layer, let alone the model)."""
+    are read before it is packed (never a whole layer, let alone the model). A fitted codebook
+    first reads the chunks once more, one at a time, for the rows it is fitted on."""
     chunk_elements = 3 * 80 * 96  # 3 experts of gate_up [80, 96]; 6 of down [96, 40]
     monkeypatch.setattr(convert_mod, "_EXPERT_CHUNK_ELEMENTS", chunk_elements)
     events = []
@@ -430,21 +432,24 @@ def test_moe_streams_a_few_experts_at_a_time(moe_checkpoint, tmp_path, monkeypat
 
     monkeypatch.setattr(convert_mod._SourceReader, "get", get)
     monkeypatch.setattr(KbitExperts, "pack", pack)
-    config = hf_kbit.KbitConfig(bits=4)
+    config = hf_kbit.KbitConfig(bits=4, fitting=fitting)
     for layout in ("per-expert", "fused"):
         src = moe_checkpoint("qwen3_moe", layout)
         events.clear()
-        out = convert(src, tmp_path / layout, config, progress=False).out
+        out = convert(src, tmp_path / f"{layout}-{fitting}", config, progress=False).out
         packs = [e for e in events if e[0] == "pack"]
         assert len(packs) == 2 * (3 + 2), layout  # 2 layers x (gate_up: 3+3+2 experts, down: 6+2)
         assert max(e[1] for e in packs) <= 6 and max(e[2] for e in packs) <= chunk_elements
+        assert all(e[1] <= chunk_elements for e in events if e[0] == "read"), layout
         read = 0
-        for event in events:
+        for event in events if fitting == "absmax" else ():
             if event[0] == "read":
                 read += event[1]
             else:
                 assert read == event[2], layout  # exactly the chunk's sources, read just before
                 read = 0
+        total_read = sum(e[1] for e in events if e[0] == "read")
+        assert total_read == sum(e[2] for e in packs) * (2 if fitting == "fit" else 1), layout
         monkeypatch.setattr(KbitExperts, "pack", real_pack)
         assert_same_state(load(out), quantize_on_load(src, config))
         monkeypatch.setattr(KbitExperts, "pack", pack)

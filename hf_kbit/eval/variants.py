@@ -5,7 +5,7 @@ A variant spec is ``METHOD[BITS][:KEY=VALUE]...``; a list of them is comma-separ
 
 - ``bf16``: the checkpoint as it is, computed in the run's dtype.
 - ``kbit<k>``: quantized on load with ``KbitConfig(bits=k, **options)``. Every option goes to KbitConfig
-  unchanged (``kbit3:codebook=nf``, ``kbit4:codebook_fit=lloyd`` once KbitConfig has that field), so new
+  unchanged (``kbit3:codebook=nf``, ``kbit4:fitting=absmax``), so new
   config fields need no change here; KbitConfig validates them. ``lm_head_bits=h`` also quantizes the LM
   head, at k = h (variant ``kbit<k>-head<h>``).
 - ``hqq<b>``, ``rtn<b>``, ``nf4``: anchors (hf_kbit.eval.anchors), fake-quantized Linears; option

@@ -21,9 +21,10 @@ import torch
 from torch import nn
 
 from .. import _ops
+from .. import fitting
 from .. import format as fmt
 from ..config import KbitConfig
-from .linear import COMPUTE_DTYPES, FORMAT_TENSORS, KbitModule, quantize_weight
+from .linear import COMPUTE_DTYPES, FORMAT_TENSORS, KbitModule, check_weight, codebook_sample, quantize_weight
 from .replace import _set_submodule, should_convert
 
 # Fused checkpoint parameter -> prefix of its packed tensors. The packed names must not start
@@ -175,11 +176,13 @@ class KbitExperts(KbitModule):
         codebook: str | list[float] | None = None,
         weight_placeholder: bool = False,
         name: str = "experts",
+        fitting_rule: str | None = None,
     ) -> "KbitExperts":
         """A KbitExperts taking over ``experts``' gating, activation and attributes.
 
         On the meta device (model skeleton) nothing is quantized; otherwise the weights are
-        packed now and the biases copied.
+        packed now (``codebook`` and ``fitting_rule`` as ``KbitConfig.codebook`` / ``.fitting``)
+        and the biases copied.
         """
         layout = fused_experts_layout(experts, name)
         if layout is None:
@@ -190,8 +193,8 @@ class KbitExperts(KbitModule):
         if weight.device.type != "meta" and not weight_placeholder:
             with torch.no_grad():
                 for projection in PROJECTIONS:
-                    codebook = getattr(module, f"{PROJECTIONS[projection]}_codebook")
-                    module.load_packed(projection, **module.pack(projection, getattr(experts, projection), codebook, name))
+                    packed = module.pack(projection, getattr(experts, projection), codebook, name, fitting_rule)
+                    module.load_packed(projection, **packed)
                 for bias in BIASES if layout.has_bias else ():
                     getattr(module, bias).copy_(getattr(experts, bias))
         return module
@@ -222,27 +225,46 @@ class KbitExperts(KbitModule):
         """Full-precision placeholders still waiting for quantize-on-load."""
         return [p for p in PROJECTIONS if p in self._parameters]
 
-    def pack(
-        self, projection: str, value: torch.Tensor, codebook: torch.Tensor, name: str = "experts"
-    ) -> dict[str, torch.Tensor]:
-        """Pack the fused weight of ``projection`` (in the model's shape and layout) into
-        ``{"<prefix>_planes" | "_block_scales" | "_row_scales" | "_codebook": tensor}``,
-        checking it first; errors name ``<name>.<projection>``."""
-        full_name = f"{name}.{projection}"
+    def linear_weight(self, projection: str, value: torch.Tensor, name: str = "experts") -> torch.Tensor:
+        """The fused weight of ``projection`` (in the model's shape and layout) as ``[E, out, in]``,
+        its shape checked; errors name ``<name>.<projection>``."""
         expected = self.layout.weight_shape(projection)
         if tuple(value.shape) != expected:
             raise ValueError(
-                f"{full_name}: the fused expert weight has shape {tuple(value.shape)}, the model expects {expected} "
-                f"(num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+                f"{name}.{projection}: the fused expert weight has shape {tuple(value.shape)}, the model expects "
+                f"{expected} (num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size})"
             )
-        weight = value.transpose(-1, -2) if self.layout.is_transposed else value  # -> [E, out, in]
+        return value.transpose(-1, -2) if self.layout.is_transposed else value
+
+    def pack(
+        self,
+        projection: str,
+        value: torch.Tensor,
+        codebook: str | list[float] | torch.Tensor | None = None,
+        name: str = "experts",
+        fitting_rule: str | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Pack the fused weight of ``projection`` (in the model's shape and layout) into
+        ``{"<prefix>_planes" | "_block_scales" | "_row_scales" | "_codebook": tensor}``,
+        checking it first; errors name ``<name>.<projection>``.
+
+        ``codebook`` and ``fitting_rule`` mean what ``KbitConfig.codebook`` / ``.fitting`` do; the
+        experts share one codebook, fitted on all of them (:func:`hf_kbit.nn.quantize_layer`). A
+        codebook tensor is kept as given: a caller packing the experts in pieces passes the whole's.
+        """
+        full_name = f"{name}.{projection}"
+        weight = self.linear_weight(projection, value, name)
+        check_weight(weight, full_name)
+        bits = self.bits[projection]
+        settings = fitting.settings_for(fitting_rule, bits, codebook)
+        cb = fitting.layer_codebook(codebook_sample(weight, settings), bits, settings, codebook)
         per_expert = math.prod(weight.shape[1:])
         chunk = max(1, _QUANTIZE_CHUNK_ELEMENTS // max(per_expert, 1))
-        parts = [quantize_weight(w, codebook, name=full_name) for w in weight.split(chunk)]
+        parts = [quantize_weight(w, cb, full_name, settings) for w in weight.split(chunk)]
         prefix = PROJECTIONS[projection]
         packed = {f"{prefix}_{t}": torch.cat(ts) for t, ts in zip(FORMAT_TENSORS, zip(*parts))}
-        packed[f"{prefix}_codebook"] = codebook
+        packed[f"{prefix}_codebook"] = cb
         return packed
 
     @torch.no_grad()
@@ -385,9 +407,7 @@ def quantize_experts_on_load(
     if projection not in module.placeholders():
         raise ValueError(f"{full_name}: not a quantize-on-load placeholder of {type(module).__name__}")
     module_name = full_name.rpartition(".")[0]
-    # The module sits on the meta device while loading: rebuild its codebook from the config.
-    codebook = fmt.make_codebook(config.codebook, module.bits[projection]).to(value.device)
-    packed = module.pack(projection, value, codebook, module_name)
+    packed = module.pack(projection, value, config.codebook, module_name, config.fitting)
     del module._parameters[projection]
     return {f"{module_name}.{key}": tensor for key, tensor in packed.items()}
 
@@ -403,7 +423,9 @@ def quantize_experts(
             continue
         if fused_experts_layout(module, name) is not None:
             gate_up_bits, down_bits = _bits(config, name)
-            _set_submodule(model, name, KbitExperts.from_experts(module, gate_up_bits, down_bits, config.codebook, name=name))
+            _set_submodule(model, name, KbitExperts.from_experts(
+                module, gate_up_bits, down_bits, config.codebook, name=name, fitting_rule=config.fitting
+            ))
     return model
 
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 
 import torch
 from torch import nn
 
 from .. import _ops  # noqa: F401  (registers torch.ops.kbit)
+from .. import fitting
 from .. import format as fmt
 
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -97,11 +99,18 @@ class KbitLinear(KbitModule):
             )
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, bits: int = 4, codebook: torch.Tensor | None = None) -> "KbitLinear":
-        """Quantize an existing ``nn.Linear`` (same device, bias kept in its dtype)."""
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        bits: int = 4,
+        codebook: str | list[float] | torch.Tensor | None = None,
+        fitting: str | None = None,
+    ) -> "KbitLinear":
+        """Quantize an existing ``nn.Linear`` (same device, bias kept in its dtype).
+
+        ``codebook`` and ``fitting`` mean what they mean in :class:`hf_kbit.KbitConfig`.
+        """
         weight = linear.weight.detach()
-        if codebook is None:
-            codebook = fmt.make_codebook(None, bits)
         module = cls(
             linear.in_features,
             linear.out_features,
@@ -110,7 +119,7 @@ class KbitLinear(KbitModule):
             dtype=weight.dtype,
             device=weight.device,
         )
-        module.load_packed(*quantize_weight(weight, codebook.to(weight.device), name="weight"), codebook)
+        module.load_packed(*quantize_layer(weight, bits, codebook, fitting, name="weight"))
         if linear.bias is not None:
             module.bias.data.copy_(linear.bias.detach())
         return module
@@ -225,13 +234,8 @@ def fused_output(link: tuple, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def quantize_weight(
-    weight: torch.Tensor, codebook: torch.Tensor, name: str = "weight"
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize ``weight [..., N, K]`` to (planes, block_scales, row_scales), checking it first.
-
-    ``name`` goes into errors so that a user learns which tensor is at fault.
-    """
+def check_weight(weight: torch.Tensor, name: str) -> None:
+    """Refuse what kbit cannot quantize (not [..., N, K], not floating point, NaN/Inf), naming ``name``."""
     if weight.dim() < 2:
         raise ValueError(f"{name}: kbit quantizes 2-D weights [out, in] (or stacked [E, out, in]), got shape {tuple(weight.shape)}")
     if not weight.is_floating_point():
@@ -239,4 +243,54 @@ def quantize_weight(
     if not bool(torch.isfinite(weight).all()):
         bad = int((~torch.isfinite(weight)).sum())
         raise ValueError(f"{name}: {bad} non-finite value(s) (NaN/Inf) in the weight; refusing to quantize")
-    return torch.ops.kbit.quantize(weight, codebook)
+
+
+def quantize_weight(
+    weight: torch.Tensor, codebook: torch.Tensor, name: str = "weight", settings: fitting.FitSettings | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize ``weight [..., N, K]`` with ``codebook`` to (planes, block_scales, row_scales), checking it first.
+
+    ``settings`` ``None`` rounds each block's absmax up (``kbit::quantize``, a CUDA kernel on GPU);
+    otherwise block codes are searched as :func:`hf_kbit.fitting.quantize_fitted` does.
+    ``name`` goes into errors so that a user learns which tensor is at fault.
+    """
+    check_weight(weight, name)
+    if settings is None:
+        return torch.ops.kbit.quantize(weight, codebook)
+    return fitting.quantize_fitted(weight, codebook, settings.codes_below, settings.codes_above)
+
+
+def quantize_layer(
+    weight: torch.Tensor,
+    bits: int,
+    codebook: str | list[float] | torch.Tensor | None = None,
+    fitting_rule: str | None = None,
+    name: str = "weight",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize ``weight [..., N, K]`` (experts stacked on the leading dims share one codebook) as
+    ``KbitConfig(bits, codebook, fitting=fitting_rule)`` asks: ``(planes, block_scales, row_scales, codebook)``.
+
+    The codebook is fitted on every m-th row of the weight's rows ``[-1, K]``
+    (:func:`hf_kbit.fitting.sample_stride`), so a caller quantizing pieces of a larger weight
+    (chunks of experts) passes the codebook of the whole to :func:`quantize_weight` instead.
+    """
+    check_weight(weight, name)
+    settings = fitting.settings_for(fitting_rule, bits, codebook)
+    cb = fitting.layer_codebook(codebook_sample(weight, settings), bits, settings, codebook)
+    return (*quantize_weight(weight, cb, name, settings), cb)
+
+
+def codebook_sample(
+    weight: torch.Tensor, settings: fitting.FitSettings | None, total_rows: int | None = None, first_row: int = 0
+) -> torch.Tensor:
+    """The rows of ``weight [..., K]`` (flattened to ``[R, K]``) the layer's codebook is fitted on:
+    every m-th row of the whole weight (:func:`hf_kbit.fitting.sample_stride`).
+
+    A caller reading the weight in pieces passes the whole weight's row count ``total_rows`` and
+    where this piece starts, ``first_row``; the pieces' samples, concatenated, are the whole's.
+    """
+    rows = weight.reshape(math.prod(weight.shape[:-1]), weight.shape[-1])
+    if settings is None or settings.lloyd_iters == 0:
+        return rows[:0]
+    m = fitting.sample_stride(rows.shape[0] if total_rows is None else total_rows, rows.shape[1], settings.max_fit_blocks)
+    return rows[-first_row % m :: m]

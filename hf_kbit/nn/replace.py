@@ -93,7 +93,7 @@ def quantize_model(model: nn.Module, config: KbitConfig | None = None, modules_t
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and should_convert(name, skip):
             bits = config.bits_for(name)
-            _set_submodule(model, name, KbitLinear.from_linear(module, bits, fmt.make_codebook(config.codebook, bits)))
+            _set_submodule(model, name, KbitLinear.from_linear(module, bits, config.codebook, config.fitting))
     model = quantize_experts(model, config, modules_to_not_convert)
     if config.fuse_projections:
         fuse_projections(model)

@@ -279,6 +279,25 @@ def test_module_quantization_error(family, bits):
     assert _rel(kbit(x, index, weights), expected) < EXPERTS_REL_ERROR[bits]
 
 
+@pytest.mark.parametrize("fitting_rule", ["absmax", "fit"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])  # gpt_oss stores its experts transposed
+def test_pack_fits_one_codebook_on_all_experts(family, fitting_rule, monkeypatch):
+    """The experts of a projection share one codebook, fitted on the rows of all of them stacked
+    ([E * N, K]); packing a few experts at a time with the whole's codebook gives the same bytes."""
+    name, experts = _float_experts(family)
+    kbit = KbitExperts.from_experts(experts, 3, 3, name=name, fitting_rule=fitting_rule)
+    for projection, prefix in PROJECTIONS.items():
+        weight = kbit.linear_weight(projection, getattr(experts, projection).detach())
+        want = hf_kbit.nn.quantize_layer(weight, 3, fitting_rule=fitting_rule)
+        for t, value in zip(("planes", "block_scales", "row_scales", "codebook"), want):
+            assert torch.equal(getattr(kbit, f"{prefix}_{t}"), value), (projection, t)
+        monkeypatch.setattr(hf_kbit.nn.experts, "_QUANTIZE_CHUNK_ELEMENTS", weight[0].numel() * 3)
+        chunked = kbit.pack(projection, getattr(experts, projection).detach(), None, name, fitting_rule)
+        for t in ("planes", "block_scales", "row_scales", "codebook"):
+            assert torch.equal(chunked[f"{prefix}_{t}"], getattr(kbit, f"{prefix}_{t}")), (projection, t)
+        monkeypatch.undo()
+
+
 def test_module_keeps_format_dtypes_on_cast():
     name, experts = _float_experts("gpt_oss")
     kbit = KbitExperts.from_experts(experts, name=name).to(torch.bfloat16)
@@ -401,14 +420,29 @@ def test_module_bits_per_projection(bf16_checkpoints):
 
 
 def test_dequantize_restores_the_models_experts(bf16_checkpoints):
+    """Each restored experts module computes what its kbit module did, on the inputs the model gave
+    it (compared per module: a near-tie in a later router could flip an expert between two runs)."""
     path, bf16 = bf16_checkpoints("gpt_oss")
     model = _quantize_on_load(path, bits=4)
-    expected = _logits(model, INPUT_IDS)
+    inputs, outputs = {}, {}
+    hooks = [
+        module.register_forward_hook(functools.partial(_keep_call, name, inputs, outputs), with_kwargs=True)
+        for name, module in _experts_modules(model).items()
+    ]
+    _logits(model, INPUT_IDS)
+    for hook in hooks:
+        hook.remove()
     source_class = type(_experts_modules(bf16)["model.layers.0.mlp.experts"])
     model.dequantize()
     for name, module in _experts_modules(model).items():
         assert type(module) is source_class and module.gate_up_proj.shape == (8, 64, 80), name
-    assert _rel(_logits(model, INPUT_IDS), expected) < 0.02
+        args, kwargs = inputs[name]
+        with torch.no_grad():
+            assert _rel(module(*args, **kwargs), outputs[name]) < 0.02, name
+
+
+def _keep_call(name, inputs, outputs, module, args, kwargs, output):
+    inputs[name], outputs[name] = (args, kwargs), output
 
 
 # ---------------------------------------------------------------------------- malformed checkpoints

@@ -1,10 +1,14 @@
 """KbitLinear: edge shapes (the model-level behaviour is covered end to end in tests/test_quantizer.py)."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
 
-from hf_kbit import KbitLinear
+from hf_kbit import KbitLinear, fitting
+from hf_kbit import format as fmt
+from hf_kbit.nn.linear import FORMAT_TENSORS, codebook_sample, quantize_layer
 
 EMPTY_SHAPES = [(0, 8), (8, 0), (0, 0)]
 
@@ -26,3 +30,68 @@ def test_zero_sized_linear_works_like_nn_linear(in_features, out_features, bias,
     back = kbit.to_linear(dtype)
     assert back.weight.shape == (out_features, in_features)
     torch.testing.assert_close(back(x), linear(x), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------- quantize_layer: KbitConfig.fitting
+
+
+def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) + 0.05 * torch.randn(n, k, generator=g) ** 3
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5], ids=lambda b: f"k{b}")
+def test_quantize_layer_fit_is_fitting_fit_quantize(bits):
+    """The "fit" rule (the default) writes exactly what hf_kbit.fitting.fit_quantize computes."""
+    w = _weight(48, 200)
+    got = quantize_layer(w, bits)
+    want = fitting.fit_quantize(w, bits)
+    for name, a, b in zip(FORMAT_TENSORS, got, want):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("bits", [2, 4], ids=lambda b: f"k{b}")
+def test_quantize_layer_absmax_is_format_quantize(bits):
+    """The "absmax" rule is format.quantize with the configured codebook, unchanged."""
+    w = _weight(40, 96)
+    cb = fmt.make_codebook("nf-sym", bits)
+    got = quantize_layer(w, bits, "nf-sym", "absmax")
+    for name, a, b in zip(FORMAT_TENSORS, got, (*fmt.quantize(w, cb), cb)):
+        assert torch.equal(a, b), name
+
+
+def test_quantize_layer_samples_large_layers_every_mth_row():
+    """A layer over MAX_FIT_BLOCKS blocks fits its codebook on every m-th row, as fit_codebook does."""
+    settings = fitting.settings_for(None, 3)
+    small = dataclasses.replace(settings, max_fit_blocks=20)
+    w = _weight(64, 96)  # 64 rows x 3 blocks: m = 10
+    sample = codebook_sample(w, small)
+    assert torch.equal(sample, w[::10])
+    assert torch.equal(fitting.layer_codebook(sample, 3, small), fitting.fit_codebook(w, 3, small))
+    pieces = [codebook_sample(w[a:b], small, total_rows=64, first_row=a) for a, b in ((0, 23), (23, 41), (41, 64))]
+    assert torch.equal(torch.cat(pieces), sample)
+
+
+def test_quantize_layer_keeps_an_explicit_codebook():
+    """Explicit levels are kept as given; "fit" then only searches the block codes."""
+    levels = [-1.0, -0.4, 0.1, 1.0]
+    w = _weight(32, 64)
+    planes, scales, rows, cb = quantize_layer(w, 2, levels)
+    assert torch.equal(cb, torch.tensor(levels))
+    codes = fitting.search_block_codes(w, rows, cb, fitting.DEFAULT_SETTINGS[2].codes_below, fitting.DEFAULT_SETTINGS[2].codes_above)
+    assert torch.equal(fmt.untile(scales)[: w.shape[0], : codes.shape[1]].long(), codes)
+
+
+def test_from_linear_follows_fitting():
+    """KbitLinear.from_linear quantizes as quantize_layer does, with either rule."""
+    linear = nn.Linear(96, 40)
+    for rule in ("absmax", "fit"):
+        layer = KbitLinear.from_linear(linear, bits=3, fitting=rule)
+        want = quantize_layer(linear.weight.detach(), 3, None, rule)
+        for name, b in zip(FORMAT_TENSORS, want):
+            assert torch.equal(getattr(layer, name), b), (rule, name)
+
+
+def test_quantize_layer_refuses_a_bad_fitting():
+    with pytest.raises(ValueError, match=r"fitting must be one of \('absmax', 'fit'\) or None, got 'gptq'"):
+        quantize_layer(_weight(16, 32), 4, fitting_rule="gptq")
