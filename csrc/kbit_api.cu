@@ -1,4 +1,5 @@
-// Host API: argument checks, launch plans, dispatch to the (bits, dtype) instantiations.
+// Host API: argument checks, launch plans, dispatch to the kernel table's instantiations
+// (kbit_kernel_table.h, generated from hf_kbit/kernel_table.py).
 // No allocation, no host sync: everything runs on the caller's stream.
 #include "kbit_api.h"
 
@@ -12,13 +13,13 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "kbit_launch.h"
+#include "kbit_kernel_table.h"
 
 namespace {
 
 using namespace kbit;
 
-constexpr int kAbiVersion = 6;
+constexpr int kAbiVersion = 7;
 
 thread_local char g_error[512] = "";
 
@@ -28,6 +29,12 @@ int fail(const char* fmt, ...) {
   vsnprintf(g_error, sizeof(g_error), fmt, args);
   va_end(args);
   return KBIT_INVALID_ARGUMENT;
+}
+
+// A (kernel, bits, dtype) outside the kernel table.
+int unsupported(KernelId kernel, int bits, int dtype) {
+  return fail("unsupported kernel=%s, bits=%d, dtype=%s (the library holds hf_kbit/kernel_table.py's list)",
+              kKernelNames[kernel], bits, dtype >= 0 && dtype <= 2 ? kDTypeNames[dtype] : "?");
 }
 
 int cuda_fail(cudaError_t err, const char* what) {
@@ -312,20 +319,8 @@ GemvPlan device_gemv_plan(int device, int64_t m, int64_t n, int64_t k) {
   return plan;
 }
 
-template <int BITS, typename T>
-cudaError_t gemv_m(const MmParams& p, int grid, cudaStream_t s) {
-  return p.m <= 8 ? launch_gemv<BITS, T, 1>(p, grid, s) : launch_gemv<BITS, T, 2>(p, grid, s);
-}
-
-template <typename T>
-cudaError_t gemv_bits(const MmParams& p, int grid, cudaStream_t s) {
-  switch (p.bits) {
-    case 2: return gemv_m<2, T>(p, grid, s);
-    case 3: return gemv_m<3, T>(p, grid, s);
-    case 4: return gemv_m<4, T>(p, grid, s);
-    default: return gemv_m<5, T>(p, grid, s);
-  }
-}
+// mma token tiles of the GEMV: one serves 8 tokens.
+int gemv_tiles(int64_t m) { return m <= 8 ? 1 : 2; }
 
 // GEMM plans: the wgmma GEMM (wgmma_kernel.cuh: 64 NB tokens x 128 rows per CTA) on sm_90
 // where the library holds sm_90a code, else the mma.sync GEMM (gemm_kernel.cuh: 8 NT tokens x
@@ -421,71 +416,12 @@ GemmPlan device_gemm_plan(int device, int64_t m, int64_t n, int64_t k, int bits)
   return plan_gemm(m, n, k, bits, sm_count(device), small_index && use_wgmma(device));
 }
 
-template <int BITS, typename T>
-cudaError_t gemm_nt_launch(const MmParams& p, const GemmPlan& plan, cudaStream_t s) {
-  if (plan.wgmma) {
-    switch (plan.tile) {
-      case 1: return launch_wgmma_gemm<BITS, T, 1>(p, plan.grid, s);
-      case 2: return launch_wgmma_gemm<BITS, T, 2>(p, plan.grid, s);
-      default: return launch_wgmma_gemm<BITS, T, 4>(p, plan.grid, s);
-    }
-  }
-  switch (plan.tile) {
-    case 2: return launch_gemm<BITS, T, 2>(p, plan.grid, s);
-    case 4: return launch_gemm<BITS, T, 4>(p, plan.grid, s);
-    case 8: return launch_gemm<BITS, T, 8>(p, plan.grid, s);
-    default: return launch_gemm<BITS, T, 16>(p, plan.grid, s);
-  }
-}
+// The GEMM plans (no dtype yet) take the bit widths the GEMM has for some dtype.
+bool gemm_has_bits(int bits) { return in_kernel_table(kGemm, bits, kFloat16) || in_kernel_table(kGemm, bits, kBFloat16); }
 
-template <typename T>
-cudaError_t gemm_bits(const MmParams& p, const GemmPlan& plan, cudaStream_t s) {
-  switch (p.bits) {
-    case 2: return gemm_nt_launch<2, T>(p, plan, s);
-    case 3: return gemm_nt_launch<3, T>(p, plan, s);
-    case 4: return gemm_nt_launch<4, T>(p, plan, s);
-    default: return gemm_nt_launch<5, T>(p, plan, s);
-  }
-}
-
-template <int BITS, typename T>
-cudaError_t grouped_nt(const GroupedParams& p, int grid, cudaStream_t s) {
-  return p.order ? launch_grouped_gemv<BITS, T, kGroupedNt>(p, grid, s) : launch_grouped_gemv<BITS, T, 1>(p, grid, s);
-}
-
-template <typename T>
-cudaError_t grouped_bits(const GroupedParams& p, int grid, cudaStream_t s) {
-  switch (p.bits) {
-    case 2: return grouped_nt<2, T>(p, grid, s);
-    case 3: return grouped_nt<3, T>(p, grid, s);
-    case 4: return grouped_nt<4, T>(p, grid, s);
-    default: return grouped_nt<5, T>(p, grid, s);
-  }
-}
-
-template <typename T>
-cudaError_t quantize_bits(const QuantizeParams& p, cudaStream_t s) {
-  switch (p.bits) {
-    case 2: return launch_quantize<T, 2>(p, s);
-    case 3: return launch_quantize<T, 3>(p, s);
-    case 4: return launch_quantize<T, 4>(p, s);
-    default: return launch_quantize<T, 5>(p, s);
-  }
-}
-
-template <typename T>
-cudaError_t dequantize_bits(const DequantizeParams& p, cudaStream_t s) {
-  switch (p.bits) {
-    case 2: return launch_dequantize<T, 2>(p, s);
-    case 3: return launch_dequantize<T, 3>(p, s);
-    case 4: return launch_dequantize<T, 4>(p, s);
-    default: return launch_dequantize<T, 5>(p, s);
-  }
-}
-
-int check_common(int bits, int dtype, int64_t n, int64_t k) {
-  if (bits < 2 || bits > 5) return fail("bits must be 2, 3, 4 or 5, got %d", bits);
+int check_common(KernelId kernel, int bits, int dtype, int64_t n, int64_t k) {
   if (dtype < kFloat32 || dtype > kBFloat16) return fail("dtype code must be 0 (float32), 1 (float16) or 2 (bfloat16), got %d", dtype);
+  if (!in_kernel_table(kernel, bits, dtype)) return unsupported(kernel, bits, dtype);
   if (n < 0 || k < 0) return fail("shape must be non-negative, got n=%lld k=%lld", static_cast<long long>(n), static_cast<long long>(k));
   return KBIT_OK;
 }
@@ -500,9 +436,20 @@ const char* kbit_last_error(void) { return g_error; }
 
 int kbit_gemv_max_m(void) { return kGemvMaxM; }
 
+int kbit_kernel_table_size(void) { return kKernelTableSize; }
+
+int kbit_kernel_table_entry(int i, const char** kernel, int* bits, int* dtype) {
+  if (!kernel || !bits || !dtype) return fail("kernel, bits and dtype must be host pointers");
+  if (i < 0 || i >= kKernelTableSize) return fail("entry %d is outside the table's %d", i, kKernelTableSize);
+  *kernel = kKernelNames[kKernelTable[i].kernel];
+  *bits = kKernelTable[i].bits;
+  *dtype = kKernelTable[i].dtype;
+  return KBIT_OK;
+}
+
 int kbit_quantize(int device, void* stream, const void* weight, int dtype, const float* codebook, int bits,
                   int64_t batch, int64_t n, int64_t k, int32_t* planes, uint8_t* block_scales, float* row_scales) {
-  if (int rc = check_common(bits, dtype, n, k)) return rc;
+  if (int rc = check_common(kQuantize, bits, dtype, n, k)) return rc;
   if (batch < 0) return fail("batch must be non-negative, got %lld", static_cast<long long>(batch));
   if (batch * n * k > 0 && !weight) return fail("weight is a null pointer");
   if (!codebook || !planes || !block_scales || (batch * n > 0 && !row_scales))
@@ -511,16 +458,14 @@ int kbit_quantize(int device, void* stream, const void* weight, int dtype, const
   if (guard.error() != cudaSuccess) return cuda_fail(guard.error(), "selecting the device");
   QuantizeParams p{weight, codebook, planes, block_scales, row_scales, batch, n, k, bits, dtype};
   const auto s = static_cast<cudaStream_t>(stream);
-  cudaError_t err = dtype == kFloat32 ? quantize_bits<float>(p, s)
-                  : dtype == kFloat16 ? quantize_bits<__half>(p, s)
-                                      : quantize_bits<__nv_bfloat16>(p, s);
+  cudaError_t err = find_quantize(bits, dtype)(p, s);
   return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_quantize launch");
 }
 
 int kbit_dequantize(int device, void* stream, const int32_t* planes, const uint8_t* block_scales,
                     const float* row_scales, const float* codebook, int64_t codebook_stride, int bits, int64_t batch,
                     int64_t n, int64_t k, void* out, int dtype) {
-  if (int rc = check_common(bits, dtype, n, k)) return rc;
+  if (int rc = check_common(kDequantize, bits, dtype, n, k)) return rc;
   if (batch < 0 || batch > 65535) return fail("batch must be in [0, 65535], got %lld", static_cast<long long>(batch));
   if (codebook_stride != 0 && codebook_stride != (1 << bits))
     return fail("codebook_stride must be 0 or %d, got %lld", 1 << bits, static_cast<long long>(codebook_stride));
@@ -531,9 +476,7 @@ int kbit_dequantize(int device, void* stream, const int32_t* planes, const uint8
   if (guard.error() != cudaSuccess) return cuda_fail(guard.error(), "selecting the device");
   DequantizeParams p{planes, block_scales, row_scales, codebook, out, batch, n, k, codebook_stride, bits, dtype};
   const auto s = static_cast<cudaStream_t>(stream);
-  cudaError_t err = dtype == kFloat32 ? dequantize_bits<float>(p, s)
-                  : dtype == kFloat16 ? dequantize_bits<__half>(p, s)
-                                      : dequantize_bits<__nv_bfloat16>(p, s);
+  cudaError_t err = find_dequantize(bits, dtype)(p, s);
   return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_dequantize launch");
 }
 
@@ -572,6 +515,7 @@ unsigned long long* g_trace = nullptr;  // kbit_trace_set: every GEMV launch rec
 struct GemvCall {
   int device;
   int grid;
+  GemvLaunch launch;
   MmParams p;
 };
 
@@ -579,8 +523,7 @@ struct GemvCall {
 // fills the call.
 int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* block_scales, const float* row_scales,
                const float* codebook, int bits, int64_t m, int64_t n, int64_t k, GemvCall* call, int64_t* need) {
-  if (int rc = check_common(bits, dtype, n, k)) return rc;
-  if (dtype == kFloat32) return fail("x must be float16 or bfloat16 for the GEMV (float32 goes through dequantize)");
+  if (int rc = check_common(kGemv, bits, dtype, n, k)) return rc;
   if (m < 1 || m > kGemvMaxM) return fail("x has %lld rows, the GEMV takes 1..%d", static_cast<long long>(m), kGemvMaxM);
   if (k == 0) return fail("in_features must be positive (an empty product is all zeros: handle it before the call)");
   if (n > 0 && (!planes || !block_scales || !row_scales || !codebook))
@@ -600,7 +543,8 @@ int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* bloc
   p.cta_rows = plan.balanced ? static_cast<int>(ceil_div(n, kTileN) / (plan.grid / plan.splits)) : 0;
   call->device = device;
   call->grid = plan.grid;
-  return KBIT_OK;
+  call->launch = find_gemv(bits, dtype, gemv_tiles(m));
+  return call->launch ? KBIT_OK : unsupported(kGemv, bits, dtype);
 }
 
 // The caller's workspace against what the call's plan needs (gemv_setup).
@@ -623,8 +567,7 @@ int gemv_launch(const GemvCall& call, const void* x, void* out, float* workspace
   DeviceGuard guard(call.device);
   if (guard.error() != cudaSuccess) return cuda_fail(guard.error(), "selecting the device");
   const auto s = static_cast<cudaStream_t>(stream);
-  cudaError_t err = p.dtype == kFloat16 ? gemv_bits<__half>(p, call.grid, s)
-                                        : gemv_bits<__nv_bfloat16>(p, call.grid, s);
+  cudaError_t err = call.launch(p, call.grid, s);
   return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_gemv launch");
 }
 
@@ -719,8 +662,7 @@ int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const 
                       const int64_t* order, const int64_t* offsets, const int32_t* planes,
                       const uint8_t* block_scales, const float* row_scales, const float* codebook, int bits,
                       int64_t s, int64_t e, int64_t n, int64_t k, void* out) {
-  if (int rc = check_common(bits, dtype, n, k)) return rc;
-  if (dtype == kFloat32) return fail("x must be float16 or bfloat16 for the grouped GEMV");
+  if (int rc = check_common(kGroupedGemv, bits, dtype, n, k)) return rc;
   if (s < 0 || e < 1 || e > (1 << 20)) return fail("need s >= 0 and 1 <= e <= 2^20, got s=%lld e=%lld",
                                                     static_cast<long long>(s), static_cast<long long>(e));
   if (k == 0) return fail("in_features must be positive");
@@ -788,12 +730,14 @@ int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const 
                 static_cast<long long>(e));
   const int grid = sm_count(device) * ctas;
   const auto st = static_cast<cudaStream_t>(stream);
-  cudaError_t err = dtype == kFloat16 ? grouped_bits<__half>(p, grid, st) : grouped_bits<__nv_bfloat16>(p, grid, st);
+  const GroupedGemvLaunch launch = find_grouped_gemv(bits, dtype, p.order ? kGroupedNt : 1);
+  if (!launch) return unsupported(kGroupedGemv, bits, dtype);
+  cudaError_t err = launch(p, grid, st);
   return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_grouped_gemv launch");
 }
 
 int64_t kbit_gemm_workspace_size(int device, int64_t m, int64_t n, int64_t k, int bits) {
-  if (bits < 2 || bits > 5) return -1;
+  if (!gemm_has_bits(bits)) return -1;
   if (m <= 0 || n <= 0 || k <= 0) return 0;
   const GemmPlan plan = device_gemm_plan(device, m, n, k, bits);
   if (plan.smem > smem_limits(device).per_block) return -1;
@@ -803,7 +747,7 @@ int64_t kbit_gemm_workspace_size(int device, int64_t m, int64_t n, int64_t k, in
 int kbit_gemm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int* wgmma, int* block_m, int* splits,
                    int* ctas) {
   if (!wgmma || !block_m || !splits || !ctas) return fail("wgmma, block_m, splits and ctas must be host pointers");
-  if (bits < 2 || bits > 5) return fail("bits must be in 2..5, got %d", bits);
+  if (!gemm_has_bits(bits)) return unsupported(kGemm, bits, kBFloat16);
   if (m < 1 || n < 1 || k < 1)
     return fail("need m, n and k >= 1, got m=%lld n=%lld k=%lld", static_cast<long long>(m), static_cast<long long>(n),
                 static_cast<long long>(k));
@@ -818,8 +762,7 @@ int kbit_gemm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int* w
 int kbit_gemm(int device, void* stream, const void* x, int dtype, const int32_t* planes, const uint8_t* block_scales,
               const float* row_scales, const float* codebook, int bits, int64_t m, int64_t n, int64_t k, void* out,
               float* workspace, int64_t workspace_size) {
-  if (int rc = check_common(bits, dtype, n, k)) return rc;
-  if (dtype == kFloat32) return fail("x must be float16 or bfloat16 for the GEMM (float32 goes through dequantize)");
+  if (int rc = check_common(kGemm, bits, dtype, n, k)) return rc;
   if (m < 1 || m > (int64_t{1} << 31)) return fail("x has %lld rows, the GEMM takes 1..2^31", static_cast<long long>(m));
   if (k == 0) return fail("in_features must be positive (an empty product is all zeros: handle it before the call)");
   if (n == 0) return KBIT_OK;
@@ -827,6 +770,8 @@ int kbit_gemm(int device, void* stream, const void* x, int dtype, const int32_t*
     return fail("x, out, planes, block_scales, row_scales and codebook must be device pointers");
   if (!aligned(planes, 16) || !aligned(block_scales, 16)) return fail("planes and block_scales must be 16-byte aligned");
   const GemmPlan plan = device_gemm_plan(device, m, n, k, bits);
+  const GemmLaunch launch = plan.wgmma ? find_wgmma_gemm(bits, dtype, plan.tile) : find_gemm(bits, dtype, plan.tile);
+  if (!launch) return unsupported(plan.wgmma ? kWgmmaGemm : kGemm, bits, dtype);
   if (ceil_div(n, plan.wgmma ? kWgmmaRows : kGemmRows) > 65535)
     return fail("out_features %lld is too large for the GEMM grid", static_cast<long long>(n));
   if (plan.smem > smem_limits(device).per_block)
@@ -844,7 +789,7 @@ int kbit_gemm(int device, void* stream, const void* x, int dtype, const int32_t*
   p.x_perm = reinterpret_cast<char*>(workspace);
   p.workspace = workspace ? workspace + plan.x_perm_floats : nullptr;
   const auto st = static_cast<cudaStream_t>(stream);
-  cudaError_t err = dtype == kFloat16 ? gemm_bits<__half>(p, plan, st) : gemm_bits<__nv_bfloat16>(p, plan, st);
+  cudaError_t err = launch(p, plan.grid, st);
   return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_gemm launch");
 }
 

@@ -22,6 +22,11 @@ KBIT_API int kbit_abi_version(void);
 KBIT_API const char* kbit_last_error(void);
 KBIT_API int kbit_gemv_max_m(void);
 
+/* The kernel table the library was built from (hf_kbit/kernel_table.py): entry i is
+ * (kernel name, bits, dtype code). Every other (kernel, bits, dtype) fails with "unsupported". */
+KBIT_API int kbit_kernel_table_size(void);
+KBIT_API int kbit_kernel_table_entry(int i, const char** kernel, int* bits, int* dtype);
+
 /* weight [batch, n, k] (dtype) -> planes, block_scales, row_scales [batch, n]. */
 KBIT_API int kbit_quantize(int device, void* stream, const void* weight, int dtype, const float* codebook,
                            int bits, int64_t batch, int64_t n, int64_t k, int32_t* planes,

@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from hf_kbit.kernel_table import SUPPORTED_BITS
+
 SHAPES = {  # name: (K = in_features, N = out_features)
     "llama3-8b gate/up 4096x14336": (4096, 14336),
     "llama3-8b down 14336x4096": (14336, 4096),
@@ -36,7 +38,7 @@ SHAPES = {  # name: (K = in_features, N = out_features)
     "h2048 4096x2048": (4096, 2048),
 }
 MS = (1, 2, 4, 8, 16, 32, 64, 256, 1024)
-BITS = (2, 3, 4, 5)
+BITS = SUPPORTED_BITS
 COLD_BYTES = 400 * 2**20  # weight copies per timed graph: 8x the H100's 50 MB L2
 MIN_CALLS = 24
 WALL_CALLS, WALL_ROUNDS = 2000, 7  # eager wall time: the least of WALL_ROUNDS rounds of WALL_CALLS calls

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 import hf_kbit
 from hf_kbit import format as fmt
 from hf_kbit.checkpoint import KbitCheckpointError
+from hf_kbit.kernel_table import SUPPORTED_BITS
 from hf_kbit.nn import KbitExperts, KbitLinear
 from hf_kbit.nn.experts import PROJECTIONS, fused_experts_layout
 
@@ -266,7 +267,7 @@ def test_module_sorts_rows_once_for_both_projections(num_tokens, sorts, monkeypa
     assert torch.equal(out, expected)
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4, 5], ids=lambda b: f"k{b}")
+@pytest.mark.parametrize("bits", SUPPORTED_BITS, ids=lambda b: f"k{b}")
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_module_quantization_error(family, bits):
     name, experts = _float_experts(family)
