@@ -416,6 +416,16 @@ GemmPlan device_gemm_plan(int device, int64_t m, int64_t n, int64_t k, int bits)
   return plan_gemm(m, n, k, bits, sm_count(device), small_index && use_wgmma(device));
 }
 
+// Measured path crossovers (kbit_set_mm_crossovers), by GEMM kernel (0 mma.sync, 1 wgmma) and bits.
+constexpr int kMaxPlanBits = 8;
+constexpr int kMaxWeightClasses = 8;
+enum MmPath : int { kPathGemv = 0, kPathGemm = 1, kPathDequant = 2 };
+struct MmCrossovers {
+  int gemv_max_m, classes;  // classes == 0: not set
+  int64_t min_weight[kMaxWeightClasses], gemm_max_m[kMaxWeightClasses];
+};
+MmCrossovers g_crossovers[2][kMaxPlanBits + 1] = {};
+
 // The GEMM plans (no dtype yet) take the bit widths the GEMM has for some dtype.
 bool gemm_has_bits(int bits) { return in_kernel_table(kGemm, bits, kFloat16) || in_kernel_table(kGemm, bits, kBFloat16); }
 
@@ -756,6 +766,60 @@ int kbit_gemm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int* w
   *block_m = plan.wgmma ? plan.tile * kWgmmaTokens : gemm_block_m(plan.tile);
   *splits = plan.splits;
   *ctas = static_cast<int>(plan.grid.x * plan.grid.y * plan.grid.z);
+  return KBIT_OK;
+}
+
+int kbit_set_mm_crossovers(int gemm, int bits, int gemv_max_m, int classes, const int64_t* min_weight,
+                           const int64_t* gemm_max_m) {
+  if (gemm != 0 && gemm != 1) return fail("gemm must be 0 (mma.sync) or 1 (wgmma), got %d", gemm);
+  if (bits < 0 || bits > kMaxPlanBits) return fail("bits must be in 0..%d, got %d", kMaxPlanBits, bits);
+  if (classes < 1 || classes > kMaxWeightClasses || !min_weight || !gemm_max_m)
+    return fail("need 1..%d weight classes (min_weight and gemm_max_m host arrays), got %d", kMaxWeightClasses,
+                classes);
+  for (int i = 0; i < classes; ++i)
+    if ((i > 0 && min_weight[i] >= min_weight[i - 1]) || (i == classes - 1 && min_weight[i] != 0))
+      return fail("min_weight must descend to 0 (the last class takes every weight)");
+  MmCrossovers c{};
+  c.gemv_max_m = gemv_max_m;
+  c.classes = classes;
+  for (int i = 0; i < classes; ++i) {
+    c.min_weight[i] = min_weight[i];
+    c.gemm_max_m[i] = gemm_max_m[i];
+  }
+  g_crossovers[gemm][bits] = c;
+  return KBIT_OK;
+}
+
+int kbit_mm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int dtype, int* path, int* gemm,
+                 int64_t* workspace) {
+  if (!path || !gemm || !workspace) return fail("path, gemm and workspace must be host pointers");
+  if (m < 1 || n < 1 || k < 1)
+    return fail("need m, n and k >= 1, got m=%lld n=%lld k=%lld", static_cast<long long>(m), static_cast<long long>(n),
+                static_cast<long long>(k));
+  if (dtype < kFloat32 || dtype > kBFloat16) return fail("dtype code must be 0, 1 or 2, got %d", dtype);
+  const bool wgmma = use_wgmma(device);
+  *gemm = wgmma ? 1 : 0;
+  *path = kPathDequant;
+  *workspace = 0;
+  const MmCrossovers* c = bits >= 0 && bits <= kMaxPlanBits ? &g_crossovers[*gemm][bits] : nullptr;
+  if (!c || c->classes == 0)
+    return fail("no crossovers for the %s GEMM at bits=%d (kbit_set_mm_crossovers; hf_kbit/backends/crossovers.json)",
+                wgmma ? "wgmma" : "mma.sync", bits);
+  if (m <= std::min(c->gemv_max_m, kGemvMaxM) && in_kernel_table(kGemv, bits, dtype)) {
+    *path = kPathGemv;
+    *workspace = device_gemv_plan(device, m, n, k).workspace(m, n);
+    return KBIT_OK;
+  }
+  int cls = 0;
+  while (cls + 1 < c->classes && n * k < c->min_weight[cls]) ++cls;
+  if (m <= c->gemm_max_m[cls] && in_kernel_table(kGemm, bits, dtype) &&
+      (!wgmma || in_kernel_table(kWgmmaGemm, bits, dtype))) {
+    const GemmPlan plan = device_gemm_plan(device, m, n, k, bits);
+    if (plan.smem <= smem_limits(device).per_block) {  // else this GPU lacks the GEMM's shared memory
+      *path = kPathGemm;
+      *workspace = plan.workspace(m, n);
+    }
+  }
   return KBIT_OK;
 }
 

@@ -99,6 +99,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kbit_gemv_plan.restype = c_int
     lib.kbit_gemm_plan.argtypes = [c_int, c_i64, c_i64, c_i64, c_int, c_ip, c_ip, c_ip, c_ip]
     lib.kbit_gemm_plan.restype = c_int
+    c_i64p = ctypes.POINTER(c_i64)
+    lib.kbit_set_mm_crossovers.argtypes = [c_int, c_int, c_int, c_int, c_i64p, c_i64p]
+    lib.kbit_set_mm_crossovers.restype = c_int
+    lib.kbit_mm_plan.argtypes = [c_int, c_i64, c_i64, c_i64, c_int, c_int, c_ip, c_ip, c_i64p]
+    lib.kbit_mm_plan.restype = c_int
     # GEMV with an elementwise prologue (optional: without it the fused ops run their references).
     try:
         lib.kbit_gemv_prologue.argtypes = [c_int, c_vp, c_int, c_vp, c_i64, c_vp, c_i64, c_vp, ctypes.c_float, c_vp,

@@ -72,3 +72,22 @@ def test_table_has_no_duplicates_and_known_names():
 @pytest.mark.skipif(not _lib.available(), reason="needs the compiled kbit CUDA library (libhf_kbit_cuda.so)")
 def test_compiled_library_holds_the_table():
     assert _lib.kernel_table() == kernel_table.TABLE
+
+
+@pytest.mark.skipif(not _lib.available(), reason="needs the compiled kbit CUDA library (libhf_kbit_cuda.so)")
+@pytest.mark.parametrize("call", ["dequantize_bits", "gemv_float32", "grouped_bits"])
+def test_library_refuses_entries_outside_the_table(call):
+    # Checked before any CUDA call: runs without a GPU.
+    lib = _lib.load()
+    bits = max(kernel_table.BITS) + 1
+    if call == "dequantize_bits":
+        rc = lib.kbit_dequantize(0, None, None, None, None, None, 0, bits, 1, 1, 1, None, 2)
+        expected = f"kernel=dequantize, bits={bits}, dtype=bfloat16"
+    elif call == "gemv_float32":
+        rc = lib.kbit_gemv(0, None, None, 0, None, None, None, None, 4, 1, 1, 1, None, None, 0)
+        expected = "kernel=gemv, bits=4, dtype=float32"
+    else:
+        rc = lib.kbit_grouped_gemv(0, None, None, 1, None, None, None, None, None, None, None, bits, 1, 1, 1, 1, None)
+        expected = f"kernel=grouped_gemv, bits={bits}, dtype=float16"
+    with pytest.raises(ValueError, match=f"unsupported {expected}"):
+        _lib.check(rc, call)

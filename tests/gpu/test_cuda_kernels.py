@@ -315,7 +315,7 @@ def test_mma_gemm_kernel_matches_reference_when_forced():
     """)
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, HF_KBIT_GEMM_KERNEL="mma")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(root)) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(root), str(root / "tests")) if p)
     res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr
 
@@ -595,3 +595,26 @@ def test_kbit_linear_fast_path_cuda_graph_capture():
     torch.cuda.synchronize()
     with torch.inference_mode():
         assert torch.equal(captured, layer(x))
+
+
+# ---------------------------------------------------------------------------- the path planner
+
+
+@pytest.mark.parametrize("bits,dtype", table_cases("gemv"))
+def test_planner_follows_crossovers_json(bits, dtype):
+    """kbit_mm_plan, the one planner, takes its paths from hf_kbit/backends/crossovers.json; float32
+    x (no GEMV or GEMM in the kernel table) always dequantizes."""
+    from hf_kbit.backends import crossovers
+    from hf_kbit.backends import cuda as backend
+
+    device = torch.cuda.current_device()
+    gemm_kernel = backend.mm_plan(1, 4096, 4096, bits, device, dtype)[1]
+    gemv_max_m, classes = crossovers.read()[gemm_kernel][bits]
+    for n, k in [(14336, 4096), (5120, 2048), (512, 2048)]:
+        gemm_max_m = next(m for w, m in classes if n * k >= w)
+        for m in (1, gemv_max_m, gemv_max_m + 1, gemm_max_m, gemm_max_m + 1, 4096):
+            path, kernel, ws = backend.mm_plan(m, n, k, bits, device, dtype)
+            expected = "gemv" if m <= min(gemv_max_m, backend.GEMV_MAX_M) else "gemm" if m <= gemm_max_m else "dequant"
+            assert (path, kernel) == (expected, gemm_kernel), (n, k, m)
+            assert ws >= 0
+        assert backend.mm_plan(1, n, k, bits, device, torch.float32)[0] == "dequant"
