@@ -437,20 +437,21 @@ def linear_fast(module, x: torch.Tensor):
     return out
 
 
-def _install_fast_path() -> None:
-    from ..nn import linear as _linear
-
-    _linear._fast_linear = linear_fast if _HAS_FAST else None
-
-
-_install_fast_path()
+if _HAS_FAST:
+    _ops.register_eager_mm(linear_fast)
 
 
 # ---------------------------------------------------------------------------- grouped_mm
 
+# Rows (token, expert pairs) up to which the grouped GEMV serves each row on its own (per-row
+# mode, no sort: decode); above, rows grouped by expert decode each weight tile once for up to
+# 32 rows of its expert. Experts layers read it to sort once for both projections.
+GROUP_ROWS_ABOVE = 64
+_ops.register_group_rows_above("cuda", GROUP_ROWS_ABOVE)
+
 @torch.library.impl(_ops._lib, "grouped_mm", "CUDA")
 def _grouped_mm_cuda(x, expert_ids, planes, block_scales, row_scales, codebook, in_features, order=None, offsets=None):
-    """Rows up to ``_ops.GROUP_ROWS_ABOVE``: each row its expert's GEMV (decode, no sort);
+    """Rows up to ``GROUP_ROWS_ABOVE``: each row its expert's GEMV (decode, no sort);
     beyond it the rows grouped by expert on the device, so that a weight tile is decoded once
     for up to 32 rows of its expert (``order``/``offsets`` when given, else sorted here)."""
     _ops._check_mm_input(x, in_features)
@@ -472,7 +473,7 @@ def _grouped_mm_cuda(x, expert_ids, planes, block_scales, row_scales, codebook, 
     ids = expert_ids.to(torch.int64).contiguous()
     planes, block_scales = planes.contiguous(), block_scales.contiguous()
     row_scales, codebook = row_scales.contiguous(), codebook.contiguous()
-    if s <= _ops.GROUP_ROWS_ABOVE:
+    if s <= GROUP_ROWS_ABOVE:
         ids_ptr, order_ptr, offsets_ptr = ids.data_ptr(), None, None
     else:
         if order is None:
