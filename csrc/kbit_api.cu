@@ -152,9 +152,6 @@ struct ClusterCtas {
   int ctas[kGemvClusterMax + 1];
 };
 
-#ifndef KBIT_GEMV_CLUSTER  // build-time knob for A/B measurements: 0 turns cluster plans off
-#define KBIT_GEMV_CLUSTER 1
-#endif
 ClusterCtas cluster_ctas(int device) {
   static ClusterCtas cache[kMaxDevices] = {};
   static bool known[kMaxDevices] = {};
@@ -164,7 +161,7 @@ ClusterCtas cluster_ctas(int device) {
   DeviceGuard guard(device);  // the occupancy query asks the current device
   cudaFuncAttributes fa{};
   const SmemLimits lim = smem_limits(device);
-  if (KBIT_GEMV_CLUSTER && guard.error() == cudaSuccess && device_attribute(device, cudaDevAttrComputeCapabilityMajor, 0) >= 9 &&
+  if (guard.error() == cudaSuccess && device_attribute(device, cudaDevAttrComputeCapabilityMajor, 0) >= 9 &&
       cudaFuncGetAttributes(&fa, cluster_probe_kernel) == cudaSuccess && fa.ptxVersion >= 90) {
     // More than half an SM's shared memory per CTA: one CTA per SM, as the GEMV.
     if (2 * lim.per_block > lim.per_sm &&
@@ -189,48 +186,25 @@ ClusterCtas cluster_ctas(int device) {
 // Work split of the GEMV (gemv_kernel.cuh): K is cut into `splits` ranges whose activations
 // fit the CTA's staging budget; the persistent grid (a multiple of splits, at most the resident
 // CTA slots) gives each range grid / splits CTAs, whose warps take that range's row tiles
-// round-robin. The splits of a plan sum through a workspace and a second kernel or, where
-// every warp has at most one row tile and the device runs clusters, through a thread-block
-// cluster (no workspace, no second kernel; at most as many CTAs as run at once as clusters).
-// The cost of a plan is the K tiles a warp walks (rounds x chunk), weighted by how its splits
-// sum. A cluster plan must also keep 85% of the CTAs of the best workspace plan: on large
-// weights the GEMV is bandwidth-bound and fewer SMs cost more than the second kernel saves.
-// Measured on H100 (k = 4, Llama-3-8B and hidden-2048 shapes, M = 1 and 16): cluster plans
-// with up to ~1.4x the K tiles of the workspace plan won by 3-11% (4096x14336), those with
-// 1.5-2x lost by 5-11%, and one on 96 of 128 CTAs lost by 7-16% (14336x4096).
-// Balanced plans (every CTA of a K split takes a contiguous range of row tiles, each of its
-// warps an equal share of that range's (row tile, K tile) items, cut row tiles summed in shared
-// memory; one split, or `splits` through the workspace) are weighed against that choice in K
-// tiles of the busiest warp, plus the x staging (K tiles per KB a CTA stages), plus for split
-// plans through the workspace the reduce kernel and the float32 partials it reads back (K tiles
-// per MB); a cluster plan's K tiles count 0.95 (bandwidth-bound large weights), and a balanced
-// plan with K splits must win by a margin. Fitted to same-session A/B pairs (H100, k = 4, M =
-// 1-16; 4096x14336, 14336x4096, 4096x6144, 2048x5120, 5120x2048, 4096x4096, 4096x1024), all of
-// which it orders right; the staging weight refitted after stage_x's rewrite: 4096x14336 M = 8
-// balanced 14.8 us vs cluster 15.5 (64 KB of x per CTA), 5120x2048 M = 8 7.7 vs workspace 8.4
-// (80 KB). The K-split balanced plans and the partials weight: 4096x6144 M = 16 12.3 us (4
-// splits, 1.6 MB of partials) vs 13.2 (11 workspace splits, 4.3 MB), 5120x17408 M = 16 26.1 vs
-// 54.3 (40 splits of one K tile, 45 MB); the margin keeps the hidden-2048 plans at M = 10-16,
-// whose balanced plans were 1-3% slower on a near-equal cost. Balanced cluster plans (sm_90+:
-// the K splits of a row range in one cluster, summed through distributed shared memory; no
-// workspace, no second kernel) cost their K tiles and staging plus a fixed 1.7 K tiles, on at
-// most as many CTAs as run at once as clusters, and replace only plans with K splits: against
-// those they won up to 20% (4096x6144 M = 16 12.4 -> 11.3 us, 8192x1024 M = 16 9.8 -> 7.8),
-// against one-split balanced plans (forced) they lost 5-29% at M = 4-16. The fixed cost is the
-// one that kept every measured cell at least as fast. docs/kernels.md lists them.
+// round-robin. Splits sum through a workspace and a second kernel or, where every warp has at
+// most one row tile and the device runs clusters, through a thread-block cluster (no workspace,
+// no second kernel). Balanced plans (each warp an equal share of its CTA's (row tile, K tile)
+// items; one split, K splits through the workspace, or K splits in a cluster) compete with those.
+// Every plan is costed in K tiles of its busiest warp plus its x staging and split summing; the
+// weights below were fitted to same-session H100 measurements so that every measured shape
+// (docs/kernels.md) takes its fastest plan.
 constexpr double kWorkspaceSplitCost = 1 / 0.95;  // per K tile, against 1 for a single split
-constexpr double kClusterSplitCost = 0.75;
+constexpr double kClusterSplitCost = 0.75;  // per K tile: no second kernel, no workspace traffic
+// A cluster plan must keep this share of the best workspace plan's CTAs: large weights are
+// bandwidth-bound, and fewer SMs cost more than the second kernel saves.
 constexpr int kClusterMinCtaPercent = 85;
-constexpr double kStagingTilesPerKb = 0.02;
-constexpr double kReduceKernelTiles = 3.0;
+constexpr double kStagingTilesPerKb = 0.02;  // x a CTA stages before its first multiply
+constexpr double kReduceKernelTiles = 3.0;   // the split-K reduce kernel's launch and tail
 constexpr double kClusterTileCost = 0.95;
-constexpr double kPartialTilesPerMb = 0.25;
+constexpr double kPartialTilesPerMb = 0.25;  // float32 partials written and read back
 constexpr int64_t kBalancedMaxSplits = 8;
-constexpr double kBalancedSplitMargin = 0.1;
-constexpr double kBalancedClusterTiles = 1.7;
-#ifndef KBIT_GEMV_BALANCED  // build-time knob for A/B measurements: 0 turns balanced plans off
-#define KBIT_GEMV_BALANCED 1
-#endif
+constexpr double kBalancedSplitMargin = 0.1;  // K-split balanced plans must win by this much
+constexpr double kBalancedClusterTiles = 1.7;  // cluster barrier and distributed shared-memory sums
 
 GemvPlan plan_gemv(int64_t m, int64_t n, int64_t k, int sms, const GemvSmem& smem, const ClusterCtas& clusters) {
   const int64_t k_tiles = ceil_div(k, kTileK), n_tiles = ceil_div(n, kTileN);
@@ -264,49 +238,47 @@ GemvPlan plan_gemv(int64_t m, int64_t n, int64_t k, int sms, const GemvSmem& sme
   if (best_cluster.splits != 0 && best_cluster_cost < best_cost - 1e-9 &&
       best_cluster.grid * 100 >= kClusterMinCtaPercent * best.grid)
     best = best_cluster;
-  if (KBIT_GEMV_BALANCED) {
-    const auto cost = [&](double tiles, int64_t chunk) {
-      return tiles + kStagingTilesPerKb * static_cast<double>(chunk * x_tile) / 1024;
-    };
-    // The reduce kernel, and the float32 partials it reads back.
-    const auto sum_splits = [&](int64_t splits) {
-      return splits > 1 ? kReduceKernelTiles + kPartialTilesPerMb * static_cast<double>(splits * m * n * 4) / (1 << 20)
-                        : 0.0;
-    };
-    const int64_t per_split = best.grid / best.splits;
-    const double tiles = static_cast<double>(ceil_div(n_tiles, per_split * kGemvWarps) * best.chunk_kt);
-    double chosen = best.cluster ? cost(kClusterTileCost * tiles, best.chunk_kt)
-                                 : cost(tiles, best.chunk_kt) + sum_splits(best.splits);
-    const auto take_balanced = [&](double c, int64_t splits, int64_t chunk, int64_t ctas_per_split, bool cluster) {
-      chosen = c;
-      best = GemvPlan{};
-      best.splits = static_cast<int>(splits);
-      best.chunk_kt = static_cast<int>(chunk);
-      best.grid = static_cast<int>(ctas_per_split * splits);
-      best.balanced = true;
-      best.cluster = cluster;
-    };
-    for (int64_t splits = min_splits; splits <= std::min<int64_t>(k_tiles, kBalancedMaxSplits); ++splits) {
-      const int64_t chunk = ceil_div(k_tiles, splits);
-      if (ceil_div(k_tiles, chunk) != splits || chunk > max_chunk) continue;
-      const int64_t ctas = std::min(slots / splits, n_tiles);  // per split
-      const double c = cost(static_cast<double>(ceil_div(ceil_div(n_tiles, ctas) * chunk, kGemvWarps)), chunk) +
-                       sum_splits(splits);
-      if (c < chosen - (splits > 1 ? kBalancedSplitMargin : 0.0) - 1e-9) take_balanced(c, splits, chunk, ctas, false);
-    }
-    // Balanced cluster plans: the K splits of a row range sum through distributed shared memory.
-    for (int64_t splits = std::max<int64_t>(2, min_splits);
-         best.splits > 1 && splits <= std::min<int64_t>(k_tiles, kGemvClusterMax); ++splits) {
-      const int64_t chunk = ceil_div(k_tiles, splits);
-      if (ceil_div(k_tiles, chunk) != splits || chunk > max_chunk || smem.ctas_per_sm != 1) continue;
-      const int64_t ctas = std::min<int64_t>(clusters.ctas[splits] / splits, n_tiles);  // per split
-      if (ctas < 1) continue;
-      const int64_t rows = ceil_div(n_tiles, ctas);
-      const int recv_slots = gemv_balanced_cluster_slots(static_cast<int>(splits), static_cast<int>(rows));
-      if (chunk * x_tile + gemv_slot_bytes(static_cast<int>(m), recv_slots) > smem.x_budget) continue;
-      const double c = cost(static_cast<double>(ceil_div(rows * chunk, kGemvWarps)), chunk) + kBalancedClusterTiles;
-      if (c < chosen - 1e-9) take_balanced(c, splits, chunk, ctas, true);
-    }
+  const auto cost = [&](double tiles, int64_t chunk) {
+    return tiles + kStagingTilesPerKb * static_cast<double>(chunk * x_tile) / 1024;
+  };
+  // The reduce kernel, and the float32 partials it reads back.
+  const auto sum_splits = [&](int64_t splits) {
+    return splits > 1 ? kReduceKernelTiles + kPartialTilesPerMb * static_cast<double>(splits * m * n * 4) / (1 << 20)
+                      : 0.0;
+  };
+  const int64_t per_split = best.grid / best.splits;
+  const double tiles = static_cast<double>(ceil_div(n_tiles, per_split * kGemvWarps) * best.chunk_kt);
+  double chosen = best.cluster ? cost(kClusterTileCost * tiles, best.chunk_kt)
+                               : cost(tiles, best.chunk_kt) + sum_splits(best.splits);
+  const auto take_balanced = [&](double c, int64_t splits, int64_t chunk, int64_t ctas_per_split, bool cluster) {
+    chosen = c;
+    best = GemvPlan{};
+    best.splits = static_cast<int>(splits);
+    best.chunk_kt = static_cast<int>(chunk);
+    best.grid = static_cast<int>(ctas_per_split * splits);
+    best.balanced = true;
+    best.cluster = cluster;
+  };
+  for (int64_t splits = min_splits; splits <= std::min<int64_t>(k_tiles, kBalancedMaxSplits); ++splits) {
+    const int64_t chunk = ceil_div(k_tiles, splits);
+    if (ceil_div(k_tiles, chunk) != splits || chunk > max_chunk) continue;
+    const int64_t ctas = std::min(slots / splits, n_tiles);  // per split
+    const double c = cost(static_cast<double>(ceil_div(ceil_div(n_tiles, ctas) * chunk, kGemvWarps)), chunk) +
+                     sum_splits(splits);
+    if (c < chosen - (splits > 1 ? kBalancedSplitMargin : 0.0) - 1e-9) take_balanced(c, splits, chunk, ctas, false);
+  }
+  // Balanced cluster plans: the K splits of a row range sum through distributed shared memory.
+  for (int64_t splits = std::max<int64_t>(2, min_splits);
+       best.splits > 1 && splits <= std::min<int64_t>(k_tiles, kGemvClusterMax); ++splits) {
+    const int64_t chunk = ceil_div(k_tiles, splits);
+    if (ceil_div(k_tiles, chunk) != splits || chunk > max_chunk || smem.ctas_per_sm != 1) continue;
+    const int64_t ctas = std::min<int64_t>(clusters.ctas[splits] / splits, n_tiles);  // per split
+    if (ctas < 1) continue;
+    const int64_t rows = ceil_div(n_tiles, ctas);
+    const int recv_slots = gemv_balanced_cluster_slots(static_cast<int>(splits), static_cast<int>(rows));
+    if (chunk * x_tile + gemv_slot_bytes(static_cast<int>(m), recv_slots) > smem.x_budget) continue;
+    const double c = cost(static_cast<double>(ceil_div(rows * chunk, kGemvWarps)), chunk) + kBalancedClusterTiles;
+    if (c < chosen - 1e-9) take_balanced(c, splits, chunk, ctas, true);
   }
   return best;
 }
@@ -386,7 +358,8 @@ __global__ void wgmma_probe_kernel(int* out) {
 }
 
 // The wgmma GEMM serves `device` when it is an sm_90 GPU, the library holds sm_90a code for it,
-// and HF_KBIT_GEMM_KERNEL is not "mma" (which keeps the mma.sync GEMM, for A/B measurements).
+// and HF_KBIT_GEMM_KERNEL is not "mma" (the mma.sync GEMM that GPUs before sm_90 run, so that an
+// H100 can test it and measure its crossovers).
 bool use_wgmma(int device) {
   static const bool forced_mma = [] {
     const char* v = std::getenv("HF_KBIT_GEMM_KERNEL");
@@ -712,8 +685,7 @@ int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const 
     if (!grouped && !expert_ids) break;
     // Per-row mode (decode): few units, so the warps split K (at least 4 K tiles each) to keep
     // more loads in flight. Grouped mode: one warp per row tile over all of K (16 row tiles
-    // per unit): longer runs per warp beat the finer units of 2 or 4 K slices per row tile
-    // (H100, Qwen3-30B-A3B k = 4, T = 64: 198 us for the two kernels vs 218 and 250).
+    // per unit): longer runs per warp beat finer units of 2 or 4 K slices per row tile.
     int k_warps = 1;
     if (!grouped)
       while (k_warps < kGemvWarps && k_tiles >= 8 * k_warps) k_warps *= 2;

@@ -10,7 +10,7 @@ import torch
 # Keys per tensor-core dot and slice granularity of the kernel.
 BLOCK_N = 64
 # Slice programs per SM the split aims at: about 256 programs on an H100 (two per SM) were fastest
-# across batch 1-8 and 2-16 K cached tokens (docs/kernels.md, decode attention).
+# across batch 1-8 and 2-16 K cached tokens.
 PROGRAMS_PER_SM = 2
 # Largest query group (query heads per key/value head, padded to a power of two >= 16) the kernel takes.
 MAX_GROUP = 64
