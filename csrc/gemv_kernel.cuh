@@ -719,7 +719,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
   if constexpr (kPrologue)
     if (threadIdx.x < kGemvWarps * kGemvMaxM) warp_ss[threadIdx.x] = 0.f;
 
-  // A programmatic dependent launch (KBIT_PDL): everything above reads only the packed weight
+  // A programmatic dependent launch (sm_90+): everything above reads only the packed weight
   // and its codebook, copied in or written by the quantize kernel, which fences its stores
   // (quantize_kernel.cuh), so the plane loads and row scales overlap the previous kernel's tail;
   // x is read after that kernel has completed. k <= 4 build the table while the first x loads

@@ -28,7 +28,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) grouped_gemv_ker
   int64_t* unit_rows = reinterpret_cast<int64_t*>(red + kGemvWarps * kMaxTok * kTileN);  // [kMaxTok]: x/out rows
   int* chunk_start = reinterpret_cast<int*>(unit_rows + kMaxTok);  // [E + 1], grouped mode
 
-  // A programmatic dependent launch (KBIT_PDL): the table build reads only the codebook and
+  // A programmatic dependent launch (sm_90+): the table build reads only the codebook and
   // overlaps the previous kernel's tail; the routing and x are read after it has completed.
   build_table<BITS, T>(table, codebook_lane<BITS>(p.codebook, threadIdx.x & 31));
   wait_for_primary_grid();

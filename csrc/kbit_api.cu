@@ -1,4 +1,5 @@
-// Host API: argument checks, launch plans, dispatch to the (bits, dtype) instantiations.
+// Host API: argument checks, launch plans, dispatch to the kernel table's instantiations
+// (kbit_kernel_table.h, generated from hf_kbit/kernel_table.py).
 // No allocation, no host sync: everything runs on the caller's stream.
 #include "kbit_api.h"
 
@@ -12,13 +13,13 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "kbit_launch.h"
+#include "kbit_kernel_table.h"
 
 namespace {
 
 using namespace kbit;
 
-constexpr int kAbiVersion = 6;
+constexpr int kAbiVersion = 7;
 
 thread_local char g_error[512] = "";
 
@@ -28,6 +29,12 @@ int fail(const char* fmt, ...) {
   vsnprintf(g_error, sizeof(g_error), fmt, args);
   va_end(args);
   return KBIT_INVALID_ARGUMENT;
+}
+
+// A (kernel, bits, dtype) outside the kernel table.
+int unsupported(KernelId kernel, int bits, int dtype) {
+  return fail("unsupported kernel=%s, bits=%d, dtype=%s (the library holds hf_kbit/kernel_table.py's list)",
+              kKernelNames[kernel], bits, dtype >= 0 && dtype <= 2 ? kDTypeNames[dtype] : "?");
 }
 
 int cuda_fail(cudaError_t err, const char* what) {
@@ -145,9 +152,6 @@ struct ClusterCtas {
   int ctas[kGemvClusterMax + 1];
 };
 
-#ifndef KBIT_GEMV_CLUSTER  // build-time knob for A/B measurements: 0 turns cluster plans off
-#define KBIT_GEMV_CLUSTER 1
-#endif
 ClusterCtas cluster_ctas(int device) {
   static ClusterCtas cache[kMaxDevices] = {};
   static bool known[kMaxDevices] = {};
@@ -157,7 +161,7 @@ ClusterCtas cluster_ctas(int device) {
   DeviceGuard guard(device);  // the occupancy query asks the current device
   cudaFuncAttributes fa{};
   const SmemLimits lim = smem_limits(device);
-  if (KBIT_GEMV_CLUSTER && guard.error() == cudaSuccess && device_attribute(device, cudaDevAttrComputeCapabilityMajor, 0) >= 9 &&
+  if (guard.error() == cudaSuccess && device_attribute(device, cudaDevAttrComputeCapabilityMajor, 0) >= 9 &&
       cudaFuncGetAttributes(&fa, cluster_probe_kernel) == cudaSuccess && fa.ptxVersion >= 90) {
     // More than half an SM's shared memory per CTA: one CTA per SM, as the GEMV.
     if (2 * lim.per_block > lim.per_sm &&
@@ -182,48 +186,25 @@ ClusterCtas cluster_ctas(int device) {
 // Work split of the GEMV (gemv_kernel.cuh): K is cut into `splits` ranges whose activations
 // fit the CTA's staging budget; the persistent grid (a multiple of splits, at most the resident
 // CTA slots) gives each range grid / splits CTAs, whose warps take that range's row tiles
-// round-robin. The splits of a plan sum through a workspace and a second kernel or, where
-// every warp has at most one row tile and the device runs clusters, through a thread-block
-// cluster (no workspace, no second kernel; at most as many CTAs as run at once as clusters).
-// The cost of a plan is the K tiles a warp walks (rounds x chunk), weighted by how its splits
-// sum. A cluster plan must also keep 85% of the CTAs of the best workspace plan: on large
-// weights the GEMV is bandwidth-bound and fewer SMs cost more than the second kernel saves.
-// Measured on H100 (k = 4, Llama-3-8B and hidden-2048 shapes, M = 1 and 16): cluster plans
-// with up to ~1.4x the K tiles of the workspace plan won by 3-11% (4096x14336), those with
-// 1.5-2x lost by 5-11%, and one on 96 of 128 CTAs lost by 7-16% (14336x4096).
-// Balanced plans (every CTA of a K split takes a contiguous range of row tiles, each of its
-// warps an equal share of that range's (row tile, K tile) items, cut row tiles summed in shared
-// memory; one split, or `splits` through the workspace) are weighed against that choice in K
-// tiles of the busiest warp, plus the x staging (K tiles per KB a CTA stages), plus for split
-// plans through the workspace the reduce kernel and the float32 partials it reads back (K tiles
-// per MB); a cluster plan's K tiles count 0.95 (bandwidth-bound large weights), and a balanced
-// plan with K splits must win by a margin. Fitted to same-session A/B pairs (H100, k = 4, M =
-// 1-16; 4096x14336, 14336x4096, 4096x6144, 2048x5120, 5120x2048, 4096x4096, 4096x1024), all of
-// which it orders right; the staging weight refitted after stage_x's rewrite: 4096x14336 M = 8
-// balanced 14.8 us vs cluster 15.5 (64 KB of x per CTA), 5120x2048 M = 8 7.7 vs workspace 8.4
-// (80 KB). The K-split balanced plans and the partials weight: 4096x6144 M = 16 12.3 us (4
-// splits, 1.6 MB of partials) vs 13.2 (11 workspace splits, 4.3 MB), 5120x17408 M = 16 26.1 vs
-// 54.3 (40 splits of one K tile, 45 MB); the margin keeps the hidden-2048 plans at M = 10-16,
-// whose balanced plans were 1-3% slower on a near-equal cost. Balanced cluster plans (sm_90+:
-// the K splits of a row range in one cluster, summed through distributed shared memory; no
-// workspace, no second kernel) cost their K tiles and staging plus a fixed 1.7 K tiles, on at
-// most as many CTAs as run at once as clusters, and replace only plans with K splits: against
-// those they won up to 20% (4096x6144 M = 16 12.4 -> 11.3 us, 8192x1024 M = 16 9.8 -> 7.8),
-// against one-split balanced plans (forced) they lost 5-29% at M = 4-16. The fixed cost is the
-// one that kept every measured cell at least as fast. docs/kernels.md lists them.
+// round-robin. Splits sum through a workspace and a second kernel or, where every warp has at
+// most one row tile and the device runs clusters, through a thread-block cluster (no workspace,
+// no second kernel). Balanced plans (each warp an equal share of its CTA's (row tile, K tile)
+// items; one split, K splits through the workspace, or K splits in a cluster) compete with those.
+// Every plan is costed in K tiles of its busiest warp plus its x staging and split summing; the
+// weights below were fitted to same-session H100 measurements so that every measured shape
+// (docs/kernels.md) takes its fastest plan.
 constexpr double kWorkspaceSplitCost = 1 / 0.95;  // per K tile, against 1 for a single split
-constexpr double kClusterSplitCost = 0.75;
+constexpr double kClusterSplitCost = 0.75;  // per K tile: no second kernel, no workspace traffic
+// A cluster plan must keep this share of the best workspace plan's CTAs: large weights are
+// bandwidth-bound, and fewer SMs cost more than the second kernel saves.
 constexpr int kClusterMinCtaPercent = 85;
-constexpr double kStagingTilesPerKb = 0.02;
-constexpr double kReduceKernelTiles = 3.0;
+constexpr double kStagingTilesPerKb = 0.02;  // x a CTA stages before its first multiply
+constexpr double kReduceKernelTiles = 3.0;   // the split-K reduce kernel's launch and tail
 constexpr double kClusterTileCost = 0.95;
-constexpr double kPartialTilesPerMb = 0.25;
+constexpr double kPartialTilesPerMb = 0.25;  // float32 partials written and read back
 constexpr int64_t kBalancedMaxSplits = 8;
-constexpr double kBalancedSplitMargin = 0.1;
-constexpr double kBalancedClusterTiles = 1.7;
-#ifndef KBIT_GEMV_BALANCED  // build-time knob for A/B measurements: 0 turns balanced plans off
-#define KBIT_GEMV_BALANCED 1
-#endif
+constexpr double kBalancedSplitMargin = 0.1;  // K-split balanced plans must win by this much
+constexpr double kBalancedClusterTiles = 1.7;  // cluster barrier and distributed shared-memory sums
 
 GemvPlan plan_gemv(int64_t m, int64_t n, int64_t k, int sms, const GemvSmem& smem, const ClusterCtas& clusters) {
   const int64_t k_tiles = ceil_div(k, kTileK), n_tiles = ceil_div(n, kTileN);
@@ -257,49 +238,47 @@ GemvPlan plan_gemv(int64_t m, int64_t n, int64_t k, int sms, const GemvSmem& sme
   if (best_cluster.splits != 0 && best_cluster_cost < best_cost - 1e-9 &&
       best_cluster.grid * 100 >= kClusterMinCtaPercent * best.grid)
     best = best_cluster;
-  if (KBIT_GEMV_BALANCED) {
-    const auto cost = [&](double tiles, int64_t chunk) {
-      return tiles + kStagingTilesPerKb * static_cast<double>(chunk * x_tile) / 1024;
-    };
-    // The reduce kernel, and the float32 partials it reads back.
-    const auto sum_splits = [&](int64_t splits) {
-      return splits > 1 ? kReduceKernelTiles + kPartialTilesPerMb * static_cast<double>(splits * m * n * 4) / (1 << 20)
-                        : 0.0;
-    };
-    const int64_t per_split = best.grid / best.splits;
-    const double tiles = static_cast<double>(ceil_div(n_tiles, per_split * kGemvWarps) * best.chunk_kt);
-    double chosen = best.cluster ? cost(kClusterTileCost * tiles, best.chunk_kt)
-                                 : cost(tiles, best.chunk_kt) + sum_splits(best.splits);
-    const auto take_balanced = [&](double c, int64_t splits, int64_t chunk, int64_t ctas_per_split, bool cluster) {
-      chosen = c;
-      best = GemvPlan{};
-      best.splits = static_cast<int>(splits);
-      best.chunk_kt = static_cast<int>(chunk);
-      best.grid = static_cast<int>(ctas_per_split * splits);
-      best.balanced = true;
-      best.cluster = cluster;
-    };
-    for (int64_t splits = min_splits; splits <= std::min<int64_t>(k_tiles, kBalancedMaxSplits); ++splits) {
-      const int64_t chunk = ceil_div(k_tiles, splits);
-      if (ceil_div(k_tiles, chunk) != splits || chunk > max_chunk) continue;
-      const int64_t ctas = std::min(slots / splits, n_tiles);  // per split
-      const double c = cost(static_cast<double>(ceil_div(ceil_div(n_tiles, ctas) * chunk, kGemvWarps)), chunk) +
-                       sum_splits(splits);
-      if (c < chosen - (splits > 1 ? kBalancedSplitMargin : 0.0) - 1e-9) take_balanced(c, splits, chunk, ctas, false);
-    }
-    // Balanced cluster plans: the K splits of a row range sum through distributed shared memory.
-    for (int64_t splits = std::max<int64_t>(2, min_splits);
-         best.splits > 1 && splits <= std::min<int64_t>(k_tiles, kGemvClusterMax); ++splits) {
-      const int64_t chunk = ceil_div(k_tiles, splits);
-      if (ceil_div(k_tiles, chunk) != splits || chunk > max_chunk || smem.ctas_per_sm != 1) continue;
-      const int64_t ctas = std::min<int64_t>(clusters.ctas[splits] / splits, n_tiles);  // per split
-      if (ctas < 1) continue;
-      const int64_t rows = ceil_div(n_tiles, ctas);
-      const int recv_slots = gemv_balanced_cluster_slots(static_cast<int>(splits), static_cast<int>(rows));
-      if (chunk * x_tile + gemv_slot_bytes(static_cast<int>(m), recv_slots) > smem.x_budget) continue;
-      const double c = cost(static_cast<double>(ceil_div(rows * chunk, kGemvWarps)), chunk) + kBalancedClusterTiles;
-      if (c < chosen - 1e-9) take_balanced(c, splits, chunk, ctas, true);
-    }
+  const auto cost = [&](double tiles, int64_t chunk) {
+    return tiles + kStagingTilesPerKb * static_cast<double>(chunk * x_tile) / 1024;
+  };
+  // The reduce kernel, and the float32 partials it reads back.
+  const auto sum_splits = [&](int64_t splits) {
+    return splits > 1 ? kReduceKernelTiles + kPartialTilesPerMb * static_cast<double>(splits * m * n * 4) / (1 << 20)
+                      : 0.0;
+  };
+  const int64_t per_split = best.grid / best.splits;
+  const double tiles = static_cast<double>(ceil_div(n_tiles, per_split * kGemvWarps) * best.chunk_kt);
+  double chosen = best.cluster ? cost(kClusterTileCost * tiles, best.chunk_kt)
+                               : cost(tiles, best.chunk_kt) + sum_splits(best.splits);
+  const auto take_balanced = [&](double c, int64_t splits, int64_t chunk, int64_t ctas_per_split, bool cluster) {
+    chosen = c;
+    best = GemvPlan{};
+    best.splits = static_cast<int>(splits);
+    best.chunk_kt = static_cast<int>(chunk);
+    best.grid = static_cast<int>(ctas_per_split * splits);
+    best.balanced = true;
+    best.cluster = cluster;
+  };
+  for (int64_t splits = min_splits; splits <= std::min<int64_t>(k_tiles, kBalancedMaxSplits); ++splits) {
+    const int64_t chunk = ceil_div(k_tiles, splits);
+    if (ceil_div(k_tiles, chunk) != splits || chunk > max_chunk) continue;
+    const int64_t ctas = std::min(slots / splits, n_tiles);  // per split
+    const double c = cost(static_cast<double>(ceil_div(ceil_div(n_tiles, ctas) * chunk, kGemvWarps)), chunk) +
+                     sum_splits(splits);
+    if (c < chosen - (splits > 1 ? kBalancedSplitMargin : 0.0) - 1e-9) take_balanced(c, splits, chunk, ctas, false);
+  }
+  // Balanced cluster plans: the K splits of a row range sum through distributed shared memory.
+  for (int64_t splits = std::max<int64_t>(2, min_splits);
+       best.splits > 1 && splits <= std::min<int64_t>(k_tiles, kGemvClusterMax); ++splits) {
+    const int64_t chunk = ceil_div(k_tiles, splits);
+    if (ceil_div(k_tiles, chunk) != splits || chunk > max_chunk || smem.ctas_per_sm != 1) continue;
+    const int64_t ctas = std::min<int64_t>(clusters.ctas[splits] / splits, n_tiles);  // per split
+    if (ctas < 1) continue;
+    const int64_t rows = ceil_div(n_tiles, ctas);
+    const int recv_slots = gemv_balanced_cluster_slots(static_cast<int>(splits), static_cast<int>(rows));
+    if (chunk * x_tile + gemv_slot_bytes(static_cast<int>(m), recv_slots) > smem.x_budget) continue;
+    const double c = cost(static_cast<double>(ceil_div(rows * chunk, kGemvWarps)), chunk) + kBalancedClusterTiles;
+    if (c < chosen - 1e-9) take_balanced(c, splits, chunk, ctas, true);
   }
   return best;
 }
@@ -312,20 +291,8 @@ GemvPlan device_gemv_plan(int device, int64_t m, int64_t n, int64_t k) {
   return plan;
 }
 
-template <int BITS, typename T>
-cudaError_t gemv_m(const MmParams& p, int grid, cudaStream_t s) {
-  return p.m <= 8 ? launch_gemv<BITS, T, 1>(p, grid, s) : launch_gemv<BITS, T, 2>(p, grid, s);
-}
-
-template <typename T>
-cudaError_t gemv_bits(const MmParams& p, int grid, cudaStream_t s) {
-  switch (p.bits) {
-    case 2: return gemv_m<2, T>(p, grid, s);
-    case 3: return gemv_m<3, T>(p, grid, s);
-    case 4: return gemv_m<4, T>(p, grid, s);
-    default: return gemv_m<5, T>(p, grid, s);
-  }
-}
+// mma token tiles of the GEMV: one serves 8 tokens.
+int gemv_tiles(int64_t m) { return m <= 8 ? 1 : 2; }
 
 // GEMM plans: the wgmma GEMM (wgmma_kernel.cuh: 64 NB tokens x 128 rows per CTA) on sm_90
 // where the library holds sm_90a code, else the mma.sync GEMM (gemm_kernel.cuh: 8 NT tokens x
@@ -391,7 +358,8 @@ __global__ void wgmma_probe_kernel(int* out) {
 }
 
 // The wgmma GEMM serves `device` when it is an sm_90 GPU, the library holds sm_90a code for it,
-// and HF_KBIT_GEMM_KERNEL is not "mma" (which keeps the mma.sync GEMM, for A/B measurements).
+// and HF_KBIT_GEMM_KERNEL is not "mma" (the mma.sync GEMM that GPUs before sm_90 run, so that an
+// H100 can test it and measure its crossovers).
 bool use_wgmma(int device) {
   static const bool forced_mma = [] {
     const char* v = std::getenv("HF_KBIT_GEMM_KERNEL");
@@ -421,71 +389,22 @@ GemmPlan device_gemm_plan(int device, int64_t m, int64_t n, int64_t k, int bits)
   return plan_gemm(m, n, k, bits, sm_count(device), small_index && use_wgmma(device));
 }
 
-template <int BITS, typename T>
-cudaError_t gemm_nt_launch(const MmParams& p, const GemmPlan& plan, cudaStream_t s) {
-  if (plan.wgmma) {
-    switch (plan.tile) {
-      case 1: return launch_wgmma_gemm<BITS, T, 1>(p, plan.grid, s);
-      case 2: return launch_wgmma_gemm<BITS, T, 2>(p, plan.grid, s);
-      default: return launch_wgmma_gemm<BITS, T, 4>(p, plan.grid, s);
-    }
-  }
-  switch (plan.tile) {
-    case 2: return launch_gemm<BITS, T, 2>(p, plan.grid, s);
-    case 4: return launch_gemm<BITS, T, 4>(p, plan.grid, s);
-    case 8: return launch_gemm<BITS, T, 8>(p, plan.grid, s);
-    default: return launch_gemm<BITS, T, 16>(p, plan.grid, s);
-  }
-}
+// Measured path crossovers (kbit_set_mm_crossovers), by GEMM kernel (0 mma.sync, 1 wgmma) and bits.
+constexpr int kMaxPlanBits = 8;
+constexpr int kMaxWeightClasses = 8;
+enum MmPath : int { kPathGemv = 0, kPathGemm = 1, kPathDequant = 2 };
+struct MmCrossovers {
+  int gemv_max_m, classes;  // classes == 0: not set
+  int64_t min_weight[kMaxWeightClasses], gemm_max_m[kMaxWeightClasses];
+};
+MmCrossovers g_crossovers[2][kMaxPlanBits + 1] = {};
 
-template <typename T>
-cudaError_t gemm_bits(const MmParams& p, const GemmPlan& plan, cudaStream_t s) {
-  switch (p.bits) {
-    case 2: return gemm_nt_launch<2, T>(p, plan, s);
-    case 3: return gemm_nt_launch<3, T>(p, plan, s);
-    case 4: return gemm_nt_launch<4, T>(p, plan, s);
-    default: return gemm_nt_launch<5, T>(p, plan, s);
-  }
-}
+// The GEMM plans (no dtype yet) take the bit widths the GEMM has for some dtype.
+bool gemm_has_bits(int bits) { return in_kernel_table(kGemm, bits, kFloat16) || in_kernel_table(kGemm, bits, kBFloat16); }
 
-template <int BITS, typename T>
-cudaError_t grouped_nt(const GroupedParams& p, int grid, cudaStream_t s) {
-  return p.order ? launch_grouped_gemv<BITS, T, kGroupedNt>(p, grid, s) : launch_grouped_gemv<BITS, T, 1>(p, grid, s);
-}
-
-template <typename T>
-cudaError_t grouped_bits(const GroupedParams& p, int grid, cudaStream_t s) {
-  switch (p.bits) {
-    case 2: return grouped_nt<2, T>(p, grid, s);
-    case 3: return grouped_nt<3, T>(p, grid, s);
-    case 4: return grouped_nt<4, T>(p, grid, s);
-    default: return grouped_nt<5, T>(p, grid, s);
-  }
-}
-
-template <typename T>
-cudaError_t quantize_bits(const QuantizeParams& p, cudaStream_t s) {
-  switch (p.bits) {
-    case 2: return launch_quantize<T, 2>(p, s);
-    case 3: return launch_quantize<T, 3>(p, s);
-    case 4: return launch_quantize<T, 4>(p, s);
-    default: return launch_quantize<T, 5>(p, s);
-  }
-}
-
-template <typename T>
-cudaError_t dequantize_bits(const DequantizeParams& p, cudaStream_t s) {
-  switch (p.bits) {
-    case 2: return launch_dequantize<T, 2>(p, s);
-    case 3: return launch_dequantize<T, 3>(p, s);
-    case 4: return launch_dequantize<T, 4>(p, s);
-    default: return launch_dequantize<T, 5>(p, s);
-  }
-}
-
-int check_common(int bits, int dtype, int64_t n, int64_t k) {
-  if (bits < 2 || bits > 5) return fail("bits must be 2, 3, 4 or 5, got %d", bits);
+int check_common(KernelId kernel, int bits, int dtype, int64_t n, int64_t k) {
   if (dtype < kFloat32 || dtype > kBFloat16) return fail("dtype code must be 0 (float32), 1 (float16) or 2 (bfloat16), got %d", dtype);
+  if (!in_kernel_table(kernel, bits, dtype)) return unsupported(kernel, bits, dtype);
   if (n < 0 || k < 0) return fail("shape must be non-negative, got n=%lld k=%lld", static_cast<long long>(n), static_cast<long long>(k));
   return KBIT_OK;
 }
@@ -500,9 +419,20 @@ const char* kbit_last_error(void) { return g_error; }
 
 int kbit_gemv_max_m(void) { return kGemvMaxM; }
 
+int kbit_kernel_table_size(void) { return kKernelTableSize; }
+
+int kbit_kernel_table_entry(int i, const char** kernel, int* bits, int* dtype) {
+  if (!kernel || !bits || !dtype) return fail("kernel, bits and dtype must be host pointers");
+  if (i < 0 || i >= kKernelTableSize) return fail("entry %d is outside the table's %d", i, kKernelTableSize);
+  *kernel = kKernelNames[kKernelTable[i].kernel];
+  *bits = kKernelTable[i].bits;
+  *dtype = kKernelTable[i].dtype;
+  return KBIT_OK;
+}
+
 int kbit_quantize(int device, void* stream, const void* weight, int dtype, const float* codebook, int bits,
                   int64_t batch, int64_t n, int64_t k, int32_t* planes, uint8_t* block_scales, float* row_scales) {
-  if (int rc = check_common(bits, dtype, n, k)) return rc;
+  if (int rc = check_common(kQuantize, bits, dtype, n, k)) return rc;
   if (batch < 0) return fail("batch must be non-negative, got %lld", static_cast<long long>(batch));
   if (batch * n * k > 0 && !weight) return fail("weight is a null pointer");
   if (!codebook || !planes || !block_scales || (batch * n > 0 && !row_scales))
@@ -511,16 +441,14 @@ int kbit_quantize(int device, void* stream, const void* weight, int dtype, const
   if (guard.error() != cudaSuccess) return cuda_fail(guard.error(), "selecting the device");
   QuantizeParams p{weight, codebook, planes, block_scales, row_scales, batch, n, k, bits, dtype};
   const auto s = static_cast<cudaStream_t>(stream);
-  cudaError_t err = dtype == kFloat32 ? quantize_bits<float>(p, s)
-                  : dtype == kFloat16 ? quantize_bits<__half>(p, s)
-                                      : quantize_bits<__nv_bfloat16>(p, s);
+  cudaError_t err = find_quantize(bits, dtype)(p, s);
   return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_quantize launch");
 }
 
 int kbit_dequantize(int device, void* stream, const int32_t* planes, const uint8_t* block_scales,
                     const float* row_scales, const float* codebook, int64_t codebook_stride, int bits, int64_t batch,
                     int64_t n, int64_t k, void* out, int dtype) {
-  if (int rc = check_common(bits, dtype, n, k)) return rc;
+  if (int rc = check_common(kDequantize, bits, dtype, n, k)) return rc;
   if (batch < 0 || batch > 65535) return fail("batch must be in [0, 65535], got %lld", static_cast<long long>(batch));
   if (codebook_stride != 0 && codebook_stride != (1 << bits))
     return fail("codebook_stride must be 0 or %d, got %lld", 1 << bits, static_cast<long long>(codebook_stride));
@@ -531,9 +459,7 @@ int kbit_dequantize(int device, void* stream, const int32_t* planes, const uint8
   if (guard.error() != cudaSuccess) return cuda_fail(guard.error(), "selecting the device");
   DequantizeParams p{planes, block_scales, row_scales, codebook, out, batch, n, k, codebook_stride, bits, dtype};
   const auto s = static_cast<cudaStream_t>(stream);
-  cudaError_t err = dtype == kFloat32 ? dequantize_bits<float>(p, s)
-                  : dtype == kFloat16 ? dequantize_bits<__half>(p, s)
-                                      : dequantize_bits<__nv_bfloat16>(p, s);
+  cudaError_t err = find_dequantize(bits, dtype)(p, s);
   return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_dequantize launch");
 }
 
@@ -572,6 +498,7 @@ unsigned long long* g_trace = nullptr;  // kbit_trace_set: every GEMV launch rec
 struct GemvCall {
   int device;
   int grid;
+  GemvLaunch launch;
   MmParams p;
 };
 
@@ -579,8 +506,7 @@ struct GemvCall {
 // fills the call.
 int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* block_scales, const float* row_scales,
                const float* codebook, int bits, int64_t m, int64_t n, int64_t k, GemvCall* call, int64_t* need) {
-  if (int rc = check_common(bits, dtype, n, k)) return rc;
-  if (dtype == kFloat32) return fail("x must be float16 or bfloat16 for the GEMV (float32 goes through dequantize)");
+  if (int rc = check_common(kGemv, bits, dtype, n, k)) return rc;
   if (m < 1 || m > kGemvMaxM) return fail("x has %lld rows, the GEMV takes 1..%d", static_cast<long long>(m), kGemvMaxM);
   if (k == 0) return fail("in_features must be positive (an empty product is all zeros: handle it before the call)");
   if (n > 0 && (!planes || !block_scales || !row_scales || !codebook))
@@ -600,7 +526,8 @@ int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* bloc
   p.cta_rows = plan.balanced ? static_cast<int>(ceil_div(n, kTileN) / (plan.grid / plan.splits)) : 0;
   call->device = device;
   call->grid = plan.grid;
-  return KBIT_OK;
+  call->launch = find_gemv(bits, dtype, gemv_tiles(m));
+  return call->launch ? KBIT_OK : unsupported(kGemv, bits, dtype);
 }
 
 // The caller's workspace against what the call's plan needs (gemv_setup).
@@ -623,8 +550,7 @@ int gemv_launch(const GemvCall& call, const void* x, void* out, float* workspace
   DeviceGuard guard(call.device);
   if (guard.error() != cudaSuccess) return cuda_fail(guard.error(), "selecting the device");
   const auto s = static_cast<cudaStream_t>(stream);
-  cudaError_t err = p.dtype == kFloat16 ? gemv_bits<__half>(p, call.grid, s)
-                                        : gemv_bits<__nv_bfloat16>(p, call.grid, s);
+  cudaError_t err = call.launch(p, call.grid, s);
   return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_gemv launch");
 }
 
@@ -719,8 +645,7 @@ int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const 
                       const int64_t* order, const int64_t* offsets, const int32_t* planes,
                       const uint8_t* block_scales, const float* row_scales, const float* codebook, int bits,
                       int64_t s, int64_t e, int64_t n, int64_t k, void* out) {
-  if (int rc = check_common(bits, dtype, n, k)) return rc;
-  if (dtype == kFloat32) return fail("x must be float16 or bfloat16 for the grouped GEMV");
+  if (int rc = check_common(kGroupedGemv, bits, dtype, n, k)) return rc;
   if (s < 0 || e < 1 || e > (1 << 20)) return fail("need s >= 0 and 1 <= e <= 2^20, got s=%lld e=%lld",
                                                     static_cast<long long>(s), static_cast<long long>(e));
   if (k == 0) return fail("in_features must be positive");
@@ -760,8 +685,7 @@ int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const 
     if (!grouped && !expert_ids) break;
     // Per-row mode (decode): few units, so the warps split K (at least 4 K tiles each) to keep
     // more loads in flight. Grouped mode: one warp per row tile over all of K (16 row tiles
-    // per unit): longer runs per warp beat the finer units of 2 or 4 K slices per row tile
-    // (H100, Qwen3-30B-A3B k = 4, T = 64: 198 us for the two kernels vs 218 and 250).
+    // per unit): longer runs per warp beat finer units of 2 or 4 K slices per row tile.
     int k_warps = 1;
     if (!grouped)
       while (k_warps < kGemvWarps && k_tiles >= 8 * k_warps) k_warps *= 2;
@@ -788,12 +712,14 @@ int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const 
                 static_cast<long long>(e));
   const int grid = sm_count(device) * ctas;
   const auto st = static_cast<cudaStream_t>(stream);
-  cudaError_t err = dtype == kFloat16 ? grouped_bits<__half>(p, grid, st) : grouped_bits<__nv_bfloat16>(p, grid, st);
+  const GroupedGemvLaunch launch = find_grouped_gemv(bits, dtype, p.order ? kGroupedNt : 1);
+  if (!launch) return unsupported(kGroupedGemv, bits, dtype);
+  cudaError_t err = launch(p, grid, st);
   return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_grouped_gemv launch");
 }
 
 int64_t kbit_gemm_workspace_size(int device, int64_t m, int64_t n, int64_t k, int bits) {
-  if (bits < 2 || bits > 5) return -1;
+  if (!gemm_has_bits(bits)) return -1;
   if (m <= 0 || n <= 0 || k <= 0) return 0;
   const GemmPlan plan = device_gemm_plan(device, m, n, k, bits);
   if (plan.smem > smem_limits(device).per_block) return -1;
@@ -803,7 +729,7 @@ int64_t kbit_gemm_workspace_size(int device, int64_t m, int64_t n, int64_t k, in
 int kbit_gemm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int* wgmma, int* block_m, int* splits,
                    int* ctas) {
   if (!wgmma || !block_m || !splits || !ctas) return fail("wgmma, block_m, splits and ctas must be host pointers");
-  if (bits < 2 || bits > 5) return fail("bits must be in 2..5, got %d", bits);
+  if (!gemm_has_bits(bits)) return unsupported(kGemm, bits, kBFloat16);
   if (m < 1 || n < 1 || k < 1)
     return fail("need m, n and k >= 1, got m=%lld n=%lld k=%lld", static_cast<long long>(m), static_cast<long long>(n),
                 static_cast<long long>(k));
@@ -815,11 +741,64 @@ int kbit_gemm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int* w
   return KBIT_OK;
 }
 
+int kbit_set_mm_crossovers(int gemm, int bits, int gemv_max_m, int classes, const int64_t* min_weight,
+                           const int64_t* gemm_max_m) {
+  if (gemm != 0 && gemm != 1) return fail("gemm must be 0 (mma.sync) or 1 (wgmma), got %d", gemm);
+  if (bits < 0 || bits > kMaxPlanBits) return fail("bits must be in 0..%d, got %d", kMaxPlanBits, bits);
+  if (classes < 1 || classes > kMaxWeightClasses || !min_weight || !gemm_max_m)
+    return fail("need 1..%d weight classes (min_weight and gemm_max_m host arrays), got %d", kMaxWeightClasses,
+                classes);
+  for (int i = 0; i < classes; ++i)
+    if ((i > 0 && min_weight[i] >= min_weight[i - 1]) || (i == classes - 1 && min_weight[i] != 0))
+      return fail("min_weight must descend to 0 (the last class takes every weight)");
+  MmCrossovers c{};
+  c.gemv_max_m = gemv_max_m;
+  c.classes = classes;
+  for (int i = 0; i < classes; ++i) {
+    c.min_weight[i] = min_weight[i];
+    c.gemm_max_m[i] = gemm_max_m[i];
+  }
+  g_crossovers[gemm][bits] = c;
+  return KBIT_OK;
+}
+
+int kbit_mm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int dtype, int* path, int* gemm,
+                 int64_t* workspace) {
+  if (!path || !gemm || !workspace) return fail("path, gemm and workspace must be host pointers");
+  if (m < 1 || n < 1 || k < 1)
+    return fail("need m, n and k >= 1, got m=%lld n=%lld k=%lld", static_cast<long long>(m), static_cast<long long>(n),
+                static_cast<long long>(k));
+  if (dtype < kFloat32 || dtype > kBFloat16) return fail("dtype code must be 0, 1 or 2, got %d", dtype);
+  const bool wgmma = use_wgmma(device);
+  *gemm = wgmma ? 1 : 0;
+  *path = kPathDequant;
+  *workspace = 0;
+  const MmCrossovers* c = bits >= 0 && bits <= kMaxPlanBits ? &g_crossovers[*gemm][bits] : nullptr;
+  if (!c || c->classes == 0)
+    return fail("no crossovers for the %s GEMM at bits=%d (kbit_set_mm_crossovers; hf_kbit/backends/crossovers.json)",
+                wgmma ? "wgmma" : "mma.sync", bits);
+  if (m <= std::min(c->gemv_max_m, kGemvMaxM) && in_kernel_table(kGemv, bits, dtype)) {
+    *path = kPathGemv;
+    *workspace = device_gemv_plan(device, m, n, k).workspace(m, n);
+    return KBIT_OK;
+  }
+  int cls = 0;
+  while (cls + 1 < c->classes && n * k < c->min_weight[cls]) ++cls;
+  if (m <= c->gemm_max_m[cls] && in_kernel_table(kGemm, bits, dtype) &&
+      (!wgmma || in_kernel_table(kWgmmaGemm, bits, dtype))) {
+    const GemmPlan plan = device_gemm_plan(device, m, n, k, bits);
+    if (plan.smem <= smem_limits(device).per_block) {  // else this GPU lacks the GEMM's shared memory
+      *path = kPathGemm;
+      *workspace = plan.workspace(m, n);
+    }
+  }
+  return KBIT_OK;
+}
+
 int kbit_gemm(int device, void* stream, const void* x, int dtype, const int32_t* planes, const uint8_t* block_scales,
               const float* row_scales, const float* codebook, int bits, int64_t m, int64_t n, int64_t k, void* out,
               float* workspace, int64_t workspace_size) {
-  if (int rc = check_common(bits, dtype, n, k)) return rc;
-  if (dtype == kFloat32) return fail("x must be float16 or bfloat16 for the GEMM (float32 goes through dequantize)");
+  if (int rc = check_common(kGemm, bits, dtype, n, k)) return rc;
   if (m < 1 || m > (int64_t{1} << 31)) return fail("x has %lld rows, the GEMM takes 1..2^31", static_cast<long long>(m));
   if (k == 0) return fail("in_features must be positive (an empty product is all zeros: handle it before the call)");
   if (n == 0) return KBIT_OK;
@@ -827,6 +806,8 @@ int kbit_gemm(int device, void* stream, const void* x, int dtype, const int32_t*
     return fail("x, out, planes, block_scales, row_scales and codebook must be device pointers");
   if (!aligned(planes, 16) || !aligned(block_scales, 16)) return fail("planes and block_scales must be 16-byte aligned");
   const GemmPlan plan = device_gemm_plan(device, m, n, k, bits);
+  const GemmLaunch launch = plan.wgmma ? find_wgmma_gemm(bits, dtype, plan.tile) : find_gemm(bits, dtype, plan.tile);
+  if (!launch) return unsupported(plan.wgmma ? kWgmmaGemm : kGemm, bits, dtype);
   if (ceil_div(n, plan.wgmma ? kWgmmaRows : kGemmRows) > 65535)
     return fail("out_features %lld is too large for the GEMM grid", static_cast<long long>(n));
   if (plan.smem > smem_limits(device).per_block)
@@ -844,7 +825,7 @@ int kbit_gemm(int device, void* stream, const void* x, int dtype, const int32_t*
   p.x_perm = reinterpret_cast<char*>(workspace);
   p.workspace = workspace ? workspace + plan.x_perm_floats : nullptr;
   const auto st = static_cast<cudaStream_t>(stream);
-  cudaError_t err = dtype == kFloat16 ? gemm_bits<__half>(p, plan, st) : gemm_bits<__nv_bfloat16>(p, plan, st);
+  cudaError_t err = launch(p, plan.grid, st);
   return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_gemm launch");
 }
 

@@ -22,6 +22,11 @@ KBIT_API int kbit_abi_version(void);
 KBIT_API const char* kbit_last_error(void);
 KBIT_API int kbit_gemv_max_m(void);
 
+/* The kernel table the library was built from (hf_kbit/kernel_table.py): entry i is
+ * (kernel name, bits, dtype code). Every other (kernel, bits, dtype) fails with "unsupported". */
+KBIT_API int kbit_kernel_table_size(void);
+KBIT_API int kbit_kernel_table_entry(int i, const char** kernel, int* bits, int* dtype);
+
 /* weight [batch, n, k] (dtype) -> planes, block_scales, row_scales [batch, n]. */
 KBIT_API int kbit_quantize(int device, void* stream, const void* weight, int dtype, const float* codebook,
                            int bits, int64_t batch, int64_t n, int64_t k, int32_t* planes,
@@ -49,6 +54,21 @@ KBIT_API int64_t kbit_gemm_workspace_size(int device, int64_t m, int64_t n, int6
  * runs the wgmma kernel (sm_90a) or the mma.sync one, tokens per CTA, K splits and CTAs. */
 KBIT_API int kbit_gemm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int* wgmma, int* block_m,
                             int* splits, int* ctas);
+
+/* The path planner's data: measured crossovers (hf_kbit/backends/crossovers.json, written by
+ * scripts/bench_kernels.py --paths, handed over once by the Python backend at load). For the GEMM
+ * kernel `gemm` (0 mma.sync, 1 wgmma) at `bits`: the GEMV serves m <= gemv_max_m, the GEMM
+ * m <= gemm_max_m[i] of the first weight class i with n * k >= min_weight[i] (min_weight descending
+ * to 0), dequantize + matmul the rest. */
+KBIT_API int kbit_set_mm_crossovers(int gemm, int bits, int gemv_max_m, int classes, const int64_t* min_weight,
+                                   const int64_t* gemm_max_m);
+
+/* The one path planner of out [m, n] = x [m, k] @ W.T, x in dtype: *path 0 the GEMV (kbit_gemv), 1 the
+ * GEMM (kbit_gemm), 2 dequantize + the caller's matmul (float32 x, large m, or a GPU without the GEMM's
+ * shared memory); *gemm the GEMM kernel of this device (0 mma.sync, 1 wgmma); *workspace the floats of
+ * workspace the path's kernel needs. Tiles and splits are planned by the kernel calls themselves. */
+KBIT_API int kbit_mm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int dtype, int* path, int* gemm,
+                          int64_t* workspace);
 
 /* Mid-M tensor-core GEMM: out [m, n] = x [m, k] @ W.T, any m >= 1, x/out float16 or bfloat16,
  * planes and block_scales 16-byte aligned. */

@@ -139,7 +139,7 @@ inline bool device_has_pdl() {
   return cache[dev] == 2;
 }
 // Host: whether the GEMVs and the wgmma GEMM's x rewrite launch as programmatic dependents of
-// the stream's previous kernel (KBIT_PDL).
-inline bool use_pdl() { return KBIT_PDL && device_has_pdl(); }
+// the stream's previous kernel (sm_90+).
+inline bool use_pdl() { return device_has_pdl(); }
 
 }  // namespace kbit

@@ -113,31 +113,16 @@ struct GroupedParams {
 constexpr int kMaxDevices = 64;  // per-device host caches (launch plans, raised shared-memory limits)
 
 // ---- GEMV geometry (host plan and kernel agree on these) ----
-#ifndef KBIT_GEMV_THREADS  // build-time knobs for tuning experiments; the defaults are the measured choice
-#define KBIT_GEMV_THREADS 512
-#endif
-#ifndef KBIT_GEMV_CTAS_PER_SM
-#define KBIT_GEMV_CTAS_PER_SM 1
-#endif
-#ifndef KBIT_GEMV_X_BYTES
-#define KBIT_GEMV_X_BYTES (96 * 1024)
-#endif
-#ifndef KBIT_GEMV_DEPTH
-#define KBIT_GEMV_DEPTH 3
-#endif
 #ifndef KBIT_TRACE  // 1: the GEMV stamps the global timer per warp (a diagnostic build: scripts/trace_gemv.py)
 #define KBIT_TRACE 0
 #endif
-#ifndef KBIT_PDL  // 0: the GEMVs and the wgmma GEMM's x rewrite launch as ordinary kernels (A/B of the overlap)
-#define KBIT_PDL 1
-#endif
-constexpr int kGemvThreads = KBIT_GEMV_THREADS;
+constexpr int kGemvThreads = 512;  // 16 warps share one pair table per SM
 constexpr int kGemvWarps = kGemvThreads / 32;
 constexpr int kGemvMaxM = 16;              // two mma token tiles; beyond this the weight is dequantized for cuBLAS
 constexpr int kGemvTableBytes = 64 * 1024; // codebook pair table: 256 slots x 256 bytes (gemv_kernel.cuh)
-constexpr int kGemvXSmemBytes = KBIT_GEMV_X_BYTES;  // activation staging cap per CTA (less where the GPU has less)
-constexpr int kGemvCtasPerSm = KBIT_GEMV_CTAS_PER_SM;  // one CTA of 16 warps per SM shares one table
-constexpr int kGemvDepth = KBIT_GEMV_DEPTH;  // plane-load stages per lane: kGemvDepth - 1 K tiles in flight
+constexpr int kGemvXSmemBytes = 96 * 1024;  // activation staging cap per CTA (less where the GPU has less)
+constexpr int kGemvCtasPerSm = 1;  // one CTA of 16 warps per SM shares one table
+constexpr int kGemvDepth = 3;  // plane-load stages per lane: 2 K tiles in flight hide HBM latency without spills
 constexpr int gemv_x_tile_bytes(int m) { return 256 * m; }  // staged activations per K tile
 // After the staged K tiles: room for the records of the last tile's tokens m .. 8 ceil(m / 8) - 1,
 // which mma_tile's lanes of those tokens read (and never use).
@@ -166,17 +151,9 @@ constexpr int gemv_smem_bytes(int m, int chunk_kt, bool abs_table = false, int c
 // A CTA is kGemmWarps warps, each owning kGemmRowTiles row tiles (16 rows each) and all 8 * NT
 // tokens of the CTA's token block, so every weight pair is decoded once per token block and
 // each B fragment read from shared memory feeds kGemmRowTiles mma. One CTA per SM (the 64 KB
-// pair table). Measured on H100 (k = 4, Llama-3-8B shapes, M = 32..256): 8 warps x 2 row
-// tiles beats 16 x 1 by 5-12% (half the B-fragment traffic; ncu: MIO throttle gone); 16 x 2
-// spills at 128 registers.
-#ifndef KBIT_GEMM_WARPS  // build-time knobs for tuning experiments; the defaults are the measured choice
-#define KBIT_GEMM_WARPS 8
-#endif
-#ifndef KBIT_GEMM_ROW_TILES
-#define KBIT_GEMM_ROW_TILES 2
-#endif
-constexpr int kGemmWarps = KBIT_GEMM_WARPS;
-constexpr int kGemmRowTiles = KBIT_GEMM_ROW_TILES;
+// pair table). 8 warps x 2 row tiles: half the B-fragment traffic of 16 x 1; 16 x 2 spills.
+constexpr int kGemmWarps = 8;
+constexpr int kGemmRowTiles = 2;
 constexpr int kGemmThreads = 32 * kGemmWarps;
 constexpr int kGemmTiles = kGemmWarps * kGemmRowTiles;  // row tiles per CTA
 constexpr int kGemmRows = kGemmTiles * kTileN;
@@ -193,8 +170,7 @@ constexpr int gemm_smem_bytes(int bits, int nt) {
 // A CTA is 2 warpgroups: 8 warps, one 16-row tile each (128 rows), and NB sub-blocks of 64
 // tokens (the wgmma N). x comes in parts of a K tile through shared-memory slots: NB = 1 in
 // whole K tiles (2 swizzle atoms, 16 KB) and 3 slots; NB >= 2 in half K tiles (one atom,
-// NB x 8 KB) and 4 slots. Measured (H100, k = 4): halves were 4-9% faster at M = 256-512 and
-// 5% slower at M = 32-64 (twice the barriers on short K tiles).
+// NB x 8 KB) and 4 slots: halves pay off at large M, whole tiles (half the barriers) at small M.
 constexpr int kWgmmaThreads = 256;
 constexpr int kWgmmaTiles = kWgmmaThreads / 32;
 constexpr int kWgmmaRows = kWgmmaTiles * kTileN;

@@ -22,7 +22,7 @@
 //    loads, pair table) overlaps the rewrite, and griddepcontrol.wait precedes the first x_perm
 //    read. Before that wait it reads only the packed weight and codebook (copied in, or written
 //    by the quantize kernel, which fences its stores). wgmma_x_kernel is itself a programmatic
-//    dependent launch of the stream's previous kernel (KBIT_PDL) and waits for it before
+//    dependent launch of the stream's previous kernel (sm_90+) and waits for it before
 //    reading x.
 #pragma once
 
@@ -145,7 +145,7 @@ __device__ __forceinline__ void store_x_groups(char* stage, int atom_bytes, int 
 template <int BITS, typename T>
 __global__ void __launch_bounds__(256) wgmma_x_kernel(const T* x, int64_t m, int64_t k, int k_tiles, int nb,
                                                       int64_t tokens_padded, char* x_perm) {
-  wait_for_primary_grid();  // a programmatic dependent launch (KBIT_PDL): x may be the previous kernel's output
+  wait_for_primary_grid();  // a programmatic dependent launch (sm_90+): x may be the previous kernel's output
   allow_dependent_launch();
   const int block_tokens = nb * kWgmmaTokens;
   const bool vec_ok = (k % 8 == 0) && (reinterpret_cast<uintptr_t>(x) % 16 == 0);

@@ -7,7 +7,7 @@ hf_kbit the first time transformers looks either up.
 """
 
 from . import _ops  # noqa: F401  (defines torch.ops.kbit.*)
-from . import _lib, attention
+from . import attention, backends
 from ._register import register
 from .config import KbitConfig
 from .format import FORMAT_VERSION, SUPPORTED_BITS
@@ -18,8 +18,7 @@ __version__ = "0.1.0"
 register()
 attention.register()  # attn_implementation="kbit_decode"
 
-if _lib.available():  # CUDA kernels for kbit ops on CUDA tensors (else the PyTorch reference)
-    from .backends import cuda as _cuda_backend  # noqa: F401
+backends.load()  # kernels for kbit ops on CUDA tensors (else the PyTorch references)
 
 __all__ = [
     "FORMAT_VERSION",

@@ -21,7 +21,7 @@ from pathlib import Path
 LIBRARY_NAME = "libhf_kbit_cuda.so"
 LIBRARY_ENV = "HF_KBIT_LIBRARY"  # an explicit path to the library; no search when set
 _PACKAGE_DIR = Path(__file__).resolve().parent
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
@@ -75,6 +75,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kbit_abi_version.restype = c_int
     lib.kbit_last_error.restype = ctypes.c_char_p
     lib.kbit_gemv_max_m.restype = c_int
+    lib.kbit_kernel_table_size.restype = c_int
+    lib.kbit_kernel_table_entry.argtypes = [c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(c_int),
+                                            ctypes.POINTER(c_int)]
+    lib.kbit_kernel_table_entry.restype = c_int
     lib.kbit_quantize.argtypes = [c_int, c_vp, c_vp, c_int, c_vp, c_int, c_i64, c_i64, c_i64, c_vp, c_vp, c_vp]
     lib.kbit_quantize.restype = c_int
     lib.kbit_dequantize.argtypes = [c_int, c_vp, c_vp, c_vp, c_vp, c_vp, c_i64, c_int, c_i64, c_i64, c_i64, c_vp, c_int]
@@ -95,6 +99,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kbit_gemv_plan.restype = c_int
     lib.kbit_gemm_plan.argtypes = [c_int, c_i64, c_i64, c_i64, c_int, c_ip, c_ip, c_ip, c_ip]
     lib.kbit_gemm_plan.restype = c_int
+    c_i64p = ctypes.POINTER(c_i64)
+    lib.kbit_set_mm_crossovers.argtypes = [c_int, c_int, c_int, c_int, c_i64p, c_i64p]
+    lib.kbit_set_mm_crossovers.restype = c_int
+    lib.kbit_mm_plan.argtypes = [c_int, c_i64, c_i64, c_i64, c_int, c_int, c_ip, c_ip, c_i64p]
+    lib.kbit_mm_plan.restype = c_int
     # GEMV with an elementwise prologue (optional: without it the fused ops run their references).
     try:
         lib.kbit_gemv_prologue.argtypes = [c_int, c_vp, c_int, c_vp, c_i64, c_vp, c_i64, c_vp, ctypes.c_float, c_vp,
@@ -149,6 +158,18 @@ def load() -> ctypes.CDLL:
         raise KbitLibraryError(_load_error)
     _lib = lib
     return lib
+
+
+def kernel_table() -> tuple[tuple[str, int, str], ...]:
+    """The (kernel, bits, dtype name) entries the loaded library was built for (hf_kbit.kernel_table.TABLE
+    when the library matches this package)."""
+    lib = load()
+    name, bits, dtype = ctypes.c_char_p(), ctypes.c_int(), ctypes.c_int()
+    entries = []
+    for i in range(lib.kbit_kernel_table_size()):
+        check(lib.kbit_kernel_table_entry(i, ctypes.byref(name), ctypes.byref(bits), ctypes.byref(dtype)), "kernel_table")
+        entries.append((name.value.decode(), bits.value, tuple(DTYPE_CODES)[dtype.value]))
+    return tuple(entries)
 
 
 def available() -> bool:

@@ -1,9 +1,10 @@
 """The ``kbit`` torch.library ops: one schema and fake (meta) impl each, implemented per backend.
 
 The default implementation (``CompositeExplicitAutograd``, any device) is the pure-PyTorch
-reference in :mod:`hf_kbit.format`; it is what the tests trust. A backend registers a
-faster kernel for its dispatch key (``hf_kbit/backends/cuda.py`` for ``CUDA``), which then
-takes precedence on tensors of that device. Ops never know about transformers.
+reference (:mod:`hf_kbit.format` for the weight ops); it is what the tests trust. A backend
+registers a faster kernel for its dispatch key (``hf_kbit/backends/``: ``cuda.py``, the
+compiled library, and ``triton_kernels.py``, decode attention, for ``CUDA``), which then takes
+precedence on tensors of that device. Ops never know about transformers.
 """
 
 from __future__ import annotations
@@ -28,10 +29,26 @@ _lib.define(
     "Tensor codebook, SymInt in_features, Tensor? order=None, Tensor? offsets=None) -> Tensor"
 )
 
-# Rows (token, expert pairs) above which an experts layer groups its rows by expert on the
-# device once (expert_offsets) and hands the routing to both of its grouped_mm calls; at or
-# below it a kernel may serve each row on its own (decode) and needs no sort.
-GROUP_ROWS_ABOVE = 64
+# By device type: rows (token, expert pairs) above which an experts layer groups its rows by
+# expert once (expert_offsets) and hands the routing to both of its grouped_mm calls. A backend
+# whose grouped_mm serves few rows each on its own (no sort) registers its threshold with its
+# implementation (register_group_rows_above); elsewhere the layer always groups, as the reference
+# sorts anyway.
+GROUP_ROWS_ABOVE: dict[str, int] = {}
+
+# An eager shortcut past the dispatcher for a module's kbit::mm, registered by a backend
+# (register_eager_mm): ``(module, x) -> out``, or None where the op must serve. The module only
+# keys the shortcut's per-layer cache.
+eager_mm = None
+
+
+def register_group_rows_above(device_type: str, rows: int) -> None:
+    GROUP_ROWS_ABOVE[device_type] = rows
+
+
+def register_eager_mm(fn) -> None:
+    global eager_mm
+    eager_mm = fn
 
 
 def _bits(planes: torch.Tensor) -> int:
@@ -212,6 +229,38 @@ def _mm_silu_mul_ref(gate, up, planes, block_scales, row_scales, codebook, in_fe
 def _mm_silu_mul_fake(gate, up, planes, block_scales, row_scales, codebook, in_features):
     _check_prologue("up", gate, up)
     return _mm_fake(gate, planes, block_scales, row_scales, codebook, in_features)
+
+
+# ---------------------------------------------------------------------------- decode_attention
+
+_lib.define(
+    "decode_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale, int slices=0) -> Tensor"
+)
+
+
+def packed_sdpa(query, key, value, mask, scale: float) -> torch.Tensor:
+    """``scaled_dot_product_attention`` with each key/value head's query heads as its query rows.
+    query (b, hq, 1, d), key/value (b, hkv, n, d*), mask None or (b | 1, 1, 1, n) -> (b, 1, hq, dv), the
+    layout transformers' attention functions return."""
+    b, hq, _, d = query.shape
+    hkv = key.shape[1]
+    q = query.reshape(b, hkv, hq // hkv, d)
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
+    return out.reshape(b, 1, hq, value.shape[-1])
+
+
+@torch.library.impl(_lib, "decode_attention", "CompositeExplicitAutograd")
+def _decode_attention_ref(query, key, value, mask, scale, slices=0):
+    """Single-token grouped-query attention without ``repeat_kv`` (hf_kbit.attention): query (b, hq, 1, d),
+    key (b, hkv, n, d), value (b, hkv, n, dv), mask None or (b | 1, 1, 1, n) boolean (True attends) or
+    additive -> (b, 1, hq, dv). ``slices``: key slices per (batch, key/value head) for a kernel that
+    splits the keys (0: its choice); the result does not depend on it."""
+    return packed_sdpa(query, key, value, mask, scale)
+
+
+@torch.library.register_fake("kbit::decode_attention")
+def _decode_attention_fake(query, key, value, mask, scale, slices=0):
+    return query.new_empty((query.shape[0], 1, query.shape[1], value.shape[-1]))
 
 
 # ---------------------------------------------------------------------------- grouped_mm

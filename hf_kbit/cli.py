@@ -14,6 +14,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from .kernel_table import SUPPORTED_BITS  # checked again by KbitConfig
+
 EPILOG = """\
 examples:
   kbit-convert ./my-model --bits 4 --out ./my-model-kbit4
@@ -25,9 +27,8 @@ examples:
 The Hub token comes from huggingface_hub's usual sources (HF_TOKEN or `hf auth login`); it is never printed.
 """
 
-SUPPORTED_BITS = (2, 3, 4, 5)  # checked again by KbitConfig; listed here so --help needs no torch import
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
-FITTING_CHOICES = ("absmax", "fit")  # hf_kbit.fitting.FITTINGS, listed here for the same reason
+FITTING_CHOICES = ("absmax", "fit")  # hf_kbit.fitting.FITTINGS (a test checks), listed so --help needs no torch import
 
 
 def build_parser() -> argparse.ArgumentParser:

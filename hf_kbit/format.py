@@ -25,8 +25,9 @@ import math
 
 import torch
 
+from .kernel_table import SUPPORTED_BITS  # noqa: F401  (the bit widths the kernels are built for)
+
 FORMAT_VERSION = 1
-SUPPORTED_BITS = (2, 3, 4, 5)
 BLOCK_SIZE = 32  # elements along K sharing one scale; also the bits of one plane word
 TILE_N = 16  # rows per tile: one tensor-core m16 fragment, 16 x 16 B = 256 B per plane
 BLOCKS_PER_TILE = 4  # 4 plane words = one 16-byte vector load per (row, plane)

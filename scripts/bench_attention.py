@@ -44,13 +44,14 @@ def bench_case(batch: int, cached: int) -> dict:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from hf_kbit import attention
+    from hf_kbit.backends import decode_attention
 
     layer, scale = _Layer(), HEAD_DIM**-0.5
     cache_bytes = 2 * batch * KV_HEADS * cached * HEAD_DIM * 2
     copies = inputs(batch, cached, copies_for(cache_bytes))
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     row = {"batch": batch, "cached_tokens": cached, "copies": len(copies), "cache_MB": cache_bytes / 2**20,
-           "slices": attention.plan_splits(batch, KV_HEADS, cached, sm_count)}
+           "slices": decode_attention.plan_splits(batch, KV_HEADS, cached, sm_count)}
     for name, forward in (("sdpa", sdpa_attention_forward), ("kbit_decode", attention.decode_attention_forward)):
         torch._dynamo.reset()
         fn = torch.compile(lambda q, k, v, m, forward=forward: forward(layer, q, k, v, m, scaling=scale)[0],

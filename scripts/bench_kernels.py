@@ -9,6 +9,9 @@ device copy bandwidth measured in the same run). Writes JSON and a markdown tabl
     python scripts/bench_kernels.py --quick      # a few shapes, for a smoke run
     python scripts/bench_kernels.py --paths --out benchmarks/results/h100_paths
                                                  # every kernel path per (shape, M, k): the crossovers
+    python scripts/bench_kernels.py --paths --write-crossovers
+                                                 # ... and rewrite hf_kbit/backends/crossovers.json from them
+                                                 # (HF_KBIT_GEMM_KERNEL=mma: the mma.sync GEMM's entries)
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import time
 
 import torch
 
+from hf_kbit.kernel_table import SUPPORTED_BITS
+
 SHAPES = {  # name: (K = in_features, N = out_features)
     "llama3-8b gate/up 4096x14336": (4096, 14336),
     "llama3-8b down 14336x4096": (14336, 4096),
@@ -36,7 +41,7 @@ SHAPES = {  # name: (K = in_features, N = out_features)
     "h2048 4096x2048": (4096, 2048),
 }
 MS = (1, 2, 4, 8, 16, 32, 64, 256, 1024)
-BITS = (2, 3, 4, 5)
+BITS = SUPPORTED_BITS
 COLD_BYTES = 400 * 2**20  # weight copies per timed graph: 8x the H100's 50 MB L2
 MIN_CALLS = 24
 WALL_CALLS, WALL_ROUNDS = 2000, 7  # eager wall time: the least of WALL_ROUNDS rounds of WALL_CALLS calls
@@ -191,7 +196,7 @@ def bench_shape(name, k, n, ms, bits_list, bw, results, int4=True):
 
 def bench_paths(name, k, n, ms, bits_list, results):
     """Time each kernel path of kbit::mm (GEMV, GEMM, dequantize + cuBLAS) for every M and k,
-    cold L2, to set the dispatch crossovers (hf_kbit.backends.cuda._CROSSOVERS)."""
+    cold L2, to set the dispatch crossovers (hf_kbit/backends/crossovers.json)."""
     from hf_kbit.backends import cuda as backend
 
     for bits in bits_list:
@@ -201,8 +206,9 @@ def bench_paths(name, k, n, ms, bits_list, results):
         settle()
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            row = {"shape": name, "K": k, "N": n, "M": m, "bits": bits,
-                   "dispatch": backend.mm_path(m, n, k, bits, x.device.index)}
+            dispatch, gemm_kernel, _ = backend.mm_plan(m, n, k, bits, x.device.index, x.dtype)
+            row = {"shape": name, "K": k, "N": n, "M": m, "bits": bits, "dispatch": dispatch,
+                   "gemm_kernel": gemm_kernel}
             for path in backend.PATHS:
                 if path == "gemv" and m > backend.GEMV_MAX_M:
                     continue
@@ -220,18 +226,46 @@ def bench_paths(name, k, n, ms, bits_list, results):
         torch.cuda.empty_cache()
 
 
-def gemm_kernel_name() -> str:
-    """The GEMM kernel of this GPU: "wgmma" (sm_90) or "mma" (elsewhere, or HF_KBIT_GEMM_KERNEL=mma)."""
-    from hf_kbit.backends import cuda as backend
-
-    return backend._gemm_kernel(torch.cuda.current_device())
+def derive_crossovers(results: list, current: dict) -> dict:
+    """Crossovers (hf_kbit.backends.crossovers.read's form, for one GEMM kernel) from ``--paths`` rows,
+    keeping ``current``'s weight classes: the GEMV serves M up to the largest measured M at which it
+    was fastest on every shape at every M up to it; the GEMM, per weight class, up to the largest
+    measured M at which it beat dequantize + cuBLAS on every shape of the class at every M from the
+    GEMV's crossover up to it. A bits or class without rows keeps ``current``'s value."""
+    out = {}
+    for bits, (gemv_now, classes) in current.items():
+        rows = [r for r in results if r["bits"] == bits]
+        if not rows:
+            out[bits] = (gemv_now, classes)
+            continue
+        ms = sorted({r["M"] for r in rows})
+        gemv = 0
+        for m in ms:
+            if not all(r["fastest"] == "gemv" for r in rows if r["M"] == m):
+                break
+            gemv = m
+        derived = []
+        for i, (min_weight, gemm_now) in enumerate(classes):
+            upper = classes[i - 1][0] if i else None
+            in_class = [r for r in rows if r["N"] * r["K"] >= min_weight and (upper is None or r["N"] * r["K"] < upper)]
+            if not in_class:
+                derived.append((min_weight, gemm_now))
+                continue
+            gemm = gemv
+            for m in (m for m in ms if m > gemv):
+                if not all("gemm_us" in r and r["gemm_us"] <= r["dequant_us"] for r in in_class if r["M"] == m):
+                    break
+                gemm = m
+            derived.append((min_weight, gemm))
+        out[bits] = (gemv, tuple(derived))
+    return out
 
 
 def markdown_paths(results, meta) -> str:
     lines = [f"# kbit::mm kernel paths — {meta['device']}", "", f"Command: `{meta['command']}`  ",
              (f"torch {meta['torch']}, cold L2, CUDA-graph replays, median of 7; us per call (bf16 activations). "
               f"GEMM kernel: {meta.get('gemm_kernel', 'mma')}. "
-              "`dispatch` is the path kbit::mm takes with the crossovers in hf_kbit/backends/cuda.py."), "",
+              "`dispatch` is the path kbit::mm takes with the crossovers in hf_kbit/backends/crossovers.json."), "",
              "| shape (K x N) | k | M | GEMV us | GEMM us | dequant + cuBLAS us | fastest | dispatch |",
              "|---|---|---|---|---|---|---|---|"]
     for r in results:
@@ -349,6 +383,8 @@ def main() -> None:
     ap.add_argument("--no-int4", action="store_true")
     ap.add_argument("--paths", action="store_true",
                     help="time every kernel path (GEMV, GEMM, dequantize + cuBLAS) instead of kbit::mm vs bf16")
+    ap.add_argument("--write-crossovers", action="store_true",
+                    help="with --paths: rewrite this GPU's GEMM kernel's entries of hf_kbit/backends/crossovers.json")
     args = ap.parse_args()
 
     import hf_kbit
@@ -378,10 +414,17 @@ def main() -> None:
         "python": platform.python_version(), "bandwidth_GBps": bw / 1e9,
         "command": shlex.join(["python", "scripts/bench_kernels.py", *sys.argv[1:]]), "cold_l2_bytes": COLD_BYTES,
         "gemv_max_m": getattr(sys.modules.get("hf_kbit.backends.cuda"), "GEMV_MAX_M", None),
-        "gemm_kernel": gemm_kernel_name(),
     }
     if args.paths:
+        meta["gemm_kernel"] = results[0]["gemm_kernel"] if results else None
         md = markdown_paths(results, meta)
+        if args.write_crossovers and results:
+            from hf_kbit.backends import crossovers
+
+            kernel = meta["gemm_kernel"]
+            derived = derive_crossovers(results, crossovers.read()[kernel])
+            crossovers.write({kernel: derived}, about=crossovers.ABOUT)
+            print(f"wrote the {kernel} GEMM's crossovers to {crossovers.FILE}: {derived}", flush=True)
     else:
         meta["eager_overhead"] = eager_overhead(bw)
         print(f"eager overhead: {meta['eager_overhead']}", flush=True)

@@ -53,6 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_generate  # noqa: E402  (model presets)
 from bench_kernels import time_calls as graph_us  # noqa: E402  (the kernel benchmark's CUDA-graph timing)
 
+from hf_kbit.kernel_table import SUPPORTED_BITS  # noqa: E402
+
 SCHEMA = "hf_kbit.bench_moe/1"
 
 # Published config values (config.json of the Hub models; nothing is downloaded). Only one
@@ -108,7 +110,7 @@ REAL_PRESETS = ("qwen3-30b-a3b", "qwen3-next")
 SMOKE_PRESET = "tiny-qwen3-moe"
 TOKENS = (1, 4, 16, 64, 512)
 SMOKE_TOKENS = (1, 3, 16)
-BITS = (2, 3, 4, 5)
+BITS = SUPPORTED_BITS
 DEFAULT_BITS = (4,)
 
 L2_BYTES_H100 = 50 * 10**6

@@ -30,6 +30,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from hf_kbit.kernel_table import SUPPORTED_BITS  # noqa: E402
+
 SHAPES = ("4096x6144", "4096x4096", "4096x28672", "14336x4096")  # Llama-3-8B decode: qkv, o, gate_up, down
 BETWEEN = ("none", "elementwise")
 TRACE_WORDS = 8  # words per record, and the record count's slot (GemvTrace)
@@ -137,7 +139,7 @@ def render(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), help="KxN (in_features x out_features)")
-    ap.add_argument("--bits", type=int, nargs="+", choices=(2, 3, 4, 5), default=[4])
+    ap.add_argument("--bits", type=int, nargs="+", choices=SUPPORTED_BITS, default=[4])
     ap.add_argument("--m", type=int, default=1, help="tokens per call (default 1)")
     ap.add_argument("--between", nargs="+", choices=BETWEEN, default=list(BETWEEN))
     ap.add_argument("--out", default=None, help="write the rows as JSON here")

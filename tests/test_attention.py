@@ -21,6 +21,7 @@ from transformers.modeling_utils import AttentionInterface
 
 import hf_kbit  # noqa: F401  (registers kbit_decode)
 from hf_kbit import attention
+from hf_kbit.backends import decode_attention
 
 ATOL = 1e-5  # float32: the same math in another order
 
@@ -116,7 +117,7 @@ def test_generate_matches_sdpa(family, monkeypatch):
     (64, 4096, 1),  # more (batch, head) pairs than the target: no slicing
 ])
 def test_plan_splits_aims_at_two_programs_per_sm(batch, kv_len, expected):
-    assert attention.plan_splits(batch, 8, kv_len, 132) == expected
+    assert decode_attention.plan_splits(batch, 8, kv_len, 132) == expected
 
 
 @pytest.mark.parametrize("case", ["no hook, transformers first", "no hook, hf_kbit first"])

@@ -114,3 +114,19 @@ def test_ops_on_empty_weights(shape):
     _, (ep, es, er, ecb) = packed(n, k, 3, lead=(2,))
     out = torch.ops.kbit.grouped_mm(x, torch.tensor([1, 0, 1, 1]), ep, es, er, ecb, k)
     assert torch.equal(out, torch.zeros(4, n))
+
+
+@pytest.mark.parametrize("mask", ["none", "bool", "additive"])
+def test_decode_attention_reference_and_opcheck(mask):
+    """kbit::decode_attention is defined with the other ops; its reference (no Triton needed) is
+    scaled_dot_product_attention over the packed query heads, i.e. sdpa with repeat_kv."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 1, 16, generator=g)
+    k, v = torch.randn(2, 2, 5, 16, generator=g), torch.randn(2, 2, 5, 16, generator=g)
+    keep = torch.tensor([[True] * 5, [True, True, False, True, False]])[:, None, None, :]
+    m = {"none": None, "bool": keep, "additive": torch.where(keep, 0.0, float("-inf"))}[mask]
+    out = torch.ops.kbit.decode_attention(q, k, v, m, 0.25)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), attn_mask=m, scale=0.25)
+    torch.testing.assert_close(out, ref.transpose(1, 2), atol=1e-5, rtol=0)
+    torch.library.opcheck(torch.ops.kbit.decode_attention.default, (q, k, v, m, 0.25))

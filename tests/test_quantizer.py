@@ -17,9 +17,10 @@ from transformers import AutoModelForCausalLM
 import hf_kbit
 from hf_kbit import KbitConfig, KbitLinear
 from hf_kbit.checkpoint import KbitCheckpointError
+from hf_kbit.kernel_table import SUPPORTED_BITS
 from tiny_models import DENSE_FAMILIES, tiny_dense_model
 
-BITS = (2, 3, 4, 5)
+BITS = SUPPORTED_BITS
 # Relative L2 error of the logits vs bf16 on the tiny 2-layer models (weights N(0, 0.1)).
 # Per-weight relative error is 10^(-SQNR/20) = 0.43 / 0.18 / 0.09 / 0.05 for k = 2..5 and two
 # layers amplify it roughly 2.5-3x; measured worst family 1.08 / 0.57 / 0.30 / 0.17.

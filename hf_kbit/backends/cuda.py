@@ -10,8 +10,9 @@ tracing with a per-module call record (validated once by ``kbit_gemv_prepare``),
 costs one output allocation and one short ctypes call; everything else goes through
 ``torch.ops.kbit.mm``.
 
-Dispatch of ``mm`` by M (rows of x after flattening the leading dims), from the measured
-crossovers in ``_CROSSOVERS`` (docs/kernels.md):
+Dispatch of ``mm`` by M (rows of x after flattening the leading dims): the library's planner
+(``kbit_mm_plan``) picks the path from the measured crossovers in ``crossovers.json``
+(docs/kernels.md), and each kernel call plans its own tiles and splits:
   * small M: the GEMV kernel (weight decoded once for all rows by the CUDA cores, multiply-adds
     on the tensor cores, all of x staged once);
   * mid M: a GEMM kernel (the weight is decoded into tensor-core operands, never written out):
@@ -30,6 +31,7 @@ import torch
 from .. import _lib
 from .. import _ops
 from .. import format as fmt
+from . import crossovers
 
 _LIB = _lib.load()
 
@@ -38,54 +40,51 @@ _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 # The GEMV kernel's own limit on M.
 GEMV_MAX_M = int(_LIB.kbit_gemv_max_m())
 
-# Measured crossovers (H100, cold L2, benchmarks/results/h100_paths*.md from
-# `scripts/bench_kernels.py --paths`), per bits: the GEMV serves M <= GEMV, the GEMM
-# GEMV < M <= GEMM, dequantize + cuBLAS the rest. The GEMM is bound by its decode and tensor
-# work, paid once per weight and token block, so it wins longer on large weights, where
-# dequantize + cuBLAS pays for writing and reading the whole dequantized weight; on tiny ones
-# (2048x512) dequantize + cuBLAS, a few microseconds, wins from M = 32 against the wgmma GEMM's
-# two launches. Two GEMM kernels, two tables: the wgmma GEMM (sm_90) and the mma.sync GEMM
-# (every other GPU; on the H100 with HF_KBIT_GEMM_KERNEL=mma, where its crossovers were
-# measured, on no tiny weight).
-_LARGE_WEIGHT = 16 * 2**20  # elements (N * K): 4096x14336, 4096x6144 measured large, 2048x5120 small
-_TINY_WEIGHT = 2 * 2**20  # 2048x512 measured tiny, 2048x4096 small
-_CROSSOVERS = {  # bits: (GEMV, GEMM on a large weight, on a small one, on a tiny one)
-    "wgmma": {bits: (16, 512, 128, 16) for bits in fmt.SUPPORTED_BITS},
-    "mma": {bits: (16, 128, 32, 32) for bits in fmt.SUPPORTED_BITS},
-}
-
-PATHS = ("gemv", "gemm", "dequant")
+PATHS = ("gemv", "gemm", "dequant")  # kbit_mm_plan's path codes 0, 1, 2
 
 
-def mm_path(m: int, n: int, k: int, bits: int, device: int) -> str:
-    """The kernel path ``kbit::mm`` takes for ``x [m, k]`` (bf16/fp16) and a ``[n, k]`` weight
-    on CUDA device index ``device``."""
-    gemv_max, gemm_large, gemm_small, gemm_tiny = _CROSSOVERS[_gemm_kernel(device)][bits]
-    if m <= min(gemv_max, GEMV_MAX_M):
-        return "gemv"
-    weight = n * k
-    gemm_max = gemm_large if weight >= _LARGE_WEIGHT else gemm_small if weight >= _TINY_WEIGHT else gemm_tiny
-    if m <= gemm_max and _gemm_workspace(device, m, n, k, bits) >= 0:
-        return "gemm"
-    return "dequant"
+def load_crossovers(path=crossovers.FILE) -> None:
+    """Hand the measured path crossovers to the library's planner, ``kbit_mm_plan``: the one place that
+    picks a path, a kernel, its tiles and splits."""
+    for kernel, by_bits in crossovers.read(path).items():
+        for bits, (gemv_max_m, classes) in by_bits.items():
+            weights = (ctypes.c_int64 * len(classes))(*(w for w, _ in classes))
+            gemm_max = (ctypes.c_int64 * len(classes))(*(m for _, m in classes))
+            rc = _LIB.kbit_set_mm_crossovers(crossovers.GEMM_KERNELS.index(kernel), bits, gemv_max_m, len(classes),
+                                             weights, gemm_max)
+            _lib.check(rc, f"set_mm_crossovers ({kernel}, bits={bits})")
+    _mm_plans.clear()
 
 
-_gemm_kernels: dict[int, str] = {}
+_mm_plans: dict[tuple, tuple[str, str, int]] = {}
 
 
-def _gemm_kernel(device: int) -> str:
-    """``"wgmma"`` or ``"mma"``: the GEMM kernel that CUDA device index ``device`` runs."""
-    kernel = _gemm_kernels.get(device)
-    if kernel is None:
-        vals = [ctypes.c_int() for _ in range(4)]
-        _lib.check(_LIB.kbit_gemm_plan(device, 64, 4096, 4096, 4, *(ctypes.byref(v) for v in vals)), "gemm_plan")
-        kernel = _gemm_kernels[device] = "wgmma" if vals[0].value else "mma"
-    return kernel
+def mm_plan(m: int, n: int, k: int, bits: int, device: int, dtype: torch.dtype = torch.bfloat16) -> tuple:
+    """``(path, gemm kernel, workspace floats)`` of ``kbit::mm`` for ``x [m, k]`` in ``dtype`` and a
+    ``[n, k]`` weight on CUDA device index ``device``, as the library plans it (cached: a layer repeats
+    one problem)."""
+    key = (device, m, n, k, bits, dtype)
+    plan = _mm_plans.get(key)
+    if plan is None:
+        path, gemm, ws = ctypes.c_int(), ctypes.c_int(), ctypes.c_int64()
+        rc = _LIB.kbit_mm_plan(device, m, n, k, bits, _DTYPE_CODE[dtype], ctypes.byref(path), ctypes.byref(gemm),
+                               ctypes.byref(ws))
+        _lib.check(rc, "mm_plan")
+        plan = _mm_plans[key] = (PATHS[path.value], crossovers.GEMM_KERNELS[gemm.value], int(ws.value))
+    return plan
 
 
-def gemv_wins(m: int, n: int, k: int, bits: int, device: int) -> bool:
+def mm_path(m: int, n: int, k: int, bits: int, device: int, dtype: torch.dtype = torch.bfloat16) -> str:
+    """The kernel path ``kbit::mm`` takes (:func:`mm_plan`)."""
+    return mm_plan(m, n, k, bits, device, dtype)[0]
+
+
+load_crossovers()
+
+
+def gemv_wins(m: int, n: int, k: int, bits: int, device: int, dtype: torch.dtype = torch.bfloat16) -> bool:
     """True when the GEMV serves this problem (the eager fast path covers only the GEMV)."""
-    return mm_path(m, n, k, bits, device) == "gemv"
+    return mm_plan(m, n, k, bits, device, dtype)[0] == "gemv"
 
 
 _gemv_workspace_sizes: dict[tuple, int] = {}
@@ -224,9 +223,8 @@ def _mm_cuda(x, planes, block_scales, row_scales, codebook, in_features):
     m = x2.shape[0]
     if m == 0 or n == 0 or k == 0:
         return x.new_zeros((*lead, n))
-    bits = planes.shape[-3]
-    path = "dequant" if x.dtype == torch.float32 else mm_path(m, n, k, bits, x.device.index)
-    return run_path(path, x2, planes, block_scales, row_scales, codebook, k).reshape(*lead, n)
+    path, _, ws_size = mm_plan(m, n, k, planes.shape[-3], x.device.index, x.dtype)
+    return run_path(path, x2, planes, block_scales, row_scales, codebook, k, ws_size).reshape(*lead, n)
 
 
 def _dequant_matmul(x2, planes, block_scales, row_scales, codebook, k: int) -> torch.Tensor:
@@ -237,9 +235,11 @@ def _dequant_matmul(x2, planes, block_scales, row_scales, codebook, k: int) -> t
     return torch.matmul(x2, w.t())
 
 
-def run_path(path: str, x2, planes, block_scales, row_scales, codebook, k: int) -> torch.Tensor:
-    """``x2 [m, k] @ W.T`` through one kernel path (``PATHS``); ``kbit::mm`` picks it by
-    :func:`mm_path`, benchmarks call it directly to measure the crossovers."""
+def run_path(path: str, x2, planes, block_scales, row_scales, codebook, k: int,
+             ws_size: int | None = None) -> torch.Tensor:
+    """``x2 [m, k] @ W.T`` through one kernel path (``PATHS``; ``ws_size``: its workspace floats when
+    known); ``kbit::mm`` takes the planner's (:func:`mm_plan`), benchmarks force each to measure the
+    crossovers."""
     m, n, bits = x2.shape[0], row_scales.shape[0], planes.shape[-3]
     if path == "dequant":
         return _dequant_matmul(x2, planes, block_scales, row_scales, codebook, k)
@@ -251,10 +251,10 @@ def run_path(path: str, x2, planes, block_scales, row_scales, codebook, k: int) 
     if path == "gemm":
         # The GEMM copies 16-byte units of the packed tiles: realign offset views.
         planes, block_scales = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (planes, block_scales))
-        ws_size = _gemm_workspace(device.index, m, n, k, bits)
+        ws_size = _gemm_workspace(device.index, m, n, k, bits) if ws_size is None else ws_size
         launch = _LIB.kbit_gemm
     else:
-        ws_size = _gemv_workspace(device.index, m, n, k, bits)
+        ws_size = _gemv_workspace(device.index, m, n, k, bits) if ws_size is None else ws_size
         launch = _LIB.kbit_gemv
     out = torch.empty((m, n), dtype=x2.dtype, device=device)
     ws = torch.empty(ws_size, dtype=torch.float32, device=device) if ws_size > 0 else None
@@ -291,7 +291,7 @@ def _gemv_prologue(kind, x, x2, norm_weight, eps, planes, block_scales, row_scal
     lead = x.shape[:-1]
     xr = _rows(x, k)
     m = xr.shape[0]
-    if m == 0 or n == 0 or k == 0 or mm_path(m, n, k, bits, x.device.index) != "gemv":
+    if m == 0 or n == 0 or k == 0 or mm_path(m, n, k, bits, x.device.index, x.dtype) != "gemv":
         return None
     _check_packed_once(planes, block_scales, row_scales, codebook, k)
     _same_device(x, planes=planes, block_scales=block_scales, row_scales=row_scales, codebook=codebook)
@@ -367,7 +367,7 @@ def _prepare(module, x, m):
     tensors = (planes, block_scales, row_scales, codebook)
     n = row_scales.shape[-1]
     if row_scales.dim() != 1 or not all(t.is_contiguous() for t in tensors) or n == 0 \
-            or not gemv_wins(m, n, k, planes.shape[-3], x.device.index):
+            or not gemv_wins(m, n, k, planes.shape[-3], x.device.index, x.dtype):
         return (*tensors, None, None, 0, n)  # not for the fast path: the op serves it
 
     call = ctypes.create_string_buffer(_CALL_SIZE)
@@ -437,20 +437,21 @@ def linear_fast(module, x: torch.Tensor):
     return out
 
 
-def _install_fast_path() -> None:
-    from ..nn import linear as _linear
-
-    _linear._fast_linear = linear_fast if _HAS_FAST else None
-
-
-_install_fast_path()
+if _HAS_FAST:
+    _ops.register_eager_mm(linear_fast)
 
 
 # ---------------------------------------------------------------------------- grouped_mm
 
+# Rows (token, expert pairs) up to which the grouped GEMV serves each row on its own (per-row
+# mode, no sort: decode); above, rows grouped by expert decode each weight tile once for up to
+# 32 rows of its expert. Experts layers read it to sort once for both projections.
+GROUP_ROWS_ABOVE = 64
+_ops.register_group_rows_above("cuda", GROUP_ROWS_ABOVE)
+
 @torch.library.impl(_ops._lib, "grouped_mm", "CUDA")
 def _grouped_mm_cuda(x, expert_ids, planes, block_scales, row_scales, codebook, in_features, order=None, offsets=None):
-    """Rows up to ``_ops.GROUP_ROWS_ABOVE``: each row its expert's GEMV (decode, no sort);
+    """Rows up to ``GROUP_ROWS_ABOVE``: each row its expert's GEMV (decode, no sort);
     beyond it the rows grouped by expert on the device, so that a weight tile is decoded once
     for up to 32 rows of its expert (``order``/``offsets`` when given, else sorted here)."""
     _ops._check_mm_input(x, in_features)
@@ -472,7 +473,7 @@ def _grouped_mm_cuda(x, expert_ids, planes, block_scales, row_scales, codebook, 
     ids = expert_ids.to(torch.int64).contiguous()
     planes, block_scales = planes.contiguous(), block_scales.contiguous()
     row_scales, codebook = row_scales.contiguous(), codebook.contiguous()
-    if s <= _ops.GROUP_ROWS_ABOVE:
+    if s <= GROUP_ROWS_ABOVE:
         ids_ptr, order_ptr, offsets_ptr = ids.data_ptr(), None, None
     else:
         if order is None:

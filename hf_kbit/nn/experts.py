@@ -312,7 +312,7 @@ class KbitExperts(KbitModule):
         expert_ids = top_k_index.reshape(-1)
         # Many rows: group them by expert once, for both projections (few rows: none needed).
         routing = ()
-        if expert_ids.shape[0] > _ops.GROUP_ROWS_ABOVE:
+        if expert_ids.shape[0] > _ops.GROUP_ROWS_ABOVE.get(expert_ids.device.type, 0):
             routing = _ops.expert_offsets(expert_ids, self.num_experts)
         x = hidden_states.repeat_interleave(top_k, dim=0)
         h = self._apply_gate(self._project("gate_up_proj", x, expert_ids, routing))

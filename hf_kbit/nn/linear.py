@@ -9,13 +9,11 @@ import weakref
 import torch
 from torch import nn
 
-from .. import _ops  # noqa: F401  (registers torch.ops.kbit)
-from .. import fitting
+from .. import _ops, fitting
 from .. import format as fmt
 
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-_fast_linear = None  # hf_kbit.backends.cuda.linear_fast once the CUDA library loads
 FORMAT_TENSORS = ("planes", "block_scales", "row_scales", "codebook")
 ROW_TENSORS = FORMAT_TENSORS[:3]  # one entry per output row (or row tile); the codebook is the layer's
 
@@ -186,8 +184,9 @@ class KbitLinear(KbitModule):
 def packed_matmul(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``x @ W.T`` for a module holding format tensors (KbitLinear, KbitFusedProjections), no bias."""
     out = None
-    if _fast_linear is not None and not torch.compiler.is_compiling():
-        out = _fast_linear(module, x)  # eager CUDA: lean launch (fp16/bf16 only), None where the op must serve
+    fast = _ops.eager_mm
+    if fast is not None and not torch.compiler.is_compiling():
+        out = fast(module, x)  # a backend's eager shortcut (CUDA: one lean launch), None where the op must serve
     if out is None:
         if x.dtype not in COMPUTE_DTYPES:
             raise TypeError(f"KbitLinear input must be one of {COMPUTE_DTYPES}, got {x.dtype}")

@@ -1,4 +1,4 @@
-"""GPU tests: ``kbit::decode_attention`` (hf_kbit.attention's Triton kernel) against the reference.
+"""GPU tests: ``kbit::decode_attention`` (hf_kbit/backends/triton_kernels.py) against the reference.
 
 The reference is ``packed_sdpa`` (scaled_dot_product_attention on the packed query) in float32 on
 the same inputs; the CPU tests hold ``packed_sdpa`` to transformers' own sdpa attention.
@@ -10,13 +10,15 @@ import pytest
 import torch
 from tiny_models import tiny_dense_model
 
+import importlib.util
+
 import hf_kbit  # noqa: F401  (registers kbit_decode)
-from hf_kbit import attention
+from hf_kbit import _ops, attention
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(not attention._HAS_TRITON, reason="needs Triton"),
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton"),
 ]
 
 DEVICE = "cuda"
@@ -116,12 +118,12 @@ def test_generate_matches_sdpa(compiled):
     torch._dynamo.reset()
     model.set_attn_implementation("kbit_decode")
     calls = []
-    original = attention.packed_sdpa
-    attention.packed_sdpa = lambda *a: calls.append(1) or original(*a)  # the kernel must serve decode, not this
+    original = _ops.packed_sdpa  # the op's reference, which the CUDA implementation falls back to
+    _ops.packed_sdpa = attention.packed_sdpa = lambda *a: calls.append(1) or original(*a)  # the kernel must serve
     try:
         tokens, logits = greedy(model, ids, compiled)
     finally:
-        attention.packed_sdpa = original
+        _ops.packed_sdpa = attention.packed_sdpa = original
         torch._dynamo.reset()
     assert not calls
     assert torch.equal(tokens, ref_tokens)

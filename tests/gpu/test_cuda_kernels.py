@@ -18,6 +18,7 @@ import torch
 import hf_kbit
 from hf_kbit import _lib
 from hf_kbit import format as fmt
+from kernel_cases import bits_cases, table_cases
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,8 +26,6 @@ pytestmark = [
     pytest.mark.skipif(not _lib.available(), reason="needs the compiled kbit CUDA library (libhf_kbit_cuda.so)"),
 ]
 
-BITS = fmt.SUPPORTED_BITS
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 MS = (1, 2, 3, 4, 5, 8, 15, 16, 17, 32, 64, 65, 256, 1024)
 # (N, K): odd sizes, partial tiles and blocks; (40, 8200) forces split-K in the GEMV.
 MM_SHAPES = [(257, 515), (40, 8200), (1000, 333)]
@@ -60,8 +59,7 @@ def packed_reference(n: int, k: int, bits: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("shape", QUANT_SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+@pytest.mark.parametrize("bits,wdtype", table_cases("quantize"))
 def test_quantize_bit_exact(bits, wdtype, shape):
     g = torch.Generator().manual_seed(bits * 100 + len(shape))
     w = (torch.randn(*shape, generator=g) * torch.rand(*shape[:-1], 1, generator=g).add(1e-3)).to(wdtype)
@@ -88,7 +86,7 @@ def test_quantize_extreme_magnitudes():
         assert torch.equal(o.cpu(), r)
 
 
-@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+@pytest.mark.parametrize("bits", bits_cases("quantize"))
 def test_quantize_float32_edges(bits):
     """Row scales clamped to ROW_SCALE_MAX (a weight at float32's max) and blocks whose ratio
     underflows to 0 (code raised to 1): bit-exact, and the GPU dequantize stays finite."""
@@ -110,9 +108,8 @@ def test_quantize_float32_edges(bits):
 # ---------------------------------------------------------------------------- dequantize
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("shape", [(257, 515), (16, 128), (5, 33)], ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+@pytest.mark.parametrize("bits,dtype", table_cases("dequantize"))
 def test_dequantize_bit_exact(bits, shape, dtype):
     n, k = shape
     (planes, scales, rs, cb), _ = packed_reference(n, k, bits)
@@ -138,8 +135,7 @@ def test_dequantize_experts_per_expert_codebook():
 
 @pytest.mark.parametrize("m", MS, ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("shape", MM_SHAPES, ids=lambda s: f"N{s[0]}K{s[1]}")
-@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+@pytest.mark.parametrize("bits,dtype", table_cases("gemv"))
 def test_mm_matches_reference(bits, dtype, shape, m):
     n, k = shape
     (planes, scales, rs, cb), wq = packed_reference(n, k, bits)
@@ -203,8 +199,7 @@ def gpu_packed(n: int, k: int, bits: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("case", GEMV_PLAN_CASES, ids=lambda c: f"N{c[0]}K{c[1]}M{c[2]}")
-@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+@pytest.mark.parametrize("bits,dtype", table_cases("gemv"))
 def test_gemv_plan_modes_match_reference(bits, dtype, case):
     """Every GEMV plan mode (balanced, balanced cluster split-K, cluster split-K, workspace split-K)
     against the reference."""
@@ -259,9 +254,8 @@ def test_gemv_plans_keep_workspace_split_k():
 
 @pytest.mark.parametrize("m", PATH_MS, ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("shape", MM_SHAPES + [(4100, 264)], ids=lambda s: f"N{s[0]}K{s[1]}")
-@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
-@pytest.mark.parametrize("path", ["gemv", "gemm"])
+@pytest.mark.parametrize("path,bits,dtype", [pytest.param(path, *case.values, id=f"{path}-{case.id}")
+                                             for path in ("gemv", "gemm") for case in table_cases(path)])
 def test_each_kernel_path_matches_reference(path, bits, dtype, shape, m):
     """Every kernel path at every M it can serve, whatever the dispatch picks (the crossovers
     move with measurements); (4100, 264): many row blocks, K % 8 == 0 (16-byte x copies)."""
@@ -321,7 +315,7 @@ def test_mma_gemm_kernel_matches_reference_when_forced():
     """)
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, HF_KBIT_GEMM_KERNEL="mma")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(root)) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(root), str(root / "tests")) if p)
     res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr
 
@@ -476,7 +470,7 @@ def test_kbit_linear_from_linear_quantizes_on_gpu_like_reference():
 # ---------------------------------------------------------------------------- sanitizer smoke set
 
 
-@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+@pytest.mark.parametrize("bits", bits_cases("gemv"))
 def test_smoke_all_kernels(bits):
     """Small representative set, also run under compute-sanitizer memcheck (run_gpu_tests.sh)."""
     n, k = 37, 1000
@@ -495,7 +489,7 @@ def test_smoke_all_kernels(bits):
 
 
 @pytest.mark.parametrize("m", [1, 3, 8, 16])
-@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+@pytest.mark.parametrize("bits", bits_cases("gemv"))
 @pytest.mark.parametrize("shape", [(257, 515), (40, 8200)], ids=lambda s: "N%dK%d" % s)
 def test_kbit_linear_eager_fast_path_equals_op(shape, bits, m):
     """KbitLinear.forward's eager fast path (cached call record) gives the op's result."""
@@ -602,3 +596,26 @@ def test_kbit_linear_fast_path_cuda_graph_capture():
     torch.cuda.synchronize()
     with torch.inference_mode():
         assert torch.equal(captured, layer(x))
+
+
+# ---------------------------------------------------------------------------- the path planner
+
+
+@pytest.mark.parametrize("bits,dtype", table_cases("gemv"))
+def test_planner_follows_crossovers_json(bits, dtype):
+    """kbit_mm_plan, the one planner, takes its paths from hf_kbit/backends/crossovers.json; float32
+    x (no GEMV or GEMM in the kernel table) always dequantizes."""
+    from hf_kbit.backends import crossovers
+    from hf_kbit.backends import cuda as backend
+
+    device = torch.cuda.current_device()
+    gemm_kernel = backend.mm_plan(1, 4096, 4096, bits, device, dtype)[1]
+    gemv_max_m, classes = crossovers.read()[gemm_kernel][bits]
+    for n, k in [(14336, 4096), (5120, 2048), (512, 2048)]:
+        gemm_max_m = next(m for w, m in classes if n * k >= w)
+        for m in (1, gemv_max_m, gemv_max_m + 1, gemm_max_m, gemm_max_m + 1, 4096):
+            path, kernel, ws = backend.mm_plan(m, n, k, bits, device, dtype)
+            expected = "gemv" if m <= min(gemv_max_m, backend.GEMV_MAX_M) else "gemm" if m <= gemm_max_m else "dequant"
+            assert (path, kernel) == (expected, gemm_kernel), (n, k, m)
+            assert ws >= 0
+        assert backend.mm_plan(1, n, k, bits, device, torch.float32)[0] == "dequant"

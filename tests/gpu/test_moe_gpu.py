@@ -30,6 +30,7 @@ from hf_kbit import format as fmt
 from hf_kbit.nn import KbitExperts, KbitLinear
 from hf_kbit.nn.experts import PROJECTIONS
 
+from kernel_cases import bits_cases, table_cases
 from test_cuda_kernels import capture_graph
 
 pytestmark = [
@@ -41,8 +42,6 @@ transformers.utils.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()
 
 DEVICE = "cuda"
-BITS = fmt.SUPPORTED_BITS
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 HIDDEN, NUM_EXPERTS, TOP_K = 96, 8, 2
 _COMMON = dict(
@@ -309,8 +308,7 @@ GROUPED_ROWS = (1, 5, 64, 300, 2050)
 
 @pytest.mark.parametrize("rows", GROUPED_ROWS, ids=lambda s: f"S{s}")
 @pytest.mark.parametrize("shape", GROUPED_SHAPES, ids=lambda s: "E{}N{}K{}".format(*s))
-@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+@pytest.mark.parametrize("bits,dtype", table_cases("grouped_gemv"))
 def test_grouped_mm_on_cuda_equals_reference(bits, dtype, shape, rows):
     num_experts, n, k = shape
     packed = _packed_experts(num_experts, n, k, bits)
@@ -323,7 +321,7 @@ def test_grouped_mm_on_cuda_equals_reference(bits, dtype, shape, rows):
 
 
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
-@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+@pytest.mark.parametrize("bits", bits_cases("grouped_gemv"))
 def test_grouped_mm_on_cuda_per_expert_codebook(bits, ids_dtype):
     num_experts, n, k = 4, 48, 300
     packed = _packed_experts(num_experts, n, k, bits, per_expert_codebook=True)

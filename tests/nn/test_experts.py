@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 import hf_kbit
 from hf_kbit import format as fmt
 from hf_kbit.checkpoint import KbitCheckpointError
+from hf_kbit.kernel_table import SUPPORTED_BITS
 from hf_kbit.nn import KbitExperts, KbitLinear
 from hf_kbit.nn.experts import PROJECTIONS, fused_experts_layout
 
@@ -225,8 +226,8 @@ def test_detects_fused_experts_by_parameters(family):
             assert fused_experts_layout(module, name) is None, name
 
 
-# 40 tokens x top-2 = 80 rows > _ops.GROUP_ROWS_ABOVE: the layer sorts the rows once and hands
-# the routing to both grouped_mm calls.
+# 40 tokens x top-2 = 80 rows > the CUDA backend's GROUP_ROWS_ABOVE: there the layer sorts the rows
+# once and hands the routing to both grouped_mm calls.
 @pytest.mark.parametrize("num_tokens", [9, 40], ids=lambda t: f"T{t}")
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_module_equals_models_experts_with_dequantized_weights(family, num_tokens):
@@ -246,8 +247,9 @@ def test_module_equals_models_experts_with_dequantized_weights(family, num_token
 
 @pytest.mark.parametrize("num_tokens, sorts", [(20, 0), (40, 1)], ids=["40-rows", "80-rows"])
 def test_module_sorts_rows_once_for_both_projections(num_tokens, sorts, monkeypatch):
-    """Above GROUP_ROWS_ABOVE rows the layer groups them by expert once (not once per projection);
-    at or below it, not at all (a kernel may serve each row on its own)."""
+    """Above the rows a backend registers (_ops.GROUP_ROWS_ABOVE, by device type) the layer groups them
+    by expert once (not once per projection); at or below it, not at all (a kernel may serve each row
+    on its own). With no threshold registered (the reference), always once."""
     from hf_kbit import _ops
 
     name, experts = _float_experts("qwen3_moe")
@@ -259,14 +261,16 @@ def test_module_sorts_rows_once_for_both_projections(num_tokens, sorts, monkeypa
     calls = []
     original = _ops.expert_offsets
     monkeypatch.setattr(_ops, "expert_offsets", lambda *a: calls.append(a) or original(*a))
-    monkeypatch.setattr(_ops, "GROUP_ROWS_ABOVE", 64)
+    assert torch.equal(kbit(x, index, weights), expected) and len(calls) == 1
+    calls.clear()
+    monkeypatch.setitem(_ops.GROUP_ROWS_ABOVE, "cpu", 64)
     out = kbit(x, index, weights)
     # The reference op sorts by itself when it gets no routing: 2 calls without the layer's.
     assert len(calls) == (1 if sorts else 2)
     assert torch.equal(out, expected)
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4, 5], ids=lambda b: f"k{b}")
+@pytest.mark.parametrize("bits", SUPPORTED_BITS, ids=lambda b: f"k{b}")
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_module_quantization_error(family, bits):
     name, experts = _float_experts(family)
