@@ -734,24 +734,15 @@ def _download(repo_id: str, revision: str | None) -> Path:
 
 
 def _dequantize_gguf(path: Path, workdir: Path) -> Path:
-    """GGUF -> a plain Hugging Face folder (transformers dequantizes; the whole model is in memory here)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """GGUF -> a plain Hugging Face folder (hf_kbit.gguf; the whole model is in memory meanwhile)."""
+    from .gguf import save_gguf_as_folder
 
-    out = workdir / "gguf-dequantized"
     try:
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=False)
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=False)
+        return save_gguf_as_folder(path, workdir / "gguf-dequantized")
     except ImportError as e:
         raise ConversionError(f"reading GGUF needs the gguf package: `pip install gguf` ({e})") from None
     except (ValueError, KeyError, RuntimeError) as e:
         raise ConversionError(f"{path}: transformers cannot load this GGUF file ({e})") from None
-    quantizer = getattr(model, "hf_quantizer", None)
-    if quantizer is not None:  # transformers >= 5.2x loads GGUF through a (dequantizing) quantizer
-        quantizer.remove_quantization_config(model)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    del model
-    return out
 
 
 # ---------------------------------------------------------------------------- convert
