@@ -50,6 +50,7 @@ from ._paths import (  # noqa: F401 -- ConversionError, OutputConflictError and 
     weight_files,
 )
 from .config import KbitConfig
+from .hub import format_bytes
 from .nn.experts import PROJECTIONS as EXPERT_PROJECTIONS
 from .nn.experts import ExpertsLayout, KbitExperts
 from .nn.linear import FORMAT_TENSORS
@@ -1112,14 +1113,6 @@ def _python_call(model, out, cfg: KbitConfig) -> str:
 def command_line(argv: Sequence[str]) -> str:
     """The command as typed, for the card (argv[0] shortened to the program name)."""
     return shlex.join(["kbit-convert", *argv])
-
-
-def format_bytes(nbytes: int) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if nbytes < 1000 or unit == "TB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
-        nbytes /= 1000
-    raise AssertionError
 
 
 # ---------------------------------------------------------------------------- eval

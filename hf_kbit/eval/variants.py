@@ -176,7 +176,7 @@ def quantizable_linears(model) -> list[str]:
     from torch import nn
     from transformers.quantizers.base import HfQuantizer
 
-    from hf_kbit.nn.replace import should_convert, tied_modules
+    from hf_kbit.nn.selection import should_convert, tied_modules
 
     skip = HfQuantizer.get_modules_to_not_convert(
         model, None, getattr(model, "_keep_in_fp32_modules", None), add_default_skips=True
