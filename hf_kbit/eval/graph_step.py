@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from .breakdown import kbit_call_order, kernel_breakdown
-from .timing import GreedyDecodeStep, random_prompt, wall_clock_step_seconds
+from .timing import GreedyDecodeStep, prefilled_step, wall_clock_step_seconds
 
 _GRAPH_SUBMIT_SPIN_CYCLES = 50_000_000  # about 25 ms at 2 GHz, longer than submitting a replay of 16 steps
 
@@ -108,18 +108,9 @@ def _profile_replay(step: GreedyDecodeStep, graph) -> list[tuple[str, float, flo
     return kernels
 
 
-def measure_graph_step(
-    model,
-    batch: int,
-    prompt_len: int,
-    new_tokens: int,
-    device: str,
-    repeats: int = 3,
-    steps_per_graph: int = 16,
-    warmup: int = 2,
-    breakdown: bool = False,
-    fusion_pass: bool = False,
-) -> dict[str, Any]:
+def measure_graph_step(model, batch: int, prompt_len: int, new_tokens: int, device: str, repeats: int = 3,
+                       steps_per_graph: int = 16, warmup: int = 2, breakdown: bool = False,
+                       fusion_pass: bool = False) -> dict[str, Any]:
     """Device time of one greedy decode step (``batch`` sequences, one token each), without ``generate``'s host work.
 
     A ``GreedyDecodeStep`` over a StaticCache of ``prompt_len + new_tokens`` positions, prefilled with a
@@ -139,11 +130,8 @@ def measure_graph_step(
         raise ValueError(f"steps_per_graph must be >= 1, got {steps_per_graph}")
     if new_tokens < 1:
         raise ValueError(f"new_tokens must be >= 1 to time a decode step, got {new_tokens}")
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
     steps = min(steps_per_graph, new_tokens)  # positions prompt_len..prompt_len+steps-1 stay inside the cache
-    ids = random_prompt(model.config.get_text_config().vocab_size, batch, prompt_len, device)
-    step = GreedyDecodeStep(model, ids, prompt_len + new_tokens)
+    step = prefilled_step(model, batch, prompt_len, new_tokens, device, repeats)
     matches = None
     calls = kbit_call_order(step) if breakdown else None  # eager, before the forward is compiled
     kernels = None

@@ -110,9 +110,8 @@ def resolve_model(spec: str) -> tuple[Path, dict[str, Any]]:
     if path.is_file() and path.suffix == ".gguf":
         key = f"{path.stem}-{path.stat().st_size}"
         folder = gguf_to_hf_folder(path.resolve(), cache_dir() / "models" / "gguf" / key)
-        return folder, {
-            "name": path.stem, "spec": path.name, "slug": path.stem, "source": "GGUF file, dequantized to bf16 (weights on GGUF grids)"
-        }
+        source = "GGUF file, dequantized to bf16 (weights on GGUF grids)"
+        return folder, {"name": path.stem, "spec": path.name, "slug": path.stem, "source": source}
     if path.is_dir() and (path / "config.json").exists():
         return path, {"name": path.name, "spec": path.name, "slug": path.name, "source": "transformers folder"}
     raise FileNotFoundError(

@@ -172,7 +172,7 @@ class GreedyDecodeStep:
             raise ValueError(
                 f"max_cache_len must exceed prompt_len ({prompt_len}) to leave room to decode, got {max_cache_len}"
             )
-        self.model, self.max_cache_len, self.start = model, max_cache_len, prompt_len
+        self.model, self.prompt, self.max_cache_len, self.start = model, prompt, max_cache_len, prompt_len
         self.cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
         # transformers >= 5.24 names the forward's cache argument `cache` (`past_key_values` warns, until 5.40)
         self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -230,6 +230,15 @@ class GreedyDecodeStep:
         return torch.cat(out, dim=1)
 
 
+def prefilled_step(model, batch: int, prompt_len: int, new_tokens: int, device: str, repeats: int) -> GreedyDecodeStep:
+    """A GreedyDecodeStep prefilled with a random prompt ``[batch, prompt_len]``, its cache long enough for
+    ``new_tokens`` more; checks ``repeats`` (the timed runs that will use it) first."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    prompt = random_prompt(model.config.get_text_config().vocab_size, batch, prompt_len, device)
+    return GreedyDecodeStep(model, prompt, prompt_len + new_tokens)
+
+
 def wall_clock_step_seconds(step: GreedyDecodeStep, steps: int, repeats: int, warmup: int, device: str) -> float:
     """Median wall-clock seconds per step of ``steps`` chained calls from the rewound state, the host synced with
     ``device`` before the first call and after the last only."""
@@ -250,16 +259,8 @@ def wall_clock_step_seconds(step: GreedyDecodeStep, steps: int, repeats: int, wa
 
 
 
-def measure_decode_loop(
-    model,
-    batch: int,
-    prompt_len: int,
-    new_tokens: int,
-    device: str,
-    repeats: int = 3,
-    warmup: int = 2,
-    fusion_pass: bool = False,
-) -> dict[str, Any]:
+def measure_decode_loop(model, batch: int, prompt_len: int, new_tokens: int, device: str, repeats: int = 3,
+                        warmup: int = 2, fusion_pass: bool = False) -> dict[str, Any]:
     """Wall-clock tokens/s of a greedy decode loop that the host drives one token at a time, with no sync per token.
 
     A ``GreedyDecodeStep`` over a StaticCache of ``prompt_len + new_tokens`` positions, prefilled with a random
@@ -278,11 +279,9 @@ def measure_decode_loop(
 
     if new_tokens < 2:
         raise ValueError(f"new_tokens must be >= 2 to time a decode loop, got {new_tokens}")
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
     steps = new_tokens - 1
-    prompt = random_prompt(model.config.get_text_config().vocab_size, batch, prompt_len, device)
-    step = GreedyDecodeStep(model, prompt, prompt_len + new_tokens)
+    step = prefilled_step(model, batch, prompt_len, new_tokens, device, repeats)
+    prompt = step.prompt
     if device.startswith("cuda"):
         if fusion_pass:
             from hf_kbit import fusion
