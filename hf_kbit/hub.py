@@ -20,6 +20,15 @@ TEMPLATE_NAME = "kbit_model_card.md"
 _TEMPLATE_DIRS = (Path(__file__).parent / "model_cards", Path(__file__).resolve().parent.parent / "model_cards")
 
 
+def format_bytes(nbytes: int) -> str:
+    """A size for people: ``1.50 GB`` (powers of 1000)."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if nbytes < 1000 or unit == "TB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1000
+    raise AssertionError
+
+
 class PushError(RuntimeError):
     """Pushing to the Hub failed; the local output is intact and the message says how to retry."""
 
@@ -76,8 +85,6 @@ def render_card(
 ):
     """The model card (``huggingface_hub.ModelCard``) of a converted checkpoint."""
     from huggingface_hub import ModelCard, ModelCardData
-
-    from .convert import format_bytes
 
     cfg = plan.kbit_config
     bits_values = sorted(stats["quantized_by_bits"])

@@ -79,9 +79,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _eval_common as common  # noqa: E402
+from hf_kbit.eval.breakdown import kbit_module_summary, kernel_breakdown_table
+from hf_kbit.eval.graph_step import measure_graph_step
+from hf_kbit.eval.models import ATTENTIONS, check_attention, dtype_name, pick_device, pick_dtype
+from hf_kbit.eval.report import command_line, environment, format_table, parse_bits, write_json
+from hf_kbit.eval.timing import measure_decode_loop, measure_speed
+from hf_kbit.eval.variants import kbit_summary
 
 SCHEMA = "hf_kbit.bench_generate/1"
 
@@ -253,7 +256,7 @@ def settings(
                          f"the decode loop or generate()'s compile, got device {device!r}, graph step "
                          f"{'on' if graph_step else 'off'}, decode loop {'on' if decode_loop else 'off'}, "
                          f"compile {'on' if static_compile else 'off'}")
-    common.check_attention(attention)
+    check_attention(attention)
     config = make_config(preset, layers)
     return {
         "schema": SCHEMA,
@@ -264,7 +267,7 @@ def settings(
         "random_weights": True,
         "variants": list(variants),
         "device": device,
-        "compute_dtype": common.dtype_name(dtype),
+        "compute_dtype": dtype_name(dtype),
         "static_cache_and_compile": static_compile,
         "lm_head_quantized": quantize_lm_head,
         "fused_projections": fuse_projections,  # q/k/v and gate/up as one kbit launch each
@@ -277,7 +280,7 @@ def settings(
         "inductor_pdl": getattr(inductor_config.triton, "enable_pdl", None),
         "graph_step": None if not graph_step else {
             "timing": "cuda_graph_events" if cuda else "eager_wall_clock",
-            "submission_hidden": cuda,  # replays start on a busy GPU (_eval_common)
+            "submission_hidden": cuda,  # replays start on a busy GPU (hf_kbit.eval.graph_step)
             "compiled": cuda,
             "steps_per_graph": min(steps_per_graph, new_tokens),
             "kernel_breakdown": kernel_breakdown,
@@ -376,12 +379,12 @@ def run(
             info.update({"bits_per_weight": 16.0, "quantized_fraction": 0.0})
         else:
             model = quantize(model, bits, lm_head=head["lm_head_quantized"], fuse_projections=head["fused_projections"])
-            info.update(common.kbit_summary(model))
+            info.update(kbit_summary(model))
         info["unquantized_expert_params"] = unquantized_expert_params(model) if bits is not None else None
         info["setup_seconds"] = round(time.perf_counter() - start, 1)
         rows = []
         for batch in setup["batch_sizes"]:
-            s = common.measure_speed(model, batch, prompt_len, new_tokens, device, static_compile, repeats,
+            s = measure_speed(model, batch, prompt_len, new_tokens, device, static_compile, repeats,
                                      fusion_pass=head["fusion_pass"])
             rows.append({**info, **s})
             log(f"{variant:>6} batch {batch}: decode {s['decode_tok_s']:.1f} tok/s "
@@ -394,7 +397,7 @@ def run(
             keys = ("graph_step_ms", "graph_decode_tok_s", "graph_replay_tokens_match", "graph_kernel_breakdown")
             g = dict.fromkeys(keys)
             if graph:
-                g = common.measure_graph_step(
+                g = measure_graph_step(
                     model, r["batch"], prompt_len, new_tokens, device, repeats, graph["steps_per_graph"],
                     breakdown=graph["kernel_breakdown"], fusion_pass=head["fusion_pass"],
                 )
@@ -405,7 +408,7 @@ def run(
             loop = dict.fromkeys(keys)
             if head["decode_loop"]:
                 reset_compiled(model)  # the loop compiles the forward once more: stay clear of the recompile limit
-                loop = common.measure_decode_loop(model, r["batch"], prompt_len, new_tokens, device, repeats,
+                loop = measure_decode_loop(model, r["batch"], prompt_len, new_tokens, device, repeats,
                                                   fusion_pass=head["fusion_pass"])
                 log(f"{variant:>6} batch {r['batch']}: decode loop {loop['loop_step_ms']:.2f} ms "
                     f"({loop['loop_decode_tok_s']:.1f} tok/s), tokens at the eager argmax "
@@ -465,7 +468,7 @@ def render_table(payload: dict[str, Any]) -> str:
     headers = ["variant", "bits/weight", "batch", "decode tok/s", "ms/step", "decode x bf16",
                "graph tok/s", "graph ms/step", "graph x bf16", "loop tok/s", "loop ms/step", "loop x bf16",
                "prefill tok/s"]
-    return common.format_table(headers, rows)
+    return format_table(headers, rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -497,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="CUDA: compile the decode steps (generate()'s, the graph step's, the loop's) with "
                              "hf_kbit.fusion's pass (norms and SiLU-mul into the kbit GEMVs; single-token calls, "
                              "i.e. batch 1)")
-    parser.add_argument("--attention", default="sdpa", choices=common.ATTENTIONS,
+    parser.add_argument("--attention", default="sdpa", choices=ATTENTIONS,
                         help="attention of every variant: transformers' sdpa (default) or hf_kbit's single-token "
                              "grouped-query kbit_decode")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
@@ -509,11 +512,11 @@ def main(argv: list[str] | None = None) -> int:
                              "measure the others")
     args = parser.parse_args(argv)
 
-    bits_list = common.parse_bits(args.bits)
+    bits_list = parse_bits(args.bits)
     batch_sizes = tuple(int(b) for b in args.batch_sizes.split(","))
     make_config(args.preset, args.layers)  # validate before touching the device
-    device = common.pick_device(args.device)
-    dtype = common.pick_dtype(args.dtype, device)
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
     options = dict(
         layers=args.layers, batch_sizes=batch_sizes, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
         repeats=args.repeats, static_compile=False if args.no_compile else None,
@@ -525,18 +528,18 @@ def main(argv: list[str] | None = None) -> int:
     head = "_lmhead" if args.quantize_lm_head else ""
     attention = "" if args.attention == "sdpa" else f"_{args.attention}"
     out = args.out or f"results/bench_generate_{args.preset}_{device.split(':')[0]}{head}{attention}.json"
-    environment = common.environment()
+    machine = environment()
     kept = None
     if args.resume:
         names = [variant_name(b) for b in variant_bits(bits_list, not args.no_bf16)]
         expected = settings(args.preset, names, device, dtype, **options)
-        kept = resumable_results(out, expected, environment.get("gpu"))
+        kept = resumable_results(out, expected, machine.get("gpu"))
 
     def write(payload: dict[str, Any]) -> None:
         env = "TORCHINDUCTOR_ENABLE_PDL=1 " if payload["inductor_pdl"] else ""  # it changes what is timed
-        payload["command"] = env + common.command_line()
-        payload["environment"] = environment
-        common.write_json(out, payload)
+        payload["command"] = env + command_line()
+        payload["environment"] = machine
+        write_json(out, payload)
 
     payload = run(args.preset, bits_list, device, dtype, include_bf16=not args.no_bf16, kept=kept,
                   on_variant=write, **options)
@@ -553,11 +556,11 @@ def main(argv: list[str] | None = None) -> int:
         how = "compiled with CUDA graphs" if payload["decode_loop"]["compiled"] else "eager"
         print(f"decode loop: wall clock of {payload['decode_loop']['steps']} greedy steps, one host sync ({how})")
     print(render_table(payload))
-    if breakdown := common.kernel_breakdown_table(payload["results"]):
+    if breakdown := kernel_breakdown_table(payload["results"]):
         print("\ngraph step device time by kernel origin (one profiled replay, exposed microseconds per step)")
         print(breakdown)
         for r in payload["results"]:
-            if r.get("graph_kernel_breakdown") and (modules := common.kbit_module_summary(r["graph_kernel_breakdown"])):
+            if r.get("graph_kernel_breakdown") and (modules := kbit_module_summary(r["graph_kernel_breakdown"])):
                 print(f"{r['variant']} batch {r['batch']}, exposed us per call of each kbit module's kernel: {modules}")
     if payload["checks"]:
         print(f"\nacceptance (kbit4 batch 1 >= 2.5x bf16): {payload['checks']}")

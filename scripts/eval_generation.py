@@ -9,7 +9,7 @@ tokens. On CUDA the timing uses a static KV cache, so transformers compiles the 
 speeds only show that the pipeline works. ``--attention kbit_decode`` builds every variant, bf16
 too, with hf_kbit.attention's single-token grouped-query attention instead of transformers' sdpa.
 
-Beside generate()'s decode tokens/s each batch size also gets the decode loop's (``_eval_common.
+Beside generate()'s decode tokens/s each batch size also gets the decode loop's (``hf_kbit.eval.timing.
 measure_decode_loop``, as in ``bench_generate.py``): the host drives greedy steps one token at a time
 through the decode step compiled as generate() compiles it (CUDA), feeds the argmax back on the device
 and syncs once after the last step, where generate() syncs every token. It is the reading a serving
@@ -31,9 +31,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _eval_common as common  # noqa: E402
+from hf_kbit.eval.models import ATTENTIONS, dtype_name, load_bits_variant, pick_device, pick_dtype, resolve_model
+from hf_kbit.eval.report import command_line, environment, format_table, parse_bits, write_json
+from hf_kbit.eval.timing import measure_decode_loop, measure_speed
 
 SCHEMA = "hf_kbit.eval_generation/1"
 
@@ -127,17 +127,17 @@ def run(
     static_compile = device.startswith("cuda")
     variants = []
     for bits in ([None] if include_bf16 else []) + list(bits_list):
-        model, info = common.load_variant(folder, bits, device, dtype, attention=attention)
+        model, info = load_bits_variant(folder, bits, device, dtype, attention=attention)
         start = time.perf_counter()
         generations = generate_texts(model, tokenizer, prompts, max_new_tokens, use_chat, seed)
         info["generation_seconds"] = round(time.perf_counter() - start, 2)
         speed = []
         for batch in batch_sizes:
-            s = common.measure_speed(model, batch, prompt_len, speed_new_tokens, device, static_compile, repeats)
+            s = measure_speed(model, batch, prompt_len, speed_new_tokens, device, static_compile, repeats)
             line = (f"{info['variant']:>6} batch {batch}: prefill {s['prefill_tok_s']:.1f} tok/s, "
                     f"decode {s['decode_tok_s']:.1f} tok/s")
             if decode_loop:
-                s.update(common.measure_decode_loop(model, batch, prompt_len, speed_new_tokens, device, repeats))
+                s.update(measure_decode_loop(model, batch, prompt_len, speed_new_tokens, device, repeats))
                 line += (f", decode loop {s['loop_decode_tok_s']:.1f} tok/s (tokens at the eager argmax "
                          f"{s['loop_tokens_argmax_match']:.0%})")
             speed.append(s)
@@ -156,7 +156,7 @@ def run(
         "schema": SCHEMA,
         "model": model_info,
         "device": device,
-        "compute_dtype": common.dtype_name(dtype),
+        "compute_dtype": dtype_name(dtype),
         "attention": attention,  # transformers attention implementation of every variant
         "chat_template": use_chat,
         "max_new_tokens": max_new_tokens,
@@ -197,7 +197,7 @@ def speed_table(payload: dict[str, Any]) -> str:
     ]
     headers = ["variant", "bits/weight", "batch", "prefill tok/s", "decode tok/s", "decode x bf16"]
     headers += ["loop tok/s", "loop x bf16"] if loop else []
-    return common.format_table(headers, rows)
+    return format_table(headers, rows)
 
 
 def render_markdown(payload: dict[str, Any]) -> str:
@@ -211,7 +211,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
         )
         parts += [f"**{setup}**, up to {payload['max_new_tokens']} new tokens", ""]
         rows = [[p] + [v["generations"][i][mode] for v in payload["variants"]] for i, p in enumerate(payload["prompts"])]
-        parts += [common.format_table(["prompt", *names], rows), ""]
+        parts += [format_table(["prompt", *names], rows), ""]
     sp = payload["speed_setup"]
     how = "static KV cache + torch.compile" if sp["static_cache_and_compile"] else "eager, dynamic cache"
     if payload.get("attention", "sdpa") != "sdpa":
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens in the speed runs (default 128)")
     parser.add_argument("--speed-new-tokens", type=int, default=64, help="new tokens per speed run (default 64)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement, median reported")
-    parser.add_argument("--attention", default="sdpa", choices=common.ATTENTIONS,
+    parser.add_argument("--attention", default="sdpa", choices=ATTENTIONS,
                         help="attention of every variant: transformers' sdpa (default) or hf_kbit's single-token "
                              "grouped-query kbit_decode")
     parser.add_argument("--decode-loop", choices=("auto", "on", "off"), default="auto",
@@ -259,23 +259,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="JSON path (default: results/generation_<model>.json)")
     args = parser.parse_args(argv)
 
-    bits_list = common.parse_bits(args.bits)
+    bits_list = parse_bits(args.bits)
     batch_sizes = tuple(int(b) for b in args.batch_sizes.split(","))
     if any(b < 1 for b in batch_sizes):
         raise ValueError(f"--batch-sizes must be positive integers, got {args.batch_sizes!r}")
-    device = common.pick_device(args.device)
-    dtype = common.pick_dtype(args.dtype, device)
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
     prompts = load_prompts(args.prompts)
-    folder, model_info = common.resolve_model(args.model)
+    folder, model_info = resolve_model(args.model)
     payload = run(
         folder, model_info, prompts, bits_list, device, dtype, args.max_new_tokens, args.chat, args.seed,
         batch_sizes, args.prompt_len, args.speed_new_tokens, args.repeats, include_bf16=not args.no_bf16,
         attention=args.attention, decode_loop=None if args.decode_loop == "auto" else args.decode_loop == "on",
     )
-    payload["command"] = common.command_line()
-    payload["environment"] = common.environment()
+    payload["command"] = command_line()
+    payload["environment"] = environment()
     out = Path(args.out or f"results/generation_{model_info['slug']}.json")
-    common.write_json(out, payload)
+    write_json(out, payload)
     out.with_suffix(".md").write_text(payload["markdown"], encoding="utf-8")
     print()
     print(speed_table(payload))

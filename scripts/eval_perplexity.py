@@ -35,9 +35,9 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _eval_common as common
+from hf_kbit.eval.corpus import load_corpus
+from hf_kbit.eval.models import pick_device, pick_dtype, resolve_model
+from hf_kbit.eval.report import command_line, environment, parse_bits, write_json
 
 
 def default_out(model_slug: str, corpus: str, lm_head: bool) -> str:
@@ -85,8 +85,8 @@ def variants_from_args(args) -> list:
             raise ValueError("--variants replaces --bits, --lm-head-bits and --no-bf16: list every variant in it "
                              "(bf16, kbit4, kbit4:lm_head_bits=5, ...)")
         return variants.parse_variants(args.variants)
-    bits = common.parse_bits(args.bits if args.bits is not None else "2,3,4,5")
-    lm_head_bits = common.parse_bits(args.lm_head_bits, "--lm-head-bits")
+    bits = parse_bits(args.bits if args.bits is not None else "2,3,4,5")
+    lm_head_bits = parse_bits(args.lm_head_bits, "--lm-head-bits")
     return variants.bits_variants(bits, lm_head_bits, bf16=not args.no_bf16)
 
 
@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     from hf_kbit.eval import anchors, harness, perplexity
 
     specs = variants_from_args(args)
-    device = common.pick_device(args.device)
-    dtype = common.pick_dtype(args.dtype, device)
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
     if args.batch_size == "auto":
         batch_size = 8 if device.startswith("cuda") else 1
     elif args.batch_size.isdigit() and int(args.batch_size) >= 1:
@@ -106,16 +106,16 @@ def main(argv: list[str] | None = None) -> int:
     perplexity.make_windows(max(args.window, 2), args.window, args.stride)  # validate before any download
     if any(s.method == "hqq" for s in specs):
         anchors.require_hqq()
-    corpus = common.load_corpus(args.corpus, args.austen_deb)
-    folder, model_info = common.resolve_model(args.model)
+    corpus = load_corpus(args.corpus, args.austen_deb)
+    folder, model_info = resolve_model(args.model)
     payload = harness.evaluate(
         folder, model_info, corpus, specs, args.window, args.stride, args.max_tokens, device, dtype,
         batch_size=batch_size, dequantize_on_cpu=not args.kbit_reference_forward,
     )
-    payload["command"] = common.command_line()
-    payload["environment"] = common.environment()
+    payload["command"] = command_line()
+    payload["environment"] = environment()
     out = args.out or default_out(model_info["slug"], args.corpus, any(s.lm_head_bits for s in specs))
-    common.write_json(out, payload)
+    write_json(out, payload)
     print()
     print(f"{model_info['name']} on {corpus.name}: {payload['tokenization']['n_tokens']} tokens, window {args.window}, "
           f"stride {args.stride} ({payload['windows']['count']} windows), {payload['compute_dtype']} on {device}")

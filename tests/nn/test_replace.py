@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_kbit.nn.replace import should_convert
+from hf_kbit.nn.selection import should_convert
 
 
 @pytest.mark.parametrize(

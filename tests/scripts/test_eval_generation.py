@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 
-import pytest
-import torch
-
 import bench_generate as bench
 import eval_generation as eg
+import pytest
+import torch
 
 SPEED_KEYS = {"batch", "prompt_len", "new_tokens", "prefill_tok_s", "decode_tok_s", "ms_per_decode_step", "compiled"}
 
@@ -83,10 +82,11 @@ def test_attention_builds_every_variant_with_it(tiny_folder, monkeypatch):
 
 
 def test_greedy_is_deterministic(tiny_folder):
-    import _eval_common as common
     from transformers import AutoTokenizer
 
-    model, _ = common.load_variant(tiny_folder, None, "cpu", torch.float32)
+    from hf_kbit.eval.models import load_bits_variant
+
+    model, _ = load_bits_variant(tiny_folder, None, "cpu", torch.float32)
     tok = AutoTokenizer.from_pretrained(tiny_folder)
     a = eg.generate_texts(model, tok, ["It is"], 5, chat=False, seed=3)
     b = eg.generate_texts(model, tok, ["It is"], 5, chat=False, seed=3)
@@ -135,15 +135,16 @@ def test_bench_plot_and_markdown(tmp_path):
 
 
 def test_bench_markdown_shows_the_kernel_breakdown():
-    import _eval_common as common
     import plot_results
+
+    from hf_kbit.eval.breakdown import kernel_breakdown
 
     payload = bench.run("tiny-llama", [4], "cpu", torch.bfloat16, layers=1, batch_sizes=(1,), prompt_len=4,
                         new_tokens=3, repeats=1, log=lambda *_: None)
     payload.update({"command": "python scripts/bench_generate.py", "_file": "b.json", "environment": {}})
     kernels = [("void kbit::gemv_kernel<4>", 0.0, 2400.0), ("nvjet_tst", 2400.0, 2780.0),
                ("triton_poi_fused_add_0", 2790.0, 3310.0)]
-    payload["results"][1]["graph_kernel_breakdown"] = common.kernel_breakdown(
+    payload["results"][1]["graph_kernel_breakdown"] = kernel_breakdown(
         kernels, steps=1, kbit_calls=["model.layers.0.mlp.down_proj"])
     text = plot_results.bench_markdown(payload)
     assert ("| variant | batch | graph step us | profiled us | kbit us | cublas us | triton us | attention us | "

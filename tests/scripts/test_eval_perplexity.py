@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import math
 
+import eval_perplexity as ep
 import pytest
 import torch
 from conftest import TINY_TEXT
 
-import eval_perplexity as ep
 from hf_kbit.eval import harness
 
 # A random tiny model has perplexity near its vocabulary size; 5-bit weights move it by well under this.
@@ -89,24 +89,10 @@ def test_results_markdown_matches_json(payload, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_kbit_reference_forward_matches_dequantized(tiny_folder):
-    """Dequantizing on CPU is a speed shortcut only: the kbit reference forward gives the same loss."""
-    import _eval_common as common
-    from transformers import AutoTokenizer
-
-    from hf_kbit.eval import perplexity as pp
-
-    ids = pp.tokenize(AutoTokenizer.from_pretrained(tiny_folder), TINY_TEXT, 48)
-    windows = pp.make_windows(len(ids), 48, 48)
-    ref, info = common.load_variant(tiny_folder, 4, "cpu", torch.float32, dequantize_on_cpu=False)
-    deq, _ = common.load_variant(tiny_folder, 4, "cpu", torch.float32, dequantize_on_cpu=True)
-    assert info["kbit_forward"] == "reference"
-    assert pp.score_windows(ref, ids, windows)[0] == pytest.approx(pp.score_windows(deq, ids, windows)[0], rel=1e-4)
-
-
 def test_older_flags_choose_bf16_and_kbit_variants(tiny_folder, tmp_path):
-    import _eval_common as common
     import plot_results
+
+    from hf_kbit.eval.models import load_bits_variant
 
     p = run_cli(tiny_folder, tmp_path, "--bits", "4", "--lm-head-bits", "4,5")
     _, k4, head4, head5 = p["results"]
@@ -121,21 +107,8 @@ def test_older_flags_choose_bf16_and_kbit_variants(tiny_folder, tmp_path):
     png = plot_results.plot_perplexity([p], tmp_path / "p.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    model, _ = common.load_variant(tiny_folder, 4, "cpu", torch.float32, dequantize_on_cpu=False, lm_head_bits=5)
+    model, _ = load_bits_variant(tiny_folder, 4, "cpu", torch.float32, dequantize_on_cpu=False, lm_head_bits=5)
     assert model.lm_head.bits == 5 and model.model.layers[0].mlp.down_proj.bits == 4
-
-
-def test_lm_head_bits_refuses_a_tied_head_and_bf16(tiny_folder, tmp_path):
-    import _eval_common as common
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tied = AutoModelForCausalLM.from_pretrained(tiny_folder, tie_word_embeddings=True)
-    tied.save_pretrained(tmp_path)
-    AutoTokenizer.from_pretrained(tiny_folder).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="--lm-head-bits: the LM head of .* is tied to its input embedding"):
-        common.load_variant(tmp_path, 4, "cpu", torch.float32, lm_head_bits=4)
-    with pytest.raises(ValueError, match="lm_head_bits quantizes the LM head of a kbit variant; bits is None"):
-        common.load_variant(tiny_folder, None, "cpu", torch.float32, lm_head_bits=4)
 
 
 @pytest.mark.parametrize(("args", "match"), [

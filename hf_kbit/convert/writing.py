@@ -1,0 +1,249 @@
+"""Writing a planned conversion: sources read tensor by tensor (fused experts a few experts at a time),
+quantized, and added to output shards; then the output config.json."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import fitting
+from .._paths import (
+    ConversionError,
+)
+from ..config import KbitConfig
+from ..nn.experts import KbitExperts
+from .plan import ConversionPlan, TensorPlan
+from .sources import _first_line
+
+
+class _ShardWriter:
+    """Writes output tensors into shards of at most ``max_bytes`` (a single bigger tensor gets its own)."""
+
+    def __init__(self, folder: Path, max_bytes: int):
+        self.folder, self.max_bytes = folder, max_bytes
+        self.current: dict[str, torch.Tensor] = {}
+        self.current_bytes = 0
+        self.shards: list[tuple[str, list[str]]] = []
+        self.total_bytes = 0
+
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.current and self.current_bytes + nbytes > self.max_bytes:
+            self.flush()
+        self.current[key] = tensor.contiguous()
+        self.current_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def flush(self) -> None:
+        from safetensors import SafetensorError
+        from safetensors.torch import save_file
+
+        if not self.current:
+            return
+        name = f"part-{len(self.shards):05d}.safetensors"
+        try:
+            save_file(self.current, self.folder / name, metadata={"format": "pt"})
+        except SafetensorError as e:  # an I/O error as text, "... (os error 28)": raise it as the OSError it is
+            code = re.search(r"\(os error (\d+)\)", str(e))
+            if code is None:
+                raise
+            raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(self.folder / name)) from e
+        self.shards.append((name, list(self.current)))
+        self.current, self.current_bytes = {}, 0
+
+    def finish(self) -> list[str]:
+        """Rename shards to transformers' names and write the index when there are several."""
+        self.flush()
+        n = len(self.shards)
+        weight_map, names = {}, []
+        for i, (tmp_name, keys) in enumerate(self.shards):
+            name = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            (self.folder / tmp_name).rename(self.folder / name)
+            names.append(name)
+            weight_map.update(dict.fromkeys(keys, name))
+        if n > 1:
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        return names
+
+
+# Fused experts are built and quantized this many weight elements (whole experts) at a time:
+# with the ~20 B/element temporaries of the quantizer that is ~1.3 GB, whatever the model size.
+_EXPERT_CHUNK_ELEMENTS = 1 << 26
+
+
+class _SourceReader:
+    """Reads checkpoint tensors (or row ranges of them) from the source shards, each opened once."""
+
+    def __init__(self, plan: ConversionPlan, stack: contextlib.ExitStack):
+        self.plan, self.stack, self.handles = plan, stack, {}
+
+    def _handle(self, key: str):
+        from safetensors import safe_open
+
+        index = self.plan.locations[key][0]
+        if index not in self.handles:
+            handle = safe_open(self.plan.files[index], framework="pt", device="cpu")
+            self.handles[index] = self.stack.enter_context(handle)
+        return self.handles[index]
+
+    def get(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        from safetensors import SafetensorError
+
+        try:
+            if rows is None:
+                return self._handle(key).get_tensor(key)
+            return self._handle(key).get_slice(key)[rows[0] : rows[1]]
+        except (SafetensorError, OSError, RuntimeError) as e:
+            path = self.plan.files[self.plan.locations[key][0]]
+            raise ConversionError(
+                f"cannot read tensor '{key}' from {path} ({type(e).__name__}: {_first_line(e)}); the file is damaged "
+                "or was changed during the conversion: download or save it again"
+            ) from None
+
+    def tensor(self, p: TensorPlan, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """``p``'s tensor in ``p.dtype`` (``rows``: only experts ``rows[0]..rows[1]`` of a fused experts
+        tensor, see :func:`_expert_chunk`). Sources are cast one by one, as the loader casts them."""
+        if rows is not None and p.expert_sources is not None:
+            keys = [k for group in p.expert_sources[rows[0] : rows[1]] for k in group]
+            return p.combine({k: self.get(k).to(p.dtype) for k in keys})
+        if rows is not None:
+            return self.get(p.sources[0], rows).to(p.dtype)
+        if p.combine is None:
+            return self.get(p.sources[0]).to(p.dtype)
+        return p.combine({k: self.get(k).to(p.dtype) for k in p.sources}).to(p.dtype)
+
+
+def _sources_of(plan: ConversionPlan, p: TensorPlan) -> str:
+    """Where ``p`` comes from, for errors: its checkpoint tensor(s) and file(s)."""
+    files = sorted({plan.files[plan.locations[k][0]].name for k in p.sources})
+    keys = f"checkpoint tensor '{p.sources[0]}'" + (f" and {len(p.sources) - 1} more" if len(p.sources) > 1 else "")
+    return f"{keys} in {', '.join(files)}"
+
+
+def _expert_chunk(p: TensorPlan) -> int:
+    """Experts built and quantized at once for the fused experts plan ``p`` (all of them when its
+    merge cannot be split by experts)."""
+    num_experts = p.shape[0]
+    if p.expert_sources is None and (p.combine is not None or len(p.sources) != 1):
+        return num_experts
+    return max(1, min(num_experts, _EXPERT_CHUNK_ELEMENTS // max(math.prod(p.shape[1:]), 1)))
+
+
+@torch.no_grad()
+def _write(plan: ConversionPlan, folder: Path, device: torch.device, shard_bytes: int, progress: bool) -> dict:
+    """Read the sources of one planned tensor at a time (a fused experts tensor a few experts at a
+    time), quantize, and write kbit output shards; returns sizes measured on what was written."""
+    from tqdm.auto import tqdm
+
+    from ..nn.linear import quantize_layer
+
+    writer = _ShardWriter(folder, shard_bytes)
+    q_numel = q_bytes = 0
+    # In the order the source shards hold the tensors (a plan comes when its last source is reached).
+    order = sorted(plan.tensors, key=lambda p: max(plan.locations[k] for k in p.sources))
+    bar = tqdm(total=len(order), desc="Converting", unit="tensor", disable=not progress)
+    config = plan.kbit_config
+    with contextlib.ExitStack() as stack:
+        reader = _SourceReader(plan, stack)
+        for p in order:
+            if p.bits is None:
+                writer.add(plan.output_key(p.name), reader.tensor(p))
+                bar.update(1)
+                continue
+            try:
+                if p.experts is None:
+                    tensor = reader.tensor(p)
+                    packed = quantize_layer(tensor.to(device), p.bits, config.codebook, config.fitting, name=p.name)
+                    outputs = dict(zip(p.outputs(), (t.cpu() for t in packed)))
+                    del tensor, packed
+                else:
+                    outputs = _quantize_experts(p, reader, config, device)
+            except ConversionError:
+                raise
+            except (ValueError, TypeError) as e:  # quantize_weight's checks (NaN/Inf, ...) name the model tensor
+                raise ConversionError(f"{e} ({_sources_of(plan, p)}); fix the source weights, or keep "
+                                      f"'{p.prefix}' in full precision with --skip-modules") from None
+            for key, t in outputs.items():
+                writer.add(plan.output_key(key), t)
+                q_bytes += t.numel() * t.element_size()
+            q_numel += math.prod(p.shape)
+            del outputs
+            bar.update(1)
+    bar.close()
+    shards = writer.finish()
+    return {
+        **plan.stats(),
+        "size_after_bytes": writer.total_bytes,
+        "files_bytes_after": sum((folder / s).stat().st_size for s in shards),
+        "bits_per_quantized_weight": 8 * q_bytes / q_numel if q_numel else None,
+        "shards": len(shards),
+    }
+
+
+def _quantize_experts(p: TensorPlan, reader: _SourceReader, config: KbitConfig, device) -> dict[str, torch.Tensor]:
+    """The packed tensors of the fused experts weight ``p``, built a chunk of experts at a time with
+    ``KbitExperts.pack`` (what quantize-on-load runs). The experts share one codebook, fitted first
+    on the rows quantize-on-load samples from the whole weight (read once more, chunk by chunk)."""
+    from ..nn.linear import codebook_sample
+
+    module_name, _, projection = p.name.rpartition(".")
+    outputs = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in p.outputs().items()}
+    num_experts, step = p.shape[0], _expert_chunk(p)
+    bits = p.bits
+    settings = fitting.settings_for(config.fitting, bits, config.codebook)
+    # A meta KbitExperts of all experts, and one of a chunk's: they check each chunk's shape.
+    whole = KbitExperts(p.experts, gate_up_bits=bits, down_bits=bits, device="meta")
+    total_rows = num_experts * whole.layout.linear_shape(projection)[0]
+    chunks = [(start, min(start + step, num_experts)) for start in range(0, num_experts, step)]
+
+    def chunk_weight(start, stop):
+        rows = None if (start, stop) == (0, num_experts) else (start, stop)
+        packer = KbitExperts(replace(p.experts, num_experts=stop - start), bits, bits, device="meta")
+        return packer, reader.tensor(p, rows).to(device)
+
+    sample = []
+    for start, stop in chunks if settings is not None and settings.lloyd_iters else ():
+        packer, chunk = chunk_weight(start, stop)
+        weight = packer.linear_weight(projection, chunk, module_name)
+        first = start * whole.layout.linear_shape(projection)[0]
+        sample.append(codebook_sample(weight, settings, total_rows, first).float())
+        del chunk, weight
+    k = whole.layout.linear_shape(projection)[1]
+    sample = torch.cat(sample) if sample else torch.empty(0, k, device=device)
+    codebook = fitting.layer_codebook(sample, bits, settings, config.codebook)
+    for start, stop in chunks:
+        packer, chunk = chunk_weight(start, stop)
+        packed = packer.pack(projection, chunk, codebook, module_name, config.fitting)
+        del chunk
+        for name, t in packed.items():
+            key = f"{module_name}.{name}"
+            if name.endswith("_codebook"):
+                outputs[key].copy_(t)
+            else:
+                outputs[key][start:stop] = t
+        del packed
+    return outputs
+
+
+def output_config(source: Path, plan: ConversionPlan) -> dict[str, Any]:
+    """The source's config.json with the kbit ``quantization_config`` and the output dtype."""
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = plan.kbit_config.to_dict()
+    config["dtype"] = str(plan.dtype).removeprefix("torch.")
+    config.pop("torch_dtype", None)
+    return config
+
+
+def _write_config(folder: Path, config: dict[str, Any]) -> None:
+    tmp = folder / "config.json.partial"
+    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    tmp.rename(folder / "config.json")
