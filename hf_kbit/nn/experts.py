@@ -25,7 +25,7 @@ from .. import fitting
 from .. import format as fmt
 from ..config import KbitConfig
 from .linear import COMPUTE_DTYPES, FORMAT_TENSORS, KbitModule, check_weight, codebook_sample, quantize_weight
-from .selection import _set_submodule, should_convert
+from .selection import _set_submodule, should_convert, swap_modules
 
 # Fused checkpoint parameter -> prefix of its packed tensors. The packed names must not start
 # with the parameter name: transformers' expert converters match ``experts.gate_up_proj*``.
@@ -383,20 +383,16 @@ def replace_experts_with_kbit(
 
     Runs on the meta skeleton before weights load, so nothing is quantized here.
     """
-    converted = []
-    for name, module in list(model.named_modules()):
-        if isinstance(module, KbitExperts) or not should_convert(name, modules_to_not_convert):
-            continue
-        if fused_experts_layout(module, name) is None:
-            continue
+
+    def make(name: str, module: nn.Module) -> KbitExperts | None:
+        if isinstance(module, KbitExperts) or fused_experts_layout(module, name) is None:
+            return None
         gate_up_bits, down_bits = _bits(config, name)
-        kbit = KbitExperts.from_experts(
+        return KbitExperts.from_experts(
             module, gate_up_bits, down_bits, config.codebook, weight_placeholder=weight_placeholder, name=name
         )
-        kbit.requires_grad_(False)
-        _set_submodule(model, name, kbit)
-        converted.append(name)
-    return converted
+
+    return swap_modules(model, modules_to_not_convert, make)
 
 
 def quantize_experts_on_load(

@@ -8,9 +8,9 @@ from torch import nn
 from .. import format as fmt
 from ..config import KbitConfig
 from .experts import quantize_experts
-from .fused import fuse_projections, unfuse_projections
-from .linear import KbitLinear
-from .selection import _set_submodule, should_convert, tied_modules
+from .fused import codebook_siblings, fuse_projections, unfuse_projections
+from .linear import KbitLinear, quantize_group
+from .selection import _set_submodule, should_convert, swap_modules, tied_modules
 
 
 def replace_linear_with_kbit(
@@ -20,12 +20,12 @@ def replace_linear_with_kbit(
 
     Runs on the meta skeleton before weights load, so nothing is quantized here.
     """
-    converted = []
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear) or not should_convert(name, modules_to_not_convert):
-            continue
+
+    def make(name: str, module: nn.Module) -> KbitLinear | None:
+        if not isinstance(module, nn.Linear):
+            return None
         bits = config.bits_for(name)
-        kbit = KbitLinear(
+        return KbitLinear(
             module.in_features,
             module.out_features,
             bias=module.bias is not None,
@@ -35,10 +35,8 @@ def replace_linear_with_kbit(
             device=module.weight.device,
             weight_placeholder=weight_placeholder,
         )
-        kbit.requires_grad_(False)
-        _set_submodule(model, name, kbit)
-        converted.append(name)
-    return converted
+
+    return swap_modules(model, modules_to_not_convert, make)
 
 
 def replace_kbit_with_linear(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
@@ -66,10 +64,17 @@ def quantize_model(model: nn.Module, config: KbitConfig | None = None, modules_t
     config = config or KbitConfig()
     skip = modules_to_not_convert if modules_to_not_convert is not None else (config.modules_to_not_convert or [])
     skip = [*skip, *tied_modules(model)]
-    for name, module in list(model.named_modules()):
-        if isinstance(module, nn.Linear) and should_convert(name, skip):
-            bits = config.bits_for(name)
-            _set_submodule(model, name, KbitLinear.from_linear(module, bits, config.codebook, config.fitting))
+    linears = {
+        name: module for name, module in model.named_modules() if isinstance(module, nn.Linear) and should_convert(name, skip)
+    }
+    siblings = codebook_siblings({name: (m.in_features, config.bits_for(name)) for name, m in linears.items()})
+    for group in dict.fromkeys(siblings.get(name, (name,)) for name in linears):  # each group once, in model order
+        members = [linears[name] for name in group]
+        with torch.no_grad():
+            weights = [m.weight.detach() for m in members]
+            packed = quantize_group(weights, config.bits_for(group[0]), config.codebook, config.fitting, list(group))
+        for name, module, tensors in zip(group, members, packed):
+            _set_submodule(model, name, KbitLinear.from_linear(module, config.bits_for(name), packed=tensors))
     model = quantize_experts(model, config, modules_to_not_convert)
     if config.fuse_projections:
         fuse_projections(model)

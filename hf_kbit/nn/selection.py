@@ -6,6 +6,7 @@ Shared by the Linear swaps (hf_kbit.nn.replace) and the experts swaps (hf_kbit.n
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from torch import nn
 
@@ -36,3 +37,20 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child, module)
+
+
+def swap_modules(
+    model: nn.Module, modules_to_not_convert: list[str], make: Callable[[str, nn.Module], nn.Module | None]
+) -> list[str]:
+    """Put ``make(name, module)`` in the place of every module kbit may convert (``should_convert``)
+    for which it returns a module (frozen: kbit tensors are never trained); returns their names."""
+    converted = []
+    for name, module in list(model.named_modules()):
+        if not should_convert(name, modules_to_not_convert):
+            continue
+        new = make(name, module)
+        if new is not None:
+            new.requires_grad_(False)
+            _set_submodule(model, name, new)
+            converted.append(name)
+    return converted
