@@ -43,6 +43,7 @@ __all__ = [
     "FITTINGS",
     "FitSettings",
     "absmax_codes",
+    "codebook_needs_data",
     "fit_codebook",
     "fit_quantize",
     "layer_codebook",
@@ -127,6 +128,12 @@ def settings_for(fitting: str | None, bits: int, codebook: object = None) -> Fit
     return dataclasses.replace(settings, codebook=codebook)
 
 
+def codebook_needs_data(fitting: str | None, bits: int, codebook: object = None) -> bool:
+    """Whether the codebook of a layer depends on its weights (so siblings sharing one must wait for each other)."""
+    settings = settings_for(fitting, bits, codebook)
+    return settings is not None and settings.lloyd_iters > 0
+
+
 # ---------------------------------------------------------------------------- layout helpers
 
 
@@ -137,7 +144,7 @@ def _as_groups(weight: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     if not weight.is_floating_point():
         raise TypeError(f"weight must be floating point, got {weight.dtype}")
     lead = tuple(weight.shape[:-2])
-    return weight.float().reshape(-1, *weight.shape[-2:]), lead
+    return weight.float().reshape(math.prod(lead), *weight.shape[-2:]), lead
 
 
 def _blocks(w: torch.Tensor, n_pad: int | None = None, k_pad: int | None = None) -> torch.Tensor:
@@ -205,7 +212,7 @@ def _search(blocks, rows, cb, codes_below, codes_above, mask):
     steps = torch.arange(-codes_above, codes_below + 1, device=blocks.device)
     offsets = torch.cat([steps.new_zeros(1), steps[steps != 0]])
     g, n, n_blocks, _ = blocks.shape
-    rows_per_chunk = max(1, CHUNK_ELEMENTS // (n_blocks * offsets.numel() * fmt.BLOCK_SIZE))
+    rows_per_chunk = max(1, CHUNK_ELEMENTS // max(1, n_blocks * offsets.numel() * fmt.BLOCK_SIZE))
     out = torch.empty_like(c0)
     for start in range(0, n, rows_per_chunk):
         b = blocks[:, start : start + rows_per_chunk]

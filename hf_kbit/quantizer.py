@@ -9,11 +9,11 @@ from transformers.core_model_loading import ConversionOps
 from transformers.quantizers.base import HfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name
 
-from . import checkpoint
+from . import checkpoint, fitting
 from .config import KbitConfig
 from .nn.experts import KbitExperts, quantize_experts_on_load, replace_experts_with_kbit, replace_kbit_experts_with_float
-from .nn.fused import fuse_projections
-from .nn.linear import COMPUTE_DTYPES, FORMAT_TENSORS, KbitLinear, quantize_layer
+from .nn.fused import codebook_siblings, fuse_projections
+from .nn.linear import COMPUTE_DTYPES, FORMAT_TENSORS, KbitLinear, quantize_group
 from .nn.replace import replace_kbit_with_linear, replace_linear_with_kbit, tied_modules
 
 
@@ -26,6 +26,10 @@ class KbitHfQuantizer(HfQuantizer):
     def __init__(self, quantization_config: KbitConfig, **kwargs: Any):
         super().__init__(quantization_config, **kwargs)
         self.modules_to_not_convert: list[str] = []
+        # Quantize-on-load of siblings that share a codebook fitted on all of them (nn.fused.codebook_siblings):
+        # layer name -> its group, and the weights of groups not yet complete.
+        self.codebook_siblings: dict[str, tuple[str, ...]] = {}
+        self.pending: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
 
     def validate_environment(self, *args: Any, **kwargs: Any) -> None:
         device_map = kwargs.get("device_map")
@@ -72,9 +76,20 @@ class KbitHfQuantizer(HfQuantizer):
         )
         if self.pre_quantized and checkpoint_files:
             checkpoint.validate_files(checkpoint_files, model, rename=_checkpoint_key_renamer(model, self))
+        if not self.pre_quantized:
+            config = self.quantization_config
+            self.codebook_siblings = codebook_siblings({
+                name: (m.in_features, m.bits)
+                for name, m in model.named_modules()
+                if isinstance(m, KbitLinear) and fitting.codebook_needs_data(config.fitting, m.bits, config.codebook)
+            })
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs: Any):
+        if self.pending:  # a group some of whose members the checkpoint lacks: what arrived shares a codebook
+            for group, waiting in list(self.pending.items()):
+                _quantize_siblings(model, self.quantization_config, list(waiting.items()), load=True)
+            self.pending.clear()
         checkpoint.validate_loaded(model)
         if self.quantization_config.fuse_projections:
             fuse_projections(model)
@@ -118,15 +133,36 @@ class KbitQuantize(ConversionOps):
                 missing_keys.discard(full_layer_name)
             return packed
         prefix = full_layer_name.rpartition(".")[0]
-        config = self.hf_quantizer.quantization_config
-        planes, block_scales, row_scales, codebook = quantize_layer(
-            value, module.bits, config.codebook, config.fitting, name=full_layer_name
-        )
         del module._parameters["weight"]
         if missing_keys is not None:
             missing_keys.discard(full_layer_name)
-        packed = dict(zip(FORMAT_TENSORS, (planes, block_scales, row_scales, codebook)))
-        return {f"{prefix}.{name}": tensor for name, tensor in packed.items()}
+        group = self.hf_quantizer.codebook_siblings.get(prefix)
+        if group is None:
+            members = [(prefix, value)]
+        else:  # wait for the siblings: their codebook is fitted on all of them
+            waiting = self.hf_quantizer.pending.setdefault(group, {})
+            waiting[prefix] = value
+            if len(waiting) < len(group):
+                return {}
+            del self.hf_quantizer.pending[group]
+            members = [(name, waiting[name]) for name in group]
+        return _quantize_siblings(model, self.hf_quantizer.quantization_config, members)
+
+
+def _quantize_siblings(model, config: KbitConfig, members: list[tuple[str, torch.Tensor]], load: bool = False):
+    """Quantize the weights of KbitLinear ``members`` (``[(name, weight)]``) with one codebook; returns
+    their format tensors by state-dict key, or with ``load`` puts them into the modules."""
+    modules = [model.get_submodule(name) for name, _ in members]
+    device = members[0][1].device
+    packed = quantize_group(
+        [w.to(device) for _, w in members], modules[0].bits, config.codebook, config.fitting,
+        [f"{name}.weight" for name, _ in members],
+    )
+    if load:
+        for module, tensors in zip(modules, packed):
+            module.load_packed(*tensors)
+        return {}
+    return {f"{name}.{t}": tensor for (name, _), tensors in zip(members, packed) for t, tensor in zip(FORMAT_TENSORS, tensors)}
 
 
 def _checkpoint_key_renamer(model, hf_quantizer):

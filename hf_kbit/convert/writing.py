@@ -144,7 +144,8 @@ def _write(plan: ConversionPlan, folder: Path, device: torch.device, shard_bytes
     time), quantize, and write kbit output shards; returns sizes measured on what was written."""
     from tqdm.auto import tqdm
 
-    from ..nn.linear import quantize_layer
+    from ..nn.fused import codebook_siblings
+    from ..nn.linear import check_weight, quantize_group
 
     writer = _ShardWriter(folder, shard_bytes)
     q_numel = q_bytes = 0
@@ -152,6 +153,13 @@ def _write(plan: ConversionPlan, folder: Path, device: torch.device, shard_bytes
     order = sorted(plan.tensors, key=lambda p: max(plan.locations[k] for k in p.sources))
     bar = tqdm(total=len(order), desc="Converting", unit="tensor", disable=not progress)
     config = plan.kbit_config
+    # Siblings that share a codebook fitted on all of them (as quantize-on-load): held until the last arrives.
+    siblings = codebook_siblings({
+        p.prefix: (p.shape[-1], p.bits)
+        for p in plan.tensors
+        if p.bits is not None and p.experts is None and fitting.codebook_needs_data(config.fitting, p.bits, config.codebook)
+    })
+    waiting: dict[tuple[str, ...], dict[str, tuple[TensorPlan, torch.Tensor]]] = {}
     with contextlib.ExitStack() as stack:
         reader = _SourceReader(plan, stack)
         for p in order:
@@ -161,23 +169,34 @@ def _write(plan: ConversionPlan, folder: Path, device: torch.device, shard_bytes
                 continue
             try:
                 if p.experts is None:
-                    tensor = reader.tensor(p)
-                    packed = quantize_layer(tensor.to(device), p.bits, config.codebook, config.fitting, name=p.name)
-                    outputs = dict(zip(p.outputs(), (t.cpu() for t in packed)))
-                    del tensor, packed
+                    group = siblings.get(p.prefix, (p.prefix,))
+                    tensor = reader.tensor(p).to(device)
+                    check_weight(tensor, p.name)  # errors name this tensor's sources, before it waits for siblings
+                    waiting.setdefault(group, {})[p.prefix] = (p, tensor)
+                    del tensor
+                    if len(waiting[group]) < len(group):
+                        continue
+                    members = [waiting[group][name] for name in group]
+                    del waiting[group]
+                    packed = quantize_group(
+                        [t for _, t in members], p.bits, config.codebook, config.fitting, [m.name for m, _ in members]
+                    )
+                    done = [(m, dict(zip(m.outputs(), (t.cpu() for t in tensors)))) for (m, _), tensors in zip(members, packed)]
+                    del members, packed
                 else:
-                    outputs = _quantize_experts(p, reader, config, device)
+                    done = [(p, _quantize_experts(p, reader, config, device))]
             except ConversionError:
                 raise
             except (ValueError, TypeError) as e:  # quantize_weight's checks (NaN/Inf, ...) name the model tensor
                 raise ConversionError(f"{e} ({_sources_of(plan, p)}); fix the source weights, or keep "
                                       f"'{p.prefix}' in full precision with --skip-modules") from None
-            for key, t in outputs.items():
-                writer.add(plan.output_key(key), t)
-                q_bytes += t.numel() * t.element_size()
-            q_numel += math.prod(p.shape)
-            del outputs
-            bar.update(1)
+            for member, outputs in done:
+                for key, t in outputs.items():
+                    writer.add(plan.output_key(key), t)
+                    q_bytes += t.numel() * t.element_size()
+                q_numel += math.prod(member.shape)
+                bar.update(1)
+            del done
     bar.close()
     shards = writer.finish()
     return {

@@ -31,6 +31,27 @@ FUSED_GROUPS: dict[str, tuple[str, ...]] = {
 }
 
 
+def codebook_siblings(
+    layers: dict[str, tuple[int, int]], groups: dict[str, tuple[str, ...]] | None = None
+) -> dict[str, tuple[str, ...]]:
+    """Which layers share one codebook, so that :func:`fuse_projections` can join them.
+
+    ``layers``: ``{module name: (in_features, bits)}`` of the layers being quantized. Returns, for
+    every layer of a complete group of ``groups`` (default :data:`FUSED_GROUPS`) whose members have
+    equal ``in_features`` and bits, the members' full names in group order (``q, k, v``); a layer
+    not in such a group is absent. Decided by names alone, so quantize-on-load, ``quantize_model``
+    and kbit-convert group alike, whether or not the model is fused afterwards.
+    """
+    out = {}
+    for name in layers:
+        parent, _, leaf = name.rpartition(".")
+        for members in (groups or FUSED_GROUPS).values():
+            full = tuple(f"{parent}.{m}" if parent else m for m in members)
+            if leaf in members and all(f in layers for f in full) and len({layers[f] for f in full}) == 1:
+                out[name] = full
+    return out
+
+
 class KbitFusedProjections(KbitModule):
     """One weight ``[sum(out_features), in_features]`` for sibling KbitLinear members.
 

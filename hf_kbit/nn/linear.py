@@ -103,10 +103,15 @@ class KbitLinear(KbitModule):
         bits: int = 4,
         codebook: str | list[float] | torch.Tensor | None = None,
         fitting: str | None = None,
+        packed: tuple[torch.Tensor, ...] | None = None,
     ) -> "KbitLinear":
         """Quantize an existing ``nn.Linear`` (same device, bias kept in its dtype).
 
-        ``codebook`` and ``fitting`` mean what they mean in :class:`hf_kbit.KbitConfig`.
+        ``codebook`` and ``fitting`` mean what they mean in :class:`hf_kbit.KbitConfig`;
+        ``packed``: its weight's format tensors when already quantized (:func:`quantize_group`).
+        A fitted codebook is this layer's own, so siblings quantized one by one do not fuse
+        (:func:`hf_kbit.nn.fuse_projections` needs one codebook): ``quantize_model`` and
+        quantize-on-load fit one per group of siblings.
         """
         weight = linear.weight.detach()
         module = cls(
@@ -117,7 +122,7 @@ class KbitLinear(KbitModule):
             dtype=weight.dtype,
             device=weight.device,
         )
-        module.load_packed(*quantize_layer(weight, bits, codebook, fitting, name="weight"))
+        module.load_packed(*(packed if packed is not None else quantize_layer(weight, bits, codebook, fitting, name="weight")))
         if linear.bias is not None:
             module.bias.data.copy_(linear.bias.detach())
         return module
@@ -273,10 +278,32 @@ def quantize_layer(
     (:func:`hf_kbit.fitting.sample_stride`), so a caller quantizing pieces of a larger weight
     (chunks of experts) passes the codebook of the whole to :func:`quantize_weight` instead.
     """
-    check_weight(weight, name)
+    return quantize_group([weight], bits, codebook, fitting_rule, [name])[0]
+
+
+def quantize_group(
+    weights: list[torch.Tensor],
+    bits: int,
+    codebook: str | list[float] | torch.Tensor | None = None,
+    fitting_rule: str | None = None,
+    names: list[str] | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """:func:`quantize_layer` for layers that share one codebook (siblings that
+    :func:`hf_kbit.nn.fuse_projections` runs as one weight: q/k/v, gate/up), fitted on their rows
+    stacked in the given order, as if they were one weight ``[sum(N), K]``."""
+    names = names or [f"weights[{i}]" for i in range(len(weights))]
+    for weight, name in zip(weights, names):
+        check_weight(weight, name)
     settings = fitting.settings_for(fitting_rule, bits, codebook)
-    cb = fitting.layer_codebook(codebook_sample(weight, settings), bits, settings, codebook)
-    return (*quantize_weight(weight, cb, name, settings), cb)
+    total = sum(math.prod(w.shape[:-1]) for w in weights)
+    starts = itertools.accumulate((math.prod(w.shape[:-1]) for w in weights), initial=0)
+    sample = [codebook_sample(w, settings, total, start) for w, start in zip(weights, starts)]
+    cb = fitting.layer_codebook(torch.cat([s.float() for s in sample]), bits, settings, codebook)
+    # Each member its own copy of the codebook: tensors sharing storage cannot be saved as separate entries.
+    return [
+        (*quantize_weight(w, cb, name, settings), cb if i == 0 else cb.clone())
+        for i, (w, name) in enumerate(zip(weights, names))
+    ]
 
 
 def codebook_sample(

@@ -17,6 +17,7 @@ import hf_kbit
 from hf_kbit import KbitConfig
 from hf_kbit.nn import KbitFusedProjections, KbitLinear, fuse_projections, unfuse_projections
 from hf_kbit.nn import linear as linear_module
+from hf_kbit.nn.fused import codebook_siblings as fusion_siblings
 from tiny_models import tiny_dense_model
 
 # Fused and unfused compute every output row with the same reference dequantize + matmul; only
@@ -81,7 +82,7 @@ def test_compiled_graph_has_one_kbit_mm_per_group():
 def test_members_called_with_other_inputs_get_their_own_outputs():
     layer = torch.nn.Module()
     for name, n in (("q_proj", 64), ("k_proj", 32), ("v_proj", 32)):
-        setattr(layer, name, KbitLinear.from_linear(torch.nn.Linear(96, n, bias=name != "q_proj"), bits=3))
+        setattr(layer, name, KbitLinear.from_linear(torch.nn.Linear(96, n, bias=name != "q_proj"), bits=3, fitting="absmax"))
     reference = copy.deepcopy(layer)
     assert fuse_projections(layer) == ["qkv_proj"]
     x, y = torch.randn(5, 96), torch.randn(5, 96)
@@ -130,7 +131,7 @@ def test_cast_move_and_deepcopy_keep_members_as_views():
 def qkv_layer():
     layer = torch.nn.Module()
     for name, n in (("q_proj", 64), ("k_proj", 32), ("v_proj", 32)):
-        setattr(layer, name, KbitLinear.from_linear(torch.nn.Linear(96, n, bias=False), bits=4))
+        setattr(layer, name, KbitLinear.from_linear(torch.nn.Linear(96, n, bias=False), bits=4, fitting="absmax"))
     assert fuse_projections(layer) == ["qkv_proj"]
     return layer
 
@@ -207,3 +208,34 @@ def test_groups_that_cannot_fuse_are_left_alone():
     model = hf_kbit.quantize_model(model, KbitConfig(bits=4, module_bits={r"k_proj": 3}))
     assert sorted(fused_modules(model)) == [f"model.layers.{i}.mlp.gate_up_proj" for i in (0, 1)]
     assert fuse_projections(model) == [], "fusing again finds nothing new"
+
+
+def test_codebook_siblings_are_complete_groups_of_equal_shape_and_bits():
+    layers = {
+        "a.q_proj": (96, 4), "a.k_proj": (96, 4), "a.v_proj": (96, 4), "a.o_proj": (96, 4),
+        "b.q_proj": (96, 4), "b.k_proj": (96, 3), "b.v_proj": (96, 4),  # another k: each alone
+        "c.gate_proj": (64, 4), "c.up_proj": (64, 4),
+        "d.gate_proj": (64, 4),  # no up_proj: alone
+    }
+    got = fusion_siblings(layers)
+    qkv, gate_up = ("a.q_proj", "a.k_proj", "a.v_proj"), ("c.gate_proj", "c.up_proj")
+    assert got == {**dict.fromkeys(qkv, qkv), **dict.fromkeys(gate_up, gate_up)}
+
+
+@pytest.mark.parametrize("fitting", ["fit", "absmax"])
+def test_siblings_share_a_codebook_and_fuse_on_load(fitting, tmp_path):
+    """Fitted codebooks are fitted per group of siblings, so quantize-on-load still fuses them, and
+    quantize_model writes the same tensors."""
+    model = tiny_dense_model("llama", intermediate_size=192)
+    model.save_pretrained(tmp_path)
+    config = KbitConfig(bits=3, fitting=fitting)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=config)
+    groups = fused_modules(loaded)
+    assert sorted(groups) == [f"model.layers.{i}.{g}" for i in (0, 1) for g in ("mlp.gate_up_proj", "self_attn.qkv_proj")]
+    for fused in groups.values():
+        assert all(torch.equal(m.codebook, fused.members[0].codebook) for m in fused.members)
+    layer = loaded.model.layers[0]
+    assert fitting == "absmax" or not torch.equal(layer.self_attn.q_proj.codebook, layer.self_attn.o_proj.codebook)
+    in_memory = hf_kbit.quantize_model(model, config, modules_to_not_convert=["lm_head"]).state_dict()
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(in_memory[key], value), key

@@ -8,7 +8,7 @@ from torch import nn
 
 from hf_kbit import KbitLinear, fitting
 from hf_kbit import format as fmt
-from hf_kbit.nn.linear import FORMAT_TENSORS, codebook_sample, quantize_layer
+from hf_kbit.nn.linear import FORMAT_TENSORS, codebook_sample, quantize_group, quantize_layer
 
 EMPTY_SHAPES = [(0, 8), (8, 0), (0, 0)]
 
@@ -95,3 +95,14 @@ def test_from_linear_follows_fitting():
 def test_quantize_layer_refuses_a_bad_fitting():
     with pytest.raises(ValueError, match=r"fitting must be one of \('absmax', 'fit'\) or None, got 'gptq'"):
         quantize_layer(_weight(16, 32), 4, fitting_rule="gptq")
+
+
+def test_quantize_group_is_one_weight_cut_into_members():
+    """Siblings sharing a codebook are quantized as their rows stacked into one weight."""
+    a, b = _weight(48, 160, seed=1), _weight(32, 160, seed=2)
+    whole = quantize_layer(torch.cat([a, b]), 3)
+    got = quantize_group([a, b], 3)
+    for packed, rows in zip(got, (slice(0, 3), slice(3, 5))):  # row tiles of 16
+        assert torch.equal(packed[3], whole[3])
+        assert torch.equal(packed[0], whole[0][rows]) and torch.equal(packed[1], whole[1][rows])
+    assert torch.equal(torch.cat([got[0][2], got[1][2]]), whole[2])
