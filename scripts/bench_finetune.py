@@ -29,8 +29,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _eval_common as common  # noqa: E402
 from bench_generate import PRESETS, make_config  # noqa: E402
+from hf_kbit.eval import models as _models, report as _report  # noqa: E402  (the eval harness)
 
 SCHEMA = "hf_kbit.bench_finetune/1"
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -159,7 +159,7 @@ def measure(variant: str, args, config, device: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = common.pick_device(args.device)
+    device = _models.pick_device(args.device)
     config = make_config(args.preset, args.layers)
     results, skipped = [], {}
     for variant in args.variants:
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             r["step_time_vs_bf16"] = r["step_s_median"] / base["step_s_median"]
             if "peak_memory_gib" in r:
                 r["peak_memory_vs_bf16"] = r["peak_memory_gib"] / base["peak_memory_gib"]
-    gpu = common.environment().get("gpu", "cpu")
+    gpu = _report.environment().get("gpu", "cpu")
     payload = {
         "schema": SCHEMA,
         "preset": args.preset,
@@ -191,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                      "steps": args.steps, "warmup": args.warmup, "device": device, "optimizer": "AdamW (adapters)"},
         "results": results,
         "skipped": skipped,
-        "command": common.command_line(),
-        "environment": common.environment(),
+        "command": _report.command_line(),
+        "environment": _report.environment(),
     }
     try:
         import peft
@@ -205,10 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         pass
     slug = "cpu" if gpu == "cpu" else gpu.lower().replace("nvidia ", "").split()[0]
     out = args.out or f"results/bench_finetune_{args.preset}_{slug}.json"
-    common.write_json(out, payload)
+    _report.write_json(out, payload)
     rows = [[r["variant"], r["step_s_median"] * 1000, r.get("step_time_vs_bf16"), r.get("peak_memory_gib"),
              r.get("peak_memory_vs_bf16")] for r in results]
-    print(common.format_table(["variant", "step ms", "x bf16", "peak GiB", "x bf16"], rows))
+    print(_report.format_table(["variant", "step ms", "x bf16", "peak GiB", "x bf16"], rows))
     print(f"wrote {out}")
     return 0
 

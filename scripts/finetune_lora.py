@@ -28,9 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _eval_common as common
+from hf_kbit.eval import corpus as _corpus, models as _models, report as _report  # the eval harness
 
 
 def parse_args(argv: list[str] | None):
@@ -219,14 +217,14 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
-    bits = common.parse_bits(args.bits) if args.bits else []
+    bits = _report.parse_bits(args.bits) if args.bits else []
     variants = ([] if args.no_bf16 else [("bf16", None)]) + [(f"kbit{k}", k) for k in bits]
     if not variants:
         raise ValueError("nothing to train: give --bits or drop --no-bf16")
-    device = common.pick_device(args.device)
-    dtype = common.pick_dtype(args.dtype, device)
-    corpus = common.load_corpus(args.corpus)
-    folder, model_info = common.resolve_model(args.model)
+    device = _models.pick_device(args.device)
+    dtype = _models.pick_dtype(args.dtype, device)
+    corpus = _corpus.load_corpus(args.corpus)
+    folder, model_info = _models.resolve_model(args.model)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -238,16 +236,16 @@ def main(argv: list[str] | None = None) -> int:
         "model": model_info,
         "corpus": corpus.name,
         "settings": {**{k: v for k, v in vars(args).items() if k not in ("out", "plot")},
-                     "device": device, "dtype": common.dtype_name(dtype), "train_tokens": train_ids.numel(),
+                     "device": device, "dtype": _models.dtype_name(dtype), "train_tokens": train_ids.numel(),
                      "held_out_tokens": eval_ids.numel()},
         "summary": None,
         "results": results,
-        "command": common.command_line(),
-        "environment": common.environment(),
+        "command": _report.command_line(),
+        "environment": _report.environment(),
     }
     payload["summary"] = summarize(results)
     out = Path(args.out or f"results/finetune_lora_{model_info['slug']}_{device.split(':')[0]}.json")
-    common.write_json(out, payload)
+    _report.write_json(out, payload)
     plot_path = Path(args.plot) if args.plot else out.with_suffix(".png")
     plot(payload, plot_path)
     print(json.dumps(payload["summary"], indent=2))

@@ -28,9 +28,9 @@ MERGE_ATOL = 1e-4
 
 def kbit_model(dtype=torch.float32, bits=4, **overrides):
     """Tiny Llama, k-bit but for the LM head (as quantize-on-load), q/k/v and gate/up fused (intermediate 192:
-    a multiple of 16)."""
+    a multiple of 16; fitting "absmax": one codebook for all layers, which fusion needs)."""
     model = tiny_dense_model("llama", dtype, intermediate_size=192, **overrides)
-    return hf_kbit.quantize_model(model, KbitConfig(bits=bits, modules_to_not_convert=["lm_head"]))
+    return hf_kbit.quantize_model(model, KbitConfig(bits=bits, modules_to_not_convert=["lm_head"], fitting="absmax"))
 
 
 def lora_model(model, r=4, **kwargs):

@@ -49,8 +49,9 @@ def test_kbit_linear_dx_matches_dequantized_linear(bits, dtype):
 def test_fused_members_dx_matches_unfused(bits):
     """q/k/v fused into one launch: a loss over all three outputs gives x the unfused model's gradient."""
     model = tiny_dense_model("llama", torch.float32)
-    fused = hf_kbit.quantize_model(copy.deepcopy(model), KbitConfig(bits=bits))
-    plain = hf_kbit.quantize_model(model, KbitConfig(bits=bits, fuse_projections=False))
+    # fitting "absmax": one codebook for all layers, which fusion needs
+    fused = hf_kbit.quantize_model(copy.deepcopy(model), KbitConfig(bits=bits, fitting="absmax"))
+    plain = hf_kbit.quantize_model(model, KbitConfig(bits=bits, fuse_projections=False, fitting="absmax"))
     grads = []
     for m in (fused, plain):
         attn = m.model.layers[0].self_attn
