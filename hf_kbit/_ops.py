@@ -357,3 +357,124 @@ def _grouped_mm_fake(x, expert_ids, planes, block_scales, row_scales, codebook, 
     _check_grouped(x, expert_ids, row_scales, codebook)
     _check_routing(expert_ids, order, offsets, row_scales.shape[0])
     return x.new_empty((x.shape[0], row_scales.shape[-1]))
+
+
+# ---------------------------------------------------------------------------- gradients
+
+# Training: gradients flow to the activations only. The packed tensors are buffers (int planes and
+# scale codes, float32 row scales and codebook) and never take a gradient; adapters (LoRA) train
+# beside the frozen kbit weight. dX = dY @ W has its own ops, so a backend can serve it with what is
+# fastest at training shapes (CUDA: dequantize + cuBLAS) and compiled backward graphs see one
+# opaque op with a fake impl.
+_lib.define(
+    "mm_grad_x(Tensor grad, Tensor planes, Tensor block_scales, Tensor row_scales, Tensor codebook, "
+    "SymInt in_features) -> Tensor"
+)
+_lib.define(
+    "grouped_mm_grad_x(Tensor grad, Tensor expert_ids, Tensor planes, Tensor block_scales, Tensor row_scales, "
+    "Tensor codebook, SymInt in_features, Tensor? order=None, Tensor? offsets=None) -> Tensor"
+)
+
+
+def _check_grad_input(grad: torch.Tensor, row_scales: torch.Tensor) -> None:
+    torch._check(
+        grad.dtype in (torch.bfloat16, torch.float16, torch.float32),
+        lambda: f"grad must be bfloat16, float16 or float32, got {grad.dtype}",
+    )
+    torch._check(
+        grad.shape[-1] == row_scales.shape[-1],
+        lambda: f"grad has {grad.shape[-1]} features in its last dim, the weight has out_features="
+        f"{row_scales.shape[-1]}",
+    )
+
+
+@torch.library.impl(_lib, "mm_grad_x", "CompositeExplicitAutograd")
+def _mm_grad_x_ref(grad, planes, block_scales, row_scales, codebook, in_features):
+    """``grad [..., N] @ W -> [..., K]`` in grad's dtype, accumulating in float32: the gradient of
+    :func:`_mm_ref` with respect to x."""
+    _check_grad_input(grad, row_scales)
+    _check_packed(planes, block_scales, row_scales, codebook, in_features)
+    w = fmt.dequantize(planes, block_scales, row_scales, codebook, in_features, torch.float32)
+    return (grad.float() @ w).to(grad.dtype)
+
+
+@torch.library.register_fake("kbit::mm_grad_x")
+def _mm_grad_x_fake(grad, planes, block_scales, row_scales, codebook, in_features):
+    _check_grad_input(grad, row_scales)
+    _check_packed(planes, block_scales, row_scales, codebook, in_features)
+    return grad.new_empty((*grad.shape[:-1], in_features))
+
+
+@torch.library.impl(_lib, "grouped_mm_grad_x", "CompositeExplicitAutograd")
+def _grouped_mm_grad_x_ref(grad, expert_ids, planes, block_scales, row_scales, codebook, in_features, order=None,
+                           offsets=None):
+    """Row ``s`` of ``grad [S, N]`` times expert ``expert_ids[s]``'s weight ``[N, K]``: ``[S, K]``, the
+    gradient of :func:`_grouped_mm_ref` with respect to x (zeros for rows of no expert)."""
+    return _grouped_grad_x(grad, expert_ids, planes, block_scales, row_scales, codebook, in_features, order, offsets,
+                           torch.float32)
+
+
+def _grouped_grad_x(grad, expert_ids, planes, block_scales, row_scales, codebook, in_features, order, offsets,
+                    compute_dtype: torch.dtype) -> torch.Tensor:
+    """The grouped gradient, one expert's weight dequantized at a time in ``compute_dtype`` (a host sync,
+    as in the forward reference)."""
+    _check_grad_input(grad, row_scales)
+    _check_packed(planes, block_scales, row_scales, codebook, in_features)
+    _check_grouped(grad.new_empty((grad.shape[0], in_features)), expert_ids, row_scales, codebook)
+    num_experts = row_scales.shape[0]
+    _check_routing(expert_ids, order, offsets, num_experts)
+    if order is None:
+        order, offsets = expert_offsets(expert_ids, num_experts)
+    out = torch.zeros(grad.shape[0], in_features, dtype=compute_dtype, device=grad.device)
+    bounds = offsets.tolist()
+    for e in range(num_experts):
+        if bounds[e] == bounds[e + 1]:
+            continue
+        rows = order[bounds[e] : bounds[e + 1]]
+        cb = codebook if codebook.dim() == 1 else codebook[e]
+        w = torch.ops.kbit.dequantize(planes[e], block_scales[e], row_scales[e], cb, in_features, compute_dtype)
+        out[rows] = grad[rows].to(compute_dtype) @ w
+    return out.to(grad.dtype)
+
+
+@torch.library.register_fake("kbit::grouped_mm_grad_x")
+def _grouped_mm_grad_x_fake(grad, expert_ids, planes, block_scales, row_scales, codebook, in_features, order=None,
+                            offsets=None):
+    _check_grad_input(grad, row_scales)
+    _check_packed(planes, block_scales, row_scales, codebook, in_features)
+    _check_grouped(grad.new_empty((grad.shape[0], in_features)), expert_ids, row_scales, codebook)
+    _check_routing(expert_ids, order, offsets, row_scales.shape[0])
+    return grad.new_empty((grad.shape[0], in_features))
+
+
+def _mm_setup_context(ctx, inputs, output):
+    _, planes, block_scales, row_scales, codebook, in_features = inputs
+    ctx.save_for_backward(planes, block_scales, row_scales, codebook)
+    ctx.in_features = in_features
+
+
+def _mm_backward(ctx, grad):
+    grad_x = None
+    if ctx.needs_input_grad[0]:
+        grad_x = torch.ops.kbit.mm_grad_x(grad, *ctx.saved_tensors, ctx.in_features)
+    return grad_x, None, None, None, None, None
+
+
+def _grouped_mm_setup_context(ctx, inputs, output):
+    _, expert_ids, planes, block_scales, row_scales, codebook, in_features, order, offsets = inputs
+    ctx.save_for_backward(expert_ids, planes, block_scales, row_scales, codebook, order, offsets)
+    ctx.in_features = in_features
+
+
+def _grouped_mm_backward(ctx, grad):
+    grad_x = None
+    if ctx.needs_input_grad[0]:
+        expert_ids, planes, block_scales, row_scales, codebook, order, offsets = ctx.saved_tensors
+        grad_x = torch.ops.kbit.grouped_mm_grad_x(
+            grad, expert_ids, planes, block_scales, row_scales, codebook, ctx.in_features, order, offsets
+        )
+    return grad_x, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("kbit::mm", _mm_backward, setup_context=_mm_setup_context)
+torch.library.register_autograd("kbit::grouped_mm", _grouped_mm_backward, setup_context=_grouped_mm_setup_context)

@@ -104,7 +104,9 @@ class KbitHfQuantizer(HfQuantizer):
 
     @property
     def is_trainable(self) -> bool:
-        return False
+        # Adapters (LoRA, hf_kbit.lora) train beside the frozen packed weights; training the packed weights
+        # themselves is refused by transformers' Trainer for every quantized model without adapters.
+        return True
 
     @property
     def is_compileable(self) -> bool:

@@ -488,3 +488,34 @@ def _grouped_mm_cuda(x, expert_ids, planes, block_scales, row_scales, codebook, 
     )
     _lib.check(rc, "grouped_mm")
     return out
+
+
+# ---------------------------------------------------------------------------- gradients (training)
+
+# dX = dY @ W at training shapes (M = batch x sequence, thousands of rows): the weight dequantized
+# into dY's dtype and one cuBLAS call, the path the forward's own table takes past its GEMM
+# crossover (docs/kernels.md); no transposed kbit kernel exists yet. float32 gradients take the
+# reference (dequantize to float32, same cuBLAS).
+
+
+@torch.library.impl(_ops._lib, "mm_grad_x", "CUDA")
+def _mm_grad_x_cuda(grad, planes, block_scales, row_scales, codebook, in_features):
+    _ops._check_grad_input(grad, row_scales)
+    _check_packed_once(planes, block_scales, row_scales, codebook, in_features)
+    _same_device(grad, "grad", planes=planes, block_scales=block_scales, row_scales=row_scales, codebook=codebook)
+    if grad.dtype not in _GEMV_DTYPES:
+        return _ops._mm_grad_x_ref(grad, planes, block_scales, row_scales, codebook, in_features)
+    w = torch.empty((row_scales.shape[0], in_features), dtype=grad.dtype, device=grad.device)
+    if w.numel():
+        _dequantize_into(planes, block_scales, row_scales, codebook, in_features, w)
+    return torch.matmul(grad, w)
+
+
+@torch.library.impl(_ops._lib, "grouped_mm_grad_x", "CUDA")
+def _grouped_mm_grad_x_cuda(grad, expert_ids, planes, block_scales, row_scales, codebook, in_features, order=None,
+                            offsets=None):
+    # One expert's weight at a time in grad's dtype (never all E dequantized at once); the group
+    # sizes are read on the host, as in the forward reference.
+    compute = grad.dtype if grad.dtype in _GEMV_DTYPES else torch.float32
+    return _ops._grouped_grad_x(grad, expert_ids, planes, block_scales, row_scales, codebook, in_features, order,
+                                offsets, compute)

@@ -131,6 +131,12 @@ class KbitLinear(KbitModule):
         """Shape of each format tensor (the checkpoint contract, see hf_kbit.checkpoint)."""
         return fmt.packed_shapes(self.out_features, self.in_features, self.bits)
 
+    @property
+    def qweight(self) -> torch.Tensor:
+        """``planes``, under the name by which adapter libraries (peft) find the packed weight of a quantized
+        linear layer, and from it the device for its adapters. Not a tensor of its own (no state-dict entry)."""
+        return self.planes
+
     def placeholders(self) -> list[str]:
         """Full-precision placeholders still waiting for quantize-on-load."""
         return ["weight"] if "weight" in self._parameters else []
