@@ -296,9 +296,12 @@ def row_scales(weight: torch.Tensor) -> torch.Tensor:
     """Step 1 of :func:`quantize`: float32 row scales ``[..., N]`` of ``weight [..., N, K]``."""
     w = weight.float()
     rowmax = w.abs().amax(-1) if w.shape[-1] > 0 else torch.zeros(w.shape[:-1], device=w.device)
+    # The division on the CPU whatever the weight's device: CUDA divides by a scalar through its
+    # reciprocal, which rounds differently; N values are cheap to move.
+    rowmax = rowmax.cpu()
     row_scale = torch.where(rowmax > 0, rowmax / E4M4_MAX, torch.ones_like(rowmax))
     row_scale = torch.where(rowmax > 0, torch.nextafter(row_scale, torch.full_like(row_scale, math.inf)), row_scale)
-    return row_scale.clamp(max=ROW_SCALE_MAX)
+    return row_scale.clamp(max=ROW_SCALE_MAX).to(w.device)
 
 
 def absmax_codes(blocks: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
