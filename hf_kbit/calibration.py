@@ -43,6 +43,7 @@ __all__ = [
     "calibrate_quantize",
     "calibration_batches",
     "decoder_layers",
+    "fit_codebook_weighted",
     "gptq_quantize",
     "inverse_cholesky",
 ]
@@ -64,11 +65,17 @@ class CalibrationSettings:
         lazy_columns: GPTQ's lazy batch, a multiple of the format's 32-element block.
         fit: the data-free settings of the codebook fit and the block-code window
             (default ``fitting.DEFAULT_SETTINGS[bits]``).
+        weighted_codebook: fit the codebook (Lloyd, :func:`fit_codebook_weighted`) with each element's squared
+            error weighted by its input channel's mean square activation, ``diag(H)``, instead of data-free.
+        weighted_codes: in the block-code search, weight each element's squared error by ``1 / U[j, j]**2``,
+            the share of its error that the later columns cannot take over (GPTQ's own error measure).
     """
 
     damp: float = DEFAULT_DAMP
     lazy_columns: int = DEFAULT_LAZY_COLUMNS
     fit: fitting.FitSettings | None = None
+    weighted_codebook: bool = False
+    weighted_codes: bool = False
 
     def __post_init__(self):
         if not isinstance(self.damp, (int, float)) or isinstance(self.damp, bool) or not 0 < self.damp < 1:
@@ -79,6 +86,9 @@ class CalibrationSettings:
                              f"got {lazy!r}")
         if self.fit is not None and not isinstance(self.fit, fitting.FitSettings):
             raise TypeError(f"CalibrationSettings.fit must be a fitting.FitSettings or None, got {type(self.fit)}")
+        for name in ("weighted_codebook", "weighted_codes"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"CalibrationSettings.{name} must be a bool, got {getattr(self, name)!r}")
 
     def fit_settings(self, bits: int) -> fitting.FitSettings:
         return fitting.DEFAULT_SETTINGS[bits] if self.fit is None else self.fit
@@ -131,6 +141,7 @@ def gptq_quantize(
     codes_above: int = 0,
     damp: float = DEFAULT_DAMP,
     lazy_columns: int = DEFAULT_LAZY_COLUMNS,
+    weighted_codes: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``weight [N, K]`` to format v1 with ``codebook``, error feedback through ``hessian [K, K]``.
 
@@ -140,7 +151,8 @@ def gptq_quantize(
     with ``codebook`` reads them. Row scales follow the format's rule on the original weight; each block's
     code is searched over ``codes_below`` / ``codes_above`` codes around its absmax code (as
     :func:`hf_kbit.fitting.search_block_codes`) on the block's weights as the error feedback left them when
-    its first column is reached; each index is the nearest level to the updated weight over its block scale.
+    its first column is reached (``weighted_codes``: each element's squared error weighted by ``1 / U[j, j]**2``);
+    each index is the nearest level to the updated weight over its block scale.
     Runs on ``weight``'s device in float32 (float64 for a float64 weight, as the tests' references do; the code
     search always sees float32 weights). The module docstring has the algorithm.
     """
@@ -162,6 +174,10 @@ def gptq_quantize(
         upper[:k, :k] = inverse_cholesky(hessian.to(device=device, dtype=dtype), damp)
     work = torch.nn.functional.pad(w, (0, k_pad - k))
     mask = fitting._element_mask(k, k_pad // fmt.BLOCK_SIZE, device)
+    if weighted_codes:
+        weights = torch.diagonal(upper).float().square().reciprocal()
+        weights = (weights / weights[:k].mean()).reshape(-1, fmt.BLOCK_SIZE)
+        mask = weights if mask is None else weights * mask
     table = fmt.e4m4_table().to(device)
     mids = ((cb[0, 1:] + cb[0, :-1]) / 2).to(dtype)
     codes = torch.zeros(n, k_pad // fmt.BLOCK_SIZE, dtype=torch.int64, device=device)
@@ -206,11 +222,45 @@ def calibrate_quantize(
     settings = CalibrationSettings() if settings is None else settings
     _check_pair(weight, hessian)
     fit = settings.fit_settings(fitting._check_bits(bits))
-    codebook = fitting.fit_codebook(weight, bits, fit)
+    if settings.weighted_codebook:
+        codebook = fit_codebook_weighted(weight, bits, torch.diagonal(hessian), fit)
+    else:
+        codebook = fitting.fit_codebook(weight, bits, fit)
     planes, block_scales, rows = gptq_quantize(
-        weight, hessian, codebook, fit.codes_below, fit.codes_above, settings.damp, settings.lazy_columns
+        weight, hessian, codebook, fit.codes_below, fit.codes_above, settings.damp, settings.lazy_columns,
+        settings.weighted_codes,
     )
     return planes, block_scales, rows, codebook
+
+
+def fit_codebook_weighted(
+    weight: torch.Tensor, bits: int, column_weights: torch.Tensor, settings: fitting.FitSettings | None = None
+) -> torch.Tensor:
+    """:func:`hf_kbit.fitting.fit_codebook` with each element's squared error weighted by its column's entry of
+    ``column_weights [K]`` (non-negative; e.g. ``diag(H)``, the input channel's mean square activation), in the
+    code search and in the Lloyd update alike. All-equal weights give fit_codebook's codebook."""
+    settings = fitting.DEFAULT_SETTINGS[fitting._check_bits(bits)] if settings is None else settings
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [N, K], got shape {tuple(weight.shape)}")
+    w, _ = fitting._as_groups(weight)
+    k = w.shape[-1]
+    cw = column_weights.to(device=w.device, dtype=torch.float32)
+    if cw.shape != (k,) or not bool((cw >= 0).all()) or not bool(torch.isfinite(cw).all()):
+        raise ValueError(f"column_weights must be finite, non-negative and of shape ({k},), got {tuple(cw.shape)}")
+    cb = fmt.make_codebook(settings.codebook, bits).to(w.device)[None]
+    if settings.lloyd_iters == 0 or w.numel() == 0 or not bool((cw > 0).any()):
+        return cb[0]
+    blocks = fitting._blocks(w)
+    n_blocks = blocks.shape[2]
+    mask = torch.nn.functional.pad(cw / cw[cw > 0].mean(), (0, n_blocks * fmt.BLOCK_SIZE - k))
+    mask = mask.reshape(n_blocks, fmt.BLOCK_SIZE)
+    rows_sel = fitting._fit_rows(blocks.shape[1], n_blocks, settings.max_fit_blocks)
+    fit_blocks, rows = blocks[:, rows_sel], fmt.row_scales(w)[:, rows_sel]
+    table = fmt.e4m4_table().to(w.device)
+    for _ in range(settings.lloyd_iters):
+        codes = fitting._search(fit_blocks, rows, cb, settings.codes_below, settings.codes_above, mask)
+        cb = fitting._lloyd_step(fit_blocks, table[codes] * rows[..., None], cb, mask)
+    return cb[0]
 
 
 # ---------------------------------------------------------------------------- text

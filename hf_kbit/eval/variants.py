@@ -42,7 +42,8 @@ from .anchors import ANCHOR_BITS, ANCHORS, DEFAULT_GROUP_SIZE, FIT_OPTIONS, Anch
 
 METHODS = ("bf16", "kbit", *ANCHORS, "kbitcal")
 # kbitcal's options besides kbitfit's (FIT_OPTIONS), with their defaults: GPTQ's customary 128 x 2048 tokens.
-CAL_OPTIONS = {"samples": 128, "seq_len": 2048, "corpus": None, "damp": 0.01, "batch_size": 8}
+CAL_OPTIONS = {"samples": 128, "seq_len": 2048, "corpus": None, "damp": 0.01, "batch_size": 8,
+               "weighted_codebook": False, "weighted_codes": False}
 LM_HEAD = "lm_head"  # the output projection's module name in transformers' causal LMs
 _SPEC = re.compile(r"(?P<method>bf16|[a-z]+)(?P<bits>\d*)")
 
@@ -91,8 +92,9 @@ class VariantSpec:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"variant {self.name!r}: {key} must be a positive int, got {value!r}")
         try:
-            CalibrationSettings(damp=self.options.get("damp", CAL_OPTIONS["damp"]))
-        except ValueError as e:
+            CalibrationSettings(**{key: self.options.get(key, CAL_OPTIONS[key])
+                                   for key in ("damp", "weighted_codebook", "weighted_codes")})
+        except (TypeError, ValueError) as e:
             raise ValueError(f"variant {self.name!r}: {e}") from None
 
     def kbit_config(self):
@@ -382,7 +384,8 @@ def apply_calibration(model, folder: Path, spec: VariantSpec, evaluated: tuple[A
     options = {**CAL_OPTIONS, **spec.options}
     fit = dataclasses.replace(fitting.DEFAULT_SETTINGS[spec.bits],
                               **{k: v for k, v in spec.options.items() if k in FIT_OPTIONS})
-    settings = calibration.CalibrationSettings(damp=options["damp"], fit=fit)
+    settings = calibration.CalibrationSettings(damp=options["damp"], fit=fit, weighted_codebook=options["weighted_codebook"],
+                                               weighted_codes=options["weighted_codes"])
     names = quantizable_linears(model)
     error, elems = WeightError(), 0
 
@@ -407,7 +410,8 @@ def apply_calibration(model, folder: Path, spec: VariantSpec, evaluated: tuple[A
         "quantized_modules_sha256": _names_sha256(names),
         "weight_sqnr_db": error.sqnr_db(),
         "anchor": (f"kbit format v1, k = {spec.bits}, calibrated by hf_kbit.calibration (GPTQ error feedback, damp "
-                   f"{settings.damp}, with the data-free codebook and code window of {fit}), dequantized: bits/weight "
+                   f"{settings.damp}, codebook and code window of {fit}, weighted codebook "
+                   f"{settings.weighted_codebook}, weighted codes {settings.weighted_codes}), dequantized: bits/weight "
                    "as format.bits_per_weight"),
         "calibration": facts,
         "calibration_seconds": round(time.perf_counter() - start, 2),
