@@ -84,9 +84,13 @@ def evaluate(
     tokens = [w.targets for w in windows]
     # The kbit variants' weight SQNR needs the checkpoint's weights beside the quantized model.
     reference = reference_weights(folder) if any(v.method == "kbit" for v in variants) else None
+    # The characters the scoring reads (tokenize_prefix cuts the text to 16 per token when it gives no offsets):
+    # kbitcal variants calibrate on text after them.
+    read = chars if chars is not None else len(corpus.text) if not max_tokens else min(len(corpus.text), 16 * max_tokens)
     results: list[dict[str, Any]] = []
     for spec in variants:
-        model, info = load_variant(folder, spec, device, dtype, dequantize_on_cpu, reference=reference)
+        model, info = load_variant(folder, spec, device, dtype, dequantize_on_cpu, reference=reference,
+                                   evaluated=(corpus, read))
         _check_same_linears(results, info)
         start = time.perf_counter()
         nll = score_windows(model, token_ids, windows, batch_size)

@@ -12,6 +12,12 @@ A variant spec is ``METHOD[BITS][:KEY=VALUE]...``; a list of them is comma-separ
   ``group_size`` (the NF4 block size for ``nf4``).
 - ``kbitfit<k>``: the kbit format fitted by hf_kbit.fitting, fake-quantized the same way; options
   ``codes_below``, ``codes_above``, ``lloyd_iters``.
+- ``kbitcal<k>``: the kbit format calibrated by hf_kbit.calibration (GPTQ-style error feedback with the fitted
+  codebook and block scales, decoder layer by decoder layer), fake-quantized the same way. Calibration text:
+  the last ``samples`` x ``seq_len`` tokens of ``corpus`` (default: the evaluated corpus, from the part after
+  the evaluated prefix, so calibration and evaluation never share text; another corpus: its end). Options
+  ``samples`` (128), ``seq_len`` (2048), ``corpus``, ``damp``, ``batch_size`` (sequences per calibration
+  forward, 8) and kbitfit's three.
 
 A value is read as JSON when it parses (``false``, ``64``, ``[-1, 0, 1]``, ``"x"``), else as a string.
 ``name=...`` sets the label; the default label is the spec as written.
@@ -34,7 +40,10 @@ from typing import Any
 
 from .anchors import ANCHOR_BITS, ANCHORS, DEFAULT_GROUP_SIZE, FIT_OPTIONS, Anchor
 
-METHODS = ("bf16", "kbit", *ANCHORS)
+METHODS = ("bf16", "kbit", *ANCHORS, "kbitcal")
+# kbitcal's options besides kbitfit's (FIT_OPTIONS), with their defaults: GPTQ's customary 128 x 2048 tokens.
+CAL_OPTIONS = {"samples": 128, "seq_len": 2048, "corpus": None, "damp": 0.01, "batch_size": 8,
+               "weighted_codebook": False, "weighted_codes": False}
 LM_HEAD = "lm_head"  # the output projection's module name in transformers' causal LMs
 _SPEC = re.compile(r"(?P<method>bf16|[a-z]+)(?P<bits>\d*)")
 
@@ -64,7 +73,7 @@ class VariantSpec:
         else:
             if self.lm_head_bits is not None:
                 raise ValueError(f"variant {self.name!r}: lm_head_bits applies to kbit variants only")
-            allowed = set(FIT_OPTIONS) if self.method == "kbitfit" else {"group_size"}
+            allowed = {"kbitfit": set(FIT_OPTIONS), "kbitcal": {*FIT_OPTIONS, *CAL_OPTIONS}}.get(self.method, {"group_size"})
             unknown = sorted(set(self.options) - allowed)
             if unknown:
                 raise ValueError(f"variant {self.name!r}: unknown option(s) {unknown}; {self.method} takes {sorted(allowed)}")
@@ -72,6 +81,21 @@ class VariantSpec:
                 self.anchor()  # validates bits and group_size
             except ValueError as e:
                 raise ValueError(f"variant {self.name!r}: {e}") from None
+            if self.method == "kbitcal":
+                self._check_calibration_options()
+
+    def _check_calibration_options(self):
+        from hf_kbit.calibration import CalibrationSettings
+
+        for key in ("samples", "seq_len", "batch_size"):
+            value = self.options.get(key, CAL_OPTIONS[key])
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"variant {self.name!r}: {key} must be a positive int, got {value!r}")
+        try:
+            CalibrationSettings(**{key: self.options.get(key, CAL_OPTIONS[key])
+                                   for key in ("damp", "weighted_codebook", "weighted_codes")})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"variant {self.name!r}: {e}") from None
 
     def kbit_config(self):
         import hf_kbit
@@ -87,8 +111,9 @@ class VariantSpec:
         return hf_kbit.KbitConfig(bits=self.bits, **options)
 
     def anchor(self) -> Anchor:
-        if self.method == "kbitfit":
-            return Anchor(self.method, self.bits, DEFAULT_GROUP_SIZE[self.method], tuple(sorted(self.options.items())))
+        if self.method in ("kbitfit", "kbitcal"):  # kbitcal: its data-free part, and the checks of bits and fit options
+            fit = tuple(sorted((k, v) for k, v in self.options.items() if k in FIT_OPTIONS))
+            return Anchor("kbitfit", self.bits, DEFAULT_GROUP_SIZE["kbitfit"], fit)
         return Anchor(self.method, self.bits, self.options.get("group_size", DEFAULT_GROUP_SIZE[self.method]))
 
     def to_json(self) -> dict[str, Any]:
@@ -306,11 +331,99 @@ def apply_anchor(model, anchor: Anchor) -> dict[str, Any]:
     }
 
 
+def calibration_tokens(folder: Path, spec: VariantSpec, evaluated: tuple[Any, int] | None):
+    """``(batches, facts)``: kbitcal's calibration token batches and what identifies them (JSON-ready).
+
+    Calibration text is the end of ``spec``'s ``corpus``: of the evaluated corpus (the default) only the part
+    after its first ``chars`` characters, which the scoring reads, so no calibration token is scored.
+    """
+    from transformers import AutoTokenizer
+
+    from hf_kbit.calibration import calibration_batches
+
+    from .corpus import load_corpus
+
+    options = {**CAL_OPTIONS, **spec.options}
+    if options["corpus"] is None:
+        if evaluated is None:
+            raise ValueError(f"variant {spec.name!r}: kbitcal calibrates on the evaluated corpus (after the evaluated "
+                             "part) by default and needs it; or give corpus=<name or file>")
+        corpus, chars = evaluated
+        text, where = corpus.text[chars:], f"after the first {chars} characters (the evaluated part)"
+    else:
+        corpus = load_corpus(str(options["corpus"]))
+        text, where = corpus.text, "anywhere"
+        if evaluated is not None and evaluated[0].text == corpus.text:
+            text, where = corpus.text[evaluated[1]:], f"after the first {evaluated[1]} characters (the evaluated part)"
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    try:
+        batches = calibration_batches(tokenizer, text, options["samples"], options["seq_len"], options["batch_size"])
+    except ValueError as e:
+        raise ValueError(f"variant {spec.name!r}: {e} (calibration text: {corpus.name}, {where})") from None
+    import torch
+
+    ids = torch.cat(batches).reshape(-1)
+    facts = {"corpus": corpus.name, "text": f"the last {ids.numel()} tokens of the corpus, {where}",
+             "samples": options["samples"], "seq_len": options["seq_len"],
+             "tokens_sha256": hashlib.sha256(ids.numpy().tobytes()).hexdigest()}
+    return batches, facts
+
+
+def apply_calibration(model, folder: Path, spec: VariantSpec, evaluated: tuple[Any, int] | None) -> dict[str, Any]:
+    """kbitcal: calibrate the quantizable Linears of ``model`` in place (hf_kbit.calibration.calibrate_model), on
+    the model's device; the summary of :func:`apply_anchor`, plus what the calibration read and its seconds."""
+    import dataclasses
+
+    import torch
+
+    from hf_kbit import calibration, fitting
+    from hf_kbit import format as fmt
+
+    start = time.perf_counter()
+    batches, facts = calibration_tokens(folder, spec, evaluated)
+    options = {**CAL_OPTIONS, **spec.options}
+    fit = dataclasses.replace(fitting.DEFAULT_SETTINGS[spec.bits],
+                              **{k: v for k, v in spec.options.items() if k in FIT_OPTIONS})
+    settings = calibration.CalibrationSettings(damp=options["damp"], fit=fit, weighted_codebook=options["weighted_codebook"],
+                                               weighted_codes=options["weighted_codes"])
+    names = quantizable_linears(model)
+    error, elems = WeightError(), 0
+
+    def measure(name, linear, packed):
+        nonlocal elems
+        planes, block_scales, rows, codebook = packed
+        error.add(linear.weight.data, fmt.dequantize(planes, block_scales, rows, codebook, linear.in_features))
+        elems += linear.weight.numel()
+
+    calibration.calibrate_model(model, batches, spec.bits, names, settings, on_quantized=measure)
+    if next(model.parameters()).device.type == "cuda":
+        torch.cuda.synchronize()
+    bits = sum(fmt.bits_per_weight(*model.get_submodule(n).weight.shape, spec.bits) * model.get_submodule(n).weight.numel()
+               for n in names)
+    total = sum(p.numel() for p in model.parameters())
+    return {
+        "bits_per_weight": bits / elems if elems else None,
+        "stored_bits_per_weight": bits / elems if elems else None,
+        "quantized_params": elems,
+        "quantized_fraction": elems / total if total else 0.0,
+        "quantized_modules": len(names),
+        "quantized_modules_sha256": _names_sha256(names),
+        "weight_sqnr_db": error.sqnr_db(),
+        "anchor": (f"kbit format v1, k = {spec.bits}, calibrated by hf_kbit.calibration (GPTQ error feedback, damp "
+                   f"{settings.damp}, codebook and code window of {fit}, weighted codebook "
+                   f"{settings.weighted_codebook}, weighted codes {settings.weighted_codes}), dequantized: bits/weight "
+                   "as format.bits_per_weight"),
+        "calibration": facts,
+        "calibration_seconds": round(time.perf_counter() - start, 2),
+    }
+
+
 # ----------------------------------------------------------------------------- loading
 
 
 def load_variant(folder: Path, spec: VariantSpec, device: str, dtype, dequantize_on_cpu: bool = True,
-                 attention: str = "sdpa", reference: dict[str, Any] | None = None):
+                 attention: str = "sdpa", reference: dict[str, Any] | None = None,
+                 evaluated: tuple[Any, int] | None = None):
     """``(model, info)``: the model of ``folder`` as ``spec`` says, on ``device``, computing in ``dtype``.
 
     bf16 and anchors load the checkpoint as it is (anchors then rewrite the quantizable Linears' weights on
@@ -319,7 +432,9 @@ def load_variant(folder: Path, spec: VariantSpec, device: str, dtype, dequantize
     holding exactly its dequantized weight (same numbers, much faster). On CUDA the kbit kernels run.
     ``reference`` (reference_weights): with it, kbit variants report their weight SQNR too. ``info`` holds
     the spec, bits/weight with all metadata, the share of parameters quantized, the weight SQNR and
-    ``load_seconds`` (loading plus quantizing).
+    ``load_seconds`` (loading plus quantizing). ``evaluated``: ``(corpus, chars)``, the corpus being scored and
+    how many of its leading characters the scoring reads; kbitcal variants calibrate on the rest of it (or on
+    another corpus) and need it.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -353,6 +468,8 @@ def load_variant(folder: Path, spec: VariantSpec, device: str, dtype, dequantize
         if dequantize_on_cpu and not device.startswith("cuda"):
             model.dequantize(dtype=dtype)
             info["kbit_forward"] = "dequantized-to-nn.Linear"
+    elif spec.method == "kbitcal":
+        info.update(apply_calibration(model, folder, spec, evaluated))
     else:
         info.update(apply_anchor(model, spec.anchor()))
     if device.startswith("cuda"):

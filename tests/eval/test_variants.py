@@ -142,3 +142,32 @@ def test_kbit_summary_counts_fused_experts():
     assert summary["quantized_modules"] == len(linears) + len(experts)
     total = elems + sum(p.numel() for p in model.parameters())
     assert summary["quantized_fraction"] == pytest.approx(elems / total)
+
+
+def test_kbitcal_specs():
+    spec = V.parse_variant("kbitcal3:samples=4:seq_len=64:lloyd_iters=1")
+    assert (spec.method, spec.bits, spec.options) == ("kbitcal", 3, {"samples": 4, "seq_len": 64, "lloyd_iters": 1})
+    for text, match in [("kbitcal6", "kbitfit anchors take bits"), ("kbitcal3:group_size=64", "unknown option"),
+                        ("kbitcal3:samples=0", "samples must be a positive int"), ("kbitcal3:damp=2", "damp")]:
+        with pytest.raises(ValueError, match=match):
+            V.parse_variant(text)
+
+
+def test_kbitcal_calibrates_on_text_the_scoring_does_not_read(tiny_folder):
+    from tiny_models import TINY_TEXT
+
+    from hf_kbit.eval.corpus import Corpus
+
+    corpus = Corpus("tiny", TINY_TEXT, {"name": "tiny"})
+    spec = V.parse_variant("kbitcal3:samples=2:seq_len=64:lloyd_iters=1")
+    with pytest.raises(ValueError, match="fewer than samples x seq_len"):
+        V.load_variant(tiny_folder, spec, "cpu", torch.float32, evaluated=(corpus, len(TINY_TEXT) - 100))
+    with pytest.raises(ValueError, match="needs it"):
+        V.load_variant(tiny_folder, spec, "cpu", torch.float32)
+    _, info = V.load_variant(tiny_folder, spec, "cpu", torch.float32, evaluated=(corpus, 100))
+    _, fit_info = V.load_variant(tiny_folder, V.parse_variant("kbitfit3:lloyd_iters=1"), "cpu", torch.float32)
+    assert info["calibration"]["text"] == "the last 128 tokens of the corpus, after the first 100 characters (the evaluated part)"
+    for key in ("quantized_modules", "quantized_modules_sha256", "bits_per_weight", "quantized_params"):
+        assert info[key] == fit_info[key], key
+    # the same format and codebook as kbitfit, other indices: its weight error is a little higher
+    assert fit_info["weight_sqnr_db"] - 3 < info["weight_sqnr_db"] < fit_info["weight_sqnr_db"]

@@ -1,0 +1,256 @@
+"""Calibration (hf_kbit.calibration): the GPTQ quantizer against slow references on small matrices, its
+reduction to the data-free result, and the layer-by-layer driver against a whole-model reference."""
+
+import pytest
+import torch
+from test_fitting import heavy_tailed
+
+from hf_kbit import calibration, fitting
+from hf_kbit import format as fmt
+
+# (N, K): N not a multiple of the 16-row tile, K not a multiple of the 32-element block or the 128-column lazy batch.
+SHAPES = [(16, 128), (20, 200), (7, 45)]
+# In float32 the lazy batches sum in another order than per-column updates; a near-tie between two levels can
+# then go either way and the columns after it follow, so float32 runs are compared by their output error.
+PROXY_RTOL = 0.02
+
+
+def correlated_hessian(k, seed=0, tokens=512):
+    """X^T X / tokens of inputs with a few strong shared directions and per-channel scales, as activations have."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, k, generator=g) + 2 * torch.randn(tokens, 4, generator=g) @ torch.randn(4, k, generator=g)
+    x = x * torch.rand(k, generator=g).add(0.2)
+    return x.T @ x / tokens
+
+
+def packed_indices(planes, n, k):
+    return fmt.unpack_indices(planes)[:n, :k]
+
+
+def proxy_loss(weight, approx, hessian):
+    """tr((W - Q) H (W - Q)^T): the output error over the calibration inputs."""
+    d = (approx.double() - weight.double())
+    return float(torch.einsum("nk,kl,nl->", d, hessian.double(), d))
+
+
+# ---------------------------------------------------------------------------- slow references
+
+
+def reference_gptq(weight, hessian, codebook, codes_below, codes_above, damp=calibration.DEFAULT_DAMP):
+    """Optimal Brain Quantization in its plain form, float64, one column at a time with the whole inverse
+    Hessian: quantize column i (its block's code chosen on the updated weights when the block starts), move
+    the error onto the later columns by -err / Hinv[i, i] * Hinv[i, i+1:], then remove i from Hinv.
+    Returns the indices and the quantized weight."""
+    w = weight.double().clone()
+    n, k = w.shape
+    h = hessian.double().clone()
+    dead = torch.diagonal(h) == 0
+    h[dead, dead] = 1.0
+    h += damp * float(torch.diagonal(h).mean()) * torch.eye(k, dtype=torch.float64)
+    hinv = torch.linalg.inv(h)
+    rows = fmt.row_scales(weight)
+    table = fmt.e4m4_table()
+    indices = torch.zeros(n, k, dtype=torch.int64)
+    for i in range(k):
+        if i % fmt.BLOCK_SIZE == 0:
+            block = w[:, i : i + fmt.BLOCK_SIZE].float()
+            scale = table[fitting.search_block_codes(block, rows, codebook, codes_below, codes_above)[:, 0]] * rows
+        for r in range(n):
+            x = float(w[r, i]) / float(scale[r]) if scale[r] > 0 else 0.0
+            indices[r, i] = int(torch.argmin((codebook.double() - x).abs()))  # nearest level
+        q = (codebook[indices[:, i]] * scale).double()
+        err = w[:, i] - q
+        w[:, i + 1 :] -= err[:, None] / hinv[i, i] * hinv[i, i + 1 :][None, :]
+        hinv = hinv - hinv[:, i : i + 1] @ hinv[i : i + 1, :] / hinv[i, i]
+        w[:, i] = q
+    return indices, w
+
+
+def reference_gptq_cholesky(weight, hessian, codebook, codes_below, codes_above, damp=calibration.DEFAULT_DAMP):
+    """The Cholesky form without lazy batches, float64: after each column the whole trailing matrix is updated
+    by -err / U[i, i] * U[i, i:], U the upper Cholesky factor of the damped H^-1."""
+    w = weight.double().clone()
+    n, k = w.shape
+    u = calibration.inverse_cholesky(hessian.double(), damp)
+    rows = fmt.row_scales(weight)
+    table = fmt.e4m4_table()
+    mids = ((codebook[1:] + codebook[:-1]) / 2).double()
+    indices = torch.zeros(n, k, dtype=torch.int64)
+    for i in range(k):
+        if i % fmt.BLOCK_SIZE == 0:
+            block = w[:, i : i + fmt.BLOCK_SIZE].float()
+            scale = table[fitting.search_block_codes(block, rows, codebook, codes_below, codes_above)[:, 0]] * rows
+        x = torch.where(scale > 0, w[:, i] / torch.where(scale > 0, scale, 1.0), 0.0)
+        indices[:, i] = torch.searchsorted(mids, x)
+        err = (w[:, i] - (codebook[indices[:, i]] * scale).double()) / u[i, i]
+        w[:, i:] -= err[:, None] * u[i, i:][None, :]
+    return indices
+
+
+# ---------------------------------------------------------------------------- one weight
+
+
+@pytest.mark.parametrize("bits", fmt.SUPPORTED_BITS, ids=lambda b: f"k{b}")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("diagonal", [False, True], ids=["identity", "diagonal"])
+def test_diagonal_hessian_is_the_data_free_result(bits, shape, diagonal):
+    """Nothing propagates when H is diagonal: the bytes are quantize_fitted's."""
+    weight = heavy_tailed(shape, seed=bits)
+    settings = fitting.DEFAULT_SETTINGS[bits]
+    codebook = fitting.fit_codebook(weight, bits, settings)
+    h = torch.diag(torch.rand(shape[1]).add(0.1)) if diagonal else torch.eye(shape[1])
+    got = calibration.gptq_quantize(weight, h, codebook, settings.codes_below, settings.codes_above)
+    want = fitting.quantize_fitted(weight, codebook, settings.codes_below, settings.codes_above)
+    for name, a, b in zip(("planes", "block_scales", "row_scales"), got, want):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4], ids=lambda b: f"k{b}")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_blocked_equals_per_column_references(bits, shape):
+    """In float64 (where the references work) the lazy-batched quantizer picks the indices of the per-column
+    Cholesky form and of plain OBQ; in float32, its lazy batch does not change the result's quality."""
+    n, k = shape
+    weight = heavy_tailed(shape, seed=10 + bits)
+    h = correlated_hessian(k, seed=bits)
+    settings = fitting.DEFAULT_SETTINGS[bits]
+    codebook = fitting.fit_codebook(weight, bits, settings)
+    below, above = settings.codes_below, settings.codes_above
+    planes, block_scales, rows = calibration.gptq_quantize(weight.double(), h.double(), codebook, below, above)
+    got = packed_indices(planes, n, k)
+    assert torch.equal(got, reference_gptq_cholesky(weight, h, codebook, below, above))
+    obq_indices, obq_weight = reference_gptq(weight, h, codebook, below, above)
+    assert torch.equal(got, obq_indices)
+    approx = fmt.dequantize(planes, block_scales, rows, codebook, k)
+    assert torch.allclose(approx.double(), obq_weight, rtol=0, atol=0)
+    for lazy in (32, 128):
+        p32, s32, r32 = calibration.gptq_quantize(weight, h, codebook, below, above, lazy_columns=lazy)
+        loss32 = proxy_loss(weight, fmt.dequantize(p32, s32, r32, codebook, k), h)
+        assert loss32 == pytest.approx(proxy_loss(weight, approx, h), rel=PROXY_RTOL)
+
+
+@pytest.mark.parametrize("bits", fmt.SUPPORTED_BITS, ids=lambda b: f"k{b}")
+def test_lowers_the_output_error_against_data_free(bits):
+    """Quality as a number: tr((W - Q) H (W - Q)^T) well below the data-free quantizer's on correlated inputs."""
+    weight = heavy_tailed((48, 256), seed=bits)
+    h = correlated_hessian(256, seed=bits)
+    planes, scales, rows, codebook = calibration.calibrate_quantize(weight, h, bits)
+    free = fitting.fit_quantize(weight, bits)
+    calibrated = proxy_loss(weight, fmt.dequantize(planes, scales, rows, codebook, 256), h)
+    data_free = proxy_loss(weight, fmt.dequantize(*free, 256), h)
+    assert torch.equal(codebook, free[3])  # the same data-free codebook
+    assert calibrated < 0.8 * data_free
+
+
+def test_dead_inputs_and_validation():
+    weight = heavy_tailed((16, 64))
+    h = correlated_hessian(64)
+    h[5, :] = 0
+    h[:, 5] = 0
+    codebook = fitting.fit_codebook(weight, 3)
+    planes, scales, rows = calibration.gptq_quantize(weight, h, codebook, 12, 4)
+    approx = fmt.dequantize(planes, scales, rows, codebook, 64)
+    assert bool(torch.isfinite(approx).all())
+    with pytest.raises(ValueError, match="hessian must be a float"):
+        calibration.gptq_quantize(weight, h[:10, :10], codebook)
+    with pytest.raises(ValueError, match="non-finite"):
+        calibration.gptq_quantize(weight, h * float("nan"), codebook)
+    with pytest.raises(ValueError, match="lazy_columns"):
+        calibration.CalibrationSettings(lazy_columns=48)
+    with pytest.raises(ValueError, match="damp"):
+        calibration.CalibrationSettings(damp=0)
+
+
+# ---------------------------------------------------------------------------- text
+
+
+def test_calibration_batches_take_the_end_of_the_text():
+    from tiny_models import TINY_TEXT, char_tokenizer
+
+    tok = char_tokenizer(TINY_TEXT)
+    batches = calibration.calibration_batches(tok, TINY_TEXT, samples=5, seq_len=20, batch_size=2)
+    assert [tuple(b.shape) for b in batches] == [(2, 20), (2, 20), (1, 20)]
+    ids = torch.cat(batches).reshape(-1).tolist()
+    assert ids == tok(TINY_TEXT, add_special_tokens=False)["input_ids"][-100:]
+    with pytest.raises(ValueError, match="fewer than samples x seq_len"):
+        calibration.calibration_batches(tok, TINY_TEXT, samples=100, seq_len=20)
+
+
+# ---------------------------------------------------------------------------- a model
+
+
+def reference_calibrate_model(model, batches, bits, settings):
+    """Module by module, in layer order: the inputs of each Linear come from a full forward of the model with
+    every earlier layer already fake-quantized (the slow, obvious form of the driver)."""
+    prefix, layers = calibration.decoder_layers(model)
+    results = {}
+    for i, layer in enumerate(layers):
+        linears = {f"{prefix}.{i}.{n}": m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+        sums = {name: 0 for name in linears}
+        counts = {name: 0 for name in linears}
+
+        def hook_for(name, sums=sums, counts=counts):
+            def hook(module, args, output):
+                x = args[0].reshape(-1, args[0].shape[-1]).float()
+                sums[name] = sums[name] + x.T @ x
+                counts[name] += x.shape[0]
+            return hook
+
+        handles = [m.register_forward_hook(hook_for(name)) for name, m in linears.items()]
+        with torch.no_grad():
+            for batch in batches:
+                model(input_ids=batch, use_cache=False)
+        for handle in handles:
+            handle.remove()
+        for name, m in linears.items():
+            packed = calibration.calibrate_quantize(m.weight.detach(), sums[name] / counts[name], bits, settings)
+            m.weight.data.copy_(fmt.dequantize(*packed[:3], packed[3], m.in_features).to(m.weight.dtype))
+            results[name] = packed
+    return results
+
+
+def test_driver_equals_whole_model_reference():
+    from tiny_models import tiny_dense_model
+
+    settings = calibration.CalibrationSettings(fit=fitting.FitSettings(codes_below=4, codes_above=1, lloyd_iters=1))
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 256, (2, 24), generator=g), torch.randint(0, 256, (2, 24), generator=g)]
+    model = tiny_dense_model("llama", dtype=torch.float32)
+    want = reference_calibrate_model(tiny_dense_model("llama", dtype=torch.float32), batches, 3, settings)
+    got = calibration.calibrate_model(model, batches, 3, settings=settings, progress=False)
+    assert list(got) == list(want) and len(got) == 2 * 7
+    for name in want:
+        for a, b in zip(got[name], want[name]):
+            assert torch.equal(a, b), name
+        planes, scales, rows, codebook = got[name]
+        module = model.get_submodule(name)
+        assert torch.equal(module.weight, fmt.dequantize(planes, scales, rows, codebook, module.in_features))
+
+
+def test_driver_quantizes_outside_modules_data_free_and_refuses_non_linears():
+    from tiny_models import tiny_dense_model
+
+    model = tiny_dense_model("llama", dtype=torch.float32)
+    head = model.lm_head.weight.detach().clone()
+    batches = [torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(1))]
+    out = calibration.calibrate_model(model, batches, {"lm_head": 4, "model.layers.1.mlp.down_proj": 2},
+                                      modules=["model.layers.1.mlp.down_proj", "lm_head"], progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(out["lm_head"], fitting.fit_quantize(head, 4)))
+    assert out["model.layers.1.mlp.down_proj"][3].numel() == 4
+    with pytest.raises(TypeError, match="not an nn.Linear"):
+        calibration.calibrate_model(model, batches, 3, modules=["model.layers.0.mlp"], progress=False)
+
+
+@pytest.mark.parametrize("bits", [2, 3], ids=lambda b: f"k{b}")
+def test_weighted_options_reduce_to_the_unweighted_ones_under_equal_weights(bits):
+    weight = heavy_tailed((20, 200), seed=bits)
+    settings = fitting.DEFAULT_SETTINGS[bits]
+    equal = fitting.fit_codebook(weight, bits, settings)
+    assert torch.equal(calibration.fit_codebook_weighted(weight, bits, torch.full((200,), 3.0), settings), equal)
+    assert not torch.equal(calibration.fit_codebook_weighted(weight, bits, torch.rand(200), settings), equal)
+    got = calibration.gptq_quantize(weight, torch.eye(200), equal, settings.codes_below, settings.codes_above,
+                                    weighted_codes=True)
+    want = fitting.quantize_fitted(weight, equal, settings.codes_below, settings.codes_above)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(ValueError, match="column_weights"):
+        calibration.fit_codebook_weighted(weight, bits, -torch.ones(200))
