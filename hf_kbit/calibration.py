@@ -254,7 +254,7 @@ def fit_codebook_weighted(
     n_blocks = blocks.shape[2]
     mask = torch.nn.functional.pad(cw / cw[cw > 0].mean(), (0, n_blocks * fmt.BLOCK_SIZE - k))
     mask = mask.reshape(n_blocks, fmt.BLOCK_SIZE)
-    rows_sel = fitting._fit_rows(blocks.shape[1], n_blocks, settings.max_fit_blocks)
+    rows_sel = slice(None, None, fitting.sample_stride(blocks.shape[1], k, settings.max_fit_blocks))
     fit_blocks, rows = blocks[:, rows_sel], fmt.row_scales(w)[:, rows_sel]
     table = fmt.e4m4_table().to(w.device)
     for _ in range(settings.lloyd_iters):
