@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from hf_kbit.eval.timing import capture_cuda_graph
 from hf_kbit.kernel_table import SUPPORTED_BITS
 
 SHAPES = {  # name: (K = in_features, N = out_features)
@@ -73,22 +74,9 @@ def measure_bandwidth() -> float:
     return 2 * n * 20 / (e0.elapsed_time(e1) / 1e3)
 
 
-def capture(body) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of ``body()``, captured after one warm-up run on a side stream."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        body()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    return graph
-
-
 def time_calls(calls, replays: int = 7) -> float:
     """Median microseconds per call of a CUDA graph that runs `calls` once each."""
-    graph = capture(lambda: [fn() for fn in calls])
+    graph, _ = capture_cuda_graph(lambda: [fn() for fn in calls])
     graph.replay()
     torch.cuda.synchronize()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
