@@ -200,7 +200,7 @@ def bench_paths(name, k, n, ms, bits_list, results):
             for path in backend.PATHS:
                 if path == "gemv" and m > backend.GEMV_MAX_M:
                     continue
-                if path == "gemm" and backend._gemm_workspace(x.device.index, m, n, k, bits) < 0:
+                if path == "gemm" and backend.gemm_workspace(x.device.index, m, n, k, bits) < 0:
                     continue
                 calls = [lambda p=packs[i % ncopy], x=x, path=path: backend.run_path(path, x, *p, k)
                          for i in range(ncalls)]
@@ -317,7 +317,7 @@ def eager_overhead(bw) -> dict:
         if not gpu_us > 0:
             raise RuntimeError("torch.profiler recorded no kernel time for the eager calls")
         fns = {"wall_us": lambda: layer(x), "op_wall_us": lambda: torch.ops.kbit.mm(*args),
-               "backend_wall_us": lambda: backend._mm_cuda(*args),
+               "backend_wall_us": lambda: backend.mm_direct(*args),
                # The host's own pace: the same wall time of a bf16 nn.Linear (one cuBLAS launch).
                "bf16_linear_wall_us": lambda: lin(x)}
         if getattr(backend, "linear_fast", None) is not None:
