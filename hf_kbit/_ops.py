@@ -317,6 +317,21 @@ def _check_routing(expert_ids, order, offsets, num_experts) -> None:
     )
 
 
+def _expert_groups(expert_ids, order, offsets, planes, block_scales, row_scales, codebook):
+    """``(rows, packed)`` for each expert that has rows, in expert order: the indices of its rows (by
+    :func:`expert_offsets`, computed here unless given) and its packed tensors ``(planes, block_scales,
+    row_scales, codebook)``. Reading the group sizes is a host sync."""
+    num_experts = row_scales.shape[0]
+    if order is None:
+        order, offsets = expert_offsets(expert_ids, num_experts)
+    bounds = offsets.tolist()
+    for e in range(num_experts):
+        if bounds[e] == bounds[e + 1]:
+            continue
+        cb = codebook if codebook.dim() == 1 else codebook[e]
+        yield order[bounds[e] : bounds[e + 1]], (planes[e], block_scales[e], row_scales[e], cb)
+
+
 @torch.library.impl(_lib, "grouped_mm", "CompositeExplicitAutograd")
 def _grouped_mm_ref(x, expert_ids, planes, block_scales, row_scales, codebook, in_features, order=None, offsets=None):
     """Row ``s`` of ``x [S, K]`` times expert ``expert_ids[s]``'s weight: ``[S, N]`` in x's dtype.
@@ -334,18 +349,10 @@ def _grouped_mm_ref(x, expert_ids, planes, block_scales, row_scales, codebook, i
     _check_mm_input(x, in_features)
     _check_packed(planes, block_scales, row_scales, codebook, in_features)
     _check_grouped(x, expert_ids, row_scales, codebook)
-    num_experts = row_scales.shape[0]
-    _check_routing(expert_ids, order, offsets, num_experts)
-    if order is None:
-        order, offsets = expert_offsets(expert_ids, num_experts)
+    _check_routing(expert_ids, order, offsets, row_scales.shape[0])
     out = torch.zeros(x.shape[0], row_scales.shape[-1], dtype=torch.float32, device=x.device)
-    bounds = offsets.tolist()
-    for e in range(num_experts):
-        if bounds[e] == bounds[e + 1]:
-            continue
-        rows = order[bounds[e] : bounds[e + 1]]
-        cb = codebook if codebook.dim() == 1 else codebook[e]
-        w = fmt.dequantize(planes[e], block_scales[e], row_scales[e], cb, in_features, torch.float32)
+    for rows, packed in _expert_groups(expert_ids, order, offsets, planes, block_scales, row_scales, codebook):
+        w = fmt.dequantize(*packed, in_features, torch.float32)
         out[rows] = x[rows].float() @ w.T
     return out.to(x.dtype)
 
@@ -421,18 +428,10 @@ def _grouped_grad_x(grad, expert_ids, planes, block_scales, row_scales, codebook
     _check_grad_input(grad, row_scales)
     _check_packed(planes, block_scales, row_scales, codebook, in_features)
     _check_grouped(grad.new_empty((grad.shape[0], in_features)), expert_ids, row_scales, codebook)
-    num_experts = row_scales.shape[0]
-    _check_routing(expert_ids, order, offsets, num_experts)
-    if order is None:
-        order, offsets = expert_offsets(expert_ids, num_experts)
+    _check_routing(expert_ids, order, offsets, row_scales.shape[0])
     out = torch.zeros(grad.shape[0], in_features, dtype=compute_dtype, device=grad.device)
-    bounds = offsets.tolist()
-    for e in range(num_experts):
-        if bounds[e] == bounds[e + 1]:
-            continue
-        rows = order[bounds[e] : bounds[e + 1]]
-        cb = codebook if codebook.dim() == 1 else codebook[e]
-        w = torch.ops.kbit.dequantize(planes[e], block_scales[e], row_scales[e], cb, in_features, compute_dtype)
+    for rows, packed in _expert_groups(expert_ids, order, offsets, planes, block_scales, row_scales, codebook):
+        w = torch.ops.kbit.dequantize(*packed, in_features, compute_dtype)
         out[rows] = grad[rows].to(compute_dtype) @ w
     return out.to(grad.dtype)
 

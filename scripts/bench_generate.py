@@ -81,7 +81,7 @@ from typing import Any
 
 from hf_kbit.eval.breakdown import kbit_module_summary, kernel_breakdown_table
 from hf_kbit.eval.graph_step import measure_graph_step
-from hf_kbit.eval.models import ATTENTIONS, check_attention, dtype_name, pick_device, pick_dtype
+from hf_kbit.eval.models import ATTENTIONS, add_device_arguments, check_attention, dtype_name, pick_device, pick_dtype
 from hf_kbit.eval.report import command_line, environment, format_table, parse_bits, write_json
 from hf_kbit.eval.timing import measure_decode_loop, measure_speed
 from hf_kbit.eval.variants import kbit_summary
@@ -503,8 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention", default="sdpa", choices=ATTENTIONS,
                         help="attention of every variant: transformers' sdpa (default) or hf_kbit's single-token "
                              "grouped-query kbit_decode")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
-    parser.add_argument("--dtype", default="bf16", help="compute dtype (default bf16)")
+    add_device_arguments(parser, dtype="bf16")
     parser.add_argument("--out", default=None, help="JSON path (default: results/bench_generate_<preset>_<device>"
                                                    "[_lmhead][_kbit_decode].json)")
     parser.add_argument("--resume", action="store_true",

@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from hf_kbit.eval.timing import capture_cuda_graph
 from hf_kbit.kernel_table import SUPPORTED_BITS
 
 SHAPES = {  # name: (K = in_features, N = out_features)
@@ -73,22 +74,9 @@ def measure_bandwidth() -> float:
     return 2 * n * 20 / (e0.elapsed_time(e1) / 1e3)
 
 
-def capture(body) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of ``body()``, captured after one warm-up run on a side stream."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        body()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    return graph
-
-
 def time_calls(calls, replays: int = 7) -> float:
     """Median microseconds per call of a CUDA graph that runs `calls` once each."""
-    graph = capture(lambda: [fn() for fn in calls])
+    graph, _ = capture_cuda_graph(lambda: [fn() for fn in calls])
     graph.replay()
     torch.cuda.synchronize()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -212,7 +200,7 @@ def bench_paths(name, k, n, ms, bits_list, results):
             for path in backend.PATHS:
                 if path == "gemv" and m > backend.GEMV_MAX_M:
                     continue
-                if path == "gemm" and backend._gemm_workspace(x.device.index, m, n, k, bits) < 0:
+                if path == "gemm" and backend.gemm_workspace(x.device.index, m, n, k, bits) < 0:
                     continue
                 calls = [lambda p=packs[i % ncopy], x=x, path=path: backend.run_path(path, x, *p, k)
                          for i in range(ncalls)]
@@ -329,7 +317,7 @@ def eager_overhead(bw) -> dict:
         if not gpu_us > 0:
             raise RuntimeError("torch.profiler recorded no kernel time for the eager calls")
         fns = {"wall_us": lambda: layer(x), "op_wall_us": lambda: torch.ops.kbit.mm(*args),
-               "backend_wall_us": lambda: backend._mm_cuda(*args),
+               "backend_wall_us": lambda: backend.mm_direct(*args),
                # The host's own pace: the same wall time of a bf16 nn.Linear (one cuBLAS launch).
                "bf16_linear_wall_us": lambda: lin(x)}
         if getattr(backend, "linear_fast", None) is not None:

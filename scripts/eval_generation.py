@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hf_kbit.eval.models import ATTENTIONS, dtype_name, load_bits_variant, pick_device, pick_dtype, resolve_model
+from hf_kbit.eval.models import (ATTENTIONS, add_device_arguments, dtype_name, load_bits_variant, pick_device,
+                                 pick_dtype, resolve_model)
 from hf_kbit.eval.report import command_line, environment, format_table, parse_bits, write_json
 from hf_kbit.eval.timing import measure_decode_loop, measure_speed
 
@@ -254,8 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-loop", choices=("auto", "on", "off"), default="auto",
                         help="time the decode loop (greedy steps driven by the host, one sync at the end) beside "
                              "generate(); auto: on CUDA only")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
-    parser.add_argument("--dtype", default="auto", help="compute dtype: auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32")
+    add_device_arguments(parser)
     parser.add_argument("--out", default=None, help="JSON path (default: results/generation_<model>.json)")
     args = parser.parse_args(argv)
 

@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 
 from hf_kbit.eval.corpus import load_corpus
-from hf_kbit.eval.models import pick_device, pick_dtype, resolve_model
+from hf_kbit.eval.models import add_device_arguments, pick_device, pick_dtype, resolve_model
 from hf_kbit.eval.report import command_line, environment, parse_bits, write_json
 
 
@@ -66,8 +66,7 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens of the corpus")
     parser.add_argument("--batch-size", default="auto",
                         help="windows per forward: auto (8 on CUDA, 1 on CPU) or a number; same-shape windows only")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
-    parser.add_argument("--dtype", default="auto", help="compute dtype: auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32")
+    add_device_arguments(parser)
     parser.add_argument(
         "--kbit-reference-forward",
         action="store_true",

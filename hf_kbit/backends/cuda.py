@@ -25,6 +25,7 @@ Dispatch of ``mm`` by M (rows of x after flattening the leading dims): the libra
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -87,8 +88,6 @@ def gemv_wins(m: int, n: int, k: int, bits: int, device: int, dtype: torch.dtype
     return mm_plan(m, n, k, bits, device, dtype)[0] == "gemv"
 
 
-_gemv_workspace_sizes: dict[tuple, int] = {}
-_gemm_workspace_sizes: dict[tuple, int] = {}
 _checked_shapes: set[tuple] = set()
 
 
@@ -104,22 +103,19 @@ except AttributeError:  # pragma: no cover - older torch
         return torch.cuda.current_stream(device).cuda_stream
 
 
-def _gemm_workspace(device: int, m: int, n: int, k: int, bits: int) -> int:
+@functools.cache  # a layer repeats one problem
+def gemm_workspace(device: int, m: int, n: int, k: int, bits: int) -> int:
     """Floats of workspace the GEMM needs on CUDA device index ``device``; -1 where it cannot run."""
-    key = (device, m, n, k, bits)
-    size = _gemm_workspace_sizes.get(key)
-    if size is None:
-        size = _gemm_workspace_sizes[key] = int(_LIB.kbit_gemm_workspace_size(device, m, n, k, bits))
-    return size
+    return int(_LIB.kbit_gemm_workspace_size(device, m, n, k, bits))
 
 
+_gemm_workspace = gemm_workspace  # the name before it was public
+
+
+@functools.cache
 def _gemv_workspace(device: int, m: int, n: int, k: int, bits: int) -> int:
     """Floats of workspace the GEMV needs on CUDA device index ``device``."""
-    key = (device, m, n, k, bits)
-    size = _gemv_workspace_sizes.get(key)
-    if size is None:
-        size = _gemv_workspace_sizes[key] = int(_LIB.kbit_gemv_workspace_size(device, m, n, k, bits))
-    return size
+    return int(_LIB.kbit_gemv_workspace_size(device, m, n, k, bits))
 
 
 def _dense(planes, block_scales, row_scales, codebook) -> tuple:
@@ -225,6 +221,9 @@ def _mm_cuda(x, planes, block_scales, row_scales, codebook, in_features):
         return x.new_zeros((*lead, n))
     path, _, ws_size = mm_plan(m, n, k, planes.shape[-3], x.device.index, x.dtype)
     return run_path(path, x2, planes, block_scales, row_scales, codebook, k, ws_size).reshape(*lead, n)
+
+
+mm_direct = _mm_cuda  # kbit::mm's CUDA implementation without the dispatcher (benchmarks time the dispatcher's share)
 
 
 def _dequant_matmul(x2, planes, block_scales, row_scales, codebook, k: int) -> torch.Tensor:

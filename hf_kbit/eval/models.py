@@ -122,6 +122,15 @@ def resolve_model(spec: str) -> tuple[Path, dict[str, Any]]:
 # ----------------------------------------------------------------------------- device, dtype, attention
 
 
+def add_device_arguments(parser, dtype: str = "auto") -> None:
+    """``--device`` and ``--dtype`` on an argparse ``parser``, as :func:`pick_device` and :func:`pick_dtype`
+    read them; ``dtype`` is ``--dtype``'s default."""
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
+    parser.add_argument("--dtype", default=dtype,
+                        help="compute dtype: auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32" if dtype == "auto"
+                        else f"compute dtype (default {dtype})")
+
+
 def pick_device(requested: str) -> str:
     """``--device``: ``auto`` is CUDA where torch sees a GPU, else CPU; an unusable CUDA device raises."""
     import torch

@@ -15,6 +15,22 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def capture_cuda_graph(fn):
+    """``(graph, output)``: ``fn()`` captured in a CUDA graph after one warm-up call on a side stream (which
+    leaves nothing lazy, such as cuBLAS workspaces or autotuning, for the capture)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def random_prompt(vocab_size: int, batch: int, prompt_len: int, device: str, seed: int = 0):
     """Random token ids ``[batch, prompt_len]`` (speed does not depend on which tokens)."""
     import torch

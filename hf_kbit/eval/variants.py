@@ -298,6 +298,22 @@ def kbit_weight_sqnr(model, reference: dict[str, Any]) -> float | None:
     return error.sqnr_db()
 
 
+def _rewritten_summary(model, names: list[str], elems: int, bits: float, stored: float,
+                       error: WeightError) -> dict[str, Any]:
+    """The storage summary of a model whose Linears ``names`` were rewritten in place (anchors, kbitcal):
+    ``bits`` and ``stored`` are bits summed over their ``elems`` weights, ``error`` their pooled weight error."""
+    total = sum(p.numel() for p in model.parameters())
+    return {
+        "bits_per_weight": bits / elems if elems else None,
+        "stored_bits_per_weight": stored / elems if elems else None,
+        "quantized_params": elems,
+        "quantized_fraction": elems / total if total else 0.0,
+        "quantized_modules": len(names),
+        "quantized_modules_sha256": _names_sha256(names),
+        "weight_sqnr_db": error.sqnr_db(),
+    }
+
+
 def apply_anchor(model, anchor: Anchor) -> dict[str, Any]:
     """Replace the weight of every quantizable Linear by ``anchor``'s reconstruction, in place (on its device).
 
@@ -318,17 +334,7 @@ def apply_anchor(model, anchor: Anchor) -> dict[str, Any]:
             bits += anchor.bits_per_weight(n, k) * n * k
             stored += stored_bits * n * k
             weight.data.copy_(approx.to(weight.dtype))
-    total = sum(p.numel() for p in model.parameters())
-    return {
-        "bits_per_weight": bits / elems if elems else None,
-        "stored_bits_per_weight": stored / elems if elems else None,
-        "quantized_params": elems,
-        "quantized_fraction": elems / total if total else 0.0,
-        "quantized_modules": len(names),
-        "quantized_modules_sha256": _names_sha256(names),
-        "weight_sqnr_db": error.sqnr_db(),
-        "anchor": anchor.describe(),
-    }
+    return {**_rewritten_summary(model, names, elems, bits, stored, error), "anchor": anchor.describe()}
 
 
 def calibration_tokens(folder: Path, spec: VariantSpec, evaluated: tuple[Any, int] | None):
@@ -400,15 +406,8 @@ def apply_calibration(model, folder: Path, spec: VariantSpec, evaluated: tuple[A
         torch.cuda.synchronize()
     bits = sum(fmt.bits_per_weight(*model.get_submodule(n).weight.shape, spec.bits) * model.get_submodule(n).weight.numel()
                for n in names)
-    total = sum(p.numel() for p in model.parameters())
     return {
-        "bits_per_weight": bits / elems if elems else None,
-        "stored_bits_per_weight": bits / elems if elems else None,
-        "quantized_params": elems,
-        "quantized_fraction": elems / total if total else 0.0,
-        "quantized_modules": len(names),
-        "quantized_modules_sha256": _names_sha256(names),
-        "weight_sqnr_db": error.sqnr_db(),
+        **_rewritten_summary(model, names, elems, bits, bits, error),
         "anchor": (f"kbit format v1, k = {spec.bits}, calibrated by hf_kbit.calibration (GPTQ error feedback, damp "
                    f"{settings.damp}, codebook and code window of {fit}, weighted codebook "
                    f"{settings.weighted_codebook}, weighted codes {settings.weighted_codes}), dequantized: bits/weight "

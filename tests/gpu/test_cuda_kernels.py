@@ -18,6 +18,7 @@ import torch
 import hf_kbit
 from hf_kbit import _lib
 from hf_kbit import format as fmt
+from hf_kbit.eval.timing import capture_cuda_graph
 from kernel_cases import bits_cases, table_cases
 
 pytestmark = [
@@ -163,19 +164,6 @@ GEMV_PLAN_CASES = [(4100, 2040, 3), (6100, 4100, 1), (2048, 5120, 4), (5120, 204
                    (2048, 5120, 8), (42240, 384, 1), (17408, 5120, 16), (6144, 4096, 16), (1024, 4096, 13),
                    (14336, 4100, 13), (40, 16400, 16), (4096, 14336, 8), (1000, 16400, 16), (2000, 1000, 1),
                    (300, 700, 16)]
-
-
-def capture_graph(fn):
-    """Capture ``fn()`` in a CUDA graph after a warm-up on a side stream: ``(graph, output)``."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
 
 
 def gemv_plan(n: int, k: int, m: int) -> dict:
@@ -379,14 +367,7 @@ def test_cuda_graph_replay_equals_eager(m):
     (planes, scales, rs, cb), _ = packed_reference(n, k, 3)
     x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
     eager = torch.ops.kbit.mm(x, planes, scales, rs, cb, k)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        torch.ops.kbit.mm(x, planes, scales, rs, cb, k)  # warm-up on the side stream
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = torch.ops.kbit.mm(x, planes, scales, rs, cb, k)
+    graph, captured = capture_cuda_graph(lambda: torch.ops.kbit.mm(x, planes, scales, rs, cb, k))
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()

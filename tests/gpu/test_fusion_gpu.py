@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from hf_kbit import _lib, _ops
+from hf_kbit.eval.timing import capture_cuda_graph
 
-from test_cuda_kernels import GEMV_PLAN_CASES, MM_REL_TOL, capture_graph, packed_reference, rel_err
+from test_cuda_kernels import GEMV_PLAN_CASES, MM_REL_TOL, packed_reference, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -91,7 +92,7 @@ def test_prologue_replays_in_a_cuda_graph():
     w = torch.ones(k, device=DEVICE, dtype=torch.bfloat16)
     run = lambda: torch.ops.kbit.mm_add_rmsnorm(a, b, w, EPS, *weights, k)  # noqa: E731
     eager = run()
-    graph, captured = capture_graph(run)
+    graph, captured = capture_cuda_graph(run)
     graph.replay()
     torch.cuda.synchronize()
     for got, want in zip(captured, eager):

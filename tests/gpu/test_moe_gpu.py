@@ -27,11 +27,11 @@ from transformers import AutoModelForCausalLM
 
 import hf_kbit
 from hf_kbit import format as fmt
+from hf_kbit.eval.timing import capture_cuda_graph
 from hf_kbit.nn import KbitExperts, KbitLinear
 from hf_kbit.nn.experts import PROJECTIONS
 
 from kernel_cases import bits_cases, table_cases
-from test_cuda_kernels import capture_graph
 
 pytestmark = [
     pytest.mark.gpu,
@@ -366,7 +366,7 @@ def test_cuda_graph_replay_of_experts_equals_eager(family, num_tokens):
     x, index, weights = _to(DEVICE, *_routing(num_tokens, seed=1))
     with torch.no_grad():
         before = gpu(x, index, weights).clone()
-        graph, captured = capture_graph(lambda: gpu(x, index, weights))
+        graph, captured = capture_cuda_graph(lambda: gpu(x, index, weights))
         new = _routing(num_tokens, seed=2)
         for static, value in zip((x, index, weights), new):
             static.copy_(value)
