@@ -12,6 +12,8 @@ A variant spec is ``METHOD[BITS][:KEY=VALUE]...``; a list of them is comma-separ
   ``group_size`` (the NF4 block size for ``nf4``).
 - ``kbitfit<k>``: the kbit format fitted by hf_kbit.fitting, fake-quantized the same way; options
   ``codes_below``, ``codes_above``, ``lloyd_iters``.
+- ``kbitrot<k>``: ``kbitfit<k>`` on the weight rotated along K by a seeded block Hadamard (hf_kbit.rotation),
+  rotated back after dequantizing; options ``block`` (64), ``seed`` (0) and kbitfit's.
 
 A value is read as JSON when it parses (``false``, ``64``, ``[-1, 0, 1]``, ``"x"``), else as a string.
 ``name=...`` sets the label; the default label is the spec as written.
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .anchors import ANCHOR_BITS, ANCHORS, DEFAULT_GROUP_SIZE, FIT_OPTIONS, Anchor
+from .anchors import ANCHOR_BITS, ANCHORS, DEFAULT_GROUP_SIZE, KBIT_OPTIONS, Anchor
 
 METHODS = ("bf16", "kbit", *ANCHORS)
 LM_HEAD = "lm_head"  # the output projection's module name in transformers' causal LMs
@@ -64,7 +66,7 @@ class VariantSpec:
         else:
             if self.lm_head_bits is not None:
                 raise ValueError(f"variant {self.name!r}: lm_head_bits applies to kbit variants only")
-            allowed = set(FIT_OPTIONS) if self.method == "kbitfit" else {"group_size"}
+            allowed = set(KBIT_OPTIONS.get(self.method, ("group_size",)))
             unknown = sorted(set(self.options) - allowed)
             if unknown:
                 raise ValueError(f"variant {self.name!r}: unknown option(s) {unknown}; {self.method} takes {sorted(allowed)}")
@@ -87,7 +89,7 @@ class VariantSpec:
         return hf_kbit.KbitConfig(bits=self.bits, **options)
 
     def anchor(self) -> Anchor:
-        if self.method == "kbitfit":
+        if self.method in KBIT_OPTIONS:
             return Anchor(self.method, self.bits, DEFAULT_GROUP_SIZE[self.method], tuple(sorted(self.options.items())))
         return Anchor(self.method, self.bits, self.options.get("group_size", DEFAULT_GROUP_SIZE[self.method]))
 
