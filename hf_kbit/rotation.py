@@ -68,7 +68,7 @@ Per path (H100: ~33 T fp32 lane-ops/s, 2.9 TB/s; costs for M tokens, weight [N, 
   element (4096 x 14336 on 132 SMs: ~109 rows per CTA, 0.2 slots at M = 1, 0.7 at M = 4, out of
   the ~5-6 a k = 4 weight may take). The real cost is latency: the staging precedes the K loop,
   and one pass adds the 6 dependent stages (~0.1-0.2 us). Against 10.7 us for that k = 4 weight
-  that is 1-2 %; against a 2048 x 512 expert (~0.3 us of bytes) it can be 30 %+. Alternative:
+  that is 1-2 %; against a 512 x 2048 weight (~0.2 us of bytes) it can be 50 %+. Alternative:
   a tiny rotate kernel writing ``x R`` (``2 M K`` bytes each way, a few KB) as a programmatic
   dependent launch in front of the GEMV, whose staging then stays as it is. Measure both.
 - **wgmma GEMM** (sm_90a, 16 < M <= 512). ``wgmma_x_kernel`` already rewrites x once per call
