@@ -48,7 +48,8 @@ before it meets the decoded weights. Shared facts:
   not a power of two, so the reference rounds where the kernel does). With 8 lanes per segment
   of 64 (one 16-byte load of 8 bf16 each), strides 1, 2, 4 stay in registers and strides 8, 16,
   32 take one ``__shfl_xor_sync`` each: ~10 instructions, ~20 fp32 lane-op slots per element
-  with shuffles at a quarter rate. Per element of x, never per weight element.
+  with shuffles at a quarter rate. Per element of x, never per weight element. ``b = 32``, one
+  format block, takes 5 stages (4 lanes of 8: 3 in registers, 2 shuffles).
 - **Signs**: the host builds ``s`` once per (seed, K) as a bit mask (``K / 32`` words, a
   non-persistent buffer beside the module; the checkpoint stores only the seed). Hashing
   SplitMix64 per element in the kernel would cost ~20 integer ops (64-bit multiplies).
@@ -125,7 +126,7 @@ __all__ = [
     "unrotate",
 ]
 
-DEFAULT_BLOCK = 64  # measured on real weights before this code (issue 34): 64 helped at k = 3 and 4
+DEFAULT_BLOCK = 64  # the block of issue 34's first measurements; 32 (one format block) is the other candidate
 DEFAULT_SEED = 0
 _GOLDEN = 0x9E3779B97F4A7C15  # SplitMix64's increment (2**64 / golden ratio, odd)
 _MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # SplitMix64's finaliser multipliers
