@@ -18,6 +18,8 @@ A variant spec is ``METHOD[BITS][:KEY=VALUE]...``; a list of them is comma-separ
   the evaluated prefix, so calibration and evaluation never share text; another corpus: its end). Options
   ``samples`` (128), ``seq_len`` (2048), ``corpus``, ``damp``, ``batch_size`` (sequences per calibration
   forward, 8) and kbitfit's three.
+- ``kbitrot<k>``: ``kbitfit<k>`` on the weight rotated along K by a seeded block Hadamard (hf_kbit.rotation),
+  rotated back after dequantizing; options ``block`` (64), ``seed`` (0) and kbitfit's.
 
 A value is read as JSON when it parses (``false``, ``64``, ``[-1, 0, 1]``, ``"x"``), else as a string.
 ``name=...`` sets the label; the default label is the spec as written.
@@ -38,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .anchors import ANCHOR_BITS, ANCHORS, DEFAULT_GROUP_SIZE, FIT_OPTIONS, Anchor
+from .anchors import ANCHOR_BITS, ANCHORS, DEFAULT_GROUP_SIZE, FIT_OPTIONS, KBIT_OPTIONS, Anchor
 
 METHODS = ("bf16", "kbit", *ANCHORS, "kbitcal")
 # kbitcal's options besides kbitfit's (FIT_OPTIONS), with their defaults: GPTQ's customary 128 x 2048 tokens.
@@ -73,7 +75,10 @@ class VariantSpec:
         else:
             if self.lm_head_bits is not None:
                 raise ValueError(f"variant {self.name!r}: lm_head_bits applies to kbit variants only")
-            allowed = {"kbitfit": set(FIT_OPTIONS), "kbitcal": {*FIT_OPTIONS, *CAL_OPTIONS}}.get(self.method, {"group_size"})
+            if self.method == "kbitcal":
+                allowed = {*FIT_OPTIONS, *CAL_OPTIONS}
+            else:
+                allowed = set(KBIT_OPTIONS.get(self.method, ("group_size",)))
             unknown = sorted(set(self.options) - allowed)
             if unknown:
                 raise ValueError(f"variant {self.name!r}: unknown option(s) {unknown}; {self.method} takes {sorted(allowed)}")
@@ -111,9 +116,11 @@ class VariantSpec:
         return hf_kbit.KbitConfig(bits=self.bits, **options)
 
     def anchor(self) -> Anchor:
-        if self.method in ("kbitfit", "kbitcal"):  # kbitcal: its data-free part, and the checks of bits and fit options
+        if self.method == "kbitcal":  # its data-free part, and the checks of bits and fit options
             fit = tuple(sorted((k, v) for k, v in self.options.items() if k in FIT_OPTIONS))
             return Anchor("kbitfit", self.bits, DEFAULT_GROUP_SIZE["kbitfit"], fit)
+        if self.method in KBIT_OPTIONS:
+            return Anchor(self.method, self.bits, DEFAULT_GROUP_SIZE[self.method], tuple(sorted(self.options.items())))
         return Anchor(self.method, self.bits, self.options.get("group_size", DEFAULT_GROUP_SIZE[self.method]))
 
     def to_json(self) -> dict[str, Any]:

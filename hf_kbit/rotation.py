@@ -1,0 +1,264 @@
+"""A seeded, orthonormal block-Hadamard rotation along K: the pure-PyTorch reference.
+
+Issue 34 item 3 proposes rotating each weight along K (the reduction dim) before quantizing it,
+as a versioned option of the format. A rotation ``R`` (``[K, K]``, orthonormal) leaves a Linear's
+output unchanged when the activations turn with it:
+
+    (x R) (W R)^T = x R R^T W^T = x W^T
+
+so the stored weight is ``W R`` and a kernel multiplies by ``x R`` instead of ``x``. Rotating mixes
+each weight with its neighbours along K, which spreads an outlier over the block and makes the
+block's values closer to Gaussian: a codebook fitted to the layer and one scale per 32 elements
+then lose less. This module defines ``R`` and applies it; nothing here knows about the format,
+the kernels or transformers.
+
+The rotation
+------------
+``R = diag(s) B``, with
+
+- ``s``: a sign vector, ``s[i] = -1`` when bit 63 of the ``i``-th output of SplitMix64 seeded with
+  ``seed`` is set, else ``+1``. That output is ``mix(seed + (i + 1) * 0x9E3779B97F4A7C15 mod 2**64)``
+  (:func:`splitmix64`), a counter-based hash: ``s[i]`` depends on ``(seed, i)`` alone, not on ``K``,
+  so any runtime can rebuild it in a few integer instructions (or from a ``K``-bit table) without
+  torch's generator, and every weight that reads the same ``x`` (fused q/k/v, gate/up, all experts
+  of a projection) turns ``x`` the same way.
+- ``B``: block diagonal, normalised Sylvester Hadamard matrices ``H_b / sqrt(b)`` on consecutive
+  segments of K (``H_1 = [1]``, ``H_2n = [[H_n, H_n], [H_n, -H_n]]``; symmetric, so ``B = B^T =
+  B^-1``). Segments are ``block`` long (a power of two, :data:`DEFAULT_BLOCK` = 64). **Tail**:
+  when ``block`` does not divide K, the remaining ``r = K mod block`` elements are split by the
+  binary digits of ``r`` into power-of-two segments, largest first (K = 200, block 64: 64, 64,
+  64, 8). Every element is rotated, ``R`` stays orthonormal and square in K (no padding, so the
+  format's rule "columns past K are zero and never read" still holds), and a segment never
+  straddles a format block of 32 unless it is larger than one. The real models of interest have
+  K a multiple of 64 (576, 896, 1536, 2048, 4864, ...); at block 128 some leave a 64 tail.
+
+``x R`` is ``(x * s)`` followed by a Walsh-Hadamard transform of each segment
+(:func:`fwht_segments`: ``log2(b)`` butterfly stages of adds and subtracts, then one multiply by
+``1/sqrt(b)``); ``y R^T`` (:func:`unrotate`) is the transform followed by ``* s``. Weights
+``[..., N, K]`` rotate exactly like activations ``[..., K]``: row by row along the last dim.
+
+What the kernels must do (design note for the kernel work)
+-----------------------------------------------------------
+A rotated weight is an ordinary format tensor: decode, planes, scales and tiling do not change.
+Only the activation operand does, from ``x`` to ``x R``, on every path, and it must be turned
+before it meets the decoded weights. Shared facts:
+
+- **Work per activation element**, segment ``b = 64``: 6 butterfly stages (one add or subtract
+  each) and one multiply by ``s[i] / sqrt(b)`` (``1/8``, exact; at odd ``log2 b`` the factor is
+  not a power of two, so the reference rounds where the kernel does). With 8 lanes per segment
+  of 64 (one 16-byte load of 8 bf16 each), strides 1, 2, 4 stay in registers and strides 8, 16,
+  32 take one ``__shfl_xor_sync`` each: ~10 instructions, ~20 fp32 lane-op slots per element
+  with shuffles at a quarter rate. Per element of x, never per weight element. ``b = 32``, one
+  format block, takes 5 stages (4 lanes of 8: 3 in registers, 2 shuffles).
+- **Signs**: the host builds ``s`` once per (seed, K) as a bit mask (``K / 32`` words, a
+  non-persistent buffer beside the module; the checkpoint stores only the seed). Hashing
+  SplitMix64 per element in the kernel would cost ~20 integer ops (64-bit multiplies).
+- **Segments stay inside a K tile** whenever ``b`` divides 128 (tail segments are smaller still),
+  so K splits, which cut at 128-column tiles, rotate their own range and nothing more.
+- **Rounding**: the mma operand is ``x R`` rounded to the activation dtype (bf16/fp16), one
+  rounding per element as for ``x`` today; the CPU reference must rotate in float32 and round
+  the same way to keep the named tolerances.
+
+Per path (H100: ~33 T fp32 lane-ops/s, 2.9 TB/s; costs for M tokens, weight [N, K]):
+
+- **GEMV** (M <= 16, gemv_kernel.cuh). Each persistent CTA stages its K range of x once
+  (``stage_x``, permuted into B-fragment order) and walks many row tiles with it. Rotating there
+  means fetching whole segments (8 lanes per segment of one token) instead of the current
+  8-element runs, butterflies in registers/shuffles, then the same permuted, swizzled stores.
+  Throughput cost ``20 M K_range`` lane-ops per CTA, i.e. ``20 M / rows_per_CTA`` per weight
+  element (4096 x 14336 on 132 SMs: ~109 rows per CTA, 0.2 slots at M = 1, 0.7 at M = 4, out of
+  the ~5-6 a k = 4 weight may take). The real cost is latency: the staging precedes the K loop,
+  and one pass adds the 6 dependent stages (~0.1-0.2 us). Against 10.7 us for that k = 4 weight
+  that is 1-2 %; against a 512 x 2048 weight (~0.2 us of bytes) it can be 50 %+. Alternative:
+  a tiny rotate kernel writing ``x R`` (``2 M K`` bytes each way, a few KB) as a programmatic
+  dependent launch in front of the GEMV, whose staging then stays as it is. Measure both.
+- **wgmma GEMM** (sm_90a, 16 < M <= 512). ``wgmma_x_kernel`` already rewrites x once per call
+  into ``x_perm``, byte for byte the shared-memory stage, as a PDL ahead of the GEMM. Rotate
+  inside that rewrite: ``20 M K`` lane-ops once per call. At M = 512, K = 4096 that is ~42 M
+  lane-ops, ~1.3 us of the whole GPU's CUDA cores, against ~24 us for a 512 x 4096 x 4096 GEMM
+  at 700 TFLOP/s: up to ~5 % where not overlapped (less at larger N). Cheaper still for large M:
+  the butterflies of a 64-segment are a product with the 64 x 64 matrix ``H_64 / 8`` (entries
+  +-1/8, exact in bf16), i.e. ``128 M K`` tensor-core flops, ``64 / N`` of the GEMM's.
+- **mma.sync GEMM** (gemm_kernel.cuh; pre-Hopper). x arrives per K tile by cp.async in natural
+  order into every CTA of a row block. Rotating the tile in shared memory would repeat the work
+  in every row block and, at 64 tokens, add ~640 lane-op slots per thread per K tile against
+  ~770 for decoding 256 x 128 weights: nearly doubling the CUDA-core work. Instead give it the
+  same x prologue as the wgmma path (rotate once into a workspace; ``2 M K`` bytes extra).
+- **Dequantize + cuBLAS** (large M). ``kbit::dequantize`` writes ``W R`` as today; rotate x
+  (``M K log2 b``) or unrotate the dequantized weight (``N K log2 b``), whichever is smaller;
+  either is < 1 % of ``2 M N K``. The public ``dequantize()`` always unrotates.
+- **Grouped MoE** (grouped_gemv_kernel.cuh). A token row is staged once per unit (row, row
+  group) or chunk, so in-staging rotation repeats per unit. All experts of a projection share K
+  and the rotation: rotate the ``[T, K]`` hidden states once before the grouped launch (``T K``,
+  not ``T top_k K``). ``down_proj``'s input ``act(gate) * up`` is per (token, expert) and is
+  rotated after that product: in its fused prologue or in one pass over ``[T top_k, I]``.
+- **Fused prologues** (``XPrologue``: RMSNorm ``w * (a [+ b])`` with the per-token
+  ``rsqrt(mean + eps)`` applied in the epilogue; ``silu(g) * u``). ``R`` mixes channels, so it
+  cannot fold into the norm's per-channel weight; it follows the elementwise op. It is linear,
+  so the per-token rsqrt, a scalar, still goes to the epilogue, and ``||x R|| = ||x||``, so the
+  sum of squares may be taken before or after. As in the GEMV staging, the prologue must then
+  produce whole segments rather than 8-element runs.
+- **CPU reference**: ``rotate(x)`` rounded to x's dtype, times the rotated stored weight; the
+  public ``dequantize()`` (``model.dequantize()``, LoRA merges) returns ``unrotate(W_hat)``, an
+  ordinary weight in the original basis.
+
+Format: the config records ``{"rotation": "block-hadamard", "block": b, "seed": s}`` (a new
+format version; a checkpoint without it is unrotated and loads as before).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+__all__ = [
+    "DEFAULT_BLOCK",
+    "DEFAULT_SEED",
+    "BlockHadamard",
+    "fwht_segments",
+    "rotate",
+    "segments",
+    "signs",
+    "splitmix64",
+    "unrotate",
+]
+
+DEFAULT_BLOCK = 64  # the block of issue 34's first measurements; 32 (one format block) is the other candidate
+DEFAULT_SEED = 0
+_GOLDEN = 0x9E3779B97F4A7C15  # SplitMix64's increment (2**64 / golden ratio, odd)
+_MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # SplitMix64's finaliser multipliers
+_U64 = (1 << 64) - 1
+
+
+def _check_block(block: int) -> int:
+    if not isinstance(block, int) or isinstance(block, bool) or block < 2 or block & (block - 1):
+        raise ValueError(f"rotation block must be a power of two >= 2, got {block!r}")
+    return block
+
+
+def _check_seed(seed: int) -> int:
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= _U64:
+        raise ValueError(f"rotation seed must be an int in [0, 2**64), got {seed!r}")
+    return seed
+
+
+def splitmix64(seed: int, count: int) -> list[int]:
+    """The first ``count`` outputs of SplitMix64 seeded with ``seed``, as Python ints in [0, 2**64)."""
+    out = []
+    for i in range(count):
+        z = (seed + (i + 1) * _GOLDEN) & _U64
+        z = ((z ^ (z >> 30)) * _MIX1) & _U64
+        z = ((z ^ (z >> 27)) * _MIX2) & _U64
+        out.append(z ^ (z >> 31))
+    return out
+
+
+@lru_cache(maxsize=64)
+def _sign_bits(seed: int, k: int) -> tuple[bool, ...]:
+    import numpy as np
+
+    # splitmix64 vectorised: uint64 arrays wrap modulo 2**64, as the hash wants.
+    z = np.uint64(seed) + np.arange(1, k + 1, dtype=np.uint64) * np.uint64(_GOLDEN)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
+    z = z ^ (z >> np.uint64(31))
+    return tuple(bool(b) for b in (z >> np.uint64(63)))
+
+
+def signs(k: int, seed: int = DEFAULT_SEED, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """The sign vector ``s`` ``[k]`` (+-1 in ``dtype``): ``-1`` where bit 63 of SplitMix64 output ``i`` is set."""
+    _check_seed(seed)
+    negative = torch.tensor(_sign_bits(seed, k), dtype=torch.bool, device="cpu")
+    return torch.where(negative, -1.0, 1.0).to(dtype=dtype, device=device)
+
+
+def segments(k: int, block: int = DEFAULT_BLOCK) -> list[tuple[int, int]]:
+    """``(start, size)`` of each Hadamard segment of K: whole ``block``s, then the tail ``K mod block``
+    split into powers of two by its binary digits, largest first."""
+    _check_block(block)
+    if not isinstance(k, int) or k < 0:
+        raise ValueError(f"k must be a non-negative int, got {k!r}")
+    out = [(start, block) for start in range(0, k - k % block, block)]
+    start, tail = k - k % block, k % block
+    for size in (1 << j for j in reversed(range(tail.bit_length()))):
+        if tail & size:
+            out.append((start, size))
+            start += size
+    return out
+
+
+def _fwht(x: torch.Tensor) -> torch.Tensor:
+    """Unnormalised Walsh-Hadamard transform (Sylvester order) of the last dim, a power of two."""
+    *lead, n = x.shape
+    h = 1
+    while h < n:
+        pairs = x.reshape(*lead, n // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        x = torch.stack((a + b, a - b), dim=-2).reshape(*lead, n)
+        h *= 2
+    return x
+
+
+def fwht_segments(x: torch.Tensor, block: int = DEFAULT_BLOCK) -> torch.Tensor:
+    """``x [..., K] @ B``: the normalised Hadamard transform of each segment (:func:`segments`) of the last dim.
+
+    ``O(K log2 block)`` adds per row. Runs in ``x``'s dtype (a floating dtype); ``B`` is its own inverse.
+    """
+    k = x.shape[-1]
+    parts, i, segs = [], 0, segments(k, block)
+    while i < len(segs):
+        start, size = segs[i]
+        j = i
+        while j < len(segs) and segs[j][1] == size:
+            j += 1
+        run = x[..., start : start + (j - i) * size]
+        run = _fwht(run.reshape(*x.shape[:-1], j - i, size)) * (1.0 / math.sqrt(size))
+        parts.append(run.reshape(*x.shape[:-1], (j - i) * size))
+        i = j
+    return torch.cat(parts, dim=-1) if parts else x.clone()
+
+
+def _working(x: torch.Tensor) -> torch.Tensor:
+    if not x.is_floating_point():
+        raise TypeError(f"rotation needs a floating point tensor, got {x.dtype}")
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def rotate(x: torch.Tensor, block: int = DEFAULT_BLOCK, seed: int = DEFAULT_SEED) -> torch.Tensor:
+    """``x [..., K] @ R``: activations ``[..., K]`` or weights ``[..., N, K]`` (row by row), in float32
+    (float64 stays float64)."""
+    x = _working(x)
+    return fwht_segments(x * signs(x.shape[-1], seed, x.dtype, x.device), block)
+
+
+def unrotate(y: torch.Tensor, block: int = DEFAULT_BLOCK, seed: int = DEFAULT_SEED) -> torch.Tensor:
+    """``y [..., K] @ R^T``, the inverse of :func:`rotate`: a rotated weight back in the original basis."""
+    y = _working(y)
+    return fwht_segments(y, block) * signs(y.shape[-1], seed, y.dtype, y.device)
+
+
+@dataclass(frozen=True)
+class BlockHadamard:
+    """One rotation: ``block`` (a power of two >= 2) and ``seed`` (in [0, 2**64)), validated on creation."""
+
+    block: int = DEFAULT_BLOCK
+    seed: int = DEFAULT_SEED
+
+    def __post_init__(self):
+        _check_block(self.block)
+        _check_seed(self.seed)
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ R`` (:func:`rotate`)."""
+        return rotate(x, self.block, self.seed)
+
+    def unrotate(self, y: torch.Tensor) -> torch.Tensor:
+        """``y @ R^T`` (:func:`unrotate`)."""
+        return unrotate(y, self.block, self.seed)
+
+    def to_dict(self) -> dict[str, object]:
+        """What a config would record: ``{"rotation": "block-hadamard", "block": b, "seed": s}``."""
+        return {"rotation": "block-hadamard", "block": self.block, "seed": self.seed}
