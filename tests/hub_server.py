@@ -69,7 +69,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header(k, v)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        if not head:
+        if not head and self.command != "HEAD":  # a body after a HEAD response corrupts the next one on the connection
             self.wfile.write(body)
 
     def _error(self, status: int, message: str, code: str | None = None):
