@@ -86,10 +86,14 @@ class KbitHfQuantizer(HfQuantizer):
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs: Any):
-        if self.pending:  # a group some of whose members the checkpoint lacks: what arrived shares a codebook
-            for group, waiting in list(self.pending.items()):
-                _quantize_siblings(model, self.quantization_config, list(waiting.items()), load=True)
-            self.pending.clear()
+        # A group some of whose members the checkpoint lacks: those that arrived share a codebook (the missing
+        # ones keep their placeholders, which validate_loaded reports).
+        for waiting in self.pending.values():
+            packed = _quantize_siblings(model, self.quantization_config, list(waiting.items()))
+            for key, tensor in packed.items():
+                module, name = key.rsplit(".", 1)
+                model.get_submodule(module)._buffers[name] = tensor
+        self.pending.clear()
         checkpoint.validate_loaded(model)
         if self.quantization_config.fuse_projections:
             fuse_projections(model)
@@ -151,19 +155,14 @@ class KbitQuantize(ConversionOps):
         return _quantize_siblings(model, self.hf_quantizer.quantization_config, members)
 
 
-def _quantize_siblings(model, config: KbitConfig, members: list[tuple[str, torch.Tensor]], load: bool = False):
+def _quantize_siblings(model, config: KbitConfig, members: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Quantize the weights of KbitLinear ``members`` (``[(name, weight)]``) with one codebook; returns
-    their format tensors by state-dict key, or with ``load`` puts them into the modules."""
-    modules = [model.get_submodule(name) for name, _ in members]
+    their format tensors by state-dict key."""
+    bits = model.get_submodule(members[0][0]).bits
     device = members[0][1].device
     packed = quantize_group(
-        [w.to(device) for _, w in members], modules[0].bits, config.codebook, config.fitting,
-        [f"{name}.weight" for name, _ in members],
+        [w.to(device) for _, w in members], bits, config.codebook, config.fitting, [f"{name}.weight" for name, _ in members]
     )
-    if load:
-        for module, tensors in zip(modules, packed):
-            module.load_packed(*tensors)
-        return {}
     return {f"{name}.{t}": tensor for (name, _), tensors in zip(members, packed) for t, tensor in zip(FORMAT_TENSORS, tensors)}
 
 

@@ -294,3 +294,14 @@ def test_catastrophic_regex_in_config_json_fails_fast(kbit_checkpoint, field, va
     with pytest.raises(ValueError, match=rf"{field} \w* ?'\(\.\*\)\*#' has a repeat .* containing another repeat"):
         AutoModelForCausalLM.from_pretrained(kbit_checkpoint)
     assert time.perf_counter() - start < MAX_REFUSAL_SECONDS
+
+
+def test_a_sibling_missing_from_the_checkpoint_is_named(tmp_path):
+    """q/k/v wait for each other to share a codebook; when k_proj never arrives, q and v are still
+    quantized and the error names the missing weight."""
+    tiny_dense_model("llama", intermediate_size=192).save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    del state["model.layers.0.self_attn.k_proj.weight"]
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(KbitCheckpointError, match=r"'model\.layers\.0\.self_attn\.k_proj\.weight' was never loaded"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=KbitConfig(bits=4))
