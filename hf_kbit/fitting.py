@@ -343,8 +343,7 @@ def layer_codebook(
     ``codebook`` (:func:`hf_kbit.format.make_codebook`) unchanged.
     """
     if settings is None or settings.lloyd_iters == 0:
-        start = settings.codebook if settings is not None and codebook is None else codebook
-        return fmt.make_codebook(start, bits).to(sample.device)
+        return fmt.make_codebook(codebook, bits).to(sample.device)
     whole = dataclasses.replace(settings, max_fit_blocks=max(1, sample.shape[0] * math.ceil(sample.shape[1] / fmt.BLOCK_SIZE)))
     return fit_codebook(sample, bits, whole, init=codebook)
 

@@ -24,7 +24,7 @@ from .. import _ops
 from .. import fitting
 from .. import format as fmt
 from ..config import KbitConfig
-from .linear import COMPUTE_DTYPES, FORMAT_TENSORS, KbitModule, check_weight, codebook_sample, quantize_weight
+from .linear import COMPUTE_DTYPES, FORMAT_TENSORS, KbitModule, check_weight, codebook_sample, quantize_checked
 from .selection import _set_submodule, should_convert, swap_modules
 
 # Fused checkpoint parameter -> prefix of its packed tensors. The packed names must not start
@@ -261,7 +261,7 @@ class KbitExperts(KbitModule):
         cb = fitting.layer_codebook(codebook_sample(weight, settings), bits, settings, codebook)
         per_expert = math.prod(weight.shape[1:])
         chunk = max(1, _QUANTIZE_CHUNK_ELEMENTS // max(per_expert, 1))
-        parts = [quantize_weight(w, cb, full_name, settings) for w in weight.split(chunk)]
+        parts = [quantize_checked(w, cb, settings) for w in weight.split(chunk)]
         prefix = PROJECTIONS[projection]
         packed = {f"{prefix}_{t}": torch.cat(ts) for t, ts in zip(FORMAT_TENSORS, zip(*parts))}
         packed[f"{prefix}_codebook"] = cb

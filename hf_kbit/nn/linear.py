@@ -265,6 +265,13 @@ def quantize_weight(
     ``name`` goes into errors so that a user learns which tensor is at fault.
     """
     check_weight(weight, name)
+    return quantize_checked(weight, codebook, settings)
+
+
+def quantize_checked(
+    weight: torch.Tensor, codebook: torch.Tensor, settings: fitting.FitSettings | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quantize_weight` of a weight :func:`check_weight` has already passed."""
     if settings is None:
         return torch.ops.kbit.quantize(weight, codebook)
     return fitting.quantize_fitted(weight, codebook, settings.codes_below, settings.codes_above)
@@ -307,8 +314,7 @@ def quantize_group(
     cb = fitting.layer_codebook(torch.cat([s.float() for s in sample]), bits, settings, codebook)
     # Each member its own copy of the codebook: tensors sharing storage cannot be saved as separate entries.
     return [
-        (*quantize_weight(w, cb, name, settings), cb if i == 0 else cb.clone())
-        for i, (w, name) in enumerate(zip(weights, names))
+        (*quantize_checked(w, cb, settings), cb if i == 0 else cb.clone()) for i, w in enumerate(weights)
     ]
 
 
