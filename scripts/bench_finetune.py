@@ -13,7 +13,9 @@ bitsandbytes' ``Linear4bit`` (NF4, blocks of 64, bf16 compute, no double quantiz
 bitsandbytes LoRA layer; skipped with the reason recorded when bitsandbytes does not import.
 
 Per variant: the median step time over ``--steps`` timed steps after ``--warmup`` (forward, backward,
-optimizer step, synchronized), and the peak memory allocated by torch from after the model is built to the
+optimizer step, synchronized), split into the host's share (until the step's Python returns, before the
+synchronize: a step whose host time nears its step time is bound by launches, not by the GPU) and the GPU's
+(CUDA events around the step), and the peak memory allocated by torch from after the model is built to the
 end of the timed steps (weights + adapters + optimizer state + activations). Ratios are to bf16 of the same
 run. The JSON goes to ``--out`` (default results/bench_finetune_<preset>_<gpu>.json).
 """
@@ -131,22 +133,36 @@ def measure(variant: str, args, config, device: str) -> dict[str, Any]:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         resident = torch.cuda.memory_allocated(device)
-    times, losses = [], []
+    cuda = device.startswith("cuda")
+    times, host_times, gpu_times, losses = [], [], [], []
     for step in range(args.warmup + args.steps):
         sync()
+        if cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
         start = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if cuda:
+            end.record()
+        issued = time.perf_counter()
         sync()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
+            host_times.append(issued - start)
+            if cuda:
+                gpu_times.append(begin.elapsed_time(end) / 1000)
         losses.append(loss.item())
     result = {
         "variant": variant,
-        "step_s_median": sorted(times)[len(times) // 2],
+        "step_s_median": _median(times),
         "step_s_all": times,
+        # Host: until the step's Python returns, before the synchronize (launch-bound when it nears the step
+        # time). GPU: between events recorded around the step on the stream (the device's busy time and its gaps).
+        "host_s_median": _median(host_times),
+        "gpu_s_median": _median(gpu_times) if gpu_times else None,
         "loss": losses,
         "trainable_params": sum(p.numel() for p in adapters),
     }
@@ -155,6 +171,10 @@ def measure(variant: str, args, config, device: str) -> dict[str, Any]:
         result["resident_before_first_step_gib"] = resident / 2**30
     del model, opt, adapters
     return result
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,8 +192,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
         results.append(measure(variant, args, config, device))
         r = results[-1]
-        print(f"{variant}: {r['step_s_median'] * 1000:.0f} ms/step, peak "
-              f"{r.get('peak_memory_gib', float('nan')):.2f} GiB", flush=True)
+        gpu = f", GPU {r['gpu_s_median'] * 1000:.0f} ms" if r["gpu_s_median"] is not None else ""
+        print(f"{variant}: {r['step_s_median'] * 1000:.0f} ms/step (host {r['host_s_median'] * 1000:.0f} ms{gpu}), "
+              f"peak {r.get('peak_memory_gib', float('nan')):.2f} GiB", flush=True)
     base = next((r for r in results if r["variant"] == "bf16"), None)
     for r in results:
         if base is not None:
@@ -206,9 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     slug = "cpu" if gpu == "cpu" else gpu.lower().replace("nvidia ", "").split()[0]
     out = args.out or f"results/bench_finetune_{args.preset}_{slug}.json"
     _report.write_json(out, payload)
-    rows = [[r["variant"], r["step_s_median"] * 1000, r.get("step_time_vs_bf16"), r.get("peak_memory_gib"),
+    rows = [[r["variant"], r["step_s_median"] * 1000, r.get("step_time_vs_bf16"), r["host_s_median"] * 1000,
+             None if r["gpu_s_median"] is None else r["gpu_s_median"] * 1000, r.get("peak_memory_gib"),
              r.get("peak_memory_vs_bf16")] for r in results]
-    print(_report.format_table(["variant", "step ms", "x bf16", "peak GiB", "x bf16"], rows))
+    print(_report.format_table(["variant", "step ms", "x bf16", "host ms", "GPU ms", "peak GiB", "x bf16"], rows))
     print(f"wrote {out}")
     return 0
 
