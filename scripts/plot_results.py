@@ -65,15 +65,22 @@ ANCHOR_STYLES = {"hqq": ("^", "tab:green", "HQQ g64"), "rtn": ("v", "tab:purple"
 
 
 def plot_perplexity(payloads: list[dict[str, Any]], out: Path) -> Path:
-    """Perplexity vs stored bits/weight per model (log scale), bf16 as a dashed line, anchors as markers."""
+    """Perplexity vs stored bits/weight per model (log scale): kbit's data-free default and calibrated series, bf16
+    as a dashed line, anchors as markers."""
     plt = _plt()
     fig, axes = plt.subplots(1, len(payloads), figsize=(5.5 * len(payloads), 4.2), squeeze=False)
     for ax, p in zip(axes[0], payloads):
-        kbit = [r for r in p["results"] if _method(r) == "kbit" and not r.get("lm_head_bits")]
+        # The default's series: variants named kbit<k> (kbit<k>-absmax and other option variants are in the tables).
+        kbit = [r for r in p["results"] if _method(r) == "kbit" and not r.get("lm_head_bits")
+                and r.get("variant", f"kbit{r['bits']}") == f"kbit{r['bits']}"]
         heads = [r for r in p["results"] if r.get("lm_head_bits")]
         base = next((r for r in p["results"] if _method(r) == "bf16"), None)
         if kbit:
             ax.plot([r["bits_per_weight"] for r in kbit], [r["ppl"] for r in kbit], "o-", label="kbit (LM head bf16)")
+        calibrated = [r for r in p["results"] if _method(r) == "kbitcal"]
+        if calibrated:
+            ax.plot([r["bits_per_weight"] for r in calibrated], [r["ppl"] for r in calibrated], "s--",
+                    color="tab:blue", mfc="none", label="kbit calibrated (LM head bf16)")
         if heads:
             ax.plot([r["bits_per_weight"] for r in heads], [r["ppl"] for r in heads], "s", color="tab:red",
                     label="kbit, LM head quantized too")
