@@ -4,8 +4,9 @@ Data-free fitting (:mod:`hf_kbit.fitting`) lowers the weight-space error ``||W -
 output sees is ``||(W - Q) X||^2`` for its inputs ``X``, i.e. ``tr((W - Q) H (W - Q)^T)`` with
 ``H = X^T X / tokens``. Calibration lowers that, the way GPTQ does, inside format v1:
 
-- The **row scales** follow the format's rule, and the **codebook** is fitted data-free
-  (:func:`hf_kbit.fitting.fit_codebook`) on the original weight. Both are fixed before the columns run.
+- The **row scales** follow the format's rule, and the **codebook** is the one quantization without data would
+  choose (:func:`hf_kbit.fitting.group_codebook`: fitted on the original weight, or on the stacked weights of
+  siblings that share a codebook so that they can still run fused). Both are fixed before the columns run.
 - **Columns in K order** (:func:`gptq_quantize`). Each column's indices are the nearest codebook level to
   ``w / scale`` of its block; the column's error, divided by the diagonal of the upper Cholesky factor of
   ``H^-1``, is pushed onto the columns not yet quantized (``W[:, j:] -= err * U[i, j:]``). Updates within a
@@ -22,12 +23,20 @@ the same codebook and code window (tested).
 :func:`calibrate_model` runs this over a model the way GPTQ does: decoder layer by decoder layer, each
 layer's Linears collecting ``H`` from inputs that come through the already quantized layers before it, then
 quantized, written back (dequantized) into the model, and the layer run again to give the next one its
-inputs. A tqdm bar counts the Linears.
+inputs. A tqdm bar counts the Linears. Siblings (q/k/v, gate/up) read the same input, so they get the same
+``H``, computed once. Fused MoE experts are not Linears: :func:`hf_kbit.nn.quantize_model` quantizes them
+data-free afterwards.
+
+Cost: one forward of the calibration tokens per decoder layer (twice: once with hooks), ``H`` in float32 on the
+model's device (``K x K`` per distinct input), and a Python loop over columns whose steps are whole-row tensor
+operations on the device, with one matmul per lazy batch for the rest of the matrix: no host synchronisation
+per column (the E4M4 table is cached per device).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,11 +48,11 @@ from . import format as fmt
 __all__ = [
     "DEFAULT_LAZY_COLUMNS",
     "CalibrationSettings",
+    "calibrate_group",
     "calibrate_model",
     "calibrate_quantize",
     "calibration_batches",
     "decoder_layers",
-    "fit_codebook_weighted",
     "gptq_quantize",
     "inverse_cholesky",
 ]
@@ -63,12 +72,17 @@ class CalibrationSettings:
     Args:
         damp: fraction of ``mean(diag(H))`` added to ``H``'s diagonal (GPTQ's percdamp).
         lazy_columns: GPTQ's lazy batch, a multiple of the format's 32-element block.
-        fit: the data-free settings of the codebook fit and the block-code window
-            (default ``fitting.DEFAULT_SETTINGS[bits]``).
-        weighted_codebook: fit the codebook (Lloyd, :func:`fit_codebook_weighted`) with each element's squared
-            error weighted by its input channel's mean square activation, ``diag(H)``, instead of data-free.
+        fit: the data-free settings of the codebook fit and the block-code window, for every k (default: those
+            of ``fitting`` and ``codebook`` at each k, :func:`hf_kbit.fitting.settings_for`).
+        weighted_codebook: fit the codebook (Lloyd, :func:`hf_kbit.fitting.fit_codebook`'s ``column_weights``)
+            with each element's squared error weighted by its input channel's mean square activation,
+            ``diag(H)``, instead of data-free.
         weighted_codes: in the block-code search, weight each element's squared error by ``1 / U[j, j]**2``,
             the share of its error that the later columns cannot take over (GPTQ's own error measure).
+        fitting: ``KbitConfig.fitting`` (``"fit"``, ``"absmax"``: the configured codebook as is and each block's
+            absmax code, then error feedback; ``None``: the default of each k); used when ``fit`` is None.
+        codebook: ``KbitConfig.codebook``: a codebook name, levels (a tuple), or None for each k's default; the
+            codebook the fit starts from (``"absmax"`` and explicit levels: the codebook used as is).
     """
 
     damp: float = DEFAULT_DAMP
@@ -76,6 +90,8 @@ class CalibrationSettings:
     fit: fitting.FitSettings | None = None
     weighted_codebook: bool = False
     weighted_codes: bool = False
+    fitting: str | None = None
+    codebook: str | tuple[float, ...] | None = None
 
     def __post_init__(self):
         if not isinstance(self.damp, (int, float)) or isinstance(self.damp, bool) or not 0 < self.damp < 1:
@@ -89,9 +105,20 @@ class CalibrationSettings:
         for name in ("weighted_codebook", "weighted_codes"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"CalibrationSettings.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.fitting is not None and self.fitting not in fitting.FITTINGS:
+            raise ValueError(f"CalibrationSettings.fitting must be one of {fitting.FITTINGS} or None, got {self.fitting!r}")
+        if isinstance(self.codebook, list):  # a frozen dataclass stays hashable with levels as a tuple
+            object.__setattr__(self, "codebook", tuple(self.codebook))
 
-    def fit_settings(self, bits: int) -> fitting.FitSettings:
-        return fitting.DEFAULT_SETTINGS[bits] if self.fit is None else self.fit
+    def fit_settings(self, bits: int) -> fitting.FitSettings | None:
+        """The FitSettings at ``bits`` (codebook fit and code window), None for ``fitting="absmax"``."""
+        if self.fit is not None:
+            return self.fit
+        return fitting.settings_for(self.fitting, bits, self.codebook)
+
+    def initial_codebook(self) -> str | list[float] | None:
+        """``codebook`` as :func:`hf_kbit.format.make_codebook` takes it."""
+        return list(self.codebook) if isinstance(self.codebook, tuple) else self.codebook
 
 
 # ---------------------------------------------------------------------------- one weight
@@ -160,7 +187,7 @@ def gptq_quantize(
     if lazy_columns < 1 or lazy_columns % fmt.BLOCK_SIZE:
         raise ValueError(f"lazy_columns must be a positive multiple of {fmt.BLOCK_SIZE}, got {lazy_columns}")
     device = weight.device
-    cb = fitting._codebook_groups(codebook, (), device)  # [1, L], validated
+    cb = fitting.codebook_groups(codebook, (), device)  # [1, L], validated
     bits = cb.shape[1].bit_length() - 1
     dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
     w = weight.to(dtype)
@@ -173,12 +200,12 @@ def gptq_quantize(
     if k:
         upper[:k, :k] = inverse_cholesky(hessian.to(device=device, dtype=dtype), damp)
     work = torch.nn.functional.pad(w, (0, k_pad - k))
-    mask = fitting._element_mask(k, k_pad // fmt.BLOCK_SIZE, device)
+    mask = fitting.element_mask(k, k_pad // fmt.BLOCK_SIZE, device)
     if weighted_codes:
         weights = torch.diagonal(upper).float().square().reciprocal()
         weights = (weights / weights[:k].mean()).reshape(-1, fmt.BLOCK_SIZE)
         mask = weights if mask is None else weights * mask
-    table = fmt.e4m4_table().to(device)
+    table = fmt.e4m4_table(device)
     mids = ((cb[0, 1:] + cb[0, :-1]) / 2).to(dtype)
     codes = torch.zeros(n, k_pad // fmt.BLOCK_SIZE, dtype=torch.int64, device=device)
     indices = torch.empty(n, k_pad, dtype=torch.int64, device=device)
@@ -195,7 +222,7 @@ def gptq_quantize(
                 blk = col // fmt.BLOCK_SIZE
                 block = batch[:, j : j + fmt.BLOCK_SIZE].float().reshape(1, n, 1, fmt.BLOCK_SIZE)
                 block_mask = None if mask is None else mask[blk : blk + 1]
-                codes[:, blk] = fitting._search(block, rows[None], cb, codes_below, codes_above, block_mask)[0, :, 0]
+                codes[:, blk] = fitting.search_codes(block, rows[None], cb, codes_below, codes_above, block_mask)[0, :, 0]
                 scale = table[codes[:, blk]] * rows
                 safe = torch.where(scale > 0, scale, 1.0)
             x = torch.where(scale > 0, batch[:, j] / safe, 0.0)
@@ -213,54 +240,56 @@ def gptq_quantize(
     return planes, fmt.tile(codes.to(torch.uint8)), rows.contiguous()
 
 
+def calibrate_group(
+    weights: Sequence[torch.Tensor],
+    hessians: Sequence[torch.Tensor | None],
+    bits: int,
+    settings: CalibrationSettings | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Layers that share one codebook (siblings run as one weight: q/k/v, gate/up; or one layer alone), each with
+    the Hessian ``[K, K]`` of its inputs: ``[(planes, block_scales, row_scales, codebook)]`` in their order, as
+    :func:`hf_kbit.nn.quantize_group` returns them data-free.
+
+    The codebook is the data-free one of the group (:func:`hf_kbit.fitting.group_codebook`: fitted on the
+    members' rows stacked, or the configured codebook under ``"absmax"``), as quantize-on-load without
+    calibration would choose it, so that siblings still fuse; with ``settings.weighted_codebook`` each element's
+    error in that fit is weighted by the mean over the members of ``diag(H)``. Then each member is quantized by
+    :func:`gptq_quantize` with its own Hessian; a member whose Hessian is None (it never ran on the text) is
+    quantized data-free (:func:`hf_kbit.fitting.quantize_fitted`) with the same codebook.
+    """
+    settings = CalibrationSettings() if settings is None else settings
+    if len(weights) != len(hessians) or not weights:
+        raise ValueError(f"calibrate_group needs one Hessian (or None) per weight, got {len(weights)} weights and "
+                         f"{len(hessians)} Hessians")
+    for weight, hessian in zip(weights, hessians):
+        if hessian is not None:
+            _check_pair(weight, hessian)
+    fit = settings.fit_settings(fitting.check_bits(bits))
+    column_weights = None
+    if settings.weighted_codebook and all(h is not None for h in hessians):
+        column_weights = torch.stack([torch.diagonal(h).float() for h in hessians]).mean(0)
+    codebook = fitting.group_codebook(weights, bits, fit, settings.initial_codebook(), column_weights)
+    below, above = (fit.codes_below, fit.codes_above) if fit is not None else (0, 0)
+    out = []
+    for i, (weight, hessian) in enumerate(zip(weights, hessians)):
+        if hessian is None:
+            planes, block_scales, rows = fitting.quantize_fitted(weight, codebook, below, above)
+        else:
+            planes, block_scales, rows = gptq_quantize(
+                weight, hessian, codebook, below, above, settings.damp, settings.lazy_columns, settings.weighted_codes
+            )
+        # Each member its own copy of the codebook: tensors sharing storage cannot be saved as separate entries.
+        out.append((planes, block_scales, rows, codebook if i == 0 else codebook.clone()))
+    return out
+
+
 def calibrate_quantize(
     weight: torch.Tensor, hessian: torch.Tensor, bits: int, settings: CalibrationSettings | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The data-free codebook of ``weight`` (:func:`hf_kbit.fitting.fit_codebook`), then :func:`gptq_quantize`
-    with ``hessian``: ``(planes, block_scales, row_scales, codebook)``, as :func:`hf_kbit.fitting.fit_quantize`
+    """:func:`calibrate_group` of one layer: the data-free codebook of ``weight``, then :func:`gptq_quantize` with
+    ``hessian``; ``(planes, block_scales, row_scales, codebook)``, as :func:`hf_kbit.fitting.fit_quantize`
     returns them."""
-    settings = CalibrationSettings() if settings is None else settings
-    _check_pair(weight, hessian)
-    fit = settings.fit_settings(fitting._check_bits(bits))
-    if settings.weighted_codebook:
-        codebook = fit_codebook_weighted(weight, bits, torch.diagonal(hessian), fit)
-    else:
-        codebook = fitting.fit_codebook(weight, bits, fit)
-    planes, block_scales, rows = gptq_quantize(
-        weight, hessian, codebook, fit.codes_below, fit.codes_above, settings.damp, settings.lazy_columns,
-        settings.weighted_codes,
-    )
-    return planes, block_scales, rows, codebook
-
-
-def fit_codebook_weighted(
-    weight: torch.Tensor, bits: int, column_weights: torch.Tensor, settings: fitting.FitSettings | None = None
-) -> torch.Tensor:
-    """:func:`hf_kbit.fitting.fit_codebook` with each element's squared error weighted by its column's entry of
-    ``column_weights [K]`` (non-negative; e.g. ``diag(H)``, the input channel's mean square activation), in the
-    code search and in the Lloyd update alike. All-equal weights give fit_codebook's codebook."""
-    settings = fitting.DEFAULT_SETTINGS[fitting._check_bits(bits)] if settings is None else settings
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be [N, K], got shape {tuple(weight.shape)}")
-    w, _ = fitting._as_groups(weight)
-    k = w.shape[-1]
-    cw = column_weights.to(device=w.device, dtype=torch.float32)
-    if cw.shape != (k,) or not bool((cw >= 0).all()) or not bool(torch.isfinite(cw).all()):
-        raise ValueError(f"column_weights must be finite, non-negative and of shape ({k},), got {tuple(cw.shape)}")
-    cb = fmt.make_codebook(settings.codebook, bits).to(w.device)[None]
-    if settings.lloyd_iters == 0 or w.numel() == 0 or not bool((cw > 0).any()):
-        return cb[0]
-    blocks = fitting._blocks(w)
-    n_blocks = blocks.shape[2]
-    mask = torch.nn.functional.pad(cw / cw[cw > 0].mean(), (0, n_blocks * fmt.BLOCK_SIZE - k))
-    mask = mask.reshape(n_blocks, fmt.BLOCK_SIZE)
-    rows_sel = slice(None, None, fitting.sample_stride(blocks.shape[1], k, settings.max_fit_blocks))
-    fit_blocks, rows = blocks[:, rows_sel], fmt.row_scales(w)[:, rows_sel]
-    table = fmt.e4m4_table().to(w.device)
-    for _ in range(settings.lloyd_iters):
-        codes = fitting._search(fit_blocks, rows, cb, settings.codes_below, settings.codes_above, mask)
-        cb = fitting._lloyd_step(fit_blocks, table[codes] * rows[..., None], cb, mask)
-    return cb[0]
+    return calibrate_group([weight], [hessian], bits, settings)[0]
 
 
 # ---------------------------------------------------------------------------- text
@@ -391,23 +420,27 @@ def calibrate_model(
     settings: CalibrationSettings | None = None,
     progress: bool = True,
     on_quantized: Callable[[str, nn.Linear, tuple], None] | None = None,
+    groups: Sequence[Sequence[str]] = (),
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Quantize ``modules`` of ``model`` with :func:`calibrate_quantize`, layer by layer, in place.
+    """Quantize ``modules`` of ``model`` with :func:`calibrate_group`, decoder layer by decoder layer, in place.
 
     Args:
         model: a transformers causal LM (its decoder layers found by :func:`decoder_layers`).
         batches: int64 token ids ``[batch, seq_len]`` (:func:`calibration_batches`).
         bits: one k for every module, or ``{module name: k}``.
         modules: names of the nn.Linear modules to quantize (default: every nn.Linear inside the decoder
-            layers). Modules outside the decoder layers are quantized data-free (:func:`hf_kbit.fitting.fit_quantize`).
+            layers). Modules outside the decoder layers are quantized data-free (:func:`calibrate_group` without
+            Hessians).
         settings: :class:`CalibrationSettings`.
         progress: show a tqdm bar over the modules.
         on_quantized: called as ``on_quantized(name, linear, packed)`` after each module is quantized, before
             its weight is overwritten (e.g. to measure the error against the original weight).
+        groups: modules (each in ``modules``, of one decoder layer and one k) that share one codebook
+            (:func:`hf_kbit.nn.codebook_siblings`); every other module has its own.
     Returns:
-        ``{name: (planes, block_scales, row_scales, codebook)}`` (format v1 tensors on the module's device).
-        Each quantized module's weight is replaced by its dequantized value (in its dtype), so the model
-        afterwards is the fake-quantized model that the calibration saw.
+        ``{name: (planes, block_scales, row_scales, codebook)}`` (format v1 tensors on the module's device), in
+        the order the modules were quantized. Each quantized module's weight is replaced by its dequantized value
+        (in its dtype), so the model afterwards is the fake-quantized model that the calibration saw.
     """
     from tqdm.auto import tqdm
 
@@ -423,18 +456,21 @@ def calibrate_model(
     bits_of = (lambda name: bits) if isinstance(bits, int) else bits.__getitem__
     if not batches:
         raise ValueError("calibrate_model needs at least one batch of calibration tokens")
+    units = _units(list(linears), groups, bits_of, prefix, len(layers))
 
     results: dict[str, tuple] = {}
 
-    def finish(name: str, packed: tuple) -> None:
-        linear = linears[name]
-        if on_quantized is not None:
-            on_quantized(name, linear, packed)
-        planes, block_scales, rows, codebook = packed
-        approx = fmt.dequantize(planes, block_scales, rows, codebook, linear.in_features)
-        linear.weight.data.copy_(approx.to(linear.weight.dtype))
-        results[name] = packed
-        bar.update(1)
+    def quantize(unit: tuple[str, ...], hessians: list[torch.Tensor | None]) -> None:
+        weights = [linears[name].weight.detach() for name in unit]
+        for name, packed in zip(unit, calibrate_group(weights, hessians, bits_of(unit[0]), settings)):
+            linear = linears[name]
+            if on_quantized is not None:
+                on_quantized(name, linear, packed)
+            planes, block_scales, rows, codebook = packed
+            approx = fmt.dequantize(planes, block_scales, rows, codebook, linear.in_features)
+            linear.weight.data.copy_(approx.to(linear.weight.dtype))
+            results[name] = packed
+            bar.update(1)
 
     was_training = model.training
     model.eval()
@@ -443,30 +479,49 @@ def calibrate_model(
         with torch.no_grad():
             hidden, calls = _record_layer_calls(model, layers, batches)
             for i, layer in enumerate(layers):
-                inside = {name: m for name, m in linears.items() if name.startswith(f"{prefix}.{i}.")}
+                inside = [unit for unit in units if unit[1] == i]
                 bar.set_postfix_str(f"layer {i + 1}/{len(layers)}")
                 if inside:
-                    hooks = _HessianHooks(inside)
+                    hooks = _HessianHooks({name: linears[name] for unit, _ in inside for name in unit})
                     try:
                         for states, (args, kwargs) in zip(hidden, calls[i]):
                             layer(states, *args, **kwargs)
                             hooks.next_forward()
                     finally:
                         hooks.remove()
-                    for name, linear in inside.items():
-                        h = hooks.hessian(name)
-                        weight = linear.weight.detach()
-                        if h is None:  # never called on this text (e.g. an unused branch): data-free
-                            packed = fitting.fit_quantize(weight, bits_of(name), settings.fit)
-                        else:
-                            packed = calibrate_quantize(weight, h, bits_of(name), settings)
-                        finish(name, packed)
+                    for unit, _ in inside:  # a module never called on this text (an unused branch): data-free
+                        quantize(unit, [hooks.hessian(name) for name in unit])
                     del hooks
                 hidden = [_layer_output(layer(states, *args, **kwargs))
                           for states, (args, kwargs) in zip(hidden, calls[i])]
-            for name in [n for n in linears if n not in results]:  # outside the decoder layers
-                finish(name, fitting.fit_quantize(linears[name].weight.detach(), bits_of(name), settings.fit))
+            for unit, _ in [u for u in units if u[1] is None]:  # outside the decoder layers
+                quantize(unit, [None] * len(unit))
     finally:
         bar.close()
         model.train(was_training)
     return results
+
+
+def _units(
+    names: list[str], groups: Sequence[Sequence[str]], bits_of, prefix: str, num_layers: int
+) -> list[tuple[tuple[str, ...], int | None]]:
+    """``(members, decoder layer index or None)`` of every group of ``names`` quantized together, in the order of
+    their first member; a name in no group is a group of its own."""
+    layer_re = re.compile(rf"^{re.escape(prefix)}\.(\d+)\.")
+
+    def layer_of(name: str) -> int | None:
+        match = layer_re.match(name)
+        return int(match.group(1)) if match and int(match.group(1)) < num_layers else None
+
+    group_of: dict[str, tuple[str, ...]] = {}
+    for group in groups:
+        group = tuple(group)
+        unknown = [name for name in group if name not in names]
+        if unknown:
+            raise ValueError(f"calibrate_model: group {group} names {unknown}, not among the modules to quantize")
+        if len({layer_of(name) for name in group}) != 1 or len({bits_of(name) for name in group}) != 1:
+            raise ValueError(f"calibrate_model: the members of group {group} must sit in one decoder layer and "
+                             "have one k, since they share a codebook")
+        group_of.update(dict.fromkeys(group, group))
+    units = dict.fromkeys(group_of.get(name, (name,)) for name in names)
+    return [(unit, layer_of(unit[0])) for unit in units]

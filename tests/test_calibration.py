@@ -246,11 +246,11 @@ def test_weighted_options_reduce_to_the_unweighted_ones_under_equal_weights(bits
     weight = heavy_tailed((20, 200), seed=bits)
     settings = fitting.DEFAULT_SETTINGS[bits]
     equal = fitting.fit_codebook(weight, bits, settings)
-    assert torch.equal(calibration.fit_codebook_weighted(weight, bits, torch.full((200,), 3.0), settings), equal)
-    assert not torch.equal(calibration.fit_codebook_weighted(weight, bits, torch.rand(200), settings), equal)
+    assert torch.equal(fitting.fit_codebook(weight, bits, settings, column_weights=torch.full((200,), 3.0)), equal)
+    assert not torch.equal(fitting.fit_codebook(weight, bits, settings, column_weights=torch.rand(200)), equal)
     got = calibration.gptq_quantize(weight, torch.eye(200), equal, settings.codes_below, settings.codes_above,
                                     weighted_codes=True)
     want = fitting.quantize_fitted(weight, equal, settings.codes_below, settings.codes_above)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     with pytest.raises(ValueError, match="column_weights"):
-        calibration.fit_codebook_weighted(weight, bits, -torch.ones(200))
+        fitting.fit_codebook(weight, bits, settings, column_weights=-torch.ones(200))

@@ -212,8 +212,6 @@ def _quantize_experts(p: TensorPlan, reader: _SourceReader, config: KbitConfig, 
     """The packed tensors of the fused experts weight ``p``, built a chunk of experts at a time with
     ``KbitExperts.pack`` (what quantize-on-load runs). The experts share one codebook, fitted first
     on the rows quantize-on-load samples from the whole weight (read once more, chunk by chunk)."""
-    from ..nn.linear import codebook_sample
-
     module_name, _, projection = p.name.rpartition(".")
     outputs = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in p.outputs().items()}
     num_experts, step = p.shape[0], _expert_chunk(p)
@@ -234,7 +232,7 @@ def _quantize_experts(p: TensorPlan, reader: _SourceReader, config: KbitConfig, 
         packer, chunk = chunk_weight(start, stop)
         weight = packer.linear_weight(projection, chunk, module_name)
         first = start * whole.layout.linear_shape(projection)[0]
-        sample.append(codebook_sample(weight, settings, total_rows, first).float())
+        sample.append(fitting.codebook_sample(weight, settings, total_rows, first).float())
         del chunk, weight
     k = whole.layout.linear_shape(projection)[1]
     sample = torch.cat(sample) if sample else torch.empty(0, k, device=device)

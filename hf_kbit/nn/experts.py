@@ -24,7 +24,7 @@ from .. import _ops
 from .. import fitting
 from .. import format as fmt
 from ..config import KbitConfig
-from .linear import COMPUTE_DTYPES, FORMAT_TENSORS, KbitModule, check_weight, codebook_sample, quantize_checked
+from .linear import COMPUTE_DTYPES, FORMAT_TENSORS, KbitModule, check_weight, quantize_checked
 from .selection import _set_submodule, should_convert, swap_modules
 
 # Fused checkpoint parameter -> prefix of its packed tensors. The packed names must not start
@@ -258,7 +258,7 @@ class KbitExperts(KbitModule):
         check_weight(weight, full_name)
         bits = self.bits[projection]
         settings = fitting.settings_for(fitting_rule, bits, codebook)
-        cb = fitting.layer_codebook(codebook_sample(weight, settings), bits, settings, codebook)
+        cb = fitting.layer_codebook(fitting.codebook_sample(weight, settings), bits, settings, codebook)
         per_expert = math.prod(weight.shape[1:])
         chunk = max(1, _QUANTIZE_CHUNK_ELEMENTS // max(per_expert, 1))
         parts = [quantize_checked(w, cb, settings) for w in weight.split(chunk)]
