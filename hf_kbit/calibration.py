@@ -52,6 +52,7 @@ __all__ = [
     "calibrate_model",
     "calibrate_quantize",
     "calibration_batches",
+    "config_batches",
     "decoder_layers",
     "gptq_quantize",
     "inverse_cholesky",
@@ -319,6 +320,39 @@ def calibration_batches(tokenizer, text: str, samples: int, seq_len: int, batch_
                          f"{samples} x {seq_len} = {need}")
     tokens = torch.tensor(ids[-need:], dtype=torch.int64).reshape(samples, seq_len)
     return list(tokens.split(batch_size))
+
+
+def config_batches(config, model: nn.Module) -> list[torch.Tensor]:
+    """The calibration token batches a :class:`hf_kbit.KbitConfig` with ``calibration_data`` asks for
+    (:func:`calibration_batches` of its text), tokenized by its ``calibration_tokenizer`` or else by the
+    tokenizer of ``model``'s folder or Hub repo (``model.config.name_or_path``)."""
+    tokenizer = _load_tokenizer(config.calibration_tokenizer, model)
+    samples, seq_len = config.calibration_shape()
+    text = config.calibration_text()
+    try:
+        return calibration_batches(tokenizer, text, samples, seq_len)
+    except ValueError as e:
+        how = "" if not isinstance(config.calibration_data, str) or "\n" in config.calibration_data else (
+            " (calibration_data was read as the text itself, not as a file name: no such file)")
+        raise ValueError(f"KbitConfig.calibration_data: {e}{how}; pass more text, or lower calibration_samples "
+                         "or calibration_seq_len") from None
+
+
+def _load_tokenizer(tokenizer, model: nn.Module):
+    if tokenizer is not None and not isinstance(tokenizer, str):
+        return tokenizer
+    source = tokenizer or getattr(getattr(model, "config", None), "name_or_path", None)
+    if not source:
+        raise ValueError("KbitConfig.calibration_tokenizer: the model was not loaded from a folder or Hub repo, so its "
+                         "tokenizer is unknown; pass calibration_tokenizer (a tokenizer, a repo id or a folder)")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        what = "KbitConfig.calibration_tokenizer" if tokenizer else "the model's folder or repo"
+        raise ValueError(f"calibration needs a tokenizer: {what} {source!r} has none that loads ({e}); pass "
+                         "KbitConfig(calibration_tokenizer=...)") from None
 
 
 # ---------------------------------------------------------------------------- a model

@@ -161,6 +161,47 @@ def test_dead_inputs_and_validation():
         calibration.CalibrationSettings(damp=0)
 
 
+# ---------------------------------------------------------------------------- siblings
+
+
+@pytest.mark.parametrize("bits", [3, 4], ids=lambda b: f"k{b}")
+def test_group_shares_the_data_free_codebook_and_runs_each_member_through_gptq(bits):
+    """Siblings (q/k/v) get the codebook quantization without data gives them (fitted on their stacked rows), then
+    each its own error feedback; a member without a Hessian is quantized data-free with that codebook."""
+    weights = [heavy_tailed((20, 96), seed=1), heavy_tailed((8, 96), seed=2), heavy_tailed((8, 96), seed=3)]
+    h = correlated_hessian(96, seed=bits)
+    settings = fitting.DEFAULT_SETTINGS[bits]
+    got = calibration.calibrate_group(weights, [h, h, None], bits)
+    codebook = fitting.group_codebook(weights, bits, settings)
+    assert not torch.equal(codebook, fitting.fit_codebook(weights[0], bits, settings))  # really the group's
+    for (planes, scales, rows, cb), weight, hessian in zip(got, weights, [h, h, None]):
+        assert torch.equal(cb, codebook)
+        if hessian is None:
+            want = fitting.quantize_fitted(weight, codebook, settings.codes_below, settings.codes_above)
+        else:
+            want = calibration.gptq_quantize(weight, hessian, codebook, settings.codes_below, settings.codes_above)
+        assert all(torch.equal(a, b) for a, b in zip((planes, scales, rows), want))
+    assert got[1][3].data_ptr() != got[0][3].data_ptr()  # saved as separate tensors
+    with pytest.raises(ValueError, match="one Hessian"):
+        calibration.calibrate_group(weights, [h], bits)
+
+
+@pytest.mark.parametrize("bits", [2, 3], ids=lambda b: f"k{b}")
+def test_absmax_fitting_keeps_the_configured_codebook_and_absmax_codes(bits):
+    """KbitConfig(fitting="absmax"): the codebook as configured and each block's absmax code, so with a diagonal H
+    the bytes are format.quantize's."""
+    weight = heavy_tailed((20, 200), seed=bits)
+    settings = calibration.CalibrationSettings(fitting="absmax", codebook="nf")
+    planes, scales, rows, cb = calibration.calibrate_quantize(weight, torch.eye(200), bits, settings)
+    assert torch.equal(cb, fmt.make_codebook("nf", bits))
+    assert all(torch.equal(a, b) for a, b in zip((planes, scales, rows), fmt.quantize(weight, cb)))
+    levels = [-1.0, -0.3, 0.3, 1.0] if bits == 2 else [-1.0, -0.6, -0.3, -0.1, 0.1, 0.3, 0.6, 1.0]
+    explicit = calibration.CalibrationSettings(codebook=levels)  # "fit": codes searched, the levels kept
+    assert calibration.calibrate_quantize(weight, torch.eye(200), bits, explicit)[3].tolist() == pytest.approx(levels)
+    with pytest.raises(ValueError, match="fitting"):
+        calibration.CalibrationSettings(fitting="gptq")
+
+
 # ---------------------------------------------------------------------------- text
 
 
@@ -176,12 +217,36 @@ def test_calibration_batches_take_the_end_of_the_text():
         calibration.calibration_batches(tok, TINY_TEXT, samples=100, seq_len=20)
 
 
+def test_config_batches_tokenize_the_configs_text_and_name_the_field_on_errors(tmp_path):
+    from tiny_models import TINY_TEXT, char_tokenizer, tiny_dense_model
+
+    from hf_kbit import KbitConfig
+
+    tok = char_tokenizer(TINY_TEXT)
+    model = tiny_dense_model("llama", dtype=torch.float32)
+    config = KbitConfig(calibration_data=[TINY_TEXT, TINY_TEXT], calibration_samples=3, calibration_seq_len=50,
+                        calibration_tokenizer=tok)
+    want = calibration.calibration_batches(tok, TINY_TEXT + "\n\n" + TINY_TEXT, 3, 50)
+    assert all(torch.equal(a, b) for a, b in zip(calibration.config_batches(config, model), want))
+    tok.save_pretrained(tmp_path / "tok")
+    by_name = KbitConfig(calibration_data=TINY_TEXT, calibration_samples=3, calibration_seq_len=50,
+                         calibration_tokenizer=str(tmp_path / "tok"))
+    assert all(torch.equal(a, b) for a, b in zip(calibration.config_batches(by_name, model),
+                                                 calibration.calibration_batches(tok, TINY_TEXT, 3, 50)))
+    short = KbitConfig(calibration_data="a b c", calibration_samples=3, calibration_seq_len=50, calibration_tokenizer=tok)
+    with pytest.raises(ValueError, match="calibration_data: .*fewer than samples x seq_len.*not as a file name"):
+        calibration.config_batches(short, model)
+    with pytest.raises(ValueError, match="calibration_tokenizer"):  # a config-built model has no folder
+        calibration.config_batches(KbitConfig(calibration_data=TINY_TEXT), model)
+
+
 # ---------------------------------------------------------------------------- a model
 
 
-def reference_calibrate_model(model, batches, bits, settings):
+def reference_calibrate_model(model, batches, bits, settings, groups=()):
     """Module by module, in layer order: the inputs of each Linear come from a full forward of the model with
-    every earlier layer already fake-quantized (the slow, obvious form of the driver)."""
+    every earlier layer already fake-quantized (the slow, obvious form of the driver). Members of a group share a
+    codebook (calibrate_group)."""
     prefix, layers = calibration.decoder_layers(model)
     results = {}
     for i, layer in enumerate(layers):
@@ -202,10 +267,14 @@ def reference_calibrate_model(model, batches, bits, settings):
                 model(input_ids=batch, use_cache=False)
         for handle in handles:
             handle.remove()
-        for name, m in linears.items():
-            packed = calibration.calibrate_quantize(m.weight.detach(), sums[name] / counts[name], bits, settings)
-            m.weight.data.copy_(fmt.dequantize(*packed[:3], packed[3], m.in_features).to(m.weight.dtype))
-            results[name] = packed
+        units = dict.fromkeys(next((tuple(g) for g in groups if name in g), (name,)) for name in linears)
+        for unit in units:
+            members = [linears[name] for name in unit]
+            hessians = [sums[name] / counts[name] for name in unit]
+            packed = calibration.calibrate_group([m.weight.detach() for m in members], hessians, bits, settings)
+            for name, m, p in zip(unit, members, packed):
+                m.weight.data.copy_(fmt.dequantize(*p[:3], p[3], m.in_features).to(m.weight.dtype))
+                results[name] = p
     return results
 
 
@@ -225,6 +294,28 @@ def test_driver_equals_whole_model_reference():
         planes, scales, rows, codebook = got[name]
         module = model.get_submodule(name)
         assert torch.equal(module.weight, fmt.dequantize(planes, scales, rows, codebook, module.in_features))
+
+
+def test_driver_with_sibling_groups_equals_whole_model_reference():
+    from tiny_models import tiny_dense_model
+
+    settings = calibration.CalibrationSettings(fit=fitting.FitSettings(codes_below=4, codes_above=1, lloyd_iters=1))
+    batches = [torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(2))]
+    groups = [[f"model.layers.{i}.self_attn.{p}_proj" for p in "qkv"] for i in range(2)]
+    groups += [[f"model.layers.{i}.mlp.{p}_proj" for p in ("gate", "up")] for i in range(2)]
+    model = tiny_dense_model("llama", dtype=torch.float32)
+    want = reference_calibrate_model(tiny_dense_model("llama", dtype=torch.float32), batches, 3, settings, groups)
+    got = calibration.calibrate_model(model, batches, 3, settings=settings, progress=False, groups=groups)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert all(torch.equal(a, b) for a, b in zip(got[name], want[name])), name
+    assert torch.equal(got["model.layers.1.self_attn.q_proj"][3], got["model.layers.1.self_attn.v_proj"][3])
+    with pytest.raises(ValueError, match="one decoder layer"):
+        calibration.calibrate_model(model, batches, 3, progress=False,
+                                    groups=[["model.layers.0.mlp.up_proj", "model.layers.1.mlp.up_proj"]])
+    with pytest.raises(ValueError, match="not among the modules"):
+        calibration.calibrate_model(model, batches, 3, modules=["model.layers.0.mlp.up_proj"], progress=False,
+                                    groups=[["model.layers.0.mlp.up_proj", "model.layers.0.mlp.gate_proj"]])
 
 
 def test_driver_quantizes_outside_modules_data_free_and_refuses_non_linears():

@@ -134,3 +134,47 @@ def test_tied_lm_head_stays_full_precision():
     assert type(model.lm_head) is torch.nn.Linear
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert isinstance(model.model.layers[0].mlp.down_proj, KbitLinear)
+
+
+# ---------------------------------------------------------------------------- calibration
+
+
+def _calibration_config(**kwargs) -> KbitConfig:
+    from tiny_models import TINY_TEXT, char_tokenizer
+
+    return KbitConfig(calibration_data=TINY_TEXT, calibration_samples=2, calibration_seq_len=64,
+                      calibration_tokenizer=char_tokenizer(TINY_TEXT), **kwargs)
+
+
+def test_calibration_packs_what_calibrate_model_gives_with_siblings_sharing_a_codebook():
+    """quantize_model with calibration_data: every Linear holds the bytes hf_kbit.calibration.calibrate_model
+    produces for it, q/k/v and gate/up calibrated with one codebook each (so they still fuse)."""
+    from hf_kbit import calibration
+
+    config = _calibration_config(bits=3)
+    model = hf_kbit.quantize_model(tiny_dense_model("llama", dtype=torch.float32), config, ["lm_head"], progress=False)
+    reference = tiny_dense_model("llama", dtype=torch.float32)
+    groups = [[f"model.layers.{i}.self_attn.{p}_proj" for p in "qkv"] for i in range(2)]
+    groups += [[f"model.layers.{i}.mlp.{p}_proj" for p in ("gate", "up")] for i in range(2)]
+    want = calibration.calibrate_model(reference, calibration.config_batches(config, reference), 3, progress=False,
+                                       groups=groups)
+    assert sorted(want) == sorted(n for n, m in model.named_modules() if isinstance(m, KbitLinear))
+    for name, tensors in want.items():
+        module = model.get_submodule(name)
+        for tensor_name, expected in zip(("planes", "block_scales", "row_scales", "codebook"), tensors):
+            assert torch.equal(getattr(module, tensor_name), expected), f"{name}.{tensor_name}"
+    assert all(hasattr(layer.self_attn, "qkv_proj") for layer in model.model.layers)  # gate/up: N = 200, no fusion
+    assert torch.equal(model.model.layers[1].mlp.gate_proj.codebook, model.model.layers[1].mlp.up_proj.codebook)
+    assert type(model.lm_head) is torch.nn.Linear
+
+
+def test_calibration_quantizes_moe_experts_data_free():
+    """Fused experts are not calibrated: their bytes are data-free quantization's; the Linears are calibrated."""
+    calibrated = hf_kbit.quantize_model(tiny_moe_model("qwen3_moe"), _calibration_config(bits=4), ["lm_head"],
+                                        progress=False)
+    data_free = hf_kbit.quantize_model(tiny_moe_model("qwen3_moe"), KbitConfig(bits=4), ["lm_head"])
+    got, want = calibrated.state_dict(), data_free.state_dict()
+    assert sorted(got) == sorted(want)
+    experts = [key for key in want if ".experts." in key]
+    assert experts and all(torch.equal(got[key], want[key]) for key in experts)
+    assert not torch.equal(got["model.layers.1.self_attn.o_proj.planes"], want["model.layers.1.self_attn.o_proj.planes"])
