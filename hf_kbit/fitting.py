@@ -227,8 +227,11 @@ def search_codes(
     table = fmt.e4m4_table(blocks.device)
     # Candidate offsets, the absmax code first: argmin keeps the first of equal errors, so the
     # absmax code wins ties and the result is never worse than format.quantize.
-    steps = torch.arange(-codes_above, codes_below + 1, device=blocks.device)
-    offsets = torch.cat([steps.new_zeros(1), steps[steps != 0]])
+    # (Made on the device without a boolean mask: calibration searches once per block, and a data-dependent
+    # shape would wait for the GPU each time.)
+    device = blocks.device
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), torch.arange(-codes_above, 0, device=device),
+                         torch.arange(1, codes_below + 1, device=device)])
     g, n, n_blocks, _ = blocks.shape
     rows_per_chunk = max(1, CHUNK_ELEMENTS // max(1, n_blocks * offsets.numel() * fmt.BLOCK_SIZE))
     out = torch.empty_like(c0)
