@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="FILE",
         help="calibrate on this UTF-8 text file: the decoder layers' Linears are quantized layer by layer with "
-        "GPTQ-style error feedback on the last SAMPLES x SEQ_LEN tokens of it (fused MoE experts stay data-free). "
+        "GPTQ-style error feedback on the last SAMPLES x SEQ_LEN tokens of it (MoE experts: each on the tokens routed "
+        "to it). "
         "The model is then loaded whole, unquantized, on --device instead of streamed. Same inference cost",
     )
     q.add_argument("--calibration-samples", type=int, default=None, metavar="SAMPLES",

@@ -78,11 +78,11 @@ class KbitConfig(QuantizationConfigMixin):
             tensors are the same either way.
         calibration_data: text to calibrate on (quantize-on-load and ``kbit-convert`` only): the text itself
             (a ``str``), several texts (a list of ``str``, joined by blank lines), or a UTF-8 text file (a
-            ``pathlib.Path``, or a one-line ``str`` naming an existing file). The Linears of the decoder layers
-            are then quantized decoder layer by decoder layer with GPTQ-style error feedback
-            (:mod:`hf_kbit.calibration`) on the last ``calibration_samples x calibration_seq_len`` tokens of
-            the text, with the codebooks and fitting that quantization without data would use; fused MoE
-            experts are quantized data-free. The model is loaded unquantized first (on its device), so
+            ``pathlib.Path``, or a one-line ``str`` naming an existing file). The Linears and fused MoE experts
+            of the decoder layers are then quantized decoder layer by decoder layer with GPTQ-style error
+            feedback (:mod:`hf_kbit.calibration`) on the last ``calibration_samples x calibration_seq_len``
+            tokens of the text (each expert on the tokens routed to it), with the codebooks and fitting that
+            quantization without data would use. The model is loaded unquantized first (on its device), so
             this needs memory for the unquantized model. Inference costs the same either way. ``None``: data-free.
             Not saved: the checkpoint records only ``calibration`` (method and token counts).
         calibration_samples: sequences of calibration tokens (default 128).

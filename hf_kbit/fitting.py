@@ -53,6 +53,7 @@ __all__ = [
     "fit_codebook",
     "fit_quantize",
     "group_codebook",
+    "pack_groups",
     "layer_codebook",
     "quantize_fitted",
     "row_scales",
@@ -455,12 +456,21 @@ def quantize_fitted(
     codes = search_codes(blocks, rows_pad, cb, codes_below, codes_above, element_mask(k, blocks.shape[2], w.device))
     scale = fmt.e4m4_table(w.device)[codes] * rows_pad[..., None]
     x = torch.where(scale[..., None] > 0, blocks / torch.where(scale > 0, scale, 1.0)[..., None], 0.0)
-    planes = fmt.tile_planes(fmt.pack_bitplanes(_nearest(x, cb), bits))
+    return pack_groups(_nearest(x, cb), codes, rows, bits, lead)
+
+
+def pack_groups(
+    indices: torch.Tensor, codes: torch.Tensor, rows: torch.Tensor, bits: int, lead: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Format v1 tensors ``(planes, block_scales, row_scales)`` of ``G = prod(lead)`` weights from their padded
+    int64 ``indices [G, N_pad, K_pad / 32, 32]``, block ``codes [G, N_pad, K_pad / 32]`` and float32 ``rows [G, N]``
+    (bit-planes packed and tiled, codes tiled, the leading dims ``lead`` restored)."""
+    planes = fmt.tile_planes(fmt.pack_bitplanes(indices, bits))
     block_scales = fmt.tile(codes.to(torch.uint8))
     return (
         planes.reshape(*lead, *planes.shape[1:]),
         block_scales.reshape(*lead, *block_scales.shape[1:]),
-        rows.reshape(*lead, n).contiguous(),
+        rows.reshape(*lead, rows.shape[-1]).contiguous(),
     )
 
 

@@ -202,6 +202,37 @@ def test_absmax_fitting_keeps_the_configured_codebook_and_absmax_codes(bits):
         calibration.CalibrationSettings(fitting="gptq")
 
 
+# ---------------------------------------------------------------------------- MoE experts
+
+
+def test_stacked_weights_quantize_as_each_alone():
+    """gptq_quantize of a stack [E, N, K] with Hessians [E, K, K] is each expert's own result (float64: the
+    lazy batches' matmuls cannot flip a near-tie)."""
+    weights = torch.stack([heavy_tailed((20, 200), seed=e) for e in range(3)]).double()
+    hessians = torch.stack([correlated_hessian(200, seed=e) for e in range(3)]).double()
+    codebook = fitting.fit_codebook(weights[0], 3)
+    stacked = calibration.gptq_quantize(weights, hessians, codebook, 12, 4)
+    for e in range(3):
+        alone = calibration.gptq_quantize(weights[e], hessians[e], codebook, 12, 4)
+        assert all(torch.equal(a[e], b) for a, b in zip(stacked, alone)), e
+    upper = calibration.inverse_cholesky(hessians)
+    assert all(torch.equal(upper[e], calibration.inverse_cholesky(hessians[e])) for e in range(3))
+
+
+def test_experts_share_the_data_free_codebook_and_an_expert_without_tokens_is_data_free(monkeypatch):
+    weight = torch.stack([heavy_tailed((24, 96), seed=e) for e in range(4)])
+    hessian = torch.stack([correlated_hessian(96, seed=e) for e in range(4)])
+    hessian[2] = 0  # no token reached expert 2
+    monkeypatch.setattr(calibration, "EXPERT_CHUNK_ELEMENTS", 96 * (128 + 32))  # one expert at a time
+    planes, scales, rows, codebook = calibration.calibrate_experts(weight, hessian, 3)
+    settings = fitting.DEFAULT_SETTINGS[3]
+    assert torch.equal(codebook, fitting.layer_codebook(fitting.codebook_sample(weight, settings), 3, settings))
+    data_free = fitting.quantize_fitted(weight[2], codebook, settings.codes_below, settings.codes_above)
+    assert all(torch.equal(a[2], b) for a, b in zip((planes, scales, rows), data_free))
+    calibrated = calibration.gptq_quantize(weight[1], hessian[1], codebook, settings.codes_below, settings.codes_above)
+    assert all(torch.equal(a[1], b) for a, b in zip((planes, scales, rows), calibrated))
+
+
 # ---------------------------------------------------------------------------- text
 
 
@@ -243,16 +274,32 @@ def test_config_batches_tokenize_the_configs_text_and_name_the_field_on_errors(t
 # ---------------------------------------------------------------------------- a model
 
 
-def reference_calibrate_model(model, batches, bits, settings, groups=()):
+def reference_expert_hooks(experts, sums, counts):
+    """Per expert of a Qwen3-MoE experts module, x^T x of the tokens routed to it and of act(gate) * up."""
+    def hook(module, args):
+        x, index = args[0].float(), args[1]
+        for e in range(module.num_experts):
+            xe = x[(index == e).any(-1)]
+            gate, up = (xe @ module.gate_up_proj[e].float().T).chunk(2, -1)
+            act = module.act_fn(gate) * up
+            sums[e] = (sums[e][0] + xe.T @ xe, sums[e][1] + act.T @ act)
+            counts[e] += xe.shape[0]
+    return experts.register_forward_pre_hook(hook)
+
+
+def reference_calibrate_model(model, batches, bits, settings, groups=(), experts=False):
     """Module by module, in layer order: the inputs of each Linear come from a full forward of the model with
     every earlier layer already fake-quantized (the slow, obvious form of the driver). Members of a group share a
-    codebook (calibrate_group)."""
+    codebook (calibrate_group); ``experts``: each Qwen3-MoE expert quantized alone with its Hessian and the
+    codebook of all the experts' rows."""
     prefix, layers = calibration.decoder_layers(model)
     results = {}
     for i, layer in enumerate(layers):
         linears = {f"{prefix}.{i}.{n}": m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
         sums = {name: 0 for name in linears}
         counts = {name: 0 for name in linears}
+        moe = getattr(layer.mlp, "experts", None) if experts else None
+        expert_sums, expert_counts = [(0, 0)] * (moe.num_experts if moe else 0), [0] * (moe.num_experts if moe else 0)
 
         def hook_for(name, sums=sums, counts=counts):
             def hook(module, args, output):
@@ -262,6 +309,8 @@ def reference_calibrate_model(model, batches, bits, settings, groups=()):
             return hook
 
         handles = [m.register_forward_hook(hook_for(name)) for name, m in linears.items()]
+        if moe is not None:
+            handles.append(reference_expert_hooks(moe, expert_sums, expert_counts))
         with torch.no_grad():
             for batch in batches:
                 model(input_ids=batch, use_cache=False)
@@ -275,6 +324,21 @@ def reference_calibrate_model(model, batches, bits, settings, groups=()):
             for name, m, p in zip(unit, members, packed):
                 m.weight.data.copy_(fmt.dequantize(*p[:3], p[3], m.in_features).to(m.weight.dtype))
                 results[name] = p
+        if moe is None:
+            continue
+        for j, projection in enumerate(("gate_up_proj", "down_proj")):
+            param = getattr(moe, projection)
+            fit = settings.fit_settings(bits)
+            codebook = fitting.layer_codebook(fitting.codebook_sample(param.detach(), fit), bits, fit)
+            packed = []
+            for e in range(moe.num_experts):
+                h = expert_sums[e][j] / max(expert_counts[e], 1) if expert_counts[e] else torch.zeros(
+                    param.shape[-1], param.shape[-1])
+                packed.append(calibration.gptq_quantize(param[e].detach(), h, codebook, fit.codes_below,
+                                                        fit.codes_above, settings.damp))
+            stacked = (*(torch.stack(t) for t in zip(*packed)), codebook)
+            param.data.copy_(fmt.dequantize(*stacked, param.shape[-1]).to(param.dtype))
+            results[f"{prefix}.{i}.mlp.experts.{projection}"] = stacked
     return results
 
 
@@ -316,6 +380,25 @@ def test_driver_with_sibling_groups_equals_whole_model_reference():
     with pytest.raises(ValueError, match="not among the modules"):
         calibration.calibrate_model(model, batches, 3, modules=["model.layers.0.mlp.up_proj"], progress=False,
                                     groups=[["model.layers.0.mlp.up_proj", "model.layers.0.mlp.gate_proj"]])
+
+
+def test_driver_calibrates_moe_experts_as_the_whole_model_reference():
+    """Experts: each with the Hessian of the tokens the router sent it (and of its gated activations for the down
+    projection), the codebook shared by all of a projection's experts; later layers see them quantized."""
+    from tiny_models import tiny_moe_model
+
+    settings = calibration.CalibrationSettings(fit=fitting.FitSettings(codes_below=4, codes_above=1, lloyd_iters=1))
+    batches = [torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))]
+    experts = [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    model = tiny_moe_model("qwen3_moe", dtype=torch.float32)
+    want = reference_calibrate_model(tiny_moe_model("qwen3_moe", dtype=torch.float32), batches, 3, settings,
+                                     experts=True)
+    got = calibration.calibrate_model(model, batches, 3, settings=settings, progress=False, experts=experts)
+    assert sorted(got) == sorted(want) and "model.layers.1.mlp.experts.down_proj" in got
+    for name in want:
+        assert all(torch.equal(a, b) for a, b in zip(got[name], want[name])), name
+    with pytest.raises(ValueError, match="not inside a decoder layer"):
+        calibration.calibrate_model(model, batches, 3, progress=False, experts=["model"])
 
 
 def test_driver_quantizes_outside_modules_data_free_and_refuses_non_linears():

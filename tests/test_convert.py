@@ -647,7 +647,7 @@ def calibration_config(**kwargs) -> hf_kbit.KbitConfig:
 @pytest.mark.parametrize("source", ["llama", "qwen3_moe"])
 def test_calibrated_convert_writes_what_calibrated_quantize_on_load_saves(llama_fp32, moe_checkpoint, tmp_path, source):
     """Same model, text and settings, on CPU: kbit-convert with calibration writes the tensors that quantize-on-load
-    with calibration saves (MoE experts data-free in both), and the card says it was calibrated, on how many tokens."""
+    with calibration saves (MoE experts calibrated too), and the card says it was calibrated, on how many tokens."""
     src = llama_fp32 if source == "llama" else moe_checkpoint("qwen3_moe")
     config = calibration_config(bits=3)
     result = convert(src, tmp_path / "out", config, dtype="float32", max_shard_size="40KB", progress=False)

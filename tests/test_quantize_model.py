@@ -168,13 +168,32 @@ def test_calibration_packs_what_calibrate_model_gives_with_siblings_sharing_a_co
     assert type(model.lm_head) is torch.nn.Linear
 
 
-def test_calibration_quantizes_moe_experts_data_free():
-    """Fused experts are not calibrated: their bytes are data-free quantization's; the Linears are calibrated."""
-    calibrated = hf_kbit.quantize_model(tiny_moe_model("qwen3_moe"), _calibration_config(bits=4), ["lm_head"],
-                                        progress=False)
-    data_free = hf_kbit.quantize_model(tiny_moe_model("qwen3_moe"), KbitConfig(bits=4), ["lm_head"])
-    got, want = calibrated.state_dict(), data_free.state_dict()
-    assert sorted(got) == sorted(want)
-    experts = [key for key in want if ".experts." in key]
-    assert experts and all(torch.equal(got[key], want[key]) for key in experts)
-    assert not torch.equal(got["model.layers.1.self_attn.o_proj.planes"], want["model.layers.1.self_attn.o_proj.planes"])
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_calibration_packs_moe_experts_with_calibrate_model(family):
+    """Fused experts are calibrated too (each expert on the tokens routed to it): their KbitExperts buffers hold
+    what calibrate_model gives them (gpt_oss: transposed weights, interleaved gate/up, biases)."""
+    from hf_kbit import calibration
+
+    config = _calibration_config(bits=4)
+    model = hf_kbit.quantize_model(tiny_moe_model(family), config, ["lm_head"], progress=False)
+    reference = tiny_moe_model(family)
+    linears = [n for n, m in reference.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    experts = list(_experts(reference))
+    want = calibration.calibrate_model(reference, calibration.config_batches(config, reference), 4, linears,
+                                       progress=False, groups=_sibling_groups(linears), experts=experts)
+    for name in experts:
+        module = model.get_submodule(name)
+        assert isinstance(module, KbitExperts)
+        for projection, prefix in (("gate_up_proj", "gate_up"), ("down_proj", "down")):
+            for tensor_name, expected in zip(("planes", "block_scales", "row_scales", "codebook"),
+                                             want[f"{name}.{projection}"]):
+                assert torch.equal(getattr(module, f"{prefix}_{tensor_name}"), expected), f"{name}.{projection}"
+    data_free = hf_kbit.quantize_model(tiny_moe_model(family), KbitConfig(bits=4), ["lm_head"])
+    assert not torch.equal(model.model.layers[1].mlp.experts.down_planes, data_free.model.layers[1].mlp.experts.down_planes)
+    assert _rel(_logits(model), _logits(tiny_moe_model(family))) < LOGITS_REL_ERROR_K4
+
+
+def _sibling_groups(linears: list[str]) -> list[tuple[str, ...]]:
+    from hf_kbit.nn.fused import codebook_siblings
+
+    return list(dict.fromkeys(codebook_siblings(dict.fromkeys(linears, (0, 4))).values()))

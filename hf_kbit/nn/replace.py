@@ -7,7 +7,7 @@ from torch import nn
 
 from .. import format as fmt
 from ..config import KbitConfig
-from .experts import quantize_experts
+from .experts import expert_bits, fused_experts_layout, quantize_experts
 from .fused import codebook_siblings, fuse_projections, unfuse_projections
 from .linear import KbitLinear, check_weight, quantize_group
 from .selection import _set_submodule, should_convert, swap_modules, tied_modules
@@ -74,7 +74,7 @@ def quantize_model(
     that tied modules (an LM head sharing the input embedding's weight) are always kept
     (:func:`tied_modules`).
     With ``config.calibration_data`` the Linears are calibrated (:func:`hf_kbit.calibration.calibrate_model`, on
-    the model's device, a tqdm bar unless ``progress`` is False) and the experts quantized data-free after them;
+    the model's device, a tqdm bar unless ``progress`` is False), the fused experts of the decoder layers too;
     what quantize-on-load with calibration and ``kbit-convert --calibration-data`` run.
     With ``config.fuse_projections`` (default) sibling projections are then fused
     (:func:`~hf_kbit.nn.fuse_projections`).
@@ -88,7 +88,7 @@ def quantize_model(
     }
     siblings = codebook_siblings({name: (m.in_features, config.bits_for(name)) for name, m in linears.items()})
     groups = list(dict.fromkeys(siblings.get(name, (name,)) for name in linears))  # each group once, in model order
-    calibrated = _calibrate(model, config, linears, groups, progress) if config.calibrates else {}
+    calibrated = _calibrate(model, config, linears, groups, skip, progress) if config.calibrates else {}
     for group in groups:
         members = [linears[name] for name in group]
         if config.calibrates:
@@ -99,21 +99,33 @@ def quantize_model(
                 packed = quantize_group(weights, config.bits_for(group[0]), config.codebook, config.fitting, list(group))
         for name, module, tensors in zip(group, members, packed):
             _set_submodule(model, name, KbitLinear.from_linear(module, config.bits_for(name), packed=tensors))
-    model = quantize_experts(model, config, modules_to_not_convert)
+    model = quantize_experts(model, config, modules_to_not_convert, packed=calibrated)
     if config.fuse_projections:
         fuse_projections(model)
     return model
 
 
-def _calibrate(model, config: KbitConfig, linears: dict[str, nn.Linear], groups, progress: bool) -> dict[str, tuple]:
-    """The format tensors of ``linears`` calibrated on ``config.calibration_data`` (siblings in ``groups`` share
-    a codebook, as without calibration)."""
+def _calibrate(
+    model, config: KbitConfig, linears: dict[str, nn.Linear], groups, skip: list[str], progress: bool
+) -> dict[str, tuple]:
+    """The format tensors of ``linears`` and of the fused MoE experts inside the decoder layers, calibrated on
+    ``config.calibration_data`` (siblings in ``groups`` share a codebook, as without calibration)."""
     from .. import calibration
 
     for name, module in linears.items():
         check_weight(module.weight.detach(), f"{name}.weight")
+    prefix, layers = calibration.decoder_layers(model)
+    experts = {
+        name: module for name, module in model.named_modules()
+        if name.startswith(f"{prefix}.") and should_convert(name, skip) and fused_experts_layout(module, name) is not None
+    }
+    bits = {name: config.bits_for(name) for name in linears}
+    for name, module in experts.items():
+        bits[f"{name}.gate_up_proj"], bits[f"{name}.down_proj"] = expert_bits(config, name)
+        for projection in ("gate_up_proj", "down_proj"):
+            check_weight(getattr(module, projection).detach(), f"{name}.{projection}")
     batches = calibration.config_batches(config, model)
     settings = calibration.CalibrationSettings(fitting=config.fitting, codebook=config.codebook)
-    bits = {name: config.bits_for(name) for name in linears}
     shared = [group for group in groups if len(group) > 1]
-    return calibration.calibrate_model(model, batches, bits, list(linears), settings, progress, groups=shared)
+    return calibration.calibrate_model(model, batches, bits, list(linears), settings, progress, groups=shared,
+                                       experts=list(experts))
