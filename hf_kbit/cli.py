@@ -21,6 +21,7 @@ examples:
   kbit-convert ./my-model --bits 4 --out ./my-model-kbit4
   kbit-convert org/model --revision main --bits 3 --module-bits 'mlp\\.down_proj=4' --out ./model-kbit3
   kbit-convert model.gguf --bits 4 --dtype bfloat16 --out ./model-kbit4
+  kbit-convert ./my-model --bits 3 --calibration-data corpus.txt --out ./my-model-kbit3-cal
   kbit-convert ./my-model --bits 4 --out ./my-model-kbit4 --eval --push-to-hub me/my-model-kbit4 --private
   kbit-convert ./my-model-kbit4 --push-to-hub me/my-model-kbit4      (push an existing kbit folder again)
 
@@ -79,6 +80,22 @@ def build_parser() -> argparse.ArgumentParser:
         "quantized, the LM head too (e.g. with --module-bits '^lm_head$=5'); an LM head tied to the input "
         "embedding stays full precision either way",
     )
+    q.add_argument(
+        "--calibration-data",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="calibrate on this UTF-8 text file: the decoder layers' Linears are quantized layer by layer with "
+        "GPTQ-style error feedback on the last SAMPLES x SEQ_LEN tokens of it (MoE experts: each on the tokens routed "
+        "to it). "
+        "The model is then loaded whole, unquantized, on --device instead of streamed. Same inference cost",
+    )
+    q.add_argument("--calibration-samples", type=int, default=None, metavar="SAMPLES",
+                   help="sequences of calibration tokens (default: 128)")
+    q.add_argument("--calibration-seq-len", type=int, default=None, metavar="SEQ_LEN",
+                   help="tokens per calibration sequence (default: 2048)")
+    q.add_argument("--calibration-tokenizer", default=None, metavar="NAME_OR_FOLDER",
+                   help="tokenizer for --calibration-data (default: the model's own)")
     q.add_argument(
         "--dtype",
         default="auto",
@@ -183,6 +200,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--eval-text needs --eval")
     if args.eval_tokens < 2:
         parser.error("--eval-tokens must be at least 2")
+    calibration = ("--calibration-samples", "--calibration-seq-len", "--calibration-tokenizer")
+    if args.calibration_data is None:
+        given = [flag for flag in calibration if getattr(args, flag[2:].replace("-", "_")) is not None]
+        if given:
+            parser.error(f"{given[0]} needs --calibration-data")
+    elif not args.calibration_data.is_file():
+        parser.error(f"--calibration-data {args.calibration_data}: no such file")
+    for flag in calibration[:2]:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be a positive number, got {value}")
     module_bits = _parse_module_bits(parser, args.module_bits)
     codebook = _parse_codebook(parser, args.codebook)
     if args.push_to_hub:
@@ -208,6 +236,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             modules_to_not_convert=args.skip_modules,
             module_bits=module_bits,
             fitting=args.fitting,
+            calibration_data=args.calibration_data,
+            calibration_samples=args.calibration_samples,
+            calibration_seq_len=args.calibration_seq_len,
+            calibration_tokenizer=args.calibration_tokenizer,
         )
         parse_size(args.max_shard_size)
         if not args.dry_run:

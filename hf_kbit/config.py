@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 from typing import Any
 
 try:
@@ -16,6 +18,11 @@ from . import format as fmt
 from .fitting import FITTINGS
 
 QUANT_METHOD = "kbit"
+
+# Calibration (KbitConfig.calibration_data): GPTQ-style error feedback (hf_kbit.calibration) on this many tokens by
+# default, GPTQ's usual 128 sequences of 2048.
+CALIBRATION_METHOD = "gptq"
+CALIBRATION_DEFAULTS = {"calibration_samples": 128, "calibration_seq_len": 2048}
 
 # Facts of format v1 written into every config so that a reader needs nothing else.
 _FORMAT_FACTS = {
@@ -69,6 +76,21 @@ class KbitConfig(QuantizationConfigMixin):
             (``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``) as one kbit launch
             each (:func:`hf_kbit.nn.fuse_projections`); a runtime choice, the checkpoint's
             tensors are the same either way.
+        calibration_data: text to calibrate on (quantize-on-load and ``kbit-convert`` only): the text itself
+            (a ``str``), several texts (a list of ``str``, joined by blank lines), or a UTF-8 text file (a
+            ``pathlib.Path``, or a one-line ``str`` naming an existing file). The Linears and fused MoE experts
+            of the decoder layers are then quantized decoder layer by decoder layer with GPTQ-style error
+            feedback (:mod:`hf_kbit.calibration`) on the last ``calibration_samples x calibration_seq_len``
+            tokens of the text (each expert on the tokens routed to it), with the codebooks and fitting that
+            quantization without data would use. The model is loaded unquantized first (on its device), so
+            this needs memory for the unquantized model. Inference costs the same either way. ``None``: data-free.
+            Not saved: the checkpoint records only ``calibration`` (method and token counts).
+        calibration_samples: sequences of calibration tokens (default 128).
+        calibration_seq_len: tokens per sequence (default 2048).
+        calibration_tokenizer: the tokenizer that turns ``calibration_data`` into tokens: a tokenizer, or a
+            Hub repo id or folder to load one from; ``None``: the model's own (its folder or repo). Not saved.
+        calibration: what a calibrated checkpoint records (``{"method": "gptq", "samples", "seq_len",
+            "tokens"}``), read from its config.json; set from the other calibration fields, never by hand.
     """
 
     def __init__(
@@ -80,6 +102,11 @@ class KbitConfig(QuantizationConfigMixin):
         fitting: str | None = None,
         format_version: int = fmt.FORMAT_VERSION,
         fuse_projections: bool = True,
+        calibration_data: str | os.PathLike | list[str] | None = None,
+        calibration_samples: int | None = None,
+        calibration_seq_len: int | None = None,
+        calibration_tokenizer: Any = None,
+        calibration: dict[str, Any] | None = None,
         **kwargs: Any,
     ):
         self.quant_method = QUANT_METHOD
@@ -90,6 +117,11 @@ class KbitConfig(QuantizationConfigMixin):
         self.fitting = fitting
         self.format_version = format_version
         self.fuse_projections = fuse_projections
+        self.calibration_data = calibration_data
+        self.calibration_samples = calibration_samples
+        self.calibration_seq_len = calibration_seq_len
+        self.calibration_tokenizer = calibration_tokenizer
+        self.calibration = calibration
         kwargs.pop("quant_method", None)
         for key, value in _FORMAT_FACTS.items():
             if kwargs.pop(key, value) != value:
@@ -100,7 +132,8 @@ class KbitConfig(QuantizationConfigMixin):
 
     @staticmethod
     def _fields() -> list[str]:
-        return ["bits", "codebook", "modules_to_not_convert", "module_bits", "fitting", "format_version", "fuse_projections"]
+        return ["bits", "codebook", "modules_to_not_convert", "module_bits", "fitting", "format_version", "fuse_projections",
+                "calibration_data", "calibration_samples", "calibration_seq_len", "calibration_tokenizer", "calibration"]
 
     def post_init(self) -> None:
         """Validate every field; errors name the field, the expectation and the value."""
@@ -155,6 +188,76 @@ class KbitConfig(QuantizationConfigMixin):
                 f"This checkpoint uses kbit format v{self.format_version}; this hf-kbit reads up to "
                 f"v{fmt.FORMAT_VERSION}. Upgrade: `pip install -U hf-kbit`."
             )
+        self._check_calibration()
+
+    def _check_calibration(self) -> None:
+        data = self.calibration_data
+        if data is None:
+            given = [name for name in ("calibration_samples", "calibration_seq_len", "calibration_tokenizer")
+                     if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"KbitConfig.{given[0]} was given without calibration_data; pass the text to "
+                                 "calibrate on as calibration_data (or drop it)")
+            if self.calibration is not None:
+                _check_calibration_record(self.calibration)
+            return
+        if self.calibration is not None:
+            raise ValueError("KbitConfig.calibration is the record a calibrated checkpoint keeps; it is set from "
+                             f"calibration_data and must not be passed with it, got {self.calibration!r}")
+        if isinstance(data, os.PathLike):
+            if not os.path.isfile(data):
+                raise ValueError(f"KbitConfig.calibration_data: expected a UTF-8 text file, got {os.fspath(data)!r}, "
+                                 "which is not a file")
+        elif isinstance(data, list):
+            if not data or not all(isinstance(t, str) for t in data):
+                raise TypeError("KbitConfig.calibration_data as a list must be a non-empty list of str, got "
+                                f"{_describe(data)}")
+        elif not isinstance(data, str):
+            raise TypeError("KbitConfig.calibration_data must be a str (the text, or a file name), a list of str or "
+                            f"a pathlib.Path, got {_describe(data)}")
+        if isinstance(data, (str, list)) and not "".join(data).strip():
+            raise ValueError("KbitConfig.calibration_data is empty (only whitespace); pass the text to calibrate on")
+        for name in ("calibration_samples", "calibration_seq_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"KbitConfig.{name} must be a positive int (or None for "
+                                 f"{CALIBRATION_DEFAULTS[name]}), got {value!r}")
+        tokenizer = self.calibration_tokenizer
+        if tokenizer is not None and not (isinstance(tokenizer, str) and tokenizer.strip()) and not callable(tokenizer):
+            raise TypeError("KbitConfig.calibration_tokenizer must be a tokenizer, a Hub repo id or folder (str), or "
+                            f"None for the model's own, got {_describe(tokenizer)}")
+
+    @property
+    def calibrates(self) -> bool:
+        """Whether quantization with this config calibrates (``calibration_data`` is set)."""
+        return self.calibration_data is not None
+
+    def calibration_shape(self) -> tuple[int, int]:
+        """``(samples, seq_len)`` of the calibration tokens (the defaults where None)."""
+        samples = self.calibration_samples or CALIBRATION_DEFAULTS["calibration_samples"]
+        return samples, self.calibration_seq_len or CALIBRATION_DEFAULTS["calibration_seq_len"]
+
+    def calibration_text(self) -> str:
+        """The text of ``calibration_data``: read from its file, or joined from its list."""
+        data = self.calibration_data
+        if isinstance(data, list):
+            return "\n\n".join(data)
+        path = data if isinstance(data, os.PathLike) else _as_file_name(data)
+        if path is None:
+            return data
+        try:
+            return Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"KbitConfig.calibration_data: {os.fspath(path)!r} is not UTF-8 text ({e})") from None
+        except OSError as e:
+            raise ValueError(f"KbitConfig.calibration_data: cannot read {os.fspath(path)!r} ({e})") from None
+
+    def calibration_record(self) -> dict[str, Any] | None:
+        """What a checkpoint quantized with this config records about its calibration (None: data-free)."""
+        if not self.calibrates:
+            return self.calibration
+        samples, seq_len = self.calibration_shape()
+        return {"method": CALIBRATION_METHOD, "samples": samples, "seq_len": seq_len, "tokens": samples * seq_len}
 
     def bits_for(self, module_name: str) -> int:
         """Bits of the module called ``module_name`` (``module_bits`` first, then ``bits``)."""
@@ -173,6 +276,8 @@ class KbitConfig(QuantizationConfigMixin):
             "fitting": self.fitting,
             "format_version": self.format_version,
             "fuse_projections": self.fuse_projections,
+            # Only a calibrated checkpoint has the field, so data-free ones stay readable by earlier versions.
+            **({"calibration": record} if (record := self.calibration_record()) is not None else {}),
             **_FORMAT_FACTS,
         }
 
@@ -246,6 +351,30 @@ def _refuse_backtracking_in_repeat(items, pattern: str, field: str) -> None:
             _refuse_backtracking_in_repeat(av[-1], pattern, field)
         elif name == "ATOMIC_GROUP":
             _refuse_backtracking_in_repeat(av, pattern, field)
+
+
+def _check_calibration_record(record: Any) -> None:
+    """A ``calibration`` record read from a checkpoint's config.json: its keys and their values."""
+    keys = {"method", "samples", "seq_len", "tokens"}
+    if not isinstance(record, dict) or set(record) != keys:
+        raise ValueError(f"KbitConfig.calibration must be a dict with keys {sorted(keys)}, got {record!r}")
+    if record["method"] != CALIBRATION_METHOD:
+        raise ValueError(f"KbitConfig.calibration['method'] must be {CALIBRATION_METHOD!r}, got {record['method']!r}")
+    for key in ("samples", "seq_len", "tokens"):
+        value = record[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"KbitConfig.calibration[{key!r}] must be a positive int, got {value!r}")
+
+
+def _as_file_name(text: str) -> str | None:
+    """``text`` if it names an existing file (one line, short), else None: then it is the text itself."""
+    if len(text) > 4096 or "\n" in text or "\0" in text or not text.strip():
+        return None
+    return text if os.path.isfile(os.path.expanduser(text)) else None
+
+
+def _describe(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}"[:200]
 
 
 def _check_bits(field: str, bits: Any) -> None:

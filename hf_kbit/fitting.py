@@ -30,7 +30,9 @@ one on the experts stacked as rows, ``[E * N, K]``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,14 +45,21 @@ __all__ = [
     "FITTINGS",
     "FitSettings",
     "absmax_codes",
+    "check_bits",
+    "codebook_groups",
     "codebook_needs_data",
+    "codebook_sample",
+    "element_mask",
     "fit_codebook",
     "fit_quantize",
+    "group_codebook",
+    "pack_groups",
     "layer_codebook",
     "quantize_fitted",
     "row_scales",
     "sample_stride",
     "search_block_codes",
+    "search_codes",
     "settings_for",
 ]
 
@@ -117,7 +126,7 @@ def settings_for(fitting: str | None, bits: int, codebook: object = None) -> Fit
 
     An explicit codebook (a list or tensor of levels) is kept as given: only block codes are searched.
     """
-    fitting = DEFAULT_FITTING[_check_bits(bits)] if fitting is None else fitting
+    fitting = DEFAULT_FITTING[check_bits(bits)] if fitting is None else fitting
     if fitting not in FITTINGS:
         raise ValueError(f"fitting must be one of {FITTINGS} or None, got {fitting!r}")
     if fitting == "absmax":
@@ -155,8 +164,8 @@ def _blocks(w: torch.Tensor, n_pad: int | None = None, k_pad: int | None = None)
     return torch.nn.functional.pad(w, (0, k_pad - k, 0, n_pad - n)).reshape(g, n_pad, k_pad // fmt.BLOCK_SIZE, fmt.BLOCK_SIZE)
 
 
-def _element_mask(k: int, n_blocks: int, device: torch.device) -> torch.Tensor | None:
-    """[n_blocks, 32] float32, 1 on real elements and 0 on K padding; None when no block is partial
+def element_mask(k: int, n_blocks: int, device: torch.device) -> torch.Tensor | None:
+    """Of a weight with ``k`` columns in ``n_blocks`` blocks: [n_blocks, 32] float32, 1 on real elements and 0 on K padding; None when no block is partial
     (whole padding blocks are all zero: they keep code 0 and add no error)."""
     if k % fmt.BLOCK_SIZE == 0:
         return None
@@ -164,8 +173,9 @@ def _element_mask(k: int, n_blocks: int, device: torch.device) -> torch.Tensor |
     return (col < k).float()
 
 
-def _codebook_groups(codebook: torch.Tensor, lead: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """A codebook [L] (shared) or [*lead, L] (one per expert) -> float32 [G, L], validated."""
+def codebook_groups(codebook: torch.Tensor, lead: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A codebook [L] (shared) or [*lead, L] (one per expert of a weight [*lead, N, K]) -> float32 [G, L] on
+    ``device``, validated (:func:`hf_kbit.format.validate_codebook`)."""
     cb = codebook.to(device=device, dtype=torch.float32)
     levels = cb.shape[-1]
     bits = levels.bit_length() - 1
@@ -201,16 +211,28 @@ row_scales = fmt.row_scales
 absmax_codes = fmt.absmax_codes
 
 
-def _search(blocks, rows, cb, codes_below, codes_above, mask):
-    """Code search on [G, N, B, 32] blocks, [G, N] row scales, [G, L] codebooks -> codes [G, N, B]."""
+def search_codes(
+    blocks: torch.Tensor,
+    rows: torch.Tensor,
+    cb: torch.Tensor,
+    codes_below: int,
+    codes_above: int,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`search_block_codes` on weights already in blocks: float32 ``blocks [G, N, B, 32]``, row scales
+    ``rows [G, N]``, codebooks ``cb [G, L]`` (:func:`codebook_groups`) and ``mask`` ``[B, 32]`` (each element's
+    weight in the squared error, e.g. :func:`element_mask`; None: all 1) -> int64 codes ``[G, N, B]``."""
     c0 = absmax_codes(blocks, rows)
     if codes_below == 0 and codes_above == 0:
         return c0
-    table = fmt.e4m4_table().to(blocks.device)
+    table = fmt.e4m4_table(blocks.device)
     # Candidate offsets, the absmax code first: argmin keeps the first of equal errors, so the
     # absmax code wins ties and the result is never worse than format.quantize.
-    steps = torch.arange(-codes_above, codes_below + 1, device=blocks.device)
-    offsets = torch.cat([steps.new_zeros(1), steps[steps != 0]])
+    # (Made on the device without a boolean mask: calibration searches once per block, and a data-dependent
+    # shape would wait for the GPU each time.)
+    device = blocks.device
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), torch.arange(-codes_above, 0, device=device),
+                         torch.arange(1, codes_below + 1, device=device)])
     g, n, n_blocks, _ = blocks.shape
     rows_per_chunk = max(1, CHUNK_ELEMENTS // max(1, n_blocks * offsets.numel() * fmt.BLOCK_SIZE))
     out = torch.empty_like(c0)
@@ -251,10 +273,10 @@ def search_block_codes(
     ``s = e4m4(code) * row_scale``; ties go to the absmax code, then to the larger code.
     """
     w, lead = _as_groups(weight)
-    cb = _codebook_groups(codebook, lead, w.device)
+    cb = codebook_groups(codebook, lead, w.device)
     rs = rows.to(device=w.device, dtype=torch.float32).reshape(w.shape[0], w.shape[1])
     blocks = _blocks(w)
-    codes = _search(blocks, rs, cb, codes_below, codes_above, _element_mask(w.shape[-1], blocks.shape[2], w.device))
+    codes = search_codes(blocks, rs, cb, codes_below, codes_above, element_mask(w.shape[-1], blocks.shape[2], w.device))
     return codes.reshape(*lead, *codes.shape[1:])
 
 
@@ -305,6 +327,7 @@ def fit_codebook(
     bits: int,
     settings: FitSettings | None = None,
     init: str | torch.Tensor | list[float] | None = None,
+    column_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A codebook for ``weight [..., N, K]`` at ``bits``: ``[2**bits]`` for a 2-D weight, ``[..., 2**bits]``
     (one per expert) for a stacked one.
@@ -313,39 +336,92 @@ def fit_codebook(
     and alternates the code search with Lloyd updates ``settings.lloyd_iters`` times, on at most
     ``settings.max_fit_blocks`` blocks per layer (every m-th row). The result is sorted, strictly
     increasing, within [-1, 1] and reaches +-1 at one end.
+
+    ``column_weights [K]`` (non-negative; calibration passes ``diag(H)``, each input channel's mean square
+    activation) weights each element's squared error by its column's entry, in the code search and in the
+    Lloyd update alike; all-equal weights give the unweighted codebook, all-zero ones the initial codebook.
     """
-    settings = DEFAULT_SETTINGS[_check_bits(bits)] if settings is None else settings
+    settings = DEFAULT_SETTINGS[check_bits(bits)] if settings is None else settings
     w, lead = _as_groups(weight)
     start = fmt.make_codebook(init if init is not None else settings.codebook, bits)
     cb = start.to(w.device).expand(w.shape[0], -1).contiguous()
-    if settings.lloyd_iters == 0 or w.numel() == 0:
-        return cb.reshape(*lead, -1) if lead else cb[0]
     blocks = _blocks(w)
+    mask = element_mask(w.shape[-1], blocks.shape[2], w.device)
+    if column_weights is not None:
+        mask = _column_mask(column_weights, w.shape[-1], blocks.shape[2], w.device)
+    if settings.lloyd_iters == 0 or w.numel() == 0 or (mask is not None and not bool(mask.any())):
+        return cb.reshape(*lead, -1) if lead else cb[0]
     rows_sel = slice(None, None, sample_stride(w.shape[1], w.shape[2], settings.max_fit_blocks))
     fit_blocks = blocks[:, rows_sel]
     rows = row_scales(w)[:, rows_sel]
-    mask = _element_mask(w.shape[-1], blocks.shape[2], w.device)
-    table = fmt.e4m4_table().to(w.device)
+    table = fmt.e4m4_table(w.device)
     for _ in range(settings.lloyd_iters):
-        codes = _search(fit_blocks, rows, cb, settings.codes_below, settings.codes_above, mask)
+        codes = search_codes(fit_blocks, rows, cb, settings.codes_below, settings.codes_above, mask)
         cb = _lloyd_step(fit_blocks, table[codes] * rows[..., None], cb, mask)
     return cb.reshape(*lead, -1) if lead else cb[0]
 
 
+def _column_mask(column_weights: torch.Tensor, k: int, n_blocks: int, device: torch.device) -> torch.Tensor:
+    """``column_weights [K]`` as a [n_blocks, 32] mask, scaled to mean 1 over its non-zero entries, 0 on K padding."""
+    cw = column_weights.to(device=device, dtype=torch.float32)
+    if cw.shape != (k,) or not bool((cw >= 0).all()) or not bool(torch.isfinite(cw).all()):
+        raise ValueError(f"column_weights must be finite, non-negative and of shape ({k},), got {tuple(cw.shape)}")
+    positive = cw > 0
+    if bool(positive.any()):
+        cw = cw / cw[positive].mean()
+    return torch.nn.functional.pad(cw, (0, n_blocks * fmt.BLOCK_SIZE - k)).reshape(n_blocks, fmt.BLOCK_SIZE)
+
+
 def layer_codebook(
-    sample: torch.Tensor, bits: int, settings: FitSettings | None, codebook: str | torch.Tensor | list[float] | None = None
+    sample: torch.Tensor,
+    bits: int,
+    settings: FitSettings | None,
+    codebook: str | torch.Tensor | list[float] | None = None,
+    column_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The one codebook ``[2**bits]`` of a layer (or of a fused experts projection), fitted on ``sample``.
 
     ``sample`` is ``[R, K]``: the layer's rows ``[::sample_stride(rows, K, settings.max_fit_blocks)]``,
     experts stacked as rows (``[E * N, K]``), so a caller that reads a weight in pieces gathers the
     same rows and gets the same codebook. ``settings`` ``None`` ("absmax") returns the configured
-    ``codebook`` (:func:`hf_kbit.format.make_codebook`) unchanged.
+    ``codebook`` (:func:`hf_kbit.format.make_codebook`) unchanged. ``column_weights``: as :func:`fit_codebook`.
     """
     if settings is None or settings.lloyd_iters == 0:
         return fmt.make_codebook(codebook, bits).to(sample.device)
     whole = dataclasses.replace(settings, max_fit_blocks=max(1, sample.shape[0] * math.ceil(sample.shape[1] / fmt.BLOCK_SIZE)))
-    return fit_codebook(sample, bits, whole, init=codebook)
+    return fit_codebook(sample, bits, whole, init=codebook, column_weights=column_weights)
+
+
+def group_codebook(
+    weights: Sequence[torch.Tensor],
+    bits: int,
+    settings: FitSettings | None,
+    codebook: str | torch.Tensor | list[float] | None = None,
+    column_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The one codebook ``[2**bits]`` of layers that share it (siblings run as one weight: q/k/v, gate/up; or a
+    single layer), fitted on their rows stacked in the given order as if they were one weight ``[sum(N), K]``
+    (:func:`codebook_sample` of each, :func:`layer_codebook` of all)."""
+    total = sum(math.prod(w.shape[:-1]) for w in weights)
+    starts = itertools.accumulate((math.prod(w.shape[:-1]) for w in weights), initial=0)
+    sample = [codebook_sample(w, settings, total, start).float() for w, start in zip(weights, starts)]
+    return layer_codebook(torch.cat(sample), bits, settings, codebook, column_weights)
+
+
+def codebook_sample(
+    weight: torch.Tensor, settings: FitSettings | None, total_rows: int | None = None, first_row: int = 0
+) -> torch.Tensor:
+    """The rows of ``weight [..., K]`` (flattened to ``[R, K]``) the layer's codebook is fitted on:
+    every m-th row of the whole weight (:func:`sample_stride`); none when nothing is fitted.
+
+    A caller reading the weight in pieces passes the whole weight's row count ``total_rows`` and
+    where this piece starts, ``first_row``; the pieces' samples, concatenated, are the whole's.
+    """
+    rows = weight.reshape(math.prod(weight.shape[:-1]), weight.shape[-1])
+    if settings is None or settings.lloyd_iters == 0:
+        return rows[:0]
+    m = sample_stride(rows.shape[0] if total_rows is None else total_rows, rows.shape[1], settings.max_fit_blocks)
+    return rows[-first_row % m :: m]
 
 
 # ---------------------------------------------------------------------------- quantize
@@ -368,7 +444,7 @@ def quantize_fitted(
     format.quantize's.
     """
     w, lead = _as_groups(weight)
-    cb = _codebook_groups(codebook, lead, w.device)
+    cb = codebook_groups(codebook, lead, w.device)
     g, n, k = w.shape
     bits = cb.shape[1].bit_length() - 1
     n_pad, k_pad = fmt.padded_shape(n, k)
@@ -377,15 +453,24 @@ def quantize_fitted(
     rows = row_scales(w)
     rows_pad = torch.nn.functional.pad(rows, (0, n_pad - n), value=1.0)
     blocks = _blocks(w, n_pad, k_pad)
-    codes = _search(blocks, rows_pad, cb, codes_below, codes_above, _element_mask(k, blocks.shape[2], w.device))
-    scale = fmt.e4m4_table().to(w.device)[codes] * rows_pad[..., None]
+    codes = search_codes(blocks, rows_pad, cb, codes_below, codes_above, element_mask(k, blocks.shape[2], w.device))
+    scale = fmt.e4m4_table(w.device)[codes] * rows_pad[..., None]
     x = torch.where(scale[..., None] > 0, blocks / torch.where(scale > 0, scale, 1.0)[..., None], 0.0)
-    planes = fmt.tile_planes(fmt.pack_bitplanes(_nearest(x, cb), bits))
+    return pack_groups(_nearest(x, cb), codes, rows, bits, lead)
+
+
+def pack_groups(
+    indices: torch.Tensor, codes: torch.Tensor, rows: torch.Tensor, bits: int, lead: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Format v1 tensors ``(planes, block_scales, row_scales)`` of ``G = prod(lead)`` weights from their padded
+    int64 ``indices [G, N_pad, K_pad / 32, 32]``, block ``codes [G, N_pad, K_pad / 32]`` and float32 ``rows [G, N]``
+    (bit-planes packed and tiled, codes tiled, the leading dims ``lead`` restored)."""
+    planes = fmt.tile_planes(fmt.pack_bitplanes(indices, bits))
     block_scales = fmt.tile(codes.to(torch.uint8))
     return (
         planes.reshape(*lead, *planes.shape[1:]),
         block_scales.reshape(*lead, *block_scales.shape[1:]),
-        rows.reshape(*lead, n).contiguous(),
+        rows.reshape(*lead, rows.shape[-1]).contiguous(),
     )
 
 
@@ -396,13 +481,14 @@ def fit_quantize(
 
     ``settings`` defaults to ``DEFAULT_SETTINGS[bits]``, the levers measured best at that k.
     """
-    settings = DEFAULT_SETTINGS[_check_bits(bits)] if settings is None else settings
+    settings = DEFAULT_SETTINGS[check_bits(bits)] if settings is None else settings
     codebook = fit_codebook(weight, bits, settings)
     planes, block_scales, rows = quantize_fitted(weight, codebook, settings.codes_below, settings.codes_above)
     return planes, block_scales, rows, codebook
 
 
-def _check_bits(bits: int) -> int:
+def check_bits(bits: int) -> int:
+    """``bits`` if it is one of format v1's k, else ValueError."""
     if bits not in fmt.SUPPORTED_BITS:
         raise ValueError(f"bits must be one of {fmt.SUPPORTED_BITS}, got {bits!r}")
     return bits

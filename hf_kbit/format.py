@@ -21,6 +21,7 @@ experts) is stored as four tensors:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -55,14 +56,26 @@ ELEMENT_OF_BIT = _element_of_bit()
 BIT_OF_ELEMENT = torch.argsort(ELEMENT_OF_BIT)
 
 
-def e4m4_table() -> torch.Tensor:
-    """The 256 decoded E4M4 values, float32, non-decreasing in the code (code 0 is 0.0)."""
+def e4m4_table(device: torch.device | str | None = None) -> torch.Tensor:
+    """The 256 decoded E4M4 values, float32, non-decreasing in the code (code 0 is 0.0).
+
+    With ``device``: one cached copy per device, to be read, never written (quantizers look it up once per
+    block; a fresh copy each time would be a host-to-device transfer, which waits for the GPU). Without: a
+    new CPU tensor.
+    """
+    if device is not None:
+        return _e4m4_table_on(torch.device(device))
     code = torch.arange(256, dtype=torch.int64, device="cpu")
     exponent, mantissa = code >> E4M4_MANTISSA_BITS, code & ((1 << E4M4_MANTISSA_BITS) - 1)
     frac = mantissa.double() / (1 << E4M4_MANTISSA_BITS)
     normal = (1.0 + frac) * torch.pow(2.0, (exponent - E4M4_BIAS).double())
     subnormal = frac * 2.0 ** (1 - E4M4_BIAS)
     return torch.where(exponent == 0, subnormal, normal).float()
+
+
+@functools.cache
+def _e4m4_table_on(device: torch.device) -> torch.Tensor:
+    return e4m4_table().to(device)
 
 
 E4M4_MAX = float(e4m4_table()[-1])  # 31.0
@@ -279,7 +292,7 @@ def quantize(weight: torch.Tensor, codebook: torch.Tensor) -> tuple[torch.Tensor
     w = torch.nn.functional.pad(w, (0, k_pad - k, 0, n_pad - n))
     blocks = w.reshape(*lead, n_pad, k_pad // BLOCK_SIZE, BLOCK_SIZE)
     rs = torch.nn.functional.pad(row_scale, (0, n_pad - n), value=1.0)[..., None]  # [..., n_pad, 1]
-    table = e4m4_table().to(w.device)
+    table = e4m4_table(w.device)
     codes = absmax_codes(blocks, rs[..., 0])
     scale = table[codes] * rs
     x = torch.where(scale[..., None] > 0, blocks / scale[..., None], torch.zeros_like(blocks))
@@ -307,7 +320,7 @@ def row_scales(weight: torch.Tensor) -> torch.Tensor:
 def absmax_codes(blocks: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Step 2 of :func:`quantize`: int64 E4M4 codes ``[..., N, B]`` of ``blocks [..., N, B, 32]`` under row
     scales ``rows [..., N]``."""
-    table = e4m4_table().to(blocks.device)
+    table = e4m4_table(blocks.device)
     blockmax = blocks.abs().amax(-1)
     codes = torch.searchsorted(table, (blockmax / rows[..., None]).contiguous()).clamp_(max=255)
     return torch.where(blockmax > 0, codes.clamp(min=1), codes)  # code 0 would zero a non-zero block
@@ -322,7 +335,7 @@ def block_scale_values(block_scales: torch.Tensor, row_scales: torch.Tensor) -> 
     """Decoded per-block scales ``e4m4(code) * row_scale``, [..., N, K_pad / 32] float32."""
     n = row_scales.shape[-1]
     codes = untile(block_scales)[..., :n, :]
-    return e4m4_table().to(codes.device)[codes.long()] * row_scales[..., None]
+    return e4m4_table(codes.device)[codes.long()] * row_scales[..., None]
 
 
 def dequantize(

@@ -140,12 +140,21 @@ def render_card(
         size_before_label=size_before_label,
         size_after=format_bytes(stats["size_after_bytes"]),
         format_version=cfg.format_version,
+        calibration=_calibration_summary(cfg),
         command=command,
         repo_id=repo_id or "path/to/this/folder",
         eval=eval,
         speed=speed,
         versions=library_versions(),
     )
+
+
+def _calibration_summary(cfg) -> str:
+    record = cfg.calibration_record()
+    if record is None:
+        return "none (data-free)"
+    return (f"GPTQ-style error feedback (hf_kbit.calibration) on {record['tokens']:,} tokens of calibration text "
+            f"({record['samples']} sequences of {record['seq_len']})")
 
 
 def _codebook_name(cfg) -> str:

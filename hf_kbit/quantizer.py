@@ -14,7 +14,7 @@ from .config import KbitConfig
 from .nn.experts import KbitExperts, quantize_experts_on_load, replace_experts_with_kbit, replace_kbit_experts_with_float
 from .nn.fused import codebook_siblings, fuse_projections
 from .nn.linear import COMPUTE_DTYPES, FORMAT_TENSORS, KbitLinear, quantize_group
-from .nn.replace import replace_kbit_with_linear, replace_linear_with_kbit, tied_modules
+from .nn.replace import check_quantizable, quantize_model, replace_kbit_with_linear, replace_linear_with_kbit, tied_modules
 
 
 class KbitHfQuantizer(HfQuantizer):
@@ -61,13 +61,22 @@ class KbitHfQuantizer(HfQuantizer):
         # Format tensors keep the dtype they were stored in; validation checks it after load.
         return None if not getattr(param, "get_dtype", lambda: "F")().startswith(("F", "BF")) else dtype
 
-    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs: Any):
-        self.modules_to_not_convert = self.get_modules_to_not_convert(
+    def skipped_modules(self, model) -> list[str]:
+        """The modules of ``model`` kept in full precision: the config's list (default: the LM head), those
+        transformers keeps in float32, and tied ones (an explicit list may omit a tied LM head: it stays)."""
+        return self.get_modules_to_not_convert(
             model,
             self.quantization_config.modules_to_not_convert,
             getattr(model, "_keep_in_fp32_modules", None),
             add_default_skips=self.quantization_config.modules_to_not_convert is None,
-        ) + tied_modules(model)  # an explicit list may omit a tied LM head: it stays full precision
+        ) + tied_modules(model)
+
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs: Any):
+        self.modules_to_not_convert = self.skipped_modules(model)
+        if not self.pre_quantized:
+            check_quantizable(self.quantization_config)
+        if self.calibrates:  # loaded unquantized; _process_model_after_weight_loading calibrates and quantizes
+            return model
         replace_linear_with_kbit(
             model, self.quantization_config, self.modules_to_not_convert, weight_placeholder=not self.pre_quantized
         )
@@ -85,7 +94,14 @@ class KbitHfQuantizer(HfQuantizer):
             })
         return model
 
+    @property
+    def calibrates(self) -> bool:
+        """Quantize-on-load with calibration: the model loads unquantized, then is calibrated and quantized."""
+        return not self.pre_quantized and self.quantization_config.calibrates
+
     def _process_model_after_weight_loading(self, model, **kwargs: Any):
+        if self.calibrates:  # on the model's device, as loaded
+            quantize_model(model, self.quantization_config, self.modules_to_not_convert)
         # A group some of whose members the checkpoint lacks: those that arrived share a codebook (the missing
         # ones keep their placeholders, which validate_loaded reports).
         for waiting in self.pending.values():

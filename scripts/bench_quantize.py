@@ -1,13 +1,18 @@
-"""Quantize-on-load time of a real-size model, per ``KbitConfig.fitting`` rule.
+"""Quantize-on-load time of a real-size model, per ``KbitConfig.fitting`` rule, and with calibration.
 
 A random-weight model of ``--preset`` (scripts/bench_generate.py's published configs, nothing
 downloaded) is saved once as a bf16 checkpoint; then, per rule, ``from_pretrained(folder,
 quantization_config=KbitConfig(bits, fitting=rule), device_map=device)`` is timed on the wall clock
 (CUDA synchronized), the bf16 load in the same run for reference. The checkpoint is read once
-before the timed loads, so every load reads it from the page cache alike. Results go to ``--out``
-as JSON with the exact command.
+before the timed loads, so every load reads it from the page cache alike. ``--calibration SxL`` adds a
+load with ``KbitConfig(bits, calibration_data=..., calibration_samples=S, calibration_seq_len=L)``
+(the default fitting): the model has no tokenizer, so the calibration text is S x L tokens drawn at
+random from the vocabulary (seeded), which costs what real text of that length costs. Each entry
+records the peak GPU memory on CUDA. Results go to ``--out`` as JSON with the exact command.
 
     python scripts/bench_quantize.py --preset llama3-8b --device cuda --out results/quantize_on_load_llama3-8b_h100.json
+    python scripts/bench_quantize.py --preset llama3-8b --device cuda --bits 3 --calibration 128x2048 \
+        --out results/calibrate_llama3-8b_h100.json
 """
 
 from __future__ import annotations
@@ -32,23 +37,51 @@ def _read_all(folder: Path) -> None:
                 pass
 
 
-def _timed_load(folder: Path, device: str, config) -> float:
+class RandomTokens:
+    """A stand-in tokenizer for a model without one: one token per character, drawn at random (seeded) from
+    ``vocab_size`` ids, so the calibration tokens cover the vocabulary as real text does."""
+
+    def __init__(self, vocab_size: int, seed: int = 0):
+        self.vocab_size, self.seed = vocab_size, seed
+
+    def __call__(self, text: str, **kwargs) -> dict[str, list[int]]:
+        import torch
+
+        generator = torch.Generator().manual_seed(self.seed)
+        return {"input_ids": torch.randint(self.vocab_size, (len(text),), generator=generator).tolist()}
+
+
+def parse_calibration(value: str) -> tuple[int, int]:
+    """``"128x2048"`` -> (samples, seq_len)."""
+    samples, sep, seq_len = value.lower().partition("x")
+    if not sep or not samples.isdigit() or not seq_len.isdigit() or int(samples) < 1 or int(seq_len) < 1:
+        raise argparse.ArgumentTypeError(f"expected SAMPLESxSEQ_LEN such as 128x2048, got {value!r}")
+    return int(samples), int(seq_len)
+
+
+def _timed_load(folder: Path, device: str, config) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=config, device_map=device, dtype=torch.bfloat16)
-    if device.startswith("cuda"):
+    if cuda:
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    result = {"seconds": round(time.perf_counter() - start, 2)}
+    if cuda:
+        result["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
     del model
     gc.collect()
-    if device.startswith("cuda"):
+    if cuda:
         torch.cuda.empty_cache()
-    return seconds
+    return result
 
 
-def run(preset: str, layers: int | None, bits: int, device: str, workdir: Path) -> dict:
+def run(preset: str, layers: int | None, bits: int, device: str, workdir: Path,
+        calibration: tuple[int, int] | None = None) -> dict:
     import torch
 
     import hf_kbit
@@ -60,11 +93,18 @@ def run(preset: str, layers: int | None, bits: int, device: str, workdir: Path) 
     del model
     gc.collect()
     _read_all(folder)
-    results = [{"variant": "bf16", "seconds": round(_timed_load(folder, device, None), 2)}]
+    results = [{"variant": "bf16", **_timed_load(folder, device, None)}]
     for rule in RULES:
-        seconds = _timed_load(folder, device, hf_kbit.KbitConfig(bits=bits, fitting=rule))
-        results.append({"variant": f"kbit{bits}", "fitting": rule, "seconds": round(seconds, 2)})
-        print(f"kbit{bits} fitting={rule}: {seconds:.1f} s", file=sys.stderr)
+        timed = _timed_load(folder, device, hf_kbit.KbitConfig(bits=bits, fitting=rule))
+        results.append({"variant": f"kbit{bits}", "fitting": rule, **timed})
+        print(f"kbit{bits} fitting={rule}: {timed['seconds']:.1f} s", file=sys.stderr)
+    if calibration is not None:
+        samples, seq_len = calibration
+        cal = hf_kbit.KbitConfig(bits=bits, calibration_data="x" * (samples * seq_len), calibration_samples=samples,
+                                 calibration_seq_len=seq_len, calibration_tokenizer=RandomTokens(config.vocab_size))
+        timed = _timed_load(folder, device, cal)
+        results.append({"variant": f"kbit{bits}", "calibration": cal.calibration_record(), **timed})
+        print(f"kbit{bits} calibrated on {samples}x{seq_len} tokens: {timed['seconds']:.1f} s", file=sys.stderr)
     return {
         "schema": "hf_kbit.bench_quantize/1",
         "preset": preset,
@@ -81,10 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers (default: all)")
     parser.add_argument("--bits", type=int, default=4, choices=(2, 3, 4, 5), help="bits per weight (default 4)")
     parser.add_argument("--device", default="cuda", help="device_map of the loads (default cuda)")
+    parser.add_argument("--calibration", type=parse_calibration, default=None, metavar="SAMPLESxSEQ_LEN",
+                        help="also time a load calibrated on this many random tokens, e.g. 128x2048 (default: none)")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here (default: print it)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        payload = run(args.preset, args.layers, args.bits, args.device, Path(tmp))
+        payload = run(args.preset, args.layers, args.bits, args.device, Path(tmp), args.calibration)
     payload["command"] = "python scripts/bench_quantize.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text = json.dumps(payload, indent=2) + "\n"
     if args.out is None:

@@ -161,6 +161,78 @@ def test_dead_inputs_and_validation():
         calibration.CalibrationSettings(damp=0)
 
 
+# ---------------------------------------------------------------------------- siblings
+
+
+@pytest.mark.parametrize("bits", [3, 4], ids=lambda b: f"k{b}")
+def test_group_shares_the_data_free_codebook_and_runs_each_member_through_gptq(bits):
+    """Siblings (q/k/v) get the codebook quantization without data gives them (fitted on their stacked rows), then
+    each its own error feedback; a member without a Hessian is quantized data-free with that codebook."""
+    weights = [heavy_tailed((20, 96), seed=1), heavy_tailed((8, 96), seed=2), heavy_tailed((8, 96), seed=3)]
+    h = correlated_hessian(96, seed=bits)
+    settings = fitting.DEFAULT_SETTINGS[bits]
+    got = calibration.calibrate_group(weights, [h, h, None], bits)
+    codebook = fitting.group_codebook(weights, bits, settings)
+    assert not torch.equal(codebook, fitting.fit_codebook(weights[0], bits, settings))  # really the group's
+    for (planes, scales, rows, cb), weight, hessian in zip(got, weights, [h, h, None]):
+        assert torch.equal(cb, codebook)
+        if hessian is None:
+            want = fitting.quantize_fitted(weight, codebook, settings.codes_below, settings.codes_above)
+        else:
+            want = calibration.gptq_quantize(weight, hessian, codebook, settings.codes_below, settings.codes_above)
+        assert all(torch.equal(a, b) for a, b in zip((planes, scales, rows), want))
+    assert got[1][3].data_ptr() != got[0][3].data_ptr()  # saved as separate tensors
+    with pytest.raises(ValueError, match="one Hessian"):
+        calibration.calibrate_group(weights, [h], bits)
+
+
+@pytest.mark.parametrize("bits", [2, 3], ids=lambda b: f"k{b}")
+def test_absmax_fitting_keeps_the_configured_codebook_and_absmax_codes(bits):
+    """KbitConfig(fitting="absmax"): the codebook as configured and each block's absmax code, so with a diagonal H
+    the bytes are format.quantize's."""
+    weight = heavy_tailed((20, 200), seed=bits)
+    settings = calibration.CalibrationSettings(fitting="absmax", codebook="nf")
+    planes, scales, rows, cb = calibration.calibrate_quantize(weight, torch.eye(200), bits, settings)
+    assert torch.equal(cb, fmt.make_codebook("nf", bits))
+    assert all(torch.equal(a, b) for a, b in zip((planes, scales, rows), fmt.quantize(weight, cb)))
+    levels = [-1.0, -0.3, 0.3, 1.0] if bits == 2 else [-1.0, -0.6, -0.3, -0.1, 0.1, 0.3, 0.6, 1.0]
+    explicit = calibration.CalibrationSettings(codebook=levels)  # "fit": codes searched, the levels kept
+    assert calibration.calibrate_quantize(weight, torch.eye(200), bits, explicit)[3].tolist() == pytest.approx(levels)
+    with pytest.raises(ValueError, match="fitting"):
+        calibration.CalibrationSettings(fitting="gptq")
+
+
+# ---------------------------------------------------------------------------- MoE experts
+
+
+def test_stacked_weights_quantize_as_each_alone():
+    """gptq_quantize of a stack [E, N, K] with Hessians [E, K, K] is each expert's own result (float64: the
+    lazy batches' matmuls cannot flip a near-tie)."""
+    weights = torch.stack([heavy_tailed((20, 200), seed=e) for e in range(3)]).double()
+    hessians = torch.stack([correlated_hessian(200, seed=e) for e in range(3)]).double()
+    codebook = fitting.fit_codebook(weights[0], 3)
+    stacked = calibration.gptq_quantize(weights, hessians, codebook, 12, 4)
+    for e in range(3):
+        alone = calibration.gptq_quantize(weights[e], hessians[e], codebook, 12, 4)
+        assert all(torch.equal(a[e], b) for a, b in zip(stacked, alone)), e
+    upper = calibration.inverse_cholesky(hessians)
+    assert all(torch.equal(upper[e], calibration.inverse_cholesky(hessians[e])) for e in range(3))
+
+
+def test_experts_share_the_data_free_codebook_and_an_expert_without_tokens_is_data_free(monkeypatch):
+    weight = torch.stack([heavy_tailed((24, 96), seed=e) for e in range(4)])
+    hessian = torch.stack([correlated_hessian(96, seed=e) for e in range(4)])
+    hessian[2] = 0  # no token reached expert 2
+    monkeypatch.setattr(calibration, "EXPERT_CHUNK_ELEMENTS", 96 * (128 + 32))  # one expert at a time
+    planes, scales, rows, codebook = calibration.calibrate_experts(weight, hessian, 3)
+    settings = fitting.DEFAULT_SETTINGS[3]
+    assert torch.equal(codebook, fitting.layer_codebook(fitting.codebook_sample(weight, settings), 3, settings))
+    data_free = fitting.quantize_fitted(weight[2], codebook, settings.codes_below, settings.codes_above)
+    assert all(torch.equal(a[2], b) for a, b in zip((planes, scales, rows), data_free))
+    calibrated = calibration.gptq_quantize(weight[1], hessian[1], codebook, settings.codes_below, settings.codes_above)
+    assert all(torch.equal(a[1], b) for a, b in zip((planes, scales, rows), calibrated))
+
+
 # ---------------------------------------------------------------------------- text
 
 
@@ -176,18 +248,58 @@ def test_calibration_batches_take_the_end_of_the_text():
         calibration.calibration_batches(tok, TINY_TEXT, samples=100, seq_len=20)
 
 
+def test_config_batches_tokenize_the_configs_text_and_name_the_field_on_errors(tmp_path):
+    from tiny_models import TINY_TEXT, char_tokenizer, tiny_dense_model
+
+    from hf_kbit import KbitConfig
+
+    tok = char_tokenizer(TINY_TEXT)
+    model = tiny_dense_model("llama", dtype=torch.float32)
+    config = KbitConfig(calibration_data=[TINY_TEXT, TINY_TEXT], calibration_samples=3, calibration_seq_len=50,
+                        calibration_tokenizer=tok)
+    want = calibration.calibration_batches(tok, TINY_TEXT + "\n\n" + TINY_TEXT, 3, 50)
+    assert all(torch.equal(a, b) for a, b in zip(calibration.config_batches(config, model), want))
+    tok.save_pretrained(tmp_path / "tok")
+    by_name = KbitConfig(calibration_data=TINY_TEXT, calibration_samples=3, calibration_seq_len=50,
+                         calibration_tokenizer=str(tmp_path / "tok"))
+    assert all(torch.equal(a, b) for a, b in zip(calibration.config_batches(by_name, model),
+                                                 calibration.calibration_batches(tok, TINY_TEXT, 3, 50)))
+    short = KbitConfig(calibration_data="a b c", calibration_samples=3, calibration_seq_len=50, calibration_tokenizer=tok)
+    with pytest.raises(ValueError, match="calibration_data: .*fewer than samples x seq_len.*not as a file name"):
+        calibration.config_batches(short, model)
+    with pytest.raises(ValueError, match="calibration_tokenizer"):  # a config-built model has no folder
+        calibration.config_batches(KbitConfig(calibration_data=TINY_TEXT), model)
+
+
 # ---------------------------------------------------------------------------- a model
 
 
-def reference_calibrate_model(model, batches, bits, settings):
+def reference_expert_hooks(experts, sums, counts):
+    """Per expert of a Qwen3-MoE experts module, x^T x of the tokens routed to it and of act(gate) * up."""
+    def hook(module, args):
+        x, index = args[0].float(), args[1]
+        for e in range(module.num_experts):
+            xe = x[(index == e).any(-1)]
+            gate, up = (xe @ module.gate_up_proj[e].float().T).chunk(2, -1)
+            act = module.act_fn(gate) * up
+            sums[e] = (sums[e][0] + xe.T @ xe, sums[e][1] + act.T @ act)
+            counts[e] += xe.shape[0]
+    return experts.register_forward_pre_hook(hook)
+
+
+def reference_calibrate_model(model, batches, bits, settings, groups=(), experts=False):
     """Module by module, in layer order: the inputs of each Linear come from a full forward of the model with
-    every earlier layer already fake-quantized (the slow, obvious form of the driver)."""
+    every earlier layer already fake-quantized (the slow, obvious form of the driver). Members of a group share a
+    codebook (calibrate_group); ``experts``: each Qwen3-MoE expert quantized alone with its Hessian and the
+    codebook of all the experts' rows."""
     prefix, layers = calibration.decoder_layers(model)
     results = {}
     for i, layer in enumerate(layers):
         linears = {f"{prefix}.{i}.{n}": m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
         sums = {name: 0 for name in linears}
         counts = {name: 0 for name in linears}
+        moe = getattr(layer.mlp, "experts", None) if experts else None
+        expert_sums, expert_counts = [(0, 0)] * (moe.num_experts if moe else 0), [0] * (moe.num_experts if moe else 0)
 
         def hook_for(name, sums=sums, counts=counts):
             def hook(module, args, output):
@@ -197,15 +309,36 @@ def reference_calibrate_model(model, batches, bits, settings):
             return hook
 
         handles = [m.register_forward_hook(hook_for(name)) for name, m in linears.items()]
+        if moe is not None:
+            handles.append(reference_expert_hooks(moe, expert_sums, expert_counts))
         with torch.no_grad():
             for batch in batches:
                 model(input_ids=batch, use_cache=False)
         for handle in handles:
             handle.remove()
-        for name, m in linears.items():
-            packed = calibration.calibrate_quantize(m.weight.detach(), sums[name] / counts[name], bits, settings)
-            m.weight.data.copy_(fmt.dequantize(*packed[:3], packed[3], m.in_features).to(m.weight.dtype))
-            results[name] = packed
+        units = dict.fromkeys(next((tuple(g) for g in groups if name in g), (name,)) for name in linears)
+        for unit in units:
+            members = [linears[name] for name in unit]
+            hessians = [sums[name] / counts[name] for name in unit]
+            packed = calibration.calibrate_group([m.weight.detach() for m in members], hessians, bits, settings)
+            for name, m, p in zip(unit, members, packed):
+                m.weight.data.copy_(fmt.dequantize(*p[:3], p[3], m.in_features).to(m.weight.dtype))
+                results[name] = p
+        if moe is None:
+            continue
+        for j, projection in enumerate(("gate_up_proj", "down_proj")):
+            param = getattr(moe, projection)
+            fit = settings.fit_settings(bits)
+            codebook = fitting.layer_codebook(fitting.codebook_sample(param.detach(), fit), bits, fit)
+            packed = []
+            for e in range(moe.num_experts):
+                h = expert_sums[e][j] / max(expert_counts[e], 1) if expert_counts[e] else torch.zeros(
+                    param.shape[-1], param.shape[-1])
+                packed.append(calibration.gptq_quantize(param[e].detach(), h, codebook, fit.codes_below,
+                                                        fit.codes_above, settings.damp))
+            stacked = (*(torch.stack(t) for t in zip(*packed)), codebook)
+            param.data.copy_(fmt.dequantize(*stacked, param.shape[-1]).to(param.dtype))
+            results[f"{prefix}.{i}.mlp.experts.{projection}"] = stacked
     return results
 
 
@@ -227,6 +360,47 @@ def test_driver_equals_whole_model_reference():
         assert torch.equal(module.weight, fmt.dequantize(planes, scales, rows, codebook, module.in_features))
 
 
+def test_driver_with_sibling_groups_equals_whole_model_reference():
+    from tiny_models import tiny_dense_model
+
+    settings = calibration.CalibrationSettings(fit=fitting.FitSettings(codes_below=4, codes_above=1, lloyd_iters=1))
+    batches = [torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(2))]
+    groups = [[f"model.layers.{i}.self_attn.{p}_proj" for p in "qkv"] for i in range(2)]
+    groups += [[f"model.layers.{i}.mlp.{p}_proj" for p in ("gate", "up")] for i in range(2)]
+    model = tiny_dense_model("llama", dtype=torch.float32)
+    want = reference_calibrate_model(tiny_dense_model("llama", dtype=torch.float32), batches, 3, settings, groups)
+    got = calibration.calibrate_model(model, batches, 3, settings=settings, progress=False, groups=groups)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert all(torch.equal(a, b) for a, b in zip(got[name], want[name])), name
+    assert torch.equal(got["model.layers.1.self_attn.q_proj"][3], got["model.layers.1.self_attn.v_proj"][3])
+    with pytest.raises(ValueError, match="one decoder layer"):
+        calibration.calibrate_model(model, batches, 3, progress=False,
+                                    groups=[["model.layers.0.mlp.up_proj", "model.layers.1.mlp.up_proj"]])
+    with pytest.raises(ValueError, match="not among the modules"):
+        calibration.calibrate_model(model, batches, 3, modules=["model.layers.0.mlp.up_proj"], progress=False,
+                                    groups=[["model.layers.0.mlp.up_proj", "model.layers.0.mlp.gate_proj"]])
+
+
+def test_driver_calibrates_moe_experts_as_the_whole_model_reference():
+    """Experts: each with the Hessian of the tokens the router sent it (and of its gated activations for the down
+    projection), the codebook shared by all of a projection's experts; later layers see them quantized."""
+    from tiny_models import tiny_moe_model
+
+    settings = calibration.CalibrationSettings(fit=fitting.FitSettings(codes_below=4, codes_above=1, lloyd_iters=1))
+    batches = [torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))]
+    experts = [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    model = tiny_moe_model("qwen3_moe", dtype=torch.float32)
+    want = reference_calibrate_model(tiny_moe_model("qwen3_moe", dtype=torch.float32), batches, 3, settings,
+                                     experts=True)
+    got = calibration.calibrate_model(model, batches, 3, settings=settings, progress=False, experts=experts)
+    assert sorted(got) == sorted(want) and "model.layers.1.mlp.experts.down_proj" in got
+    for name in want:
+        assert all(torch.equal(a, b) for a, b in zip(got[name], want[name])), name
+    with pytest.raises(ValueError, match="not inside a decoder layer"):
+        calibration.calibrate_model(model, batches, 3, progress=False, experts=["model"])
+
+
 def test_driver_quantizes_outside_modules_data_free_and_refuses_non_linears():
     from tiny_models import tiny_dense_model
 
@@ -246,11 +420,11 @@ def test_weighted_options_reduce_to_the_unweighted_ones_under_equal_weights(bits
     weight = heavy_tailed((20, 200), seed=bits)
     settings = fitting.DEFAULT_SETTINGS[bits]
     equal = fitting.fit_codebook(weight, bits, settings)
-    assert torch.equal(calibration.fit_codebook_weighted(weight, bits, torch.full((200,), 3.0), settings), equal)
-    assert not torch.equal(calibration.fit_codebook_weighted(weight, bits, torch.rand(200), settings), equal)
+    assert torch.equal(fitting.fit_codebook(weight, bits, settings, column_weights=torch.full((200,), 3.0)), equal)
+    assert not torch.equal(fitting.fit_codebook(weight, bits, settings, column_weights=torch.rand(200)), equal)
     got = calibration.gptq_quantize(weight, torch.eye(200), equal, settings.codes_below, settings.codes_above,
                                     weighted_codes=True)
     want = fitting.quantize_fitted(weight, equal, settings.codes_below, settings.codes_above)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     with pytest.raises(ValueError, match="column_weights"):
-        calibration.fit_codebook_weighted(weight, bits, -torch.ones(200))
+        fitting.fit_codebook(weight, bits, settings, column_weights=-torch.ones(200))

@@ -64,6 +64,18 @@ def test_convert_end_to_end(capsys, llama_fp32, tmp_path):
     assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
 
 
+def test_convert_with_calibration(capsys, llama_fp32, tmp_path):
+    """--calibration-data FILE: the card and config.json say calibrated, on how many tokens."""
+    out = tmp_path / "out"
+    code, stdout, _ = run(capsys, llama_fp32, "--bits", "3", "--out", out, "--no-progress", "--calibration-data",
+                          __file__, "--calibration-samples", "2", "--calibration-seq-len", "32")
+    assert code == 0, stdout
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["calibration"] == {"method": "gptq", "samples": 2, "seq_len": 32, "tokens": 64}
+    card = (out / "README.md").read_text()
+    assert "on 64 tokens of calibration text" in card and "--calibration-data" in card
+
+
 def test_skip_modules_without_names_quantizes_the_lm_head_too(capsys, llama_fp32, tmp_path):
     out = tmp_path / "out"
     code, stdout, _ = run(capsys, llama_fp32, "--bits", "4", "--skip-modules", "--module-bits", "^lm_head$=5",
@@ -124,10 +136,14 @@ def test_moe_dry_run_and_convert(capsys, moe_checkpoint, tmp_path):
         (["--private", "--out", "X"], "need --push-to-hub"),
         (["--max-shard-size", "huge", "--out", "X"], "max_shard_size"),
         (["--dry-run", "--push-to-hub", "a/b"], "nothing to push"),
+        (["--calibration-samples", "8", "--out", "X"], "--calibration-samples needs --calibration-data"),
+        (["--calibration-data", "X", "--out", "X"], "no such file"),
+        (["--calibration-data", __file__, "--calibration-seq-len", "0", "--out", "X"], "--calibration-seq-len must"),
     ],
     ids=["bits", "no-out", "module-bits-form", "module-bits-value", "module-bits-regex", "module-bits-backtracking",
          "codebook-json",
-         "codebook-name", "fitting", "repo-id", "private-alone", "shard-size", "dry-run-push"],
+         "codebook-name", "fitting", "repo-id", "private-alone", "shard-size", "dry-run-push",
+         "calibration-samples-alone", "calibration-data-missing", "calibration-seq-len"],
 )
 def test_bad_arguments(capsys, llama_fp32, tmp_path, argv, message):
     argv = [str(tmp_path / a) if a == "X" else a for a in argv]

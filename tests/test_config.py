@@ -33,6 +33,32 @@ def test_a_config_without_fitting_takes_the_measured_default():
     assert KbitConfig.from_dict(d).fitting is None
 
 
+def test_calibration_roundtrip_records_the_calibration_not_the_text(tmp_path):
+    """The text and the tokenizer are inputs of the quantization, not of the checkpoint: config.json records only
+    the method and the token counts, and reads back as a config that loads without calibrating again."""
+    tokenizer = lambda text, **kwargs: {"input_ids": list(text.encode())}  # noqa: E731 -- any callable serves
+    cfg = KbitConfig(bits=3, calibration_data="some text", calibration_samples=16, calibration_tokenizer=tokenizer)
+    d = json.loads(cfg.to_json_string())
+    assert d["calibration"] == {"method": "gptq", "samples": 16, "seq_len": 2048, "tokens": 16 * 2048}
+    assert not any(k.startswith("calibration_") for k in d) and "some text" not in cfg.to_json_string()
+    again = KbitConfig.from_dict(d)
+    assert again == cfg and not again.calibrates and again.calibration == d["calibration"]
+    assert "calibration" not in KbitConfig(bits=3).to_dict()  # data-free checkpoints: as before the field existed
+    assert KbitConfig(calibration_data="t").calibration_shape() == (128, 2048)
+
+
+def test_calibration_data_forms(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("from a file\nwith two lines", encoding="utf-8")
+    assert KbitConfig(calibration_data=path).calibration_text() == "from a file\nwith two lines"
+    assert KbitConfig(calibration_data=str(path)).calibration_text() == "from a file\nwith two lines"
+    assert KbitConfig(calibration_data="just text").calibration_text() == "just text"
+    assert KbitConfig(calibration_data=["one", "two"]).calibration_text() == "one\n\ntwo"
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(ValueError, match="calibration_data: .* is not UTF-8"):
+        KbitConfig(calibration_data=tmp_path / "latin1.txt").calibration_text()
+
+
 def test_custom_codebook_roundtrip():
     cfg = KbitConfig(bits=2, codebook=[-1.0, -0.25, 0.25, 1.0])
     assert KbitConfig.from_dict(json.loads(cfg.to_json_string())).codebook == [-1.0, -0.25, 0.25, 1.0]
@@ -59,6 +85,20 @@ def test_module_bits_pattern():
         ({"format_version": 0}, "format_version"),
         ({"fuse_projections": "yes"}, "fuse_projections"),
         ({"fitting": "gptq"}, "fitting"),
+        ({"calibration_data": 123}, "calibration_data"),
+        ({"calibration_data": []}, "calibration_data"),
+        ({"calibration_data": ["text", 1]}, "calibration_data"),
+        ({"calibration_data": "  \n "}, "calibration_data"),
+        ({"calibration_data": __import__("pathlib").Path("no-such-file.txt")}, "calibration_data"),
+        ({"calibration_data": "text", "calibration_samples": 0}, "calibration_samples"),
+        ({"calibration_data": "text", "calibration_seq_len": "2048"}, "calibration_seq_len"),
+        ({"calibration_data": "text", "calibration_tokenizer": 5}, "calibration_tokenizer"),
+        ({"calibration_samples": 16}, "calibration_samples"),
+        ({"calibration_tokenizer": "org/model"}, "calibration_tokenizer"),
+        ({"calibration": {"method": "awq", "samples": 1, "seq_len": 1, "tokens": 1}}, "calibration"),
+        ({"calibration": {"method": "gptq", "samples": 0, "seq_len": 1, "tokens": 1}}, "calibration"),
+        ({"calibration": {"method": "gptq", "samples": 1, "seq_len": 1, "tokens": 1}, "calibration_data": "t"},
+         "calibration"),
     ],
     ids=lambda v: str(v) if isinstance(v, str) else None,
 )

@@ -632,3 +632,44 @@ def test_safetensors_write_error_keeps_its_cause(llama_fp32, tmp_path, monkeypat
         convert(llama_fp32, tmp_path / "out", progress=False)
     assert e.value.errno == errno.ENOSPC
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------- calibration
+
+CALIBRATION_TEXT = (Path(__file__).parent / "tiny_models.py").read_text()  # any text the char tokenizer reads
+
+
+def calibration_config(**kwargs) -> hf_kbit.KbitConfig:
+    return hf_kbit.KbitConfig(calibration_data=CALIBRATION_TEXT, calibration_samples=2, calibration_seq_len=48,
+                              **kwargs)
+
+
+@pytest.mark.parametrize("source", ["llama", "qwen3_moe"])
+def test_calibrated_convert_writes_what_calibrated_quantize_on_load_saves(llama_fp32, moe_checkpoint, tmp_path, source):
+    """Same model, text and settings, on CPU: kbit-convert with calibration writes the tensors that quantize-on-load
+    with calibration saves (MoE experts calibrated too), and the card says it was calibrated, on how many tokens."""
+    src = llama_fp32 if source == "llama" else moe_checkpoint("qwen3_moe")
+    config = calibration_config(bits=3)
+    result = convert(src, tmp_path / "out", config, dtype="float32", max_shard_size="40KB", progress=False)
+    reference = quantize_on_load(src, config, dtype=torch.float32)
+    reference.save_pretrained(tmp_path / "reference")
+    assert_same_files(result.out, tmp_path / "reference")
+    saved = json.loads((result.out / "config.json").read_text())["quantization_config"]
+    assert saved["calibration"] == {"method": "gptq", "samples": 2, "seq_len": 48, "tokens": 96}
+    card = (result.out / "README.md").read_text()
+    assert "| Calibration | GPTQ-style error feedback (hf_kbit.calibration) on 96 tokens" in card
+    assert "| Calibration | none (data-free) |" in (convert(src, tmp_path / "free", hf_kbit.KbitConfig(bits=3),
+                                                            progress=False).out / "README.md").read_text()
+    assert_same_state(load(result.out, dtype=torch.float32), reference)
+
+
+def test_calibrated_dry_run_and_errors(llama_fp32, tmp_path):
+    plan = convert(llama_fp32, tmp_path / "out", calibration_config(bits=3), dry_run=True)
+    assert plan.quantized and "calibration:   GPTQ-style error feedback on 2 x 48 = 96 tokens" in plan.describe()
+    too_much = hf_kbit.KbitConfig(bits=3, calibration_data="too short", calibration_samples=4)
+    with pytest.raises(ConversionError, match="calibration_data: .*fewer than samples x seq_len"):
+        convert(llama_fp32, tmp_path / "out", too_much, progress=False)
+    assert not (tmp_path / "out").exists()
+    record = json.loads(calibration_config(bits=3).to_json_string())
+    with pytest.raises(ValueError, match="calibration_data"):
+        convert(llama_fp32, tmp_path / "out", hf_kbit.KbitConfig.from_dict(record), progress=False)

@@ -134,3 +134,66 @@ def test_tied_lm_head_stays_full_precision():
     assert type(model.lm_head) is torch.nn.Linear
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert isinstance(model.model.layers[0].mlp.down_proj, KbitLinear)
+
+
+# ---------------------------------------------------------------------------- calibration
+
+
+def _calibration_config(**kwargs) -> KbitConfig:
+    from tiny_models import TINY_TEXT, char_tokenizer
+
+    return KbitConfig(calibration_data=TINY_TEXT, calibration_samples=2, calibration_seq_len=64,
+                      calibration_tokenizer=char_tokenizer(TINY_TEXT), **kwargs)
+
+
+def test_calibration_packs_what_calibrate_model_gives_with_siblings_sharing_a_codebook():
+    """quantize_model with calibration_data: every Linear holds the bytes hf_kbit.calibration.calibrate_model
+    produces for it, q/k/v and gate/up calibrated with one codebook each (so they still fuse)."""
+    from hf_kbit import calibration
+
+    config = _calibration_config(bits=3)
+    model = hf_kbit.quantize_model(tiny_dense_model("llama", dtype=torch.float32), config, ["lm_head"], progress=False)
+    reference = tiny_dense_model("llama", dtype=torch.float32)
+    groups = [[f"model.layers.{i}.self_attn.{p}_proj" for p in "qkv"] for i in range(2)]
+    groups += [[f"model.layers.{i}.mlp.{p}_proj" for p in ("gate", "up")] for i in range(2)]
+    want = calibration.calibrate_model(reference, calibration.config_batches(config, reference), 3, progress=False,
+                                       groups=groups)
+    assert sorted(want) == sorted(n for n, m in model.named_modules() if isinstance(m, KbitLinear))
+    for name, tensors in want.items():
+        module = model.get_submodule(name)
+        for tensor_name, expected in zip(("planes", "block_scales", "row_scales", "codebook"), tensors):
+            assert torch.equal(getattr(module, tensor_name), expected), f"{name}.{tensor_name}"
+    assert all(hasattr(layer.self_attn, "qkv_proj") for layer in model.model.layers)  # gate/up: N = 200, no fusion
+    assert torch.equal(model.model.layers[1].mlp.gate_proj.codebook, model.model.layers[1].mlp.up_proj.codebook)
+    assert type(model.lm_head) is torch.nn.Linear
+
+
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_calibration_packs_moe_experts_with_calibrate_model(family):
+    """Fused experts are calibrated too (each expert on the tokens routed to it): their KbitExperts buffers hold
+    what calibrate_model gives them (gpt_oss: transposed weights, interleaved gate/up, biases)."""
+    from hf_kbit import calibration
+
+    config = _calibration_config(bits=4)
+    model = hf_kbit.quantize_model(tiny_moe_model(family), config, ["lm_head"], progress=False)
+    reference = tiny_moe_model(family)
+    linears = [n for n, m in reference.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    experts = list(_experts(reference))
+    want = calibration.calibrate_model(reference, calibration.config_batches(config, reference), 4, linears,
+                                       progress=False, groups=_sibling_groups(linears), experts=experts)
+    for name in experts:
+        module = model.get_submodule(name)
+        assert isinstance(module, KbitExperts)
+        for projection, prefix in (("gate_up_proj", "gate_up"), ("down_proj", "down")):
+            for tensor_name, expected in zip(("planes", "block_scales", "row_scales", "codebook"),
+                                             want[f"{name}.{projection}"]):
+                assert torch.equal(getattr(module, f"{prefix}_{tensor_name}"), expected), f"{name}.{projection}"
+    data_free = hf_kbit.quantize_model(tiny_moe_model(family), KbitConfig(bits=4), ["lm_head"])
+    assert not torch.equal(model.model.layers[1].mlp.experts.down_planes, data_free.model.layers[1].mlp.experts.down_planes)
+    assert _rel(_logits(model), _logits(tiny_moe_model(family))) < LOGITS_REL_ERROR_K4
+
+
+def _sibling_groups(linears: list[str]) -> list[tuple[str, ...]]:
+    from hf_kbit.nn.fused import codebook_siblings
+
+    return list(dict.fromkeys(codebook_siblings(dict.fromkeys(linears, (0, 4))).values()))

@@ -305,3 +305,44 @@ def test_a_sibling_missing_from_the_checkpoint_is_named(tmp_path):
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(KbitCheckpointError, match=r"'model\.layers\.0\.self_attn\.k_proj\.weight' was never loaded"):
         AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=KbitConfig(bits=4))
+
+
+# ---------------------------------------------------------------------------- calibration
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory):
+    """A tiny Llama saved with its (char-level) tokenizer: calibration takes the tokenizer from the folder."""
+    from tiny_models import save_tiny_text_model
+
+    return save_tiny_text_model(tmp_path_factory.mktemp("text_model"))
+
+
+def test_calibration_on_load_is_quantize_model_of_the_unquantized_model_and_round_trips(text_model, tmp_path):
+    """from_pretrained with calibration_data loads the model unquantized, then calibrates and quantizes it: the
+    bytes of quantize_model on the same unquantized model (LM head kept, as on load). Saved, it loads back as an
+    ordinary kbit checkpoint with identical logits, its config.json recording the calibration."""
+    from tiny_models import TINY_TEXT
+
+    config = KbitConfig(bits=3, calibration_data=TINY_TEXT, calibration_samples=2, calibration_seq_len=64)
+    model = AutoModelForCausalLM.from_pretrained(text_model, quantization_config=config, dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(text_model, dtype=torch.float32)
+    reference.config.name_or_path = str(text_model)  # the tokenizer comes from the folder either way
+    hf_kbit.quantize_model(reference, config, ["lm_head"], progress=False)
+    got, want = model.state_dict(), reference.state_dict()
+    assert sorted(got) == sorted(want) and any(key.endswith(".planes") for key in got)
+    for key in want:
+        assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), key
+
+    model.save_pretrained(tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]
+    assert saved["calibration"] == {"method": "gptq", "samples": 2, "seq_len": 64, "tokens": 128}
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    assert loaded.config.quantization_config.calibration == saved["calibration"]
+
+    # The config of the saved checkpoint describes a calibration it cannot run again: refused, not data-free.
+    with pytest.raises(ValueError, match="calibration_data"):
+        AutoModelForCausalLM.from_pretrained(text_model, quantization_config=KbitConfig.from_dict(saved))

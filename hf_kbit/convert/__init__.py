@@ -8,7 +8,9 @@ checkpoint keys are mapped onto the model with transformers' own conversion mapp
 and the merge of per-expert MoE keys into fused ``experts.gate_up_proj`` / ``down_proj``), so the
 output is bit-identical to quantize-on-load
 (``from_pretrained(src, quantization_config=cfg).save_pretrained(out)``) with the same config.
-Fused MoE expert tensors are built and quantized a few experts at a time.
+Fused MoE expert tensors are built and quantized a few experts at a time. Calibration
+(``KbitConfig.calibration_data``) runs the model, so then the model is loaded whole instead, calibrated
+and quantized as quantize-on-load does it, and its tensors written (same bytes again).
 
 Output is written into a hidden temporary folder next to ``out`` and renamed into place only
 when complete (:mod:`hf_kbit._paths`: the rename never replaces what it was not asked to);

@@ -162,6 +162,12 @@ class ConversionPlan:
                 f"bits/weight:   {s['bits_per_quantized_weight']:.3f} (quantized weights, scales included), "
                 f"{bpw_all:.3f} (all parameters)"
             )
+        record = self.kbit_config.calibration_record() if self.kbit_config.calibrates else None
+        if record is not None:
+            lines.append(
+                f"calibration:   GPTQ-style error feedback on {record['samples']} x {record['seq_len']} = "
+                f"{record['tokens']:,} tokens (the model is loaded whole, unquantized, on the device)"
+            )
         if self.dropped:
             lines.append(
                 f"not written:   {len(self.dropped)} checkpoint tensor(s) (tied or unused), e.g. {self.dropped[0]}"

@@ -367,6 +367,8 @@ def _skeleton(model_cls, hf_config, dtype: torch.dtype, kbit_config: KbitConfig)
 
     with torch.device("meta"):
         model = model_cls._from_config(hf_config, dtype=dtype)
+    if kbit_config.calibrates:  # the same modules are quantized, only later (after loading): plan them as such
+        kbit_config = KbitConfig.from_dict({k: v for k, v in kbit_config.to_dict().items() if k != "calibration"})
     quantizer = KbitHfQuantizer(kbit_config)
     quantizer.pre_quantized = False
     quantizer._process_model_before_weight_loading(model)

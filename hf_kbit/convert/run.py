@@ -27,12 +27,13 @@ from .._paths import (
     temp_output,
 )
 from ..config import KbitConfig
+from ..nn.replace import check_quantizable
 from ..hub import format_bytes
 from .check import measure_perplexity
 from .plan import ConversionPlan, KeyRule
 from .planner import plan_conversion
 from .sources import resolve_source
-from .writing import _write, _write_config, output_config
+from .writing import _write, _write_calibrated, _write_config, output_config
 
 # Files copied verbatim from the source folder (tokenizer, generation and chat-template files).
 COPIED_FILE_PATTERNS = (
@@ -94,7 +95,8 @@ def convert(
     """Convert ``model`` (a folder, a ``.gguf`` file or a Hub repo id) into a kbit checkpoint at ``out``.
 
     Args:
-        quantization_config: the :class:`KbitConfig` (default: 4 bits).
+        quantization_config: the :class:`KbitConfig` (default: 4 bits). With ``calibration_data`` the model is
+            not streamed: it is loaded whole, unquantized, onto ``device`` and calibrated as quantize-on-load does.
         revision: branch, tag or commit of a Hub repo.
         dtype: dtype of unquantized tensors and of weights before quantization;
             ``None``/``"auto"`` does what ``from_pretrained`` does (config.json's dtype).
@@ -115,6 +117,7 @@ def convert(
     kbit_config = quantization_config or KbitConfig()
     if not isinstance(kbit_config, KbitConfig):
         raise TypeError(f"quantization_config must be a KbitConfig, got {type(kbit_config).__name__}")
+    check_quantizable(kbit_config)
     out = Path(out).expanduser()
     shard_bytes = parse_size(max_shard_size)
     device = _resolve_device(device)
@@ -138,7 +141,8 @@ def convert(
             base_model = source_info["name"]
         plan = plan_conversion(source, kbit_config, dtype, key_rules)
         extras = extra_files(source, COPIED_FILE_PATTERNS)  # checked before the long part
-        stats = _write(plan, tmp, device, shard_bytes, progress)
+        write = _write_calibrated if kbit_config.calibrates else _write
+        stats = write(plan, tmp, device, shard_bytes, progress)
         for f in extras:
             shutil.copy2(f, tmp / f.name)
         eval_result = None

@@ -198,6 +198,52 @@ def _write(plan: ConversionPlan, folder: Path, device: torch.device, shard_bytes
                 bar.update(1)
             del done
     bar.close()
+    return _written_stats(plan, writer, folder, q_numel, q_bytes)
+
+
+@torch.no_grad()
+def _write_calibrated(plan: ConversionPlan, folder: Path, device: torch.device, shard_bytes: int, progress: bool) -> dict:
+    """:func:`_write` for a config with ``calibration_data``: calibration runs the model, so the source is loaded
+    whole (unquantized, in ``plan.dtype``, onto ``device``) and quantized by :func:`hf_kbit.nn.quantize_model` with
+    the modules quantize-on-load keeps (what ``from_pretrained(src, quantization_config=cfg)`` runs); its packed
+    tensors are written, and the unquantized tensors copied from the sources as :func:`_write` does."""
+    from tqdm.auto import tqdm
+
+    from ..nn.replace import quantize_model
+    from ..quantizer import KbitHfQuantizer
+    from .sources import _load_architecture
+
+    _, model_cls = _load_architecture(plan.source)
+    model = model_cls.from_pretrained(plan.source, dtype=plan.dtype, device_map={"": device}, trust_remote_code=False)
+    config = plan.kbit_config
+    try:
+        quantize_model(model, config, KbitHfQuantizer(config).skipped_modules(model), progress=progress)
+    except ValueError as e:  # the calibration text or tokenizer (the message names the KbitConfig field)
+        raise ConversionError(str(e)) from None
+    state = model.state_dict()
+    del model
+    writer = _ShardWriter(folder, shard_bytes)
+    q_numel = q_bytes = 0
+    order = sorted(plan.tensors, key=lambda p: max(plan.locations[k] for k in p.sources))
+    bar = tqdm(total=len(order), desc="Writing", unit="tensor", disable=not progress)
+    with contextlib.ExitStack() as stack:
+        reader = _SourceReader(plan, stack)
+        for p in order:
+            if p.bits is None:
+                writer.add(plan.output_key(p.name), reader.tensor(p))
+            else:
+                for key in p.outputs():
+                    t = state.pop(key).cpu()
+                    writer.add(plan.output_key(key), t)
+                    q_bytes += t.numel() * t.element_size()
+                q_numel += math.prod(p.shape)
+            bar.update(1)
+    bar.close()
+    return _written_stats(plan, writer, folder, q_numel, q_bytes)
+
+
+def _written_stats(plan: ConversionPlan, writer: _ShardWriter, folder: Path, q_numel: int, q_bytes: int) -> dict:
+    """The plan's statistics with the sizes measured on what ``writer`` wrote (its shards finished here)."""
     shards = writer.finish()
     return {
         **plan.stats(),
@@ -212,8 +258,6 @@ def _quantize_experts(p: TensorPlan, reader: _SourceReader, config: KbitConfig, 
     """The packed tensors of the fused experts weight ``p``, built a chunk of experts at a time with
     ``KbitExperts.pack`` (what quantize-on-load runs). The experts share one codebook, fitted first
     on the rows quantize-on-load samples from the whole weight (read once more, chunk by chunk)."""
-    from ..nn.linear import codebook_sample
-
     module_name, _, projection = p.name.rpartition(".")
     outputs = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in p.outputs().items()}
     num_experts, step = p.shape[0], _expert_chunk(p)
@@ -234,7 +278,7 @@ def _quantize_experts(p: TensorPlan, reader: _SourceReader, config: KbitConfig, 
         packer, chunk = chunk_weight(start, stop)
         weight = packer.linear_weight(projection, chunk, module_name)
         first = start * whole.layout.linear_shape(projection)[0]
-        sample.append(codebook_sample(weight, settings, total_rows, first).float())
+        sample.append(fitting.codebook_sample(weight, settings, total_rows, first).float())
         del chunk, weight
     k = whole.layout.linear_shape(projection)[1]
     sample = torch.cat(sample) if sample else torch.empty(0, k, device=device)

@@ -13,7 +13,8 @@ A variant spec is ``METHOD[BITS][:KEY=VALUE]...``; a list of them is comma-separ
 - ``kbitfit<k>``: the kbit format fitted by hf_kbit.fitting, fake-quantized the same way; options
   ``codes_below``, ``codes_above``, ``lloyd_iters``.
 - ``kbitcal<k>``: the kbit format calibrated by hf_kbit.calibration (GPTQ-style error feedback with the fitted
-  codebook and block scales, decoder layer by decoder layer), fake-quantized the same way. Calibration text:
+  codebook and block scales, decoder layer by decoder layer; q/k/v and gate/up share a codebook as
+  quantize-on-load with ``KbitConfig(calibration_data=...)`` gives them), fake-quantized the same way. Calibration text:
   the last ``samples`` x ``seq_len`` tokens of ``corpus`` (default: the evaluated corpus, from the part after
   the evaluated prefix, so calibration and evaluation never share text; another corpus: its end). Options
   ``samples`` (128), ``seq_len`` (2048), ``corpus``, ``damp``, ``batch_size`` (sequences per calibration
@@ -391,6 +392,7 @@ def apply_calibration(model, folder: Path, spec: VariantSpec, evaluated: tuple[A
 
     from hf_kbit import calibration, fitting
     from hf_kbit import format as fmt
+    from hf_kbit.nn.fused import codebook_siblings
 
     start = time.perf_counter()
     batches, facts = calibration_tokens(folder, spec, evaluated)
@@ -408,7 +410,10 @@ def apply_calibration(model, folder: Path, spec: VariantSpec, evaluated: tuple[A
         error.add(linear.weight.data, fmt.dequantize(planes, block_scales, rows, codebook, linear.in_features))
         elems += linear.weight.numel()
 
-    calibration.calibrate_model(model, batches, spec.bits, names, settings, on_quantized=measure)
+    # Siblings (q/k/v, gate/up) share one codebook, as quantize-on-load with calibration_data gives them.
+    siblings = codebook_siblings({name: (model.get_submodule(name).in_features, spec.bits) for name in names})
+    groups = list(dict.fromkeys(siblings.values()))
+    calibration.calibrate_model(model, batches, spec.bits, names, settings, on_quantized=measure, groups=groups)
     if next(model.parameters()).device.type == "cuda":
         torch.cuda.synchronize()
     bits = sum(fmt.bits_per_weight(*model.get_submodule(n).weight.shape, spec.bits) * model.get_submodule(n).weight.numel()

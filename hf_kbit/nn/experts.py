@@ -24,7 +24,7 @@ from .. import _ops
 from .. import fitting
 from .. import format as fmt
 from ..config import KbitConfig
-from .linear import COMPUTE_DTYPES, FORMAT_TENSORS, KbitModule, check_weight, codebook_sample, quantize_checked
+from .linear import COMPUTE_DTYPES, FORMAT_TENSORS, KbitModule, check_weight, quantize_checked
 from .selection import _set_submodule, should_convert, swap_modules
 
 # Fused checkpoint parameter -> prefix of its packed tensors. The packed names must not start
@@ -177,12 +177,14 @@ class KbitExperts(KbitModule):
         weight_placeholder: bool = False,
         name: str = "experts",
         fitting_rule: str | None = None,
+        packed: dict[str, tuple[torch.Tensor, ...]] | None = None,
     ) -> "KbitExperts":
         """A KbitExperts taking over ``experts``' gating, activation and attributes.
 
         On the meta device (model skeleton) nothing is quantized; otherwise the weights are
-        packed now (``codebook`` and ``fitting_rule`` as ``KbitConfig.codebook`` / ``.fitting``)
-        and the biases copied.
+        packed now (``codebook`` and ``fitting_rule`` as ``KbitConfig.codebook`` / ``.fitting``),
+        or taken from ``packed`` (``{projection: (planes, block_scales, row_scales, codebook)}``, e.g.
+        calibrated), and the biases copied.
         """
         layout = fused_experts_layout(experts, name)
         if layout is None:
@@ -192,9 +194,12 @@ class KbitExperts(KbitModule):
         module._take_over_behaviour(experts)
         if weight.device.type != "meta" and not weight_placeholder:
             with torch.no_grad():
-                for projection in PROJECTIONS:
-                    packed = module.pack(projection, getattr(experts, projection), codebook, name, fitting_rule)
-                    module.load_packed(projection, **packed)
+                for projection, prefix in PROJECTIONS.items():
+                    if packed is not None:
+                        tensors = dict(zip((f"{prefix}_{t}" for t in FORMAT_TENSORS), packed[projection]))
+                    else:
+                        tensors = module.pack(projection, getattr(experts, projection), codebook, name, fitting_rule)
+                    module.load_packed(projection, **tensors)
                 for bias in BIASES if layout.has_bias else ():
                     getattr(module, bias).copy_(getattr(experts, bias))
         return module
@@ -258,7 +263,7 @@ class KbitExperts(KbitModule):
         check_weight(weight, full_name)
         bits = self.bits[projection]
         settings = fitting.settings_for(fitting_rule, bits, codebook)
-        cb = fitting.layer_codebook(codebook_sample(weight, settings), bits, settings, codebook)
+        cb = fitting.layer_codebook(fitting.codebook_sample(weight, settings), bits, settings, codebook)
         per_expert = math.prod(weight.shape[1:])
         chunk = max(1, _QUANTIZE_CHUNK_ELEMENTS // max(per_expert, 1))
         parts = [quantize_checked(w, cb, settings) for w in weight.split(chunk)]
@@ -279,10 +284,7 @@ class KbitExperts(KbitModule):
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The model's gating of ``gate_up [S, 2I] -> [S, I]`` (default: ``act_fn(gate) * up``)."""
-        if self._model_apply_gate is not None:
-            return self._model_apply_gate(self, gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.act_fn(gate) * up
+        return apply_gate(self, gate_up, self._model_apply_gate)
 
     def _project(self, projection: str, x: torch.Tensor, expert_ids: torch.Tensor, routing) -> torch.Tensor:
         prefix = PROJECTIONS[projection]
@@ -367,10 +369,22 @@ class KbitExperts(KbitModule):
         )
 
 
+def apply_gate(module: nn.Module, gate_up: torch.Tensor, model_apply_gate=None) -> torch.Tensor:
+    """The gating of an experts module (the model's own or a :class:`KbitExperts`) on ``gate_up [S, 2I]`` (the
+    gate/up projection's output in Linear layout) -> ``[S, I]``: its class's ``_apply_gate`` (gpt_oss's clamped,
+    interleaved GLU; ``model_apply_gate`` for a KbitExperts, which keeps the model's), else ``act_fn(gate) * up``."""
+    if model_apply_gate is None and not isinstance(module, KbitExperts):
+        model_apply_gate = getattr(type(module), "_apply_gate", None)
+    if model_apply_gate is not None:
+        return model_apply_gate(module, gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return module.act_fn(gate) * up
+
+
 # ---------------------------------------------------------------------- model-level helpers
 
 
-def _bits(config: KbitConfig, name: str) -> tuple[int, int]:
+def expert_bits(config: KbitConfig, name: str) -> tuple[int, int]:
     """Bits of ``name``'s projections: ``module_bits`` patterns see ``<name>.gate_up_proj`` /
     ``<name>.down_proj``, so a pattern for the module matches both and ``down_proj`` can differ."""
     return config.bits_for(f"{name}.gate_up_proj"), config.bits_for(f"{name}.down_proj")
@@ -387,7 +401,7 @@ def replace_experts_with_kbit(
     def make(name: str, module: nn.Module) -> KbitExperts | None:
         if isinstance(module, KbitExperts) or fused_experts_layout(module, name) is None:
             return None
-        gate_up_bits, down_bits = _bits(config, name)
+        gate_up_bits, down_bits = expert_bits(config, name)
         return KbitExperts.from_experts(
             module, gate_up_bits, down_bits, config.codebook, weight_placeholder=weight_placeholder, name=name
         )
@@ -409,18 +423,25 @@ def quantize_experts_on_load(
 
 
 def quantize_experts(
-    model: nn.Module, config: KbitConfig | None = None, modules_to_not_convert: list[str] | None = None
+    model: nn.Module,
+    config: KbitConfig | None = None,
+    modules_to_not_convert: list[str] | None = None,
+    packed: dict[str, tuple[torch.Tensor, ...]] | None = None,
 ) -> nn.Module:
-    """Quantize the fused experts of a model already in memory (outside ``from_pretrained``)."""
+    """Quantize the fused experts of a model already in memory (outside ``from_pretrained``).
+
+    ``packed``: ``{"<experts module>.<projection>": (planes, block_scales, row_scales, codebook)}`` of modules
+    already quantized (calibrated, :func:`hf_kbit.calibration.calibrate_model`); the others are packed here."""
     config = config or KbitConfig()
     skip = modules_to_not_convert if modules_to_not_convert is not None else (config.modules_to_not_convert or [])
     for name, module in list(model.named_modules()):
         if isinstance(module, KbitExperts) or not should_convert(name, skip):
             continue
         if fused_experts_layout(module, name) is not None:
-            gate_up_bits, down_bits = _bits(config, name)
+            gate_up_bits, down_bits = expert_bits(config, name)
+            given = {p: packed[f"{name}.{p}"] for p in PROJECTIONS} if packed and f"{name}.down_proj" in packed else None
             _set_submodule(model, name, KbitExperts.from_experts(
-                module, gate_up_bits, down_bits, config.codebook, name=name, fitting_rule=config.fitting
+                module, gate_up_bits, down_bits, config.codebook, name=name, fitting_rule=config.fitting, packed=given
             ))
     return model
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import math
 import weakref
 
 import torch
@@ -308,27 +307,8 @@ def quantize_group(
     for weight, name in zip(weights, names):
         check_weight(weight, name)
     settings = fitting.settings_for(fitting_rule, bits, codebook)
-    total = sum(math.prod(w.shape[:-1]) for w in weights)
-    starts = itertools.accumulate((math.prod(w.shape[:-1]) for w in weights), initial=0)
-    sample = [codebook_sample(w, settings, total, start) for w, start in zip(weights, starts)]
-    cb = fitting.layer_codebook(torch.cat([s.float() for s in sample]), bits, settings, codebook)
+    cb = fitting.group_codebook(weights, bits, settings, codebook)
     # Each member its own copy of the codebook: tensors sharing storage cannot be saved as separate entries.
     return [
         (*quantize_checked(w, cb, settings), cb if i == 0 else cb.clone()) for i, w in enumerate(weights)
     ]
-
-
-def codebook_sample(
-    weight: torch.Tensor, settings: fitting.FitSettings | None, total_rows: int | None = None, first_row: int = 0
-) -> torch.Tensor:
-    """The rows of ``weight [..., K]`` (flattened to ``[R, K]``) the layer's codebook is fitted on:
-    every m-th row of the whole weight (:func:`hf_kbit.fitting.sample_stride`).
-
-    A caller reading the weight in pieces passes the whole weight's row count ``total_rows`` and
-    where this piece starts, ``first_row``; the pieces' samples, concatenated, are the whole's.
-    """
-    rows = weight.reshape(math.prod(weight.shape[:-1]), weight.shape[-1])
-    if settings is None or settings.lloyd_iters == 0:
-        return rows[:0]
-    m = fitting.sample_stride(rows.shape[0] if total_rows is None else total_rows, rows.shape[1], settings.max_fit_blocks)
-    return rows[-first_row % m :: m]

@@ -7,9 +7,9 @@ from torch import nn
 
 from .. import format as fmt
 from ..config import KbitConfig
-from .experts import quantize_experts
+from .experts import expert_bits, fused_experts_layout, quantize_experts
 from .fused import codebook_siblings, fuse_projections, unfuse_projections
-from .linear import KbitLinear, quantize_group
+from .linear import KbitLinear, check_weight, quantize_group
 from .selection import _set_submodule, should_convert, swap_modules, tied_modules
 
 
@@ -48,7 +48,22 @@ def replace_kbit_with_linear(model: nn.Module, dtype: torch.dtype | None = None)
     return model
 
 
-def quantize_model(model: nn.Module, config: KbitConfig | None = None, modules_to_not_convert: list[str] | None = None) -> nn.Module:
+def check_quantizable(config: KbitConfig) -> None:
+    """Refuse to quantize a model with a config that records a calibration it would not run (one read from a
+    calibrated checkpoint's config.json): the output would claim a calibration it did not have."""
+    if config.calibration is not None and not config.calibrates:
+        raise ValueError(
+            f"KbitConfig.calibration={config.calibration!r} records the calibration of an existing checkpoint; to "
+            "quantize a model, pass calibration_data (the text to calibrate on), or drop calibration for data-free"
+        )
+
+
+def quantize_model(
+    model: nn.Module,
+    config: KbitConfig | None = None,
+    modules_to_not_convert: list[str] | None = None,
+    progress: bool = True,
+) -> nn.Module:
     """Quantize a model already in memory (outside ``from_pretrained``), in place; returns it.
 
     Every ``nn.Linear`` becomes a :class:`KbitLinear` and every fused MoE experts module
@@ -58,24 +73,59 @@ def quantize_model(model: nn.Module, config: KbitConfig | None = None, modules_t
     precision; unlike ``from_pretrained`` there is no default skip of the LM head here, except
     that tied modules (an LM head sharing the input embedding's weight) are always kept
     (:func:`tied_modules`).
+    With ``config.calibration_data`` the Linears are calibrated (:func:`hf_kbit.calibration.calibrate_model`, on
+    the model's device, a tqdm bar unless ``progress`` is False), the fused experts of the decoder layers too;
+    what quantize-on-load with calibration and ``kbit-convert --calibration-data`` run.
     With ``config.fuse_projections`` (default) sibling projections are then fused
     (:func:`~hf_kbit.nn.fuse_projections`).
     """
     config = config or KbitConfig()
+    check_quantizable(config)
     skip = modules_to_not_convert if modules_to_not_convert is not None else (config.modules_to_not_convert or [])
     skip = [*skip, *tied_modules(model)]
     linears = {
         name: module for name, module in model.named_modules() if isinstance(module, nn.Linear) and should_convert(name, skip)
     }
     siblings = codebook_siblings({name: (m.in_features, config.bits_for(name)) for name, m in linears.items()})
-    for group in dict.fromkeys(siblings.get(name, (name,)) for name in linears):  # each group once, in model order
+    groups = list(dict.fromkeys(siblings.get(name, (name,)) for name in linears))  # each group once, in model order
+    calibrated = _calibrate(model, config, linears, groups, skip, progress) if config.calibrates else {}
+    for group in groups:
         members = [linears[name] for name in group]
-        with torch.no_grad():
-            weights = [m.weight.detach() for m in members]
-            packed = quantize_group(weights, config.bits_for(group[0]), config.codebook, config.fitting, list(group))
+        if config.calibrates:
+            packed = [calibrated.pop(name) for name in group]
+        else:
+            with torch.no_grad():
+                weights = [m.weight.detach() for m in members]
+                packed = quantize_group(weights, config.bits_for(group[0]), config.codebook, config.fitting, list(group))
         for name, module, tensors in zip(group, members, packed):
             _set_submodule(model, name, KbitLinear.from_linear(module, config.bits_for(name), packed=tensors))
-    model = quantize_experts(model, config, modules_to_not_convert)
+    model = quantize_experts(model, config, modules_to_not_convert, packed=calibrated)
     if config.fuse_projections:
         fuse_projections(model)
     return model
+
+
+def _calibrate(
+    model, config: KbitConfig, linears: dict[str, nn.Linear], groups, skip: list[str], progress: bool
+) -> dict[str, tuple]:
+    """The format tensors of ``linears`` and of the fused MoE experts inside the decoder layers, calibrated on
+    ``config.calibration_data`` (siblings in ``groups`` share a codebook, as without calibration)."""
+    from .. import calibration
+
+    for name, module in linears.items():
+        check_weight(module.weight.detach(), f"{name}.weight")
+    prefix, layers = calibration.decoder_layers(model)
+    experts = {
+        name: module for name, module in model.named_modules()
+        if name.startswith(f"{prefix}.") and should_convert(name, skip) and fused_experts_layout(module, name) is not None
+    }
+    bits = {name: config.bits_for(name) for name in linears}
+    for name, module in experts.items():
+        bits[f"{name}.gate_up_proj"], bits[f"{name}.down_proj"] = expert_bits(config, name)
+        for projection in ("gate_up_proj", "down_proj"):
+            check_weight(getattr(module, projection).detach(), f"{name}.{projection}")
+    batches = calibration.config_batches(config, model)
+    settings = calibration.CalibrationSettings(fitting=config.fitting, codebook=config.codebook)
+    shared = [group for group in groups if len(group) > 1]
+    return calibration.calibrate_model(model, batches, bits, list(linears), settings, progress, groups=shared,
+                                       experts=list(experts))

@@ -8,7 +8,8 @@ from torch import nn
 
 from hf_kbit import KbitLinear, fitting
 from hf_kbit import format as fmt
-from hf_kbit.nn.linear import FORMAT_TENSORS, codebook_sample, quantize_group, quantize_layer
+from hf_kbit.fitting import codebook_sample
+from hf_kbit.nn.linear import FORMAT_TENSORS, quantize_group, quantize_layer
 
 EMPTY_SHAPES = [(0, 8), (8, 0), (0, 0)]
 

@@ -1,6 +1,9 @@
-"""scripts/bench_quantize.py on CPU with the tiny preset: it times every rule and the bf16 load."""
+"""scripts/bench_quantize.py on CPU with the tiny preset: it times every rule, the bf16 load and a calibrated load."""
 
+import argparse
 import json
+
+import pytest
 
 import bench_quantize
 
@@ -12,3 +15,17 @@ def test_times_bf16_and_every_fitting_rule(tmp_path):
     assert [r.get("fitting") for r in payload["results"]] == [None, *bench_quantize.RULES]
     assert all(r["seconds"] > 0 for r in payload["results"])
     assert payload["command"].startswith("python scripts/bench_quantize.py --preset tiny-llama")
+
+
+def test_times_a_calibrated_load(tmp_path):
+    out = tmp_path / "q.json"
+    argv = ["--preset", "tiny-llama", "--device", "cpu", "--bits", "3", "--calibration", "2x32", "--out", str(out)]
+    assert bench_quantize.main(argv) == 0
+    last = json.loads(out.read_text())["results"][-1]
+    assert last["calibration"] == {"method": "gptq", "samples": 2, "seq_len": 32, "tokens": 64} and last["seconds"] > 0
+
+
+def test_calibration_argument_form():
+    assert bench_quantize.parse_calibration("128x2048") == (128, 2048)
+    with pytest.raises(argparse.ArgumentTypeError, match="SAMPLESxSEQ_LEN"):
+        bench_quantize.parse_calibration("128")
