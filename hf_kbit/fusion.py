@@ -173,6 +173,36 @@ def _tokens_at_most(x, max_tokens: int | None) -> bool:
     return math.prod(val.shape[:-1]) <= max_tokens
 
 
+# Ops by which a kbit module's format tensors are taken out of its one storage (KbitModule.format_tensors).
+_VIEWS = (aten.slice.Tensor, aten.view.dtype, aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _storage_input(node: fx.Node) -> bool:
+    val = _val(node)
+    return node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dtype == torch.uint8 and val.dim() == 1
+
+
+def hoist_input_views(graph: fx.Graph) -> int:
+    """Move the views of 1-D uint8 graph inputs (the kbit modules' one storage each, whose views are their
+    format tensors) to the top of ``graph``, right after its inputs; returns how many moved. They are traced
+    where a module's forward ran, after the norm in front of it, and a rewrite places the fused op where the
+    norm's inputs are: its weights must already be there. Views compute nothing, so the order is free."""
+    anchor = None
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            anchor = node
+    if anchor is None:
+        return 0
+    hoisted: set[fx.Node] = set()
+    for node in list(graph.nodes):
+        if not _call(node, *_VIEWS) or not all(_storage_input(i) or i in hoisted for i in node.all_input_nodes):
+            continue
+        anchor.append(node)
+        anchor = node
+        hoisted.add(node)
+    return len(hoisted)
+
+
 def fuse(graph: fx.Graph, max_tokens: int | None = DEFAULT_MAX_TOKENS) -> dict[str, int]:
     """Rewrite ``graph`` (post-grad ATen) in place; returns how many of each rewrite it made.
 
@@ -181,6 +211,7 @@ def fuse(graph: fx.Graph, max_tokens: int | None = DEFAULT_MAX_TOKENS) -> dict[s
     the first one that adds takes the sum out, the others read that sum.
     """
     made = {"mm_add_rmsnorm": 0, "mm_rmsnorm": 0, "mm_silu_mul": 0}
+    hoist_input_views(graph)
     erased: set[fx.Node] = set()
     for mm in list(graph.nodes):
         if mm in erased or not _call(mm, kbit.mm.default) or not _tokens_at_most(mm.args[0], max_tokens):

@@ -13,7 +13,7 @@ from . import checkpoint, fitting
 from .config import KbitConfig
 from .nn.experts import KbitExperts, quantize_experts_on_load, replace_experts_with_kbit, replace_kbit_experts_with_float
 from .nn.fused import codebook_siblings, fuse_projections
-from .nn.linear import COMPUTE_DTYPES, FORMAT_TENSORS, KbitLinear, quantize_group
+from .nn.linear import COMPUTE_DTYPES, FORMAT_TENSORS, KbitLinear, pack_storages, quantize_group
 from .nn.replace import replace_kbit_with_linear, replace_linear_with_kbit, tied_modules
 
 
@@ -95,6 +95,7 @@ class KbitHfQuantizer(HfQuantizer):
                 model.get_submodule(module)._buffers[name] = tensor
         self.pending.clear()
         checkpoint.validate_loaded(model)
+        pack_storages(model)
         if self.quantization_config.fuse_projections:
             fuse_projections(model)
         return model
