@@ -60,7 +60,8 @@ def test_copying_into_a_buffer_writes_the_storage_and_replacing_one_drops_it():
 def test_moves_casts_and_copies_keep_one_storage():
     layer, packed = _linear()
     layer = layer.to(torch.float16)  # casts the bias only
-    assert layer.bias.dtype == torch.float16 and layer.planes.dtype == torch.int32 and _storage_views(layer, FORMAT_TENSORS)
+    assert layer.bias.dtype == torch.float16 and layer.planes.dtype == torch.int32
+    assert _storage_views(layer, FORMAT_TENSORS)
     for twin in (copy.deepcopy(layer), torch.load(io.BytesIO(_saved(layer)), weights_only=False)):
         assert twin._storage is not None and _storage_views(twin, FORMAT_TENSORS)
         for name, expected in zip(FORMAT_TENSORS, packed):
