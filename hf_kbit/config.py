@@ -69,6 +69,12 @@ class KbitConfig(QuantizationConfigMixin):
             (``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``) as one kbit launch
             each (:func:`hf_kbit.nn.fuse_projections`); a runtime choice, the checkpoint's
             tensors are the same either way.
+        fusion_pass: ``generate()``'s compile of the decode step (static cache, CUDA) runs
+            :func:`hf_kbit.fusion.compile_config`: hf_kbit's fusion pass (RMSNorm and SiLU-mul into the
+            kbit GEMVs of single-token steps), inductor's combo kernels and, on sm_90+, PDL. Set as the
+            model's ``generation_config.compile_config`` after loading unless it has one; a
+            ``compile_config`` passed to ``generate()`` takes precedence. ``False`` leaves transformers'
+            default. A runtime choice, like ``fuse_projections``.
     """
 
     def __init__(
@@ -80,6 +86,7 @@ class KbitConfig(QuantizationConfigMixin):
         fitting: str | None = None,
         format_version: int = fmt.FORMAT_VERSION,
         fuse_projections: bool = True,
+        fusion_pass: bool = True,
         **kwargs: Any,
     ):
         self.quant_method = QUANT_METHOD
@@ -90,6 +97,7 @@ class KbitConfig(QuantizationConfigMixin):
         self.fitting = fitting
         self.format_version = format_version
         self.fuse_projections = fuse_projections
+        self.fusion_pass = fusion_pass
         kwargs.pop("quant_method", None)
         for key, value in _FORMAT_FACTS.items():
             if kwargs.pop(key, value) != value:
@@ -100,7 +108,7 @@ class KbitConfig(QuantizationConfigMixin):
 
     @staticmethod
     def _fields() -> list[str]:
-        return ["bits", "codebook", "modules_to_not_convert", "module_bits", "fitting", "format_version", "fuse_projections"]
+        return ["bits", "codebook", "modules_to_not_convert", "module_bits", "fitting", "format_version", "fuse_projections", "fusion_pass"]
 
     def post_init(self) -> None:
         """Validate every field; errors name the field, the expectation and the value."""
@@ -146,8 +154,9 @@ class KbitConfig(QuantizationConfigMixin):
             )
         if self.fitting is not None and self.fitting not in FITTINGS:
             raise ValueError(f"KbitConfig.fitting must be one of {FITTINGS} or None, got {self.fitting!r}")
-        if not isinstance(self.fuse_projections, bool):
-            raise TypeError(f"KbitConfig.fuse_projections must be a bool, got {self.fuse_projections!r}")
+        for field in ("fuse_projections", "fusion_pass"):
+            if not isinstance(getattr(self, field), bool):
+                raise TypeError(f"KbitConfig.{field} must be a bool, got {getattr(self, field)!r}")
         if not isinstance(self.format_version, int) or self.format_version < 1:
             raise ValueError(f"KbitConfig.format_version must be a positive int, got {self.format_version!r}")
         if self.format_version > fmt.FORMAT_VERSION:
@@ -173,6 +182,7 @@ class KbitConfig(QuantizationConfigMixin):
             "fitting": self.fitting,
             "format_version": self.format_version,
             "fuse_projections": self.fuse_projections,
+            "fusion_pass": self.fusion_pass,
             **_FORMAT_FACTS,
         }
 

@@ -9,7 +9,7 @@ from transformers.core_model_loading import ConversionOps
 from transformers.quantizers.base import HfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name
 
-from . import checkpoint, fitting
+from . import checkpoint, fitting, fusion
 from .config import KbitConfig
 from .nn.experts import KbitExperts, quantize_experts_on_load, replace_experts_with_kbit, replace_kbit_experts_with_float
 from .nn.fused import codebook_siblings, fuse_projections
@@ -98,6 +98,8 @@ class KbitHfQuantizer(HfQuantizer):
         pack_storages(model)
         if self.quantization_config.fuse_projections:
             fuse_projections(model)
+        if self.quantization_config.fusion_pass:
+            fusion.use_as_default(model)
         return model
 
     def _dequantize(self, model, dtype=None):

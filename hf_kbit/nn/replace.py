@@ -59,7 +59,8 @@ def quantize_model(model: nn.Module, config: KbitConfig | None = None, modules_t
     that tied modules (an LM head sharing the input embedding's weight) are always kept
     (:func:`tied_modules`).
     With ``config.fuse_projections`` (default) sibling projections are then fused
-    (:func:`~hf_kbit.nn.fuse_projections`).
+    (:func:`~hf_kbit.nn.fuse_projections`); with ``config.fusion_pass`` (default) ``generate()`` compiles
+    with :func:`hf_kbit.fusion.compile_config` (:func:`hf_kbit.fusion.use_as_default`).
     """
     config = config or KbitConfig()
     skip = modules_to_not_convert if modules_to_not_convert is not None else (config.modules_to_not_convert or [])
@@ -78,4 +79,8 @@ def quantize_model(model: nn.Module, config: KbitConfig | None = None, modules_t
     model = quantize_experts(model, config, modules_to_not_convert)
     if config.fuse_projections:
         fuse_projections(model)
+    if config.fusion_pass:
+        from .. import fusion
+
+        fusion.use_as_default(model)
     return model
