@@ -76,6 +76,8 @@ class KbitFusedProjections(KbitModule):
         self.__dict__["members"] = tuple(members)
         for index, member in enumerate(members):
             member.__dict__["fused_into"] = (self, index, fused_group(self))
+            # a view into the member's own storage would keep all of it alive once the rows move here
+            member._buffers["codebook"] = member.codebook.clone()
         self.pack_storage()
         self._link()
 

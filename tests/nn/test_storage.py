@@ -84,8 +84,9 @@ def test_quantized_models_keep_one_storage_per_module():
     assert fused and all(m._storage is not None for m in fused)
     for m in fused:  # the members' rows are views into the fused storage; a member has none of its own
         assert all(_storage_views(m, ("planes",)) for _ in [0])
-        for member in m.members:
+        for member in m.members:  # and nothing of its former storage stays alive
             assert member._storage is None
+            assert member.codebook.untyped_storage().nbytes() == member.codebook.nbytes
             assert m._storage.data_ptr() <= member.planes.data_ptr() < m._storage.data_ptr() + m._storage.numel()
     assert all(m._storage is not None for m in kbit if isinstance(m, KbitLinear) and m.fused_into is None)
 
