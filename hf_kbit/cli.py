@@ -288,6 +288,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if result.eval:
         print(f"perplexity ({result.eval['tokens']} tokens): source {result.eval['base_perplexity']:.3f}, "
               f"kbit {result.eval['kbit_perplexity']:.3f}")
+    print(f"fastest decoding: {hub.FAST_DECODING}")
+    if args.skip_modules is None:  # the default kept the LM head in full precision
+        print(f"LM head: kept in full precision; {hub.FAST_LM_HEAD}")
     if args.push_to_hub:
         return _push(hub, result.out, args)
     return 0

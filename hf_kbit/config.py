@@ -91,6 +91,12 @@ class KbitConfig(QuantizationConfigMixin):
             Hub repo id or folder to load one from; ``None``: the model's own (its folder or repo). Not saved.
         calibration: what a calibrated checkpoint records (``{"method": "gptq", "samples", "seq_len",
             "tokens"}``), read from its config.json; set from the other calibration fields, never by hand.
+        fusion_pass: ``generate()``'s compile of the decode step (static cache, CUDA) runs
+            :func:`hf_kbit.fusion.compile_config`: hf_kbit's fusion pass (RMSNorm and SiLU-mul into the
+            kbit GEMVs of single-token steps), inductor's combo kernels and, on sm_90+, PDL. Set as the
+            model's ``generation_config.compile_config`` after loading unless it has one; a
+            ``compile_config`` passed to ``generate()`` takes precedence. ``False`` leaves transformers'
+            default. A runtime choice, like ``fuse_projections``.
     """
 
     def __init__(
@@ -107,6 +113,7 @@ class KbitConfig(QuantizationConfigMixin):
         calibration_seq_len: int | None = None,
         calibration_tokenizer: Any = None,
         calibration: dict[str, Any] | None = None,
+        fusion_pass: bool = True,
         **kwargs: Any,
     ):
         self.quant_method = QUANT_METHOD
@@ -122,6 +129,7 @@ class KbitConfig(QuantizationConfigMixin):
         self.calibration_seq_len = calibration_seq_len
         self.calibration_tokenizer = calibration_tokenizer
         self.calibration = calibration
+        self.fusion_pass = fusion_pass
         kwargs.pop("quant_method", None)
         for key, value in _FORMAT_FACTS.items():
             if kwargs.pop(key, value) != value:
@@ -133,7 +141,7 @@ class KbitConfig(QuantizationConfigMixin):
     @staticmethod
     def _fields() -> list[str]:
         return ["bits", "codebook", "modules_to_not_convert", "module_bits", "fitting", "format_version", "fuse_projections",
-                "calibration_data", "calibration_samples", "calibration_seq_len", "calibration_tokenizer", "calibration"]
+                "calibration_data", "calibration_samples", "calibration_seq_len", "calibration_tokenizer", "calibration", "fusion_pass"]
 
     def post_init(self) -> None:
         """Validate every field; errors name the field, the expectation and the value."""
@@ -179,8 +187,9 @@ class KbitConfig(QuantizationConfigMixin):
             )
         if self.fitting is not None and self.fitting not in FITTINGS:
             raise ValueError(f"KbitConfig.fitting must be one of {FITTINGS} or None, got {self.fitting!r}")
-        if not isinstance(self.fuse_projections, bool):
-            raise TypeError(f"KbitConfig.fuse_projections must be a bool, got {self.fuse_projections!r}")
+        for field in ("fuse_projections", "fusion_pass"):
+            if not isinstance(getattr(self, field), bool):
+                raise TypeError(f"KbitConfig.{field} must be a bool, got {getattr(self, field)!r}")
         if not isinstance(self.format_version, int) or self.format_version < 1:
             raise ValueError(f"KbitConfig.format_version must be a positive int, got {self.format_version!r}")
         if self.format_version > fmt.FORMAT_VERSION:
@@ -276,6 +285,7 @@ class KbitConfig(QuantizationConfigMixin):
             "fitting": self.fitting,
             "format_version": self.format_version,
             "fuse_projections": self.fuse_projections,
+            "fusion_pass": self.fusion_pass,
             # Only a calibrated checkpoint has the field, so data-free ones stay readable by earlier versions.
             **({"calibration": record} if (record := self.calibration_record()) is not None else {}),
             **_FORMAT_FACTS,

@@ -173,6 +173,36 @@ def _tokens_at_most(x, max_tokens: int | None) -> bool:
     return math.prod(val.shape[:-1]) <= max_tokens
 
 
+# Ops by which a kbit module's format tensors are taken out of its one storage (KbitModule.format_tensors).
+_VIEWS = (aten.slice.Tensor, aten.view.dtype, aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _storage_input(node: fx.Node) -> bool:
+    val = _val(node)
+    return node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dtype == torch.uint8 and val.dim() == 1
+
+
+def hoist_input_views(graph: fx.Graph) -> int:
+    """Move the views of 1-D uint8 graph inputs (the kbit modules' one storage each, whose views are their
+    format tensors) to the top of ``graph``, right after its inputs; returns how many moved. They are traced
+    where a module's forward ran, after the norm in front of it, and a rewrite places the fused op where the
+    norm's inputs are: its weights must already be there. Views compute nothing, so the order is free."""
+    anchor = None
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            anchor = node
+    if anchor is None:
+        return 0
+    hoisted: set[fx.Node] = set()
+    for node in list(graph.nodes):
+        if not _call(node, *_VIEWS) or not all(_storage_input(i) or i in hoisted for i in node.all_input_nodes):
+            continue
+        anchor.append(node)
+        anchor = node
+        hoisted.add(node)
+    return len(hoisted)
+
+
 def fuse(graph: fx.Graph, max_tokens: int | None = DEFAULT_MAX_TOKENS) -> dict[str, int]:
     """Rewrite ``graph`` (post-grad ATen) in place; returns how many of each rewrite it made.
 
@@ -181,6 +211,7 @@ def fuse(graph: fx.Graph, max_tokens: int | None = DEFAULT_MAX_TOKENS) -> dict[s
     the first one that adds takes the sum out, the others read that sum.
     """
     made = {"mm_add_rmsnorm": 0, "mm_rmsnorm": 0, "mm_silu_mul": 0}
+    hoist_input_views(graph)
     erased: set[fx.Node] = set()
     for mm in list(graph.nodes):
         if mm in erased or not _call(mm, kbit.mm.default) or not _tokens_at_most(mm.args[0], max_tokens):
@@ -247,8 +278,18 @@ def fuse(graph: fx.Graph, max_tokens: int | None = DEFAULT_MAX_TOKENS) -> dict[s
 def _pass_class():
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-    class KbitFusionPass(CustomGraphPass):
-        """:func:`fuse` as inductor's ``post_grad_custom_post_pass``; ``rewrites`` counts what it did."""
+    class KbitFusionPass(str, CustomGraphPass):
+        """:func:`fuse` as inductor's ``post_grad_custom_post_pass``; ``rewrites`` counts what it did.
+
+        A str, the call that makes it, because a kbit model carries it in ``generation_config.compile_config``
+        and transformers hashes and prints generation configs through JSON; passes of equal ``max_tokens``
+        compare equal, so ``generate()`` does not compile again for an equal config."""
+
+        def __new__(cls, max_tokens: int | None):
+            return super().__new__(cls, f"hf_kbit.fusion.fusion_pass(max_tokens={max_tokens})")
+
+        def __getnewargs__(self):
+            return (self.max_tokens,)
 
         def __init__(self, max_tokens: int | None) -> None:
             self.max_tokens = max_tokens
@@ -274,28 +315,64 @@ def fusion_pass(max_tokens: int | None = DEFAULT_MAX_TOKENS):
     return _pass_class()(max_tokens)
 
 
-def compile_options(fusion=None, cudagraphs: bool = False, combo_kernels: bool = True) -> dict:
+def pdl_supported() -> bool:
+    """Whether inductor here can launch its Triton kernels as programmatic dependents (PDL): it has the
+    switch (``TORCHINDUCTOR_ENABLE_PDL``) and the current CUDA device is sm_90 or newer."""
+    import torch._inductor.config as inductor_config
+
+    if not hasattr(inductor_config.triton, "enable_pdl") or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability()[0] >= 9
+
+
+def compile_options(fusion=None, cudagraphs: bool = False, combo_kernels: bool = True, pdl: bool | None = None) -> dict:
     """``torch.compile`` options that run the pass (``fusion``, default a new :func:`fusion_pass`);
     ``cudagraphs``: inductor's CUDA graphs too, what ``mode="reduce-overhead"`` sets (torch.compile takes
     ``mode`` or ``options``, not both); ``combo_kernels``: inductor's horizontal fusion of independent
-    kernels (see the module doc)."""
+    kernels (see the module doc); ``pdl``: inductor's Triton kernels launch as programmatic dependents, so
+    each overlaps its launch and prologue with the kernel before it (no effect on results); None: where
+    :func:`pdl_supported`, False: as the environment says (``TORCHINDUCTOR_ENABLE_PDL``)."""
     options = {"post_grad_custom_post_pass": fusion if fusion is not None else fusion_pass()}
     if cudagraphs:
         options["triton.cudagraphs"] = True
     if combo_kernels:
         options["combo_kernels"] = True
+    if pdl or (pdl is None and pdl_supported()):
+        options["triton.enable_pdl"] = True
     return options
 
 
-def compile_config(max_tokens: int | None = DEFAULT_MAX_TOKENS, combo_kernels: bool = True, **kwargs):
+def compile_config(max_tokens: int | None = DEFAULT_MAX_TOKENS, combo_kernels: bool = True, pdl: bool | None = None,
+                   **kwargs):
     """A transformers ``CompileConfig`` for ``generate``'s compile of the decode step: its default
     (reduce-overhead: CUDA graphs) with the pass (:func:`fusion_pass` with ``max_tokens``) and, unless
-    ``combo_kernels`` is False, inductor's combo kernels (:func:`compile_options`). ``kwargs`` go to
-    ``CompileConfig`` (``fullgraph``, ``dynamic``, ...)."""
+    ``combo_kernels`` is False, inductor's combo kernels, and PDL as ``pdl`` says (:func:`compile_options`).
+    ``kwargs`` go to ``CompileConfig`` (``fullgraph``, ``dynamic``, ...).
+
+    A kbit model carries this as its ``generation_config.compile_config`` unless ``KbitConfig(fusion_pass=False)``
+    or the generation config had one already (:func:`use_as_default`): ``generate()`` then compiles so by
+    default; a ``compile_config`` passed to ``generate()`` takes precedence."""
     from transformers import CompileConfig
 
     if "mode" in kwargs or "options" in kwargs:
         raise TypeError(f"compile_config sets mode and options itself (options: the pass and CUDA graphs), "
                         f"got {sorted(k for k in kwargs if k in ('mode', 'options'))}")
-    options = compile_options(fusion_pass(max_tokens), cudagraphs=True, combo_kernels=combo_kernels)
+    options = compile_options(fusion_pass(max_tokens), cudagraphs=True, combo_kernels=combo_kernels, pdl=pdl)
     return CompileConfig(mode=None, options=options, **kwargs)
+
+
+def is_kbit_compile_config(config) -> bool:
+    """Whether ``config`` (a transformers ``CompileConfig`` or None) runs the pass (:func:`compile_config`)."""
+    options = getattr(config, "options", None) or {}
+    return type(options.get("post_grad_custom_post_pass")).__name__ == "KbitFusionPass"
+
+
+def use_as_default(model) -> bool:
+    """Make :func:`compile_config` ``model``'s ``generation_config.compile_config`` unless it has one
+    (the user's choice stays); returns whether the model now compiles with the pass."""
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is None or not hasattr(generation_config, "compile_config"):
+        return False
+    if generation_config.compile_config is None:
+        generation_config.compile_config = compile_config()
+    return is_kbit_compile_config(generation_config.compile_config)

@@ -47,6 +47,14 @@ def redact(text: str, token: str | None = None) -> str:
     return text
 
 
+# What a user writes for the fastest decoding, the choices that are the user's (kbit-convert prints it, the card shows
+# it): the decode attention, and a static cache, whose compile runs hf-kbit's fusion pass by default.
+FAST_DECODING = ('AutoModelForCausalLM.from_pretrained(repo, attn_implementation="kbit_decode"), '
+                 'then model.generate(..., cache_implementation="static")')
+FAST_LM_HEAD = ("--skip-modules with no names quantizes the LM head too (faster decoding, some perplexity; "
+                "--module-bits '^lm_head$=5' keeps more of it)")
+
+
 def template_path() -> Path:
     for folder in _TEMPLATE_DIRS:
         if (folder / TEMPLATE_NAME).is_file():

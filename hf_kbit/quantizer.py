@@ -9,11 +9,11 @@ from transformers.core_model_loading import ConversionOps
 from transformers.quantizers.base import HfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name
 
-from . import checkpoint, fitting
+from . import checkpoint, fitting, fusion
 from .config import KbitConfig
 from .nn.experts import KbitExperts, quantize_experts_on_load, replace_experts_with_kbit, replace_kbit_experts_with_float
 from .nn.fused import codebook_siblings, fuse_projections
-from .nn.linear import COMPUTE_DTYPES, FORMAT_TENSORS, KbitLinear, quantize_group
+from .nn.linear import COMPUTE_DTYPES, FORMAT_TENSORS, KbitLinear, pack_storages, quantize_group
 from .nn.replace import check_quantizable, quantize_model, replace_kbit_with_linear, replace_linear_with_kbit, tied_modules
 
 
@@ -111,8 +111,11 @@ class KbitHfQuantizer(HfQuantizer):
                 model.get_submodule(module)._buffers[name] = tensor
         self.pending.clear()
         checkpoint.validate_loaded(model)
+        pack_storages(model)
         if self.quantization_config.fuse_projections:
             fuse_projections(model)
+        if self.quantization_config.fusion_pass:
+            fusion.use_as_default(model)
         return model
 
     def _dequantize(self, model, dtype=None):

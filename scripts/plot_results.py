@@ -152,6 +152,8 @@ def bench_labels(p: dict[str, Any]) -> list[str]:
     labels = [label for key, label in (("lm_head_quantized", "LM head quantized"), ("inductor_pdl", "inductor PDL"),
                                        ("fused_projections", "fused q/k/v and gate/up"),
                                        ("fusion_pass", "fusion pass")) if p.get(key)]
+    if "fusion_pass" in p and p["fusion_pass"] is None:  # bench_generate's default: kbit compiles with it, bf16 not
+        labels.append("kbit default compile")
     return labels + ([f"{p['attention']} attention"] if p.get("attention", "sdpa") != "sdpa" else [])
 
 
@@ -358,6 +360,10 @@ def bench_markdown(p: dict[str, Any]) -> str:
             if p.get("combo_kernels"):
                 head += (" Those compiles turn on inductor's combo kernels for every variant, which launch independent "
                          "small kernels together (each layer's RoPE, KV-cache writes and attention mask).")
+        elif "fusion_pass" in p and p["fusion_pass"] is None:
+            head += (" Each variant compiles as its generate() does by default: kbit with hf_kbit.fusion's compile "
+                     "(`KbitConfig(fusion_pass=True)`: the pass, inductor's combo kernels, PDL on sm_90+), bf16 as "
+                     "transformers does.")
         if p.get("attention", "sdpa") != "sdpa":
             head += (" Every variant, bf16 included, attends with `attn_implementation=" + repr(p["attention"]) + "` "
                      "(hf_kbit.attention: a decoded token's query heads served per key/value head, no repeat_kv) "

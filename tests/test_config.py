@@ -19,11 +19,13 @@ def test_defaults_and_json_roundtrip():
         modules_to_not_convert=["lm_head"],
         fitting="absmax",
         fuse_projections=False,
+        fusion_pass=False,
     )
     d = json.loads(cfg.to_json_string())
     assert d["quant_method"] == "kbit" and d["format_version"] == FORMAT_VERSION and d["block_size"] == 32
     again = KbitConfig.from_dict(d)
     assert again == cfg and again.to_dict() == cfg.to_dict() and again.fitting == "absmax"
+    assert again.fusion_pass is False and KbitConfig.from_dict({"bits": 4}).fusion_pass is True  # older configs: on
 
 
 def test_a_config_without_fitting_takes_the_measured_default():
@@ -84,6 +86,7 @@ def test_module_bits_pattern():
         ({"modules_to_not_convert": "lm_head"}, "modules_to_not_convert"),
         ({"format_version": 0}, "format_version"),
         ({"fuse_projections": "yes"}, "fuse_projections"),
+        ({"fusion_pass": 1}, "fusion_pass"),
         ({"fitting": "gptq"}, "fitting"),
         ({"calibration_data": 123}, "calibration_data"),
         ({"calibration_data": []}, "calibration_data"),

@@ -129,6 +129,74 @@ def test_compile_config_runs_the_pass_in_generate():
     assert torch.equal(compiled, eager)
 
 
+# ---------------------------------------------------------------------------- the default (KbitConfig.fusion_pass)
+
+
+def test_a_kbit_model_compiles_generate_with_the_pass_by_default():
+    """quantize_model (and quantize-on-load, test_quantizer) give the model fusion.compile_config() as its
+    generation_config.compile_config: generate() with a static cache compiles so with nothing opted in,
+    and its greedy tokens are the eager ones (the pass keeps each rounding of the unfused ops)."""
+    model = hf_kbit.quantize_model(tiny_dense_model("llama"), hf_kbit.KbitConfig(bits=4))
+    config = model.generation_config.compile_config
+    assert fusion.is_kbit_compile_config(config) and config.options["combo_kernels"] is True
+    ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(2))
+    kwargs = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation="static")
+    with torch.inference_mode():
+        eager = model.generate(ids, disable_compile=True, **kwargs)
+    torch._dynamo.reset()
+    config.options["fx_graph_cache"] = False
+    config._compile_all_devices = True  # transformers compiles on CUDA only unless told
+    with torch.inference_mode():
+        compiled = model.generate(ids, **kwargs)
+    torch._dynamo.reset()
+    rewrites = config.options["post_grad_custom_post_pass"].rewrites
+    assert rewrites["mm_silu_mul"] > 0 and rewrites["mm_add_rmsnorm"] > 0, rewrites
+    assert torch.equal(compiled, eager)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("batch", [1, 4])
+def test_the_default_compile_of_a_moe_decode_step_keeps_its_logits(dtype, batch):
+    """The default compile options (pass, combo kernels) on a MoE model's single-token step (the pass rewrites
+    batch 1 only, its default max_tokens) against the eager unfused step."""
+    from transformers import StaticCache
+
+    from tiny_models import tiny_moe_model
+
+    model = hf_kbit.quantize_model(tiny_moe_model("qwen3_moe", dtype), hf_kbit.KbitConfig(bits=4))
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    ids = torch.randint(0, model.config.vocab_size, (batch, 6), generator=torch.Generator().manual_seed(3))
+    step = dict(input_ids=ids[:, -1:], position_ids=torch.full((batch, 1), 5), past_key_values=cache, use_cache=True)
+    with torch.inference_mode():
+        model(input_ids=ids[:, :5], past_key_values=cache, use_cache=True)
+        eager = model(**step).logits
+        for layer in cache.layers:
+            layer.cumulative_length.fill_(5)
+        torch._dynamo.reset()
+        options = {**model.generation_config.compile_config.options, "fx_graph_cache": False}
+        logits = torch.compile(model, fullgraph=True, options=options)(**step).logits
+    torch._dynamo.reset()
+    torch.testing.assert_close(logits, eager, atol=LOGITS_ATOL_BF16 * eager.abs().max().item(), rtol=0)
+
+
+def test_fusion_pass_off_or_a_users_compile_config_leave_generate_alone():
+    from transformers import CompileConfig
+
+    model = hf_kbit.quantize_model(tiny_dense_model("llama"), hf_kbit.KbitConfig(bits=4, fusion_pass=False))
+    assert model.generation_config.compile_config is None
+    model = tiny_dense_model("llama")
+    mine = model.generation_config.compile_config = CompileConfig(fullgraph=True)
+    hf_kbit.quantize_model(model, hf_kbit.KbitConfig(bits=4))
+    assert model.generation_config.compile_config is mine
+
+
+def test_pdl_only_where_inductor_and_the_device_support_it():
+    assert fusion.pdl_supported() is False  # no CUDA device here
+    assert "triton.enable_pdl" not in fusion.compile_options()
+    assert "triton.enable_pdl" not in fusion.compile_options(pdl=False)
+    assert fusion.compile_options(pdl=True)["triton.enable_pdl"] is True
+
+
 def test_compile_config_names_what_it_sets_itself():
     with pytest.raises(TypeError, match="mode"):
         fusion.compile_config(mode="max-autotune")

@@ -75,6 +75,10 @@ def test_quantize_on_load_save_reload(family, saved_models, tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
+    # loaded kbit models keep one storage per module and compile generate() with hf_kbit's pass by default
+    assert all(m._storage is not None for m in reloaded.modules() if isinstance(m, KbitLinear) and m.fused_into is None)
+    assert hf_kbit.fusion.is_kbit_compile_config(reloaded.generation_config.compile_config)
+    assert "compile_config" not in json.loads((out / "generation_config.json").read_text())
 
 
 def test_module_bits_and_modules_to_not_convert(saved_models):

@@ -279,6 +279,17 @@ class KbitExperts(KbitModule):
         for key, value in packed.items():
             setattr(self, key, value.to(device))
         self._parameters.pop(projection, None)
+        self.pack_storage()
+
+    def format_layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        layout = {}
+        for projection, prefix in PROJECTIONS.items():
+            n, k = self.layout.linear_shape(projection)
+            shapes = fmt.packed_shapes(n, k, self.bits[projection])
+            for t in FORMAT_TENSORS:
+                lead = () if t == "codebook" else (self.num_experts,)
+                layout[f"{prefix}_{t}"] = (fmt.PACKED_DTYPES[t], lead + shapes[t])
+        return layout
 
     # ------------------------------------------------------------------ forward
 
@@ -291,10 +302,7 @@ class KbitExperts(KbitModule):
         out = torch.ops.kbit.grouped_mm(
             x,
             expert_ids,
-            getattr(self, f"{prefix}_planes"),
-            getattr(self, f"{prefix}_block_scales"),
-            getattr(self, f"{prefix}_row_scales"),
-            getattr(self, f"{prefix}_codebook"),
+            *self.format_tensors(tuple(f"{prefix}_{t}" for t in FORMAT_TENSORS), x.device),
             self.layout.linear_shape(projection)[1],
             *routing,
         )

@@ -57,8 +57,9 @@ class KbitFusedProjections(KbitModule):
 
     Registered in the members' parent (``self_attn.qkv_proj``) so that ``.to()`` / ``.cuda()``
     reach it; it owns the fused format tensors as plain attributes (not buffers: the members'
-    views are the buffers, so state dicts and memory footprints count every byte once) and
-    re-points the members' views after a move. It has no state-dict entries of its own.
+    views are the buffers, so state dicts and memory footprints count every byte once), all four
+    views into its one storage (:class:`~hf_kbit.nn.linear.KbitModule`), and re-points the members'
+    views after a move. It has no state-dict entries of its own.
     """
 
     def __init__(self, members: Sequence[KbitLinear], names: Sequence[str]):
@@ -75,7 +76,20 @@ class KbitFusedProjections(KbitModule):
         self.__dict__["members"] = tuple(members)
         for index, member in enumerate(members):
             member.__dict__["fused_into"] = (self, index, fused_group(self))
+            # a view into the member's own storage would keep all of it alive once the rows move here
+            member._buffers["codebook"] = member.codebook.clone()
+        self.pack_storage()
         self._link()
+
+    def format_layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        shapes = fmt.packed_shapes(self.out_features, self.in_features, self.bits)
+        return {name: (fmt.PACKED_DTYPES[name], shapes[name]) for name in (*ROW_TENSORS, "codebook")}
+
+    def _format_sources(self) -> dict[str, torch.Tensor | None]:
+        return {name: self.__dict__.get(name) for name in (*ROW_TENSORS, "codebook")}
+
+    def _set_format_tensor(self, name: str, value: torch.Tensor | None) -> None:
+        self.__dict__[name] = value
 
     def _link(self) -> None:
         """Point every member's row tensors at its rows of the fused ones."""
@@ -84,12 +98,28 @@ class KbitFusedProjections(KbitModule):
             parts = self.__dict__[name].split(tiles if name != "row_scales" else list(self.sizes))
             for member, part in zip(self.members, parts):
                 member._buffers[name] = part
+        for member in self.members:
+            member.drop_storage()  # its own storage, if it had one, no longer holds its rows
+
+    def link_when_ready(self) -> None:
+        """:meth:`_link` once this module and all its members are unpickled (in whichever order pickle
+        restores them: each of them calls this when its own state is set)."""
+        ready = [self.__dict__.get("members"), *(self.__dict__.get(name) for name in ROW_TENSORS)]
+        if all(r is not None for r in ready) and all("_buffers" in m.__dict__ for m in self.members):
+            self._link()
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.link_when_ready()
 
     def _apply(self, fn, recurse=True):
-        for name in (*ROW_TENSORS, "codebook"):
-            t = self.__dict__[name]
-            out = fn(t)
-            self.__dict__[name] = t.to(out.device) if out.dtype != t.dtype else out  # format dtypes stay
+        if self._storage is not None:
+            super()._apply(fn, recurse)
+        else:
+            for name in (*ROW_TENSORS, "codebook"):
+                t = self.__dict__[name]
+                out = fn(t)
+                self.__dict__[name] = t.to(out.device) if out.dtype != t.dtype else out  # format dtypes stay
         self._link()
         return self
 
@@ -154,6 +184,7 @@ def unfuse_projections(model: nn.Module) -> list[str]:
                 for tensor_name in ROW_TENSORS:
                     member._buffers[tensor_name] = member._buffers[tensor_name].clone()
                 member.__dict__["fused_into"] = None
+                member.pack_storage()
         parent_name, _, child = name.rpartition(".")
         delattr(model.get_submodule(parent_name) if parent_name else model, child)
         removed.append(name)

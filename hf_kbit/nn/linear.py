@@ -17,14 +17,115 @@ FORMAT_TENSORS = ("planes", "block_scales", "row_scales", "codebook")
 ROW_TENSORS = FORMAT_TENSORS[:3]  # one entry per output row (or row tile); the codebook is the layer's
 
 
+# Bytes at which each format tensor of a module's one storage starts (vector loads, any dtype).
+STORAGE_ALIGN = 16
+
+
+Shape = tuple[int, ...]
+
+
+def storage_layout(tensors: dict[str, tuple[torch.dtype, Shape]]) -> dict[str, tuple[int, int, torch.dtype, Shape]]:
+    """Where each tensor ``{name: (dtype, shape)}`` sits in one uint8 storage, in the given order:
+    ``{name: (byte offset, bytes, dtype, shape)}``, every offset a multiple of :data:`STORAGE_ALIGN`."""
+    layout, offset = {}, 0
+    for name, (dtype, shape) in tensors.items():
+        nbytes = math.prod(shape) * dtype.itemsize
+        layout[name] = (offset, nbytes, dtype, shape)
+        offset += -(-nbytes // STORAGE_ALIGN) * STORAGE_ALIGN
+    return layout
+
+
+def storage_bytes(layout: dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]]) -> int:
+    return max((-(-(o + n) // STORAGE_ALIGN) * STORAGE_ALIGN for o, n, _, _ in layout.values()), default=0)
+
+
+def storage_view(storage: torch.Tensor, entry: tuple[int, int, torch.dtype, tuple[int, ...]]) -> torch.Tensor:
+    """The tensor that ``entry`` (from :func:`storage_layout`) places in ``storage``, as a view."""
+    offset, nbytes, dtype, shape = entry
+    return storage[offset : offset + nbytes].view(dtype).view(shape)
+
+
 class KbitModule(nn.Module):
     """Base of kbit modules, whose buffers are all format tensors.
 
     Casting a model (``.half()``, ``.to(torch.bfloat16)``) must not touch them: they keep
     their dtype and follow the device; parameters (biases) cast as usual.
+
+    One storage: once its format tensors are final (quantized, loaded, moved), a module keeps them
+    in one uint8 tensor (``_storage``: not a buffer, no state-dict entry, counted once) and its
+    buffers become views into it (:meth:`pack_storage`). A compiled forward reads that one tensor
+    and takes the views inside the graph (:meth:`format_tensors`), so that dynamo lifts one input
+    per module instead of one per format tensor: each lifted input costs host time at every call of
+    the compiled step (the generated code fetches it through the module path, the wrappers check
+    it). Eager forwards read the buffers. Replacing a buffer (``module.planes = t``,
+    ``load_state_dict(assign=True)``) drops the storage until :meth:`pack_storage` runs again;
+    copying into one (``load_state_dict``) writes into the storage.
     """
 
+    _storage = None
+
+    def format_layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """``{name: (dtype, shape)}`` of the format tensors, in storage order, derived from the module's
+        int attributes only (a compiled forward then adds no guards for it)."""
+        raise NotImplementedError
+
+    def _format_sources(self) -> dict[str, torch.Tensor | None]:
+        """Where the format tensors live outside the storage (the buffers)."""
+        return self._buffers
+
+    def _set_format_tensor(self, name: str, value: torch.Tensor | None) -> None:
+        self._buffers[name] = value
+
+    def __setattr__(self, name, value):
+        if self._storage is not None and name in self.__dict__.get("_buffers", ()):
+            self.__dict__["_storage"] = None  # a buffer of its own now: the storage no longer holds it
+        super().__setattr__(name, value)
+
+    def drop_storage(self) -> None:
+        """Forget the one storage (the buffers keep their values, as views into it)."""
+        self.__dict__["_storage"] = None
+
+    @torch.no_grad()
+    def pack_storage(self) -> bool:
+        """Move the format tensors into one storage, the buffers becoming views into it; False (and no
+        storage) where they are not all there, on one device, in the shapes and dtypes of
+        :meth:`format_layout` (placeholders still waiting, meta tensors, a checkpoint of another layout)."""
+        self.drop_storage()
+        wanted = self.format_layout()
+        sources = self._format_sources()
+        tensors = [sources.get(name) for name in wanted]
+        if any(t is None or t.is_meta for t in tensors) or len({t.device for t in tensors}) != 1:
+            return False
+        expected = wanted.values()
+        if any(t.dtype != dtype or tuple(t.shape) != tuple(shape) for t, (dtype, shape) in zip(tensors, expected)):
+            return False
+        layout = storage_layout(wanted)
+        storage = torch.empty(storage_bytes(layout), dtype=torch.uint8, device=tensors[0].device)
+        for (name, entry), t in zip(layout.items(), tensors):
+            view = storage_view(storage, entry)
+            view.copy_(t)
+            self._set_format_tensor(name, view)
+        self.__dict__["_storage"] = storage
+        return True
+
+    def format_tensors(self, names: tuple[str, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+        """The format tensors ``names`` for a forward on ``device``: views of the one storage when compiling
+        (one graph input for the module), the buffers otherwise."""
+        storage = self._storage
+        if storage is not None and storage.device == device and torch.compiler.is_compiling():
+            layout = storage_layout(self.format_layout())
+            return tuple(storage_view(storage, layout[name]) for name in names)
+        sources = self._format_sources()
+        return tuple(sources[name] for name in names)
+
     def _apply(self, fn, recurse=True):
+        storage = self._storage
+        if storage is not None:  # move the storage once; the buffers follow as views
+            moved = fn(storage)
+            moved = storage.to(moved.device) if moved.dtype != storage.dtype else moved
+            names = list(self.format_layout())
+            for name in names:
+                self._set_format_tensor(name, None)
         keep = {id(t) for t in self._buffers.values() if t is not None}
 
         def apply_keeping_format(t):
@@ -33,7 +134,49 @@ class KbitModule(nn.Module):
                 return t.to(out.device)
             return out
 
-        return super()._apply(apply_keeping_format, recurse)
+        out = super()._apply(apply_keeping_format, recurse)
+        if storage is not None:
+            layout = storage_layout(self.format_layout())
+            for name in names:
+                self._set_format_tensor(name, storage_view(moved, layout[name]))
+            self.__dict__["_storage"] = moved
+        return out
+
+    def _shares_storage(self) -> bool:
+        return self._storage is not None or getattr(self, "fused_into", None) is not None
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        if self._shares_storage():
+            # pickle cannot write views of one storage as tensors of several dtypes: each its own copy
+            # (the copy packs its storage again, KbitModule.__setstate__)
+            sources = self._format_sources()
+            copies = {name: t.clone() for name, t in sources.items() if t is not None}
+            state["_storage"] = None
+            if sources is self._buffers:
+                state["_buffers"] = {**self._buffers, **copies}
+            else:
+                state.update(copies)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.pack_storage()
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._storage is not None or getattr(self, "fused_into", None) is not None:
+            # views into one storage: saved (safetensors) as tensors of their own
+            for name in self._buffers:
+                if prefix + name in destination:
+                    destination[prefix + name] = destination[prefix + name].clone()
+
+
+def pack_storages(model: nn.Module) -> int:
+    """:meth:`KbitModule.pack_storage` for every kbit module of ``model``; returns how many have one storage.
+    Fused members are left as they are: their row tensors are views into the fused module's storage."""
+    return sum(m.pack_storage() for m in model.modules()
+               if isinstance(m, KbitModule) and getattr(m, "fused_into", None) is None)
 
 
 class KbitLinear(KbitModule):
@@ -66,6 +209,7 @@ class KbitLinear(KbitModule):
         if self.fused_into is not None:
             fused, index = self.fused_into[:2]  # pickles from before the group have (fused, index)
             self.__dict__["fused_into"] = (fused, index, fused_group(fused))
+            fused.link_when_ready()
 
     def __init__(
         self,
@@ -140,6 +284,15 @@ class KbitLinear(KbitModule):
         """Full-precision placeholders still waiting for quantize-on-load."""
         return ["weight"] if "weight" in self._parameters else []
 
+    def format_layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        shapes = fmt.packed_shapes(self.out_features, self.in_features, self.bits)
+        return {name: (fmt.PACKED_DTYPES[name], shapes[name]) for name in FORMAT_TENSORS}
+
+    def pack_storage(self) -> bool:
+        if self.fused_into is not None:  # its row tensors are views into the fused module's storage
+            return False
+        return super().pack_storage()
+
     @torch.no_grad()
     def load_packed(self, planes, block_scales, row_scales, codebook) -> None:
         """Take packed tensors (from :func:`quantize_weight` or a checkpoint)."""
@@ -152,18 +305,13 @@ class KbitLinear(KbitModule):
             setattr(self, name, value.to(self.planes.device))
         if "weight" in self._parameters:
             del self._parameters["weight"]
+        self.pack_storage()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = packed_matmul(self, x) if self.fused_into is None else fused_output(self.fused_into, x)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.fused_into is not None:  # views into the fused tensors: saved (safetensors) as tensors of their own
-            for name in ROW_TENSORS:
-                destination[prefix + name] = destination[prefix + name].clone()
 
     @torch.no_grad()
     def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -191,7 +339,7 @@ class KbitLinear(KbitModule):
         return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, bias={self.bias is not None}"
 
 
-def packed_matmul(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def packed_matmul(module: KbitModule, x: torch.Tensor) -> torch.Tensor:
     """``x @ W.T`` for a module holding format tensors (KbitLinear, KbitFusedProjections), no bias."""
     out = None
     fast = _ops.eager_mm
@@ -200,8 +348,7 @@ def packed_matmul(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if out is None:
         if x.dtype not in COMPUTE_DTYPES:
             raise TypeError(f"KbitLinear input must be one of {COMPUTE_DTYPES}, got {x.dtype}")
-        out = torch.ops.kbit.mm(x, module.planes, module.block_scales, module.row_scales, module.codebook,
-                                module.in_features)
+        out = torch.ops.kbit.mm(x, *module.format_tensors(FORMAT_TENSORS, x.device), module.in_features)
     return out
 
 

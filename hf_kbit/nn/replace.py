@@ -77,7 +77,8 @@ def quantize_model(
     the model's device, a tqdm bar unless ``progress`` is False), the fused experts of the decoder layers too;
     what quantize-on-load with calibration and ``kbit-convert --calibration-data`` run.
     With ``config.fuse_projections`` (default) sibling projections are then fused
-    (:func:`~hf_kbit.nn.fuse_projections`).
+    (:func:`~hf_kbit.nn.fuse_projections`); with ``config.fusion_pass`` (default) ``generate()`` compiles
+    with :func:`hf_kbit.fusion.compile_config` (:func:`hf_kbit.fusion.use_as_default`).
     """
     config = config or KbitConfig()
     check_quantizable(config)
@@ -102,6 +103,10 @@ def quantize_model(
     model = quantize_experts(model, config, modules_to_not_convert, packed=calibrated)
     if config.fuse_projections:
         fuse_projections(model)
+    if config.fusion_pass:
+        from .. import fusion
+
+        fusion.use_as_default(model)
     return model
 
 

@@ -189,8 +189,10 @@ def test_unfuse_restores_independent_members_and_dequantize_unfuses():
     with pytest.raises(RuntimeError, match="unfuse_projections"):
         fused.model.layers[0].self_attn.k_proj.load_packed(*[torch.empty(0)] * 4)
     assert len(unfuse_projections(fused)) == 4 and not fused_modules(fused)
-    q = fused.model.layers[0].self_attn.q_proj
-    assert q.fused_into is None and q.planes._base is None
+    attn = fused.model.layers[0].self_attn
+    q = attn.q_proj
+    assert q.fused_into is None and q.planes.untyped_storage().data_ptr() == q._storage.data_ptr()  # its own again
+    assert attn.k_proj.planes.untyped_storage().data_ptr() != q._storage.data_ptr()
     torch.testing.assert_close(logits(fused, IDS), logits(plain, IDS), atol=LOGIT_ATOL, rtol=0)
 
     fused = quantized_pair("llama")[1]

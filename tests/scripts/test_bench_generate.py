@@ -48,7 +48,12 @@ def test_run_reports_graph_step_and_loop_beside_generate(payload):
     assert payload["decode_loop"] == {"timing": "wall_clock", "compiled": False, "steps": 3}
     assert payload["graph_step"] == {"timing": "eager_wall_clock", "submission_hidden": False, "compiled": False,
                                      "steps_per_graph": 4, "kernel_breakdown": False}
-    assert payload["fusion_pass"] is False
+    assert payload["fusion_pass"] is None  # each variant as its generate() compiles by default
+    assert [r["fusion_pass"] for r in payload["results"]] == [False, False]  # nothing compiles on CPU
+    for r in payload["results"]:  # host and device time per token apart (the module doc says how)
+        assert r["device_ms_per_token"] == r["graph_step_ms"]
+        assert r["host_ms_per_token"] == pytest.approx(r["token_ms_median"] - r["graph_step_ms"])
+        assert r["loop_host_ms_per_token"] == pytest.approx(r["loop_step_ms"] - r["graph_step_ms"])
     assert payload["fused_projections"] is True
     assert all(r["graph_kernel_breakdown"] is None for r in payload["results"])
     assert kernel_breakdown_table(payload["results"]) == ""
@@ -94,18 +99,44 @@ def test_acceptance_shows_generate_graph_and_loop_speedups():
                 "loop_decode_tok_s": loop}
 
     results = [row(None, 100.0, 120.0, 110.0), row(4, 150.0, 360.0, 264.0)]
+    results[0]["host_ms_per_token"], results[1]["host_ms_per_token"] = 2.0, 2.1
     bench.add_speedups(results)
-    checks = bench.acceptance({"preset": "llama3-8b", "device": "cuda", "results": results})
+    checks = bench.acceptance({"preset": "llama3-8b", "device": "cuda", "results": results, "lm_head_quantized": False})
     assert checks == {
+        "issue36": {"generate_target": 1.8, "generate_passed": False, "host_time_vs_bf16": pytest.approx(1.05),
+                    "host_passed": True, "graph_passed": True},
         "llama3-8b_kbit4_batch1_decode_speedup": 1.5, "target": 2.5, "passed": False,
         "llama3-8b_kbit4_batch1_graph_decode_speedup": 3.0, "graph_passed": True,
         "llama3-8b_kbit4_batch1_loop_decode_speedup": pytest.approx(2.4), "loop_passed": False,
     }
     results = [row(None, 100.0, None, None), row(4, 300.0, None, None)]  # --no-graph-step --no-decode-loop
     bench.add_speedups(results)
-    checks = bench.acceptance({"preset": "llama3-8b", "device": "cuda", "results": results})
+    checks = bench.acceptance({"preset": "llama3-8b", "device": "cuda", "results": results, "lm_head_quantized": True})
     assert checks["passed"] is True and checks["llama3-8b_kbit4_batch1_graph_decode_speedup"] is None
     assert checks["graph_passed"] is None and checks["loop_passed"] is None
+    assert checks["issue36"] == {"generate_target": 1.8, "generate_passed": True, "host_time_vs_bf16": None,
+                                 "host_passed": None}
+    checks = bench.acceptance({"preset": "qwen3-30b-a3b", "device": "cuda", "results": results,
+                               "lm_head_quantized": False})
+    assert checks == {"issue36": {"generate_target": 2.0, "generate_passed": True, "host_time_vs_bf16": None,
+                                  "host_passed": None}}
+
+
+def test_recommended_smoke_run_on_a_moe_model(tmp_path, capsys):
+    """What the GPU commands run, on CPU: --recommended (kbit_decode attention, LM head quantized), MoE,
+    batch 1 and 2."""
+    out = tmp_path / "bench.json"
+    assert bench.main(["--preset", "tiny-qwen3-moe", "--device", "cpu", "--recommended", "--bits", "4",
+                       "--batch-sizes", "1,2", "--prompt-len", "4", "--new-tokens", "3", "--repeats", "1",
+                       "--out", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["attention"] == "kbit_decode" and payload["lm_head_quantized"] is True
+    assert [(r["variant"], r["batch"]) for r in payload["results"]] == [("bf16", 1), ("bf16", 2), ("kbit4", 1),
+                                                                        ("kbit4", 2)]
+    assert all(isinstance(r["host_ms_per_token"], float) for r in payload["results"])
+    assert "host ms/token" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main(["--preset", "tiny-llama", "--device", "cpu", "--fusion-pass", "--no-fusion-pass"])
 
 
 def test_cli_names_a_bad_steps_per_graph():
