@@ -285,7 +285,8 @@ class KbitConfig(QuantizationConfigMixin):
             "fitting": self.fitting,
             "format_version": self.format_version,
             "fuse_projections": self.fuse_projections,
-            "fusion_pass": self.fusion_pass,
+            # Runtime choices off their default only, so checkpoints stay readable by versions without the field.
+            **({"fusion_pass": False} if not self.fusion_pass else {}),
             # Only a calibrated checkpoint has the field, so data-free ones stay readable by earlier versions.
             **({"calibration": record} if (record := self.calibration_record()) is not None else {}),
             **_FORMAT_FACTS,
