@@ -166,7 +166,7 @@ class KbitModule(nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self._storage is not None or getattr(self, "fused_into", None) is not None:
+        if self._shares_storage():
             # views into one storage: saved (safetensors) as tensors of their own
             for name in self._buffers:
                 if prefix + name in destination:
@@ -174,10 +174,8 @@ class KbitModule(nn.Module):
 
 
 def pack_storages(model: nn.Module) -> int:
-    """:meth:`KbitModule.pack_storage` for every kbit module of ``model``; returns how many have one storage.
-    Fused members are left as they are: their row tensors are views into the fused module's storage."""
-    return sum(m.pack_storage() for m in model.modules()
-               if isinstance(m, KbitModule) and getattr(m, "fused_into", None) is None)
+    """:meth:`KbitModule.pack_storage` for every kbit module of ``model``; returns how many have one storage."""
+    return sum(m.pack_storage() for m in model.modules() if isinstance(m, KbitModule))
 
 
 class KbitLinear(KbitModule):
