@@ -3,7 +3,7 @@
     python scripts/bench_finetune.py --device cuda                          # H100: Llama-3-8B shape, 32 layers
     python scripts/bench_finetune.py --preset tiny-llama --device cpu --variants bf16,kbit4 --steps 1 --warmup 1
 
-Every variant is the model of ``--preset`` (bench_generate.py's published configs, random weights, same seed)
+Every variant is the model of ``--preset`` (hf_kbit.eval.presets' published configs, random weights, same seed)
 with LoRA of rank ``--rank`` (alpha 2 x rank, no dropout) on every linear layer of the decoder (q, k, v, o,
 gate, up, down; the LM head and embeddings stay frozen bf16), gradient checkpointing on every layer
 (non-reentrant), AdamW on the adapters (float32, peft's default), one sequence of ``--seq-len`` tokens per
@@ -26,13 +26,10 @@ import argparse
 import gc
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_generate import PRESETS, make_config  # noqa: E402
-from hf_kbit.eval import models as _models, report as _report  # noqa: E402  (the eval harness)
+from hf_kbit.eval import models as _models, report as _report  # the eval harness
+from hf_kbit.eval.presets import PRESETS, make_config
 
 SCHEMA = "hf_kbit.bench_finetune/1"
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
