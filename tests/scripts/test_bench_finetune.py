@@ -1,14 +1,19 @@
-"""bench_finetune.py (the LoRA step benchmark) on tiny models: the rounds combine as the module doc says, and
-it runs end to end. No timing assertions."""
+"""bench_finetune.py (the LoRA step benchmark) and profile_lora_host.py (its host time on the CPU), on tiny
+models: the rounds combine as the module doc says, and both run end to end. No timing assertions."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import bench_finetune as bench
 import pytest
 
 pytest.importorskip("peft", reason="LoRA benchmarks need peft")
+SCRIPTS = Path(bench.__file__).resolve().parent
 
 
 def test_rounds_combine_into_medians_best_round_and_host_share():
@@ -39,3 +44,12 @@ def test_cpu_run_writes_every_round(tmp_path):
     assert payload["results"][0]["step_time_vs_bf16"] == 1.0
     with pytest.raises(ValueError, match="--variants: 'kbit9'"):
         bench.main(["--variants", "bf16,kbit9"])
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="the kbit library stub needs a C compiler (cc)")
+def test_profile_lora_host_times_the_cuda_path_over_the_stub():
+    """In a process of its own: the stub must be in place before hf_kbit is imported."""
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "profile_lora_host.py"), "--layers", "1", "--steps", "1",
+                           "--rounds", "1", "--seq-len", "4"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| bf16 |" in proc.stdout and "| kbit4 |" in proc.stdout
