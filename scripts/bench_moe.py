@@ -50,9 +50,9 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_generate  # noqa: E402  (model presets)
 from bench_kernels import time_calls as graph_us  # noqa: E402  (the kernel benchmark's CUDA-graph timing)
 
+from hf_kbit.eval import presets  # noqa: E402  (model presets)
 from hf_kbit.kernel_table import SUPPORTED_BITS  # noqa: E402
 
 SCHEMA = "hf_kbit.bench_moe/1"
@@ -61,7 +61,7 @@ SCHEMA = "hf_kbit.bench_moe/1"
 # decoder layer is built, on the meta device; its experts module is materialized.
 PRESETS: dict[str, dict[str, Any]] = {
     # The same published values as the decode benchmark (one source); make_config keeps one layer.
-    "qwen3-30b-a3b": bench_generate.PRESETS["qwen3-30b-a3b"],
+    "qwen3-30b-a3b": presets.PRESETS["qwen3-30b-a3b"],
     "qwen3-next": {
         "model_type": "qwen3_next",
         "title": "Qwen3-Next-80B-A3B / Qwen3-Coder-Next",

@@ -1,6 +1,6 @@
 """Quantize-on-load time of a real-size model, per ``KbitConfig.fitting`` rule, and with calibration.
 
-A random-weight model of ``--preset`` (scripts/bench_generate.py's published configs, nothing
+A random-weight model of ``--preset`` (hf_kbit.eval.presets' published configs, nothing
 downloaded) is saved once as a bf16 checkpoint; then, per rule, ``from_pretrained(folder,
 quantization_config=KbitConfig(bits, fitting=rule), device_map=device)`` is timed on the wall clock
 (CUDA synchronized), the bf16 load in the same run for reference. The checkpoint is read once
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_generate import build_model, make_config
+from hf_kbit.eval.presets import build_model, make_config
 
 RULES = ("absmax", "fit")
 
@@ -117,7 +117,7 @@ def run(preset: str, layers: int | None, bits: int, device: str, workdir: Path,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="llama3-8b", help="a scripts/bench_generate.py preset (default llama3-8b)")
+    parser.add_argument("--preset", default="llama3-8b", help="an hf_kbit.eval.presets preset (default llama3-8b)")
     parser.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers (default: all)")
     parser.add_argument("--bits", type=int, default=4, choices=(2, 3, 4, 5), help="bits per weight (default 4)")
     parser.add_argument("--device", default="cuda", help="device_map of the loads (default cuda)")

@@ -14,6 +14,9 @@ Not imported by ``import hf_kbit``. Modules:
   bf16 / kbit variants loaded for measuring.
 - ``timing``: ``generate()``'s prefill and decode speed, the greedy decode step and a host-driven decode loop.
 - ``graph_step``: one decode step's device time, captured in a CUDA graph; ``breakdown``: where that time goes.
+- ``presets``: real-size architectures from published config values, built with random weights (no download).
+- ``decode_bench``: bf16 and kbit variants of a preset timed side by side (``bench_generate.py``'s library).
+- ``finetune``: the LoRA training step that ``bench_finetune.py`` and ``profile_lora_host.py`` time.
 - ``report``: the environment and command of a run, JSON files, markdown tables.
 
 Optional dependencies (``hqq``) are imported where they are used; ``pip install hf-kbit[eval]`` brings them.

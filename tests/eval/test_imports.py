@@ -13,7 +13,8 @@ import sys
 sys.modules["hqq"] = None  # as if hqq were not installed: importing it raises ImportError
 import hf_kbit
 assert not [m for m in sys.modules if m.startswith("hf_kbit.eval")], "import hf_kbit imported hf_kbit.eval"
-from hf_kbit.eval import anchors, breakdown, corpus, graph_step, harness, models, perplexity, report, timing, variants
+from hf_kbit.eval import anchors, breakdown, corpus, decode_bench, graph_step, harness, models, perplexity, presets
+from hf_kbit.eval import finetune, report, timing, variants
 try:
     anchors.require_hqq()
 except ImportError as e:

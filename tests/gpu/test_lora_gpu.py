@@ -108,3 +108,43 @@ def test_moe_lora_step_on_cuda():
     loss.backward()
     assert torch.isfinite(loss)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in pm.parameters() if p.requires_grad)
+
+
+def layer_training_step(device: str):
+    """One training step of decoder layer 0 of a tiny bf16 kbit Llama with LoRA on every linear layer (q/k/v and
+    gate/up fused), driven directly (transformers' mask code reads the positions on the host, outside kbit):
+    forward under non-reentrant gradient checkpointing, backward, an AdamW step on the adapters. Returns
+    ``step`` (a closure) after one step outside it, which made the optimizer's state."""
+    model = hf_kbit.quantize_model(tiny_dense_model("llama", torch.bfloat16, intermediate_size=192),
+                                   KbitConfig(bits=4, modules_to_not_convert=["lm_head"])).to(device)
+    pm = lora.get_peft_model(model, peft.LoraConfig(target_modules="all-linear", r=8, lora_alpha=16))
+    base = pm.get_base_model().model
+    layer = base.layers[0]
+    assert hasattr(layer.self_attn, "qkv_proj") and hasattr(layer.mlp, "gate_up_proj")
+    hidden = torch.randn(2, 64, base.config.hidden_size, device=device, dtype=torch.bfloat16)
+    position_embeddings = base.rotary_emb(hidden, torch.arange(64, device=device)[None].expand(2, -1))
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-3)
+
+    def step():
+        out = torch.utils.checkpoint.checkpoint(layer, hidden, position_embeddings=position_embeddings,
+                                                attention_mask=None, use_reentrant=False)
+        out = out[0] if isinstance(out, tuple) else out
+        out.float().square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    return step
+
+
+def test_lora_training_step_makes_no_host_sync():
+    """A batch-1 LoRA step is launch-bound: a host sync in its kbit path (``.item()``, ``.tolist()``, a
+    device-to-host copy, a data-dependent shape) would stall every launch behind the GPU."""
+    step = layer_training_step(DEVICE)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

@@ -1,7 +1,7 @@
-"""bench_generate.py on the CPU: ``run`` reports the graph step and the decode loop (hf_kbit.eval.timing,
-hf_kbit.eval.graph_step) beside generate() end to end, the acceptance dict shows every speedup, a stopped run
-resumes, and bad arguments are named. The CUDA graphs themselves run on the GPU machine only.
-No timing assertions beyond "positive and finite"."""
+"""bench_generate.py and its library (hf_kbit.eval.decode_bench) on the CPU: ``run`` reports the graph step and
+the decode loop (hf_kbit.eval.timing, hf_kbit.eval.graph_step) beside generate() end to end, the acceptance dict
+shows every speedup, a stopped run resumes, and bad arguments are named. The CUDA graphs themselves run on the GPU
+machine only. No timing assertions beyond "positive and finite"."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import bench_generate as bench
 import pytest
 import torch
 
+from hf_kbit.eval import decode_bench as decode, presets
 from hf_kbit.eval.breakdown import kernel_breakdown_table
 
 GRAPH_KEYS = ("graph_step_ms", "graph_decode_tok_s", "graph_decode_speedup_vs_bf16")
@@ -20,16 +21,16 @@ PROMPT_LEN = 8
 
 
 def tiny_model(dtype, bits=None):
-    config = bench.make_config("tiny-llama")
+    config = presets.make_config("tiny-llama")
     config.initializer_range = 0.1  # the default 0.02 makes a tiny random model repeat one token
-    model = bench.build_model(config, "cpu", dtype)
-    return bench.quantize(model, bits) if bits else model
+    model = presets.build_model(config, "cpu", dtype)
+    return decode.quantize(model, bits) if bits else model
 
 
 @pytest.fixture(scope="module")
 def payload():
-    return bench.run("tiny-llama", [4], "cpu", torch.bfloat16, batch_sizes=(1,), prompt_len=PROMPT_LEN,
-                     new_tokens=4, repeats=1, log=lambda *_: None)
+    return decode.run("tiny-llama", [4], "cpu", torch.bfloat16, batch_sizes=(1,), prompt_len=PROMPT_LEN,
+                      new_tokens=4, repeats=1, log=lambda *_: None)
 
 
 def test_run_reports_graph_step_and_loop_beside_generate(payload):
@@ -59,36 +60,37 @@ def test_run_reports_graph_step_and_loop_beside_generate(payload):
     assert kernel_breakdown_table(payload["results"]) == ""
     assert payload["checks"] == {}  # the acceptance bar applies to Llama-3-8B on CUDA only
     assert payload["inductor_pdl"] in (False, None)  # TORCHINDUCTOR_ENABLE_PDL is not set here
-    table = bench.render_table(payload)
+    table = decode.render_table(payload)
     assert "| graph tok/s | graph ms/step | graph x bf16 | loop tok/s | loop ms/step | loop x bf16 |" in table
     assert "| kbit4 |" in table
     json.dumps(payload)
 
 
 def test_no_graph_step_and_no_loop_leave_the_keys_empty():
-    p = bench.run("tiny-llama", [4], "cpu", torch.bfloat16, layers=1, batch_sizes=(1,), prompt_len=4, new_tokens=2,
-                  repeats=1, graph_step=False, decode_loop=False, log=lambda *_: None)
+    p = decode.run("tiny-llama", [4], "cpu", torch.bfloat16, layers=1, batch_sizes=(1,), prompt_len=4, new_tokens=2,
+                   repeats=1, graph_step=False, decode_loop=False, log=lambda *_: None)
     assert p["graph_step"] is None and p["decode_loop"] is None
     assert all(r[key] is None for r in p["results"] for key in GRAPH_KEYS + LOOP_KEYS + ("graph_replay_tokens_match",))
     assert all(r["decode_tok_s"] > 0 for r in p["results"])
-    assert "| - | - | - | - | - | - |" in bench.render_table(p)
+    assert "| - | - | - | - | - | - |" in decode.render_table(p)
 
 
 def test_quantize_lm_head_converts_the_head_too():
     kwargs = dict(layers=1, batch_sizes=(1,), prompt_len=4, new_tokens=2, repeats=1, graph_step=False,
                   decode_loop=False, include_bf16=False, log=lambda *_: None)
-    kept = bench.run("tiny-llama", [4], "cpu", torch.bfloat16, **kwargs)
-    converted = bench.run("tiny-llama", [4], "cpu", torch.bfloat16, quantize_lm_head=True, **kwargs)
+    kept = decode.run("tiny-llama", [4], "cpu", torch.bfloat16, **kwargs)
+    converted = decode.run("tiny-llama", [4], "cpu", torch.bfloat16, quantize_lm_head=True, **kwargs)
     assert kept["lm_head_quantized"] is False and converted["lm_head_quantized"] is True
     assert converted["results"][0]["quantized_fraction"] > kept["results"][0]["quantized_fraction"]
-    model = bench.quantize(bench.build_model(bench.make_config("tiny-llama", 1), "cpu", torch.bfloat16), 4, lm_head=True)
+    model = presets.build_model(presets.make_config("tiny-llama", 1), "cpu", torch.bfloat16)
+    model = decode.quantize(model, 4, lm_head=True)
     assert type(model.lm_head).__name__ == "KbitLinear"
 
 
 def test_reset_compiled_lets_generate_compile_again():
     model = tiny_model(torch.float32)
     first = model.get_compiled_call(None)
-    bench.reset_compiled(model)
+    decode.reset_compiled(model)
     again = model.get_compiled_call(None)
     assert callable(again) and again is not first
 
@@ -100,8 +102,9 @@ def test_acceptance_shows_generate_graph_and_loop_speedups():
 
     results = [row(None, 100.0, 120.0, 110.0), row(4, 150.0, 360.0, 264.0)]
     results[0]["host_ms_per_token"], results[1]["host_ms_per_token"] = 2.0, 2.1
-    bench.add_speedups(results)
-    checks = bench.acceptance({"preset": "llama3-8b", "device": "cuda", "results": results, "lm_head_quantized": False})
+    decode.add_speedups(results)
+    checks = decode.acceptance({"preset": "llama3-8b", "device": "cuda", "results": results,
+                                "lm_head_quantized": False})
     assert checks == {
         "issue36": {"generate_target": 1.8, "generate_passed": False, "host_time_vs_bf16": pytest.approx(1.05),
                     "host_passed": True, "graph_passed": True},
@@ -110,14 +113,14 @@ def test_acceptance_shows_generate_graph_and_loop_speedups():
         "llama3-8b_kbit4_batch1_loop_decode_speedup": pytest.approx(2.4), "loop_passed": False,
     }
     results = [row(None, 100.0, None, None), row(4, 300.0, None, None)]  # --no-graph-step --no-decode-loop
-    bench.add_speedups(results)
-    checks = bench.acceptance({"preset": "llama3-8b", "device": "cuda", "results": results, "lm_head_quantized": True})
+    decode.add_speedups(results)
+    checks = decode.acceptance({"preset": "llama3-8b", "device": "cuda", "results": results, "lm_head_quantized": True})
     assert checks["passed"] is True and checks["llama3-8b_kbit4_batch1_graph_decode_speedup"] is None
     assert checks["graph_passed"] is None and checks["loop_passed"] is None
     assert checks["issue36"] == {"generate_target": 1.8, "generate_passed": True, "host_time_vs_bf16": None,
                                  "host_passed": None}
-    checks = bench.acceptance({"preset": "qwen3-30b-a3b", "device": "cuda", "results": results,
-                               "lm_head_quantized": False})
+    checks = decode.acceptance({"preset": "qwen3-30b-a3b", "device": "cuda", "results": results,
+                                "lm_head_quantized": False})
     assert checks == {"issue36": {"generate_target": 2.0, "generate_passed": True, "host_time_vs_bf16": None,
                                   "host_passed": None}}
 
@@ -148,13 +151,13 @@ def test_kernel_breakdown_needs_cuda_and_the_graph_step():
     kwargs = dict(layers=1, batch_sizes=(1,), prompt_len=4, new_tokens=2, repeats=1, log=lambda *_: None)
     needs = "--kernel-breakdown .* needs a CUDA device and the graph step, got device 'cpu'"
     with pytest.raises(ValueError, match=needs):
-        bench.run("tiny-llama", [4], "cpu", torch.bfloat16, kernel_breakdown=True, **kwargs)
+        decode.run("tiny-llama", [4], "cpu", torch.bfloat16, kernel_breakdown=True, **kwargs)
 
 
 def test_fusion_pass_needs_cuda():
     kwargs = dict(layers=1, batch_sizes=(1,), prompt_len=4, new_tokens=2, repeats=1, log=lambda *_: None)
     with pytest.raises(ValueError, match="--fusion-pass .* needs a CUDA device .* got device 'cpu'"):
-        bench.run("tiny-llama", [4], "cpu", torch.bfloat16, fusion_pass=True, **kwargs)
+        decode.run("tiny-llama", [4], "cpu", torch.bfloat16, fusion_pass=True, **kwargs)
 
 
 def test_attention_builds_every_variant_with_it(monkeypatch):
@@ -164,12 +167,12 @@ def test_attention_builds_every_variant_with_it(monkeypatch):
     packed = attention.packed_sdpa
     monkeypatch.setattr(attention, "packed_sdpa", lambda *a: calls.append(a[0].dtype) or packed(*a))
     kwargs = dict(layers=1, batch_sizes=(1,), prompt_len=4, new_tokens=3, repeats=1, log=lambda *_: None)
-    payload = bench.run("tiny-llama", [4], "cpu", torch.float32, attention="kbit_decode", **kwargs)
+    payload = decode.run("tiny-llama", [4], "cpu", torch.float32, attention="kbit_decode", **kwargs)
     assert payload["attention"] == "kbit_decode"
     assert calls  # generate() and the graph step decoded through it
-    assert bench.run("tiny-llama", [4], "cpu", torch.float32, graph_step=False, **kwargs)["attention"] == "sdpa"
+    assert decode.run("tiny-llama", [4], "cpu", torch.float32, graph_step=False, **kwargs)["attention"] == "sdpa"
     with pytest.raises(ValueError, match="--attention must be one of sdpa, kbit_decode, got 'flash'"):
-        bench.run("tiny-llama", [4], "cpu", torch.float32, attention="flash", **kwargs)
+        decode.run("tiny-llama", [4], "cpu", torch.float32, attention="flash", **kwargs)
 
 
 def test_a_stopped_run_keeps_its_variants_and_resume_finishes_it(tmp_path, monkeypatch, capsys):
@@ -179,14 +182,14 @@ def test_a_stopped_run_keeps_its_variants_and_resume_finishes_it(tmp_path, monke
     argv = ["--preset", "tiny-llama", "--device", "cpu", "--layers", "1", "--bits", "4,5", "--batch-sizes", "1",
             "--prompt-len", "4", "--new-tokens", "2", "--repeats", "1", "--no-graph-step", "--no-decode-loop",
             "--out", str(out)]
-    quantize = bench.quantize
+    quantize = decode.quantize
 
     def stop_at_kbit5(model, bits, **kwargs):
         if bits == 5:
             raise RuntimeError("stopped")
         return quantize(model, bits, **kwargs)
 
-    monkeypatch.setattr(bench, "quantize", stop_at_kbit5)
+    monkeypatch.setattr(decode, "quantize", stop_at_kbit5)
     with pytest.raises(RuntimeError, match="stopped"):
         bench.main(argv)
     stopped = json.loads(out.read_text())
@@ -201,10 +204,10 @@ def test_a_stopped_run_keeps_its_variants_and_resume_finishes_it(tmp_path, monke
     with pytest.raises(ValueError, match=r"measured with variants = \['bf16', 'kbit4', 'kbit5'\], this run has"):
         bench.main(argv + ["--bits", "4", "--resume"])
 
-    monkeypatch.setattr(bench, "quantize", quantize)
+    monkeypatch.setattr(decode, "quantize", quantize)
     built = []
-    build_model = bench.build_model
-    monkeypatch.setattr(bench, "build_model", lambda *a, **k: built.append(1) or build_model(*a, **k))
+    build_model = presets.build_model
+    monkeypatch.setattr(decode, "build_model", lambda *a, **k: built.append(1) or build_model(*a, **k))
     assert bench.main(argv + ["--resume"]) == 0
     done = json.loads(out.read_text())
     assert len(built) == 1  # only kbit5 was measured

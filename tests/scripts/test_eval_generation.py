@@ -1,13 +1,15 @@
-"""eval_generation and bench_generate core functions on tiny config-built models (CPU, eager; no timing asserts)."""
+"""eval_generation and bench_generate's library (hf_kbit.eval.decode_bench, presets) on tiny config-built models
+(CPU, eager; no timing asserts)."""
 
 from __future__ import annotations
 
 import json
 
-import bench_generate as bench
 import eval_generation as eg
 import pytest
 import torch
+
+from hf_kbit.eval import decode_bench as decode, presets
 
 SPEED_KEYS = {"batch", "prompt_len", "new_tokens", "prefill_tok_s", "decode_tok_s", "ms_per_decode_step", "compiled"}
 
@@ -95,29 +97,29 @@ def test_greedy_is_deterministic(tiny_folder):
 
 @pytest.mark.parametrize("preset", ["llama3-8b", "qwen3-30b-a3b"])
 def test_real_presets_build_configs_without_downloads(preset):
-    config = bench.make_config(preset, layers=2)
+    config = presets.make_config(preset, layers=2)
     assert config.num_hidden_layers == 2
-    assert config.hidden_size == bench.PRESETS[preset]["hidden_size"]
+    assert config.hidden_size == presets.PRESETS[preset]["hidden_size"]
     with pytest.raises(ValueError, match="--layers"):
-        bench.make_config(preset, layers=1000)
+        presets.make_config(preset, layers=1000)
 
 
 def test_bench_tiny_cpu_schema():
-    payload = bench.run("tiny-llama", [5], "cpu", torch.bfloat16, layers=1, batch_sizes=(1, 2), prompt_len=4,
-                        new_tokens=3, repeats=1, log=lambda *_: None)
-    assert payload["schema"] == bench.SCHEMA and payload["layers"] == 1 and payload["layers_full"] == 2
+    payload = decode.run("tiny-llama", [5], "cpu", torch.bfloat16, layers=1, batch_sizes=(1, 2), prompt_len=4,
+                         new_tokens=3, repeats=1, log=lambda *_: None)
+    assert payload["schema"] == decode.SCHEMA and payload["layers"] == 1 and payload["layers_full"] == 2
     assert [(r["variant"], r["batch"]) for r in payload["results"]] == [("bf16", 1), ("bf16", 2), ("kbit5", 1), ("kbit5", 2)]
     assert all(SPEED_KEYS <= r.keys() and r["decode_speedup_vs_bf16"] > 0 for r in payload["results"])
     assert payload["checks"] == {}  # the acceptance bar applies to Llama-3-8B on CUDA only
-    assert "| kbit5 |" in bench.render_table(payload)
+    assert "| kbit5 |" in decode.render_table(payload)
     json.dumps(payload)
 
 
 def test_bench_plot_and_markdown(tmp_path):
     import plot_results
 
-    payload = bench.run("tiny-llama", [4, 5], "cpu", torch.bfloat16, layers=1, batch_sizes=(1, 2), prompt_len=4,
-                        new_tokens=3, repeats=1, log=lambda *_: None)
+    payload = decode.run("tiny-llama", [4, 5], "cpu", torch.bfloat16, layers=1, batch_sizes=(1, 2), prompt_len=4,
+                         new_tokens=3, repeats=1, log=lambda *_: None)
     payload.update({"command": "python scripts/bench_generate.py", "_file": "b.json", "environment": {}})
     png = plot_results.plot_bench(payload, tmp_path / "b.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -139,8 +141,8 @@ def test_bench_markdown_shows_the_kernel_breakdown():
 
     from hf_kbit.eval.breakdown import kernel_breakdown
 
-    payload = bench.run("tiny-llama", [4], "cpu", torch.bfloat16, layers=1, batch_sizes=(1,), prompt_len=4,
-                        new_tokens=3, repeats=1, log=lambda *_: None)
+    payload = decode.run("tiny-llama", [4], "cpu", torch.bfloat16, layers=1, batch_sizes=(1,), prompt_len=4,
+                         new_tokens=3, repeats=1, log=lambda *_: None)
     payload.update({"command": "python scripts/bench_generate.py", "_file": "b.json", "environment": {}})
     kernels = [("void kbit::gemv_kernel<4>", 0.0, 2400.0), ("nvjet_tst", 2400.0, 2780.0),
                ("triton_poi_fused_add_0", 2790.0, 3310.0)]
@@ -161,8 +163,8 @@ def test_bench_plot_one_batch_size_and_names(tmp_path):
     """A file of one batch size plots throughput vs bits only; each result file names its own plot."""
     import plot_results
 
-    payload = bench.run("tiny-llama", [4], "cpu", torch.bfloat16, layers=1, batch_sizes=(1,), prompt_len=4,
-                        new_tokens=3, repeats=1, log=lambda *_: None)
+    payload = decode.run("tiny-llama", [4], "cpu", torch.bfloat16, layers=1, batch_sizes=(1,), prompt_len=4,
+                         new_tokens=3, repeats=1, log=lambda *_: None)
     payload.update({"command": "python scripts/bench_generate.py", "_file": "bench_generate_tiny_cpu_bits.json",
                     "environment": {}})
     assert plot_results.bench_plot_name(payload) == "decode_speed_tiny_cpu_bits.png"
