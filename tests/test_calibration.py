@@ -223,7 +223,7 @@ def test_experts_share_the_data_free_codebook_and_an_expert_without_tokens_is_da
     weight = torch.stack([heavy_tailed((24, 96), seed=e) for e in range(4)])
     hessian = torch.stack([correlated_hessian(96, seed=e) for e in range(4)])
     hessian[2] = 0  # no token reached expert 2
-    monkeypatch.setattr(calibration, "EXPERT_CHUNK_ELEMENTS", 96 * (128 + 32))  # one expert at a time
+    monkeypatch.setattr(calibration.moe, "EXPERT_CHUNK_ELEMENTS", 96 * (128 + 32))  # one expert at a time
     planes, scales, rows, codebook = calibration.calibrate_experts(weight, hessian, 3)
     settings = fitting.DEFAULT_SETTINGS[3]
     assert torch.equal(codebook, fitting.layer_codebook(fitting.codebook_sample(weight, settings), 3, settings))
