@@ -38,7 +38,9 @@ import torch
 from .kernel_table import SUPPORTED_BITS  # noqa: F401  (the bit widths the kernels are built for)
 from .rotation import DEFAULT_BLOCK, WORD_BITS
 
-FORMAT_VERSION = 1
+# 2: rotated layers (rotation_signs). A checkpoint without one is written as version 1, which it is.
+FORMAT_VERSION = 2
+ROTATION_VERSION = 2  # the version of a checkpoint with a rotated layer
 ROTATION_BLOCK = DEFAULT_BLOCK  # Hadamard segment of a rotated layer along K: 64 (6 butterfly stages)
 ROTATION_SIGNS = "rotation_signs"  # the sign words of a rotated layer (KbitExperts: "<projection>_rotation_signs")
 ROTATION_SIGNS_DTYPE = torch.int32

@@ -10,6 +10,7 @@ import torch
 
 from .. import fitting
 from .. import format as fmt
+from .. import rotation_policy
 
 # GPTQ's lazy batch: columns updated in place before the trailing matrix gets one matmul. A multiple of the
 # format's block so a block never straddles two batches.
@@ -37,6 +38,9 @@ class CalibrationSettings:
             absmax code, then error feedback; ``None``: the default of each k); used when ``fit`` is None.
         codebook: ``KbitConfig.codebook``: a codebook name, levels (a tuple), or None for each k's default; the
             codebook the fit starts from (``"absmax"`` and explicit levels: the codebook used as is).
+        rotation, rotation_seed: ``KbitConfig.rotation`` / ``.rotation_seed``, applied by :func:`calibrate_model`:
+            a group that rotates (``"auto"``: decided data-free, :mod:`hf_kbit.rotation_policy`) is calibrated as
+            ``W R`` with the rotated inputs' Hessian ``R^T H R``.
     """
 
     damp: float = DEFAULT_DAMP
@@ -46,6 +50,8 @@ class CalibrationSettings:
     weighted_codes: bool = False
     fitting: str | None = None
     codebook: str | tuple[float, ...] | None = None
+    rotation: bool | str = False
+    rotation_seed: int = 0
 
     def __post_init__(self):
         if not isinstance(self.damp, (int, float)) or isinstance(self.damp, bool) or not 0 < self.damp < 1:
@@ -61,6 +67,8 @@ class CalibrationSettings:
                 raise TypeError(f"CalibrationSettings.{name} must be a bool, got {getattr(self, name)!r}")
         if self.fitting is not None and self.fitting not in fitting.FITTINGS:
             raise ValueError(f"CalibrationSettings.fitting must be one of {fitting.FITTINGS} or None, got {self.fitting!r}")
+        rotation_policy.check_rotation(self.rotation, "CalibrationSettings.rotation")
+        rotation_policy.check_seed(self.rotation_seed, "CalibrationSettings.rotation_seed")
         if isinstance(self.codebook, list):  # a frozen dataclass stays hashable with levels as a tuple
             object.__setattr__(self, "codebook", tuple(self.codebook))
 
@@ -73,6 +81,12 @@ class CalibrationSettings:
     def initial_codebook(self) -> str | list[float] | None:
         """``codebook`` as :func:`hf_kbit.format.make_codebook` takes it."""
         return list(self.codebook) if isinstance(self.codebook, tuple) else self.codebook
+
+    def rotation_words(self, weights: Sequence[torch.Tensor], data_free) -> torch.Tensor | None:
+        """The sign words a group of weights ``weights`` is calibrated with (None: unrotated), as
+        :func:`hf_kbit.rotation_policy.decide` picks them; ``data_free`` quantizes a list of weights without data
+        (what ``"auto"`` compares)."""
+        return rotation_policy.decide(weights, self.rotation, self.rotation_seed, data_free)
 
 
 

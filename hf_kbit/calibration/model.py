@@ -8,9 +8,9 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from .. import format as fmt
+from .. import rotation_policy
 from .gptq import CalibrationSettings, calibrate_group
-from .moe import _ExpertsHessians, calibrate_experts
+from .moe import _ExpertsHessians, calibrate_experts, data_free_experts
 
 class _StopForward(Exception):
     """Raised by a pre-hook once every decoder layer's arguments are recorded: the rest of the model is skipped."""
@@ -110,7 +110,7 @@ def calibrate_model(
     on_quantized: Callable[[str, nn.Linear, tuple], None] | None = None,
     groups: Sequence[Sequence[str]] = (),
     experts: Sequence[str] = (),
-) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """Quantize ``modules`` of ``model`` with :func:`calibrate_group`, decoder layer by decoder layer, in place.
 
     Args:
@@ -131,11 +131,13 @@ def calibrate_model(
             :func:`calibrate_experts`: each expert with the Hessian of the tokens routed to it. ``bits`` of a
             mapping is looked up as ``"<experts>.gate_up_proj"`` and ``"<experts>.down_proj"``.
     Returns:
-        ``{name: (planes, block_scales, row_scales, codebook)}`` (format v1 tensors on the module's device), in
-        the order the modules were quantized; an experts module's projections as ``"<experts>.gate_up_proj"`` and
-        ``"<experts>.down_proj"``, stacked over the experts (``row_scales [E, N]``, one codebook). Each quantized
-        weight is replaced by its dequantized value (in its dtype), so the model afterwards is the
-        fake-quantized model that the calibration saw.
+        ``{name: (planes, block_scales, row_scales, codebook, rotation_signs)}`` (format tensors on the module's
+        device; ``rotation_signs`` None unless ``settings.rotation`` rotated the module's group: its tensors then
+        hold ``W R``, calibrated with ``R^T H R``), in the order the modules were quantized; an experts module's
+        projections as ``"<experts>.gate_up_proj"`` and ``"<experts>.down_proj"``, stacked over the experts
+        (``row_scales [E, N]``, one codebook, one basis). Each quantized weight is replaced by its dequantized value
+        in the original basis (in its dtype), so the model afterwards is the fake-quantized model that the
+        calibration saw.
     """
     from tqdm.auto import tqdm
 
@@ -163,21 +165,30 @@ def calibrate_model(
         module = moe[name]
         for projection, param in hessians.parameters(name, module).items():
             weight = param.detach().transpose(-1, -2) if hessians.layouts[name].is_transposed else param.detach()
-            packed = calibrate_experts(weight, hessians.hessian(name, projection), bits_of(f"{name}.{projection}"),
-                                       settings)
-            approx = fmt.dequantize(*packed, weight.shape[-1]).to(param.dtype)
+            bits_here, hessian = bits_of(f"{name}.{projection}"), hessians.hessian(name, projection)
+            words = settings.rotation_words([weight], lambda ws: [data_free_experts(ws[0], bits_here, settings)])
+            if words is not None:
+                weight, hessian = rotation_policy.rotate_weight(weight, words), rotation_policy.rotate_hessian(
+                    hessian, words)
+            packed = (*calibrate_experts(weight, hessian, bits_here, settings), words)
+            approx = rotation_policy.reconstruction(packed[:4], weight.shape[-1], words).to(param.dtype)
             param.data.copy_(approx.transpose(-1, -2) if hessians.layouts[name].is_transposed else approx)
             results[f"{name}.{projection}"] = packed
             bar.update(1)
 
     def quantize(unit: tuple[str, ...], hessians: list[torch.Tensor | None]) -> None:
         weights = [linears[name].weight.detach() for name in unit]
-        for name, packed in zip(unit, calibrate_group(weights, hessians, bits_of(unit[0]), settings)):
+        bits_here = bits_of(unit[0])
+        words = settings.rotation_words(weights, lambda ws: calibrate_group(ws, [None] * len(ws), bits_here, settings))
+        if words is not None:  # the group is calibrated as W R, with the Hessian of the rotated inputs x R
+            weights = [rotation_policy.rotate_weight(w, words) for w in weights]
+            hessians = [None if h is None else rotation_policy.rotate_hessian(h, words) for h in hessians]
+        for name, packed in zip(unit, calibrate_group(weights, hessians, bits_here, settings)):
             linear = linears[name]
+            packed = (*packed, None if words is None else words.clone())
             if on_quantized is not None:
                 on_quantized(name, linear, packed)
-            planes, block_scales, rows, codebook = packed
-            approx = fmt.dequantize(planes, block_scales, rows, codebook, linear.in_features)
+            approx = rotation_policy.reconstruction(packed[:4], linear.in_features, words)
             linear.weight.data.copy_(approx.to(linear.weight.dtype))
             results[name] = packed
             bar.update(1)

@@ -44,6 +44,18 @@ def calibrate_experts(
 
 
 
+def data_free_experts(
+    weight: torch.Tensor, bits: int, settings: CalibrationSettings | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`calibrate_experts` without data (every ``H = 0``): the same shared codebook, each expert quantized
+    as :func:`hf_kbit.fitting.quantize_fitted` does, without the column loop. What ``rotation="auto"`` compares."""
+    settings = CalibrationSettings() if settings is None else settings
+    fit = settings.fit_settings(fitting.check_bits(bits))
+    codebook = fitting.group_codebook([weight], bits, fit, settings.initial_codebook())
+    below, above = (fit.codes_below, fit.codes_above) if fit is not None else (0, 0)
+    return (*fitting.quantize_fitted(weight, codebook, below, above), codebook)
+
+
 class _ExpertsHessians:
     """Forward pre-hooks on fused MoE experts modules, called as ``experts(hidden_states [T, H], top_k_index
     [T, k], top_k_weights)``: per expert, the float32 sums of ``x^T x`` over the tokens routed to it (the

@@ -406,8 +406,8 @@ def apply_calibration(model, folder: Path, spec: VariantSpec, evaluated: tuple[A
 
     def measure(name, linear, packed):
         nonlocal elems
-        planes, block_scales, rows, codebook = packed
-        error.add(linear.weight.data, fmt.dequantize(planes, block_scales, rows, codebook, linear.in_features))
+        *tensors, signs = packed  # kbitcal does not rotate: signs is None
+        error.add(linear.weight.data, fmt.dequantize(*tensors, linear.in_features))
         elems += linear.weight.numel()
 
     # Siblings (q/k/v, gate/up) share one codebook, as quantize-on-load with calibration_data gives them.
