@@ -49,7 +49,7 @@ def test_dense_convert_matches_quantize_on_load(llama_fp32, tmp_path, rotation):
         assert len(rotated) == 2 * 6 and plan.stats()["size_after_bytes"] == result.stats["size_after_bytes"]
         assert "rotation:      block Hadamard (block 64, seed 11), every one of 12 tensors" in plan.describe()
     card = (result.out / "README.md").read_text()
-    assert f"| Rotation | seeded block Hadamard along K (block 64, seed 11)" in card
+    assert "| Rotation | seeded block Hadamard along K (block 64, seed 11)" in card
     assert f"{len(rotated)} of {result.stats['quantized_tensors']} tensors are stored rotated" in card
     ids = torch.tensor([[1, 5, 9, 40, 7]])
     torch.testing.assert_close(converted(ids).logits, reference(ids).logits, rtol=0, atol=0)

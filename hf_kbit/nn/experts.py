@@ -143,6 +143,8 @@ class KbitExperts(KbitModule):
     :func:`quantize_experts_on_load` packs and then removes.
     """
 
+    rotated = dict.fromkeys(PROJECTIONS, False)  # per projection; replaced (never changed in place) when it rotates
+
     def __init__(
         self,
         layout: ExpertsLayout,
