@@ -1,7 +1,14 @@
 """The ``kbit`` torch.library ops: one schema and fake (meta) impl each, implemented per backend.
 
 The default implementation (``CompositeExplicitAutograd``, any device) is the pure-PyTorch
-reference (:mod:`hf_kbit.format` for the weight ops); it is what the tests trust. A backend
+reference (:mod:`hf_kbit.format` for the weight ops); it is what the tests trust.
+
+Rotation (format v2): every op that reads a packed weight takes ``signs`` last (``Tensor? signs=None``):
+the layer's sign words (int32 ``[in_features / 32]``, :func:`hf_kbit.rotation.sign_words`) when its packed
+weight holds ``W R`` rather than ``W``. The ops then still compute in the original basis: the mm-like ops
+rotate their staged activation (after the prologue, for the prologue ops) in float32 and round it once to
+its dtype, then multiply by the packed weight; ``dequantize`` and the ``grad_x`` ops turn their result
+back (``@ R^T``, float32, one rounding). ``signs=None`` is the unrotated format, unchanged. A backend
 registers a faster kernel for its dispatch key (``hf_kbit/backends/``: ``cuda.py``, the
 compiled library, and ``triton_kernels.py``, decode attention, for ``CUDA``), which then takes
 precedence on tensors of that device. Ops never know about transformers.
@@ -12,21 +19,22 @@ from __future__ import annotations
 import torch
 
 from . import format as fmt
+from . import rotation
 
 _lib = torch.library.Library("kbit", "DEF")
 
 _lib.define("quantize(Tensor weight, Tensor codebook) -> (Tensor planes, Tensor block_scales, Tensor row_scales)")
 _lib.define(
     "dequantize(Tensor planes, Tensor block_scales, Tensor row_scales, Tensor codebook, SymInt in_features, "
-    "ScalarType dtype) -> Tensor"
+    "ScalarType dtype, Tensor? signs=None) -> Tensor"
 )
 _lib.define(
-    "mm(Tensor x, Tensor planes, Tensor block_scales, Tensor row_scales, Tensor codebook, SymInt in_features) "
-    "-> Tensor"
+    "mm(Tensor x, Tensor planes, Tensor block_scales, Tensor row_scales, Tensor codebook, SymInt in_features, "
+    "Tensor? signs=None) -> Tensor"
 )
 _lib.define(
     "grouped_mm(Tensor x, Tensor expert_ids, Tensor planes, Tensor block_scales, Tensor row_scales, "
-    "Tensor codebook, SymInt in_features, Tensor? order=None, Tensor? offsets=None) -> Tensor"
+    "Tensor codebook, SymInt in_features, Tensor? order=None, Tensor? offsets=None, Tensor? signs=None) -> Tensor"
 )
 
 # By device type: rows (token, expert pairs) above which an experts layer groups its rows by
@@ -78,6 +86,37 @@ def _check_packed(planes, block_scales, row_scales, codebook, in_features) -> No
     )
 
 
+def _check_signs(signs, in_features, planes) -> None:
+    """A rotated layer's sign words: int32 ``[in_features / 32]`` on the packed weight's device, in_features a
+    multiple of :data:`hf_kbit.format.ROTATION_BLOCK`."""
+    if signs is None:
+        return
+    torch._check(signs.dtype == torch.int32, lambda: f"signs must be int32 sign words, got {signs.dtype}")
+    torch._check(
+        in_features % fmt.ROTATION_BLOCK == 0,
+        lambda: f"signs: a rotated layer needs in_features a multiple of {fmt.ROTATION_BLOCK}, got {in_features}",
+    )
+    torch._check(
+        tuple(signs.shape) == fmt.rotation_signs_shape(in_features),
+        lambda: f"signs must be [{in_features // rotation.WORD_BITS}] (in_features / 32) for in_features="
+        f"{in_features}, got shape {tuple(signs.shape)}",
+    )
+    torch._check(
+        signs.device == planes.device,
+        lambda: f"signs must be on the packed weight's device {planes.device}, got {signs.device}",
+    )
+
+
+def _rotated(x: torch.Tensor, signs) -> torch.Tensor:
+    """The activation ``x`` in the packed weight's basis: ``x R`` (float32 math, one rounding to x's dtype)."""
+    return x if signs is None else rotation.rotate_words(x, signs)
+
+
+def _unrotated(y: torch.Tensor, signs, dtype: torch.dtype) -> torch.Tensor:
+    """``y`` (a float result in the packed weight's basis) back in the original basis, in ``dtype``: ``y R^T``."""
+    return (y if signs is None else rotation.unrotate_words(y, signs)).to(dtype)
+
+
 # ---------------------------------------------------------------------------- quantize
 
 
@@ -102,14 +141,20 @@ def _quantize_fake(weight, codebook):
 
 
 @torch.library.impl(_lib, "dequantize", "CompositeExplicitAutograd")
-def _dequantize_ref(planes, block_scales, row_scales, codebook, in_features, dtype):
+def _dequantize_ref(planes, block_scales, row_scales, codebook, in_features, dtype, signs=None):
+    """The weight ``[..., N, K]`` in ``dtype``, in the original basis (a rotated one unrotated in float32)."""
     _check_packed(planes, block_scales, row_scales, codebook, in_features)
-    return fmt.dequantize(planes, block_scales, row_scales, codebook, in_features, dtype)
+    _check_signs(signs, in_features, planes)
+    if signs is None:
+        return fmt.dequantize(planes, block_scales, row_scales, codebook, in_features, dtype)
+    w = fmt.dequantize(planes, block_scales, row_scales, codebook, in_features, torch.float32)
+    return _unrotated(w, signs, dtype)
 
 
 @torch.library.register_fake("kbit::dequantize")
-def _dequantize_fake(planes, block_scales, row_scales, codebook, in_features, dtype):
+def _dequantize_fake(planes, block_scales, row_scales, codebook, in_features, dtype, signs=None):
     _check_packed(planes, block_scales, row_scales, codebook, in_features)
+    _check_signs(signs, in_features, planes)
     return planes.new_empty((*row_scales.shape, in_features), dtype=dtype)
 
 
@@ -128,18 +173,20 @@ def _check_mm_input(x: torch.Tensor, in_features) -> None:
 
 
 @torch.library.impl(_lib, "mm", "CompositeExplicitAutograd")
-def _mm_ref(x, planes, block_scales, row_scales, codebook, in_features):
-    """``x [..., K] @ W.T -> [..., N]`` in x's dtype, accumulating in float32."""
+def _mm_ref(x, planes, block_scales, row_scales, codebook, in_features, signs=None):
+    """``x [..., K] @ W.T -> [..., N]`` in x's dtype, accumulating in float32 (rotated: ``(x R) @ (W R).T``)."""
     _check_mm_input(x, in_features)
     _check_packed(planes, block_scales, row_scales, codebook, in_features)
+    _check_signs(signs, in_features, planes)
     w = fmt.dequantize(planes, block_scales, row_scales, codebook, in_features, torch.float32)
-    return (x.float() @ w.T).to(x.dtype)
+    return (_rotated(x, signs).float() @ w.T).to(x.dtype)
 
 
 @torch.library.register_fake("kbit::mm")
-def _mm_fake(x, planes, block_scales, row_scales, codebook, in_features):
+def _mm_fake(x, planes, block_scales, row_scales, codebook, in_features, signs=None):
     _check_mm_input(x, in_features)
     _check_packed(planes, block_scales, row_scales, codebook, in_features)
+    _check_signs(signs, in_features, planes)
     return x.new_empty((*x.shape[:-1], row_scales.shape[-1]))
 
 
@@ -151,15 +198,15 @@ def _mm_fake(x, planes, block_scales, row_scales, codebook, in_features):
 # order; a backend may fold the prologue into its kernel's x staging.
 _lib.define(
     "mm_rmsnorm(Tensor x, Tensor norm_weight, float eps, Tensor planes, Tensor block_scales, Tensor row_scales, "
-    "Tensor codebook, SymInt in_features) -> Tensor"
+    "Tensor codebook, SymInt in_features, Tensor? signs=None) -> Tensor"
 )
 _lib.define(
     "mm_add_rmsnorm(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor planes, Tensor block_scales, "
-    "Tensor row_scales, Tensor codebook, SymInt in_features) -> (Tensor, Tensor)"
+    "Tensor row_scales, Tensor codebook, SymInt in_features, Tensor? signs=None) -> (Tensor, Tensor)"
 )
 _lib.define(
     "mm_silu_mul(Tensor gate, Tensor up, Tensor planes, Tensor block_scales, Tensor row_scales, Tensor codebook, "
-    "SymInt in_features) -> Tensor"
+    "SymInt in_features, Tensor? signs=None) -> Tensor"
 )
 
 
@@ -189,46 +236,49 @@ def _check_norm_weight(norm_weight: torch.Tensor, in_features) -> None:
 
 
 @torch.library.impl(_lib, "mm_rmsnorm", "CompositeExplicitAutograd")
-def _mm_rmsnorm_ref(x, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features):
+def _mm_rmsnorm_ref(x, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features, signs=None):
     """``rms_norm(x, norm_weight, eps) @ W.T``."""
     _check_norm_weight(norm_weight, in_features)
-    return torch.ops.kbit.mm(rms_norm(x, norm_weight, eps), planes, block_scales, row_scales, codebook, in_features)
+    h = rms_norm(x, norm_weight, eps)
+    return torch.ops.kbit.mm(h, planes, block_scales, row_scales, codebook, in_features, signs)
 
 
 @torch.library.register_fake("kbit::mm_rmsnorm")
-def _mm_rmsnorm_fake(x, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features):
+def _mm_rmsnorm_fake(x, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features, signs=None):
     _check_norm_weight(norm_weight, in_features)
-    return _mm_fake(x, planes, block_scales, row_scales, codebook, in_features)
+    return _mm_fake(x, planes, block_scales, row_scales, codebook, in_features, signs)
 
 
 @torch.library.impl(_lib, "mm_add_rmsnorm", "CompositeExplicitAutograd")
-def _mm_add_rmsnorm_ref(x, residual, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features):
+def _mm_add_rmsnorm_ref(x, residual, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features,
+                        signs=None):
     """``(rms_norm(x + residual, norm_weight, eps) @ W.T, x + residual)``: the sum goes on as the residual."""
     _check_prologue("residual", x, residual)
     _check_norm_weight(norm_weight, in_features)
     total = x + residual
-    out = torch.ops.kbit.mm(rms_norm(total, norm_weight, eps), planes, block_scales, row_scales, codebook, in_features)
-    return out, total
+    h = rms_norm(total, norm_weight, eps)
+    return torch.ops.kbit.mm(h, planes, block_scales, row_scales, codebook, in_features, signs), total
 
 
 @torch.library.register_fake("kbit::mm_add_rmsnorm")
-def _mm_add_rmsnorm_fake(x, residual, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features):
+def _mm_add_rmsnorm_fake(x, residual, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features,
+                         signs=None):
     _check_prologue("residual", x, residual)
     _check_norm_weight(norm_weight, in_features)
-    return _mm_fake(x, planes, block_scales, row_scales, codebook, in_features), torch.empty_like(x)
+    return _mm_fake(x, planes, block_scales, row_scales, codebook, in_features, signs), torch.empty_like(x)
 
 
 @torch.library.impl(_lib, "mm_silu_mul", "CompositeExplicitAutograd")
-def _mm_silu_mul_ref(gate, up, planes, block_scales, row_scales, codebook, in_features):
+def _mm_silu_mul_ref(gate, up, planes, block_scales, row_scales, codebook, in_features, signs=None):
     """``silu_mul(gate, up) @ W.T``."""
     _check_prologue("up", gate, up)
-    return torch.ops.kbit.mm(silu_mul(gate, up), planes, block_scales, row_scales, codebook, in_features)
+    return torch.ops.kbit.mm(silu_mul(gate, up), planes, block_scales, row_scales, codebook, in_features, signs)
 
 
 @torch.library.register_fake("kbit::mm_silu_mul")
-def _mm_silu_mul_fake(gate, up, planes, block_scales, row_scales, codebook, in_features):
+def _mm_silu_mul_fake(gate, up, planes, block_scales, row_scales, codebook, in_features, signs=None):
     _check_prologue("up", gate, up)
-    return _mm_fake(gate, planes, block_scales, row_scales, codebook, in_features)
+    return _mm_fake(gate, planes, block_scales, row_scales, codebook, in_features, signs)
 
 
 # ---------------------------------------------------------------------------- decode_attention
@@ -333,14 +383,16 @@ def _expert_groups(expert_ids, order, offsets, planes, block_scales, row_scales,
 
 
 @torch.library.impl(_lib, "grouped_mm", "CompositeExplicitAutograd")
-def _grouped_mm_ref(x, expert_ids, planes, block_scales, row_scales, codebook, in_features, order=None, offsets=None):
+def _grouped_mm_ref(x, expert_ids, planes, block_scales, row_scales, codebook, in_features, order=None, offsets=None,
+                    signs=None):
     """Row ``s`` of ``x [S, K]`` times expert ``expert_ids[s]``'s weight: ``[S, N]`` in x's dtype.
 
     Packed tensors carry one leading expert dim ``E``; codebook is ``[E, L]`` or ``[L]``.
     Rows whose id lies outside ``[0, E)`` come out as zeros. Accumulates in float32.
 
     ``order``/``offsets``: :func:`expert_offsets` of ``expert_ids``, when the caller already has
-    them (an experts layer sorts once for its two projections).
+    them (an experts layer sorts once for its two projections). ``signs``: the projection's sign words (all its
+    experts share them, as they share x): x is rotated once, before the grouping.
 
     Reference: rows grouped by :func:`expert_offsets`, one expert's weight dequantized at a
     time (never ``[S, N, K]``). Reading the group sizes to slice is a host sync here; a
@@ -350,6 +402,8 @@ def _grouped_mm_ref(x, expert_ids, planes, block_scales, row_scales, codebook, i
     _check_packed(planes, block_scales, row_scales, codebook, in_features)
     _check_grouped(x, expert_ids, row_scales, codebook)
     _check_routing(expert_ids, order, offsets, row_scales.shape[0])
+    _check_signs(signs, in_features, planes)
+    x = _rotated(x, signs)
     out = torch.zeros(x.shape[0], row_scales.shape[-1], dtype=torch.float32, device=x.device)
     for rows, packed in _expert_groups(expert_ids, order, offsets, planes, block_scales, row_scales, codebook):
         w = fmt.dequantize(*packed, in_features, torch.float32)
@@ -358,11 +412,13 @@ def _grouped_mm_ref(x, expert_ids, planes, block_scales, row_scales, codebook, i
 
 
 @torch.library.register_fake("kbit::grouped_mm")
-def _grouped_mm_fake(x, expert_ids, planes, block_scales, row_scales, codebook, in_features, order=None, offsets=None):
+def _grouped_mm_fake(x, expert_ids, planes, block_scales, row_scales, codebook, in_features, order=None, offsets=None,
+                     signs=None):
     _check_mm_input(x, in_features)
     _check_packed(planes, block_scales, row_scales, codebook, in_features)
     _check_grouped(x, expert_ids, row_scales, codebook)
     _check_routing(expert_ids, order, offsets, row_scales.shape[0])
+    _check_signs(signs, in_features, planes)
     return x.new_empty((x.shape[0], row_scales.shape[-1]))
 
 
@@ -375,11 +431,11 @@ def _grouped_mm_fake(x, expert_ids, planes, block_scales, row_scales, codebook, 
 # opaque op with a fake impl.
 _lib.define(
     "mm_grad_x(Tensor grad, Tensor planes, Tensor block_scales, Tensor row_scales, Tensor codebook, "
-    "SymInt in_features) -> Tensor"
+    "SymInt in_features, Tensor? signs=None) -> Tensor"
 )
 _lib.define(
     "grouped_mm_grad_x(Tensor grad, Tensor expert_ids, Tensor planes, Tensor block_scales, Tensor row_scales, "
-    "Tensor codebook, SymInt in_features, Tensor? order=None, Tensor? offsets=None) -> Tensor"
+    "Tensor codebook, SymInt in_features, Tensor? order=None, Tensor? offsets=None, Tensor? signs=None) -> Tensor"
 )
 
 
@@ -396,83 +452,88 @@ def _check_grad_input(grad: torch.Tensor, row_scales: torch.Tensor) -> None:
 
 
 @torch.library.impl(_lib, "mm_grad_x", "CompositeExplicitAutograd")
-def _mm_grad_x_ref(grad, planes, block_scales, row_scales, codebook, in_features):
+def _mm_grad_x_ref(grad, planes, block_scales, row_scales, codebook, in_features, signs=None):
     """``grad [..., N] @ W -> [..., K]`` in grad's dtype, accumulating in float32: the gradient of
-    :func:`_mm_ref` with respect to x."""
+    :func:`_mm_ref` with respect to x (rotated: ``(grad @ (W R)) R^T``, unrotated in float32)."""
     _check_grad_input(grad, row_scales)
     _check_packed(planes, block_scales, row_scales, codebook, in_features)
+    _check_signs(signs, in_features, planes)
     w = fmt.dequantize(planes, block_scales, row_scales, codebook, in_features, torch.float32)
-    return (grad.float() @ w).to(grad.dtype)
+    return _unrotated(grad.float() @ w, signs, grad.dtype)
 
 
 @torch.library.register_fake("kbit::mm_grad_x")
-def _mm_grad_x_fake(grad, planes, block_scales, row_scales, codebook, in_features):
+def _mm_grad_x_fake(grad, planes, block_scales, row_scales, codebook, in_features, signs=None):
     _check_grad_input(grad, row_scales)
     _check_packed(planes, block_scales, row_scales, codebook, in_features)
+    _check_signs(signs, in_features, planes)
     return grad.new_empty((*grad.shape[:-1], in_features))
 
 
 @torch.library.impl(_lib, "grouped_mm_grad_x", "CompositeExplicitAutograd")
 def _grouped_mm_grad_x_ref(grad, expert_ids, planes, block_scales, row_scales, codebook, in_features, order=None,
-                           offsets=None):
+                           offsets=None, signs=None):
     """Row ``s`` of ``grad [S, N]`` times expert ``expert_ids[s]``'s weight ``[N, K]``: ``[S, K]``, the
     gradient of :func:`_grouped_mm_ref` with respect to x (zeros for rows of no expert)."""
     return _grouped_grad_x(grad, expert_ids, planes, block_scales, row_scales, codebook, in_features, order, offsets,
-                           torch.float32)
+                           torch.float32, signs)
 
 
 def _grouped_grad_x(grad, expert_ids, planes, block_scales, row_scales, codebook, in_features, order, offsets,
-                    compute_dtype: torch.dtype) -> torch.Tensor:
+                    compute_dtype: torch.dtype, signs=None) -> torch.Tensor:
     """The grouped gradient, one expert's weight dequantized at a time in ``compute_dtype`` (a host sync,
-    as in the forward reference)."""
+    as in the forward reference), rows unrotated (``signs``) in ``compute_dtype`` before the one rounding."""
     _check_grad_input(grad, row_scales)
     _check_packed(planes, block_scales, row_scales, codebook, in_features)
     _check_grouped(grad.new_empty((grad.shape[0], in_features)), expert_ids, row_scales, codebook)
     _check_routing(expert_ids, order, offsets, row_scales.shape[0])
+    _check_signs(signs, in_features, planes)
     out = torch.zeros(grad.shape[0], in_features, dtype=compute_dtype, device=grad.device)
     for rows, packed in _expert_groups(expert_ids, order, offsets, planes, block_scales, row_scales, codebook):
         w = torch.ops.kbit.dequantize(*packed, in_features, compute_dtype)
         out[rows] = grad[rows].to(compute_dtype) @ w
-    return out.to(grad.dtype)
+    return _unrotated(out, signs, grad.dtype)
 
 
 @torch.library.register_fake("kbit::grouped_mm_grad_x")
 def _grouped_mm_grad_x_fake(grad, expert_ids, planes, block_scales, row_scales, codebook, in_features, order=None,
-                            offsets=None):
+                            offsets=None, signs=None):
     _check_grad_input(grad, row_scales)
     _check_packed(planes, block_scales, row_scales, codebook, in_features)
     _check_grouped(grad.new_empty((grad.shape[0], in_features)), expert_ids, row_scales, codebook)
     _check_routing(expert_ids, order, offsets, row_scales.shape[0])
+    _check_signs(signs, in_features, planes)
     return grad.new_empty((grad.shape[0], in_features))
 
 
 def _mm_setup_context(ctx, inputs, output):
-    _, planes, block_scales, row_scales, codebook, in_features = inputs
-    ctx.save_for_backward(planes, block_scales, row_scales, codebook)
+    _, planes, block_scales, row_scales, codebook, in_features, signs = inputs
+    ctx.save_for_backward(planes, block_scales, row_scales, codebook, signs)
     ctx.in_features = in_features
 
 
 def _mm_backward(ctx, grad):
     grad_x = None
     if ctx.needs_input_grad[0]:
-        grad_x = torch.ops.kbit.mm_grad_x(grad, *ctx.saved_tensors, ctx.in_features)
-    return grad_x, None, None, None, None, None
+        planes, block_scales, row_scales, codebook, signs = ctx.saved_tensors
+        grad_x = torch.ops.kbit.mm_grad_x(grad, planes, block_scales, row_scales, codebook, ctx.in_features, signs)
+    return grad_x, None, None, None, None, None, None
 
 
 def _grouped_mm_setup_context(ctx, inputs, output):
-    _, expert_ids, planes, block_scales, row_scales, codebook, in_features, order, offsets = inputs
-    ctx.save_for_backward(expert_ids, planes, block_scales, row_scales, codebook, order, offsets)
+    _, expert_ids, planes, block_scales, row_scales, codebook, in_features, order, offsets, signs = inputs
+    ctx.save_for_backward(expert_ids, planes, block_scales, row_scales, codebook, order, offsets, signs)
     ctx.in_features = in_features
 
 
 def _grouped_mm_backward(ctx, grad):
     grad_x = None
     if ctx.needs_input_grad[0]:
-        expert_ids, planes, block_scales, row_scales, codebook, order, offsets = ctx.saved_tensors
+        expert_ids, planes, block_scales, row_scales, codebook, order, offsets, signs = ctx.saved_tensors
         grad_x = torch.ops.kbit.grouped_mm_grad_x(
-            grad, expert_ids, planes, block_scales, row_scales, codebook, ctx.in_features, order, offsets
+            grad, expert_ids, planes, block_scales, row_scales, codebook, ctx.in_features, order, offsets, signs
         )
-    return grad_x, None, None, None, None, None, None, None, None
+    return grad_x, None, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("kbit::mm", _mm_backward, setup_context=_mm_setup_context)

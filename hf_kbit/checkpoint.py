@@ -28,7 +28,8 @@ def expected_tensors(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch
     """``{state_dict key: (shape, dtype)}`` for every format tensor of every kbit module.
 
     A kbit module is one with ``packed_shapes() -> {tensor name: shape}``; a tensor's dtype
-    follows its name's suffix (``planes``, ``block_scales``, ``row_scales``, ``codebook``).
+    follows its name's suffix (``planes``, ``block_scales``, ``row_scales``, ``codebook``,
+    ``rotation_signs``).
     """
     expected = {}
     for name, module in model.named_modules():
@@ -40,8 +41,11 @@ def expected_tensors(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch
     return expected
 
 
+_TENSOR_DTYPES = {**fmt.PACKED_DTYPES, fmt.ROTATION_SIGNS: fmt.ROTATION_SIGNS_DTYPE}
+
+
 def _dtype_of(tensor_name: str) -> torch.dtype:
-    for base, dtype in fmt.PACKED_DTYPES.items():
+    for base, dtype in _TENSOR_DTYPES.items():
         if tensor_name == base or tensor_name.endswith("_" + base):
             return dtype
     raise KeyError(tensor_name)
@@ -49,7 +53,28 @@ def _dtype_of(tensor_name: str) -> torch.dtype:
 
 def _is_packed_name(tensor_name: str) -> bool:
     """Whether ``tensor_name`` is named like a format tensor (``planes``, ``gate_up_row_scales``, ...)."""
-    return any(tensor_name == base or tensor_name.endswith("_" + base) for base in fmt.PACKED_DTYPES)
+    return any(tensor_name == base or tensor_name.endswith("_" + base) for base in _TENSOR_DTYPES)
+
+
+def is_rotation_signs(key: str) -> bool:
+    """Whether the state-dict key ``key`` is a rotated layer's sign words (``<module>.rotation_signs``,
+    ``<experts>.gate_up_rotation_signs``)."""
+    name = key.rpartition(".")[2]
+    return name == fmt.ROTATION_SIGNS or name.endswith("_" + fmt.ROTATION_SIGNS)
+
+
+def rotation_signs_keys(
+    files: Iterable[str | os.PathLike], rename: Callable[[str], str] | None = None
+) -> list[str]:
+    """The sign-word keys (:func:`is_rotation_signs`) the safetensors ``files`` hold, in the model's naming
+    (``rename``, as :func:`validate_files`): the layers the checkpoint stores rotated (format v2)."""
+    keys = []
+    for path in files:
+        if not str(path).endswith(".safetensors"):
+            continue
+        keys += [rename(key) if rename is not None else key for key in read_safetensors_header(path)
+                 if key != "__metadata__" and is_rotation_signs(key)]
+    return keys
 
 
 def read_safetensors_header(path: str | os.PathLike) -> dict:

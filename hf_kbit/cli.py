@@ -22,6 +22,7 @@ examples:
   kbit-convert org/model --revision main --bits 3 --module-bits 'mlp\\.down_proj=4' --out ./model-kbit3
   kbit-convert model.gguf --bits 4 --dtype bfloat16 --out ./model-kbit4
   kbit-convert ./my-model --bits 3 --calibration-data corpus.txt --out ./my-model-kbit3-cal
+  kbit-convert ./my-model --bits 3 --rotation auto --out ./my-model-kbit3-rot
   kbit-convert ./my-model --bits 4 --out ./my-model-kbit4 --eval --push-to-hub me/my-model-kbit4 --private
   kbit-convert ./my-model-kbit4 --push-to-hub me/my-model-kbit4      (push an existing kbit folder again)
 
@@ -30,6 +31,8 @@ The Hub token comes from huggingface_hub's usual sources (HF_TOKEN or `hf auth l
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 FITTING_CHOICES = ("absmax", "fit")  # hf_kbit.fitting.FITTINGS (a test checks), listed so --help needs no torch import
+# --rotation's words for KbitConfig.rotation (hf_kbit.rotation_policy.ROTATIONS; a test checks)
+ROTATION_CHOICES = {"off": False, "on": True, "auto": "auto"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,6 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
         "'absmax': block absmax rounded up and the codebook as given (default: the measured default of each k, "
         "'fit' today); inference costs the same either way",
     )
+    q.add_argument(
+        "--rotation",
+        default="off",
+        choices=tuple(ROTATION_CHOICES),
+        help="store weights rotated along K by a seeded block Hadamard (format v2; the kernels turn the activations "
+        "to match): 'on' every weight whose in_features is a multiple of 64, 'auto' where it lowers the weight "
+        "error (decided per group of weights reading one input), 'off' never (default)",
+    )
+    q.add_argument("--rotation-seed", type=int, default=None, metavar="SEED",
+                   help="seed of the rotation's signs, an int in [0, 2**64) (default: 0; needs --rotation on or auto)")
     q.add_argument(
         "--module-bits",
         action="append",
@@ -211,6 +224,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and value < 1:
             parser.error(f"{flag} must be a positive number, got {value}")
+    if args.rotation_seed is not None and args.rotation == "off":
+        parser.error("--rotation-seed needs --rotation on or auto")
     module_bits = _parse_module_bits(parser, args.module_bits)
     codebook = _parse_codebook(parser, args.codebook)
     if args.push_to_hub:
@@ -240,6 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             calibration_samples=args.calibration_samples,
             calibration_seq_len=args.calibration_seq_len,
             calibration_tokenizer=args.calibration_tokenizer,
+            rotation=ROTATION_CHOICES[args.rotation],
+            rotation_seed=args.rotation_seed or 0,
         )
         parse_size(args.max_shard_size)
         if not args.dry_run:

@@ -16,6 +16,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from . import format as fmt
 from .fitting import FITTINGS
+from .rotation_policy import check_rotation, check_seed
 
 QUANT_METHOD = "kbit"
 
@@ -70,8 +71,18 @@ class KbitConfig(QuantizationConfigMixin):
             of values is kept as given); ``"absmax"`` rounds each block's absmax up and uses
             ``codebook`` as is. ``None`` takes the measured default of each k
             (:data:`hf_kbit.fitting.DEFAULT_FITTING`). Inference costs the same either way.
+        rotation: store weights rotated along K (format v2): ``W R`` with ``R`` the seeded block Hadamard of
+            :mod:`hf_kbit.rotation` (segments of 64), quantized as above, and the kernels turn the activations
+            to match (``x R``), so outputs are unchanged up to quantization. ``False`` (default): never; ``True``:
+            every quantized weight whose in_features is a multiple of 64 (the others stay unrotated); ``"auto"``:
+            per group of weights that read one input (q/k/v, gate/up, all experts of a projection) where it
+            lowers the group's relative weight error, decided data-free (:mod:`hf_kbit.rotation_policy`). With
+            calibration, GPTQ then runs on the rotated weights with the rotated inputs' Hessian. A rotation costs
+            the kernels a transform of their input (docs/kernels.md).
+        rotation_seed: the seed of the rotation's signs (an int in [0, 2**64), default 0); the sign words are
+            stored with each rotated layer.
         format_version: version of the packed format; a checkpoint newer than this library
-            is refused.
+            is refused. ``None``: 1, which quantization raises to 2 once a layer is stored rotated.
         fuse_projections: after loading, run sibling projections that read the same input
             (``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``) as one kbit launch
             each (:func:`hf_kbit.nn.fuse_projections`); a runtime choice, the checkpoint's
@@ -106,7 +117,7 @@ class KbitConfig(QuantizationConfigMixin):
         modules_to_not_convert: list[str] | None = None,
         module_bits: dict[str, int] | None = None,
         fitting: str | None = None,
-        format_version: int = fmt.FORMAT_VERSION,
+        format_version: int | None = None,
         fuse_projections: bool = True,
         calibration_data: str | os.PathLike | list[str] | None = None,
         calibration_samples: int | None = None,
@@ -114,6 +125,8 @@ class KbitConfig(QuantizationConfigMixin):
         calibration_tokenizer: Any = None,
         calibration: dict[str, Any] | None = None,
         fusion_pass: bool = True,
+        rotation: bool | str = False,
+        rotation_seed: int = 0,
         **kwargs: Any,
     ):
         self.quant_method = QUANT_METHOD
@@ -122,7 +135,7 @@ class KbitConfig(QuantizationConfigMixin):
         self.modules_to_not_convert = modules_to_not_convert
         self.module_bits = dict(module_bits) if module_bits else {}
         self.fitting = fitting
-        self.format_version = format_version
+        self.format_version = 1 if format_version is None else format_version
         self.fuse_projections = fuse_projections
         self.calibration_data = calibration_data
         self.calibration_samples = calibration_samples
@@ -130,6 +143,8 @@ class KbitConfig(QuantizationConfigMixin):
         self.calibration_tokenizer = calibration_tokenizer
         self.calibration = calibration
         self.fusion_pass = fusion_pass
+        self.rotation = rotation
+        self.rotation_seed = rotation_seed
         kwargs.pop("quant_method", None)
         for key, value in _FORMAT_FACTS.items():
             if kwargs.pop(key, value) != value:
@@ -141,7 +156,8 @@ class KbitConfig(QuantizationConfigMixin):
     @staticmethod
     def _fields() -> list[str]:
         return ["bits", "codebook", "modules_to_not_convert", "module_bits", "fitting", "format_version", "fuse_projections",
-                "calibration_data", "calibration_samples", "calibration_seq_len", "calibration_tokenizer", "calibration", "fusion_pass"]
+                "calibration_data", "calibration_samples", "calibration_seq_len", "calibration_tokenizer", "calibration", "fusion_pass",
+                "rotation", "rotation_seed"]
 
     def post_init(self) -> None:
         """Validate every field; errors name the field, the expectation and the value."""
@@ -190,7 +206,12 @@ class KbitConfig(QuantizationConfigMixin):
         for field in ("fuse_projections", "fusion_pass"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"KbitConfig.{field} must be a bool, got {getattr(self, field)!r}")
-        if not isinstance(self.format_version, int) or self.format_version < 1:
+        check_rotation(self.rotation)
+        check_seed(self.rotation_seed)
+        if self.rotation is False and self.rotation_seed != 0:
+            raise ValueError(f"KbitConfig.rotation_seed={self.rotation_seed!r} has no effect with rotation=False; pass "
+                             "rotation=True or 'auto' (or drop rotation_seed)")
+        if not isinstance(self.format_version, int) or isinstance(self.format_version, bool) or self.format_version < 1:
             raise ValueError(f"KbitConfig.format_version must be a positive int, got {self.format_version!r}")
         if self.format_version > fmt.FORMAT_VERSION:
             raise ValueError(
@@ -289,6 +310,9 @@ class KbitConfig(QuantizationConfigMixin):
             **({"fusion_pass": False} if not self.fusion_pass else {}),
             # Only a calibrated checkpoint has the field, so data-free ones stay readable by earlier versions.
             **({"calibration": record} if (record := self.calibration_record()) is not None else {}),
+            # Rotation off its default only: checkpoints without it stay readable by versions without the fields.
+            **({"rotation": self.rotation} if self.rotation is not False else {}),
+            **({"rotation_seed": self.rotation_seed} if self.rotation_seed != 0 else {}),
             **_FORMAT_FACTS,
         }
 

@@ -1,4 +1,4 @@
-"""The kbit weight format, version 1, as executable pure-PyTorch reference.
+"""The kbit weight format, version 2, as executable pure-PyTorch reference.
 
 This module is the specification: every kernel is tested against it (bit-exactly for the
 packed tensors, within named tolerances for matmuls). ``docs/format.md`` explains it for
@@ -17,6 +17,15 @@ experts) is stored as four tensors:
 - ``codebook``: float32 ``[..., 2**bits]``, sorted, within [-1, 1].
 
 ``W[n, k] ~= codebook[index] * e4m4(block_scales[block]) * row_scales[n]``.
+
+Version 2 adds rotation: a layer may store ``W R`` instead of ``W`` (``R``: the seeded block Hadamard of
+:mod:`hf_kbit.rotation`, block :data:`ROTATION_BLOCK`, along K), quantized as above, with a fifth tensor
+
+- ``rotation_signs``: int32 ``[K / 32]``, the signs of ``R`` (:func:`hf_kbit.rotation.sign_words`).
+
+Only layers with K a multiple of :data:`ROTATION_BLOCK` rotate (:func:`rotatable`). ``x W^T = (x R) (W R)^T``,
+so the ops rotate the activations; :func:`hf_kbit.rotation.unrotate_words` of the reconstruction is ``W``
+again. A checkpoint with no rotated layer is version 1, unchanged.
 """
 
 from __future__ import annotations
@@ -27,8 +36,14 @@ import math
 import torch
 
 from .kernel_table import SUPPORTED_BITS  # noqa: F401  (the bit widths the kernels are built for)
+from .rotation import DEFAULT_BLOCK, WORD_BITS
 
-FORMAT_VERSION = 1
+# 2: rotated layers (rotation_signs). A checkpoint without one is written as version 1, which it is.
+FORMAT_VERSION = 2
+ROTATION_VERSION = 2  # the version of a checkpoint with a rotated layer
+ROTATION_BLOCK = DEFAULT_BLOCK  # Hadamard segment of a rotated layer along K: 64 (6 butterfly stages)
+ROTATION_SIGNS = "rotation_signs"  # the sign words of a rotated layer (KbitExperts: "<projection>_rotation_signs")
+ROTATION_SIGNS_DTYPE = torch.int32
 BLOCK_SIZE = 32  # elements along K sharing one scale; also the bits of one plane word
 TILE_N = 16  # rows per tile: one tensor-core m16 fragment, 16 x 16 B = 256 B per plane
 BLOCKS_PER_TILE = 4  # 4 plane words = one 16-byte vector load per (row, plane)
@@ -94,6 +109,17 @@ def _row_scale_max() -> float:
 ROW_SCALE_MAX = _row_scale_max()
 
 
+def rotatable(k: int) -> bool:
+    """Whether a weight with ``k`` columns (in_features) may be stored rotated: K a positive multiple of
+    :data:`ROTATION_BLOCK`, so that the Hadamard segments tile it (and never cross a 128-column tile)."""
+    return k > 0 and k % ROTATION_BLOCK == 0
+
+
+def rotation_signs_shape(k: int) -> tuple[int]:
+    """Shape of the ``rotation_signs`` of a rotated weight with ``k`` columns: one int32 word per 32."""
+    return (k // WORD_BITS,)
+
+
 def padded_shape(n: int, k: int) -> tuple[int, int]:
     """Rows and columns after padding to whole tiles (padding is zeros, never visible)."""
     return math.ceil(n / TILE_N) * TILE_N, math.ceil(k / TILE_K) * TILE_K
@@ -119,10 +145,12 @@ PACKED_DTYPES = {
 }
 
 
-def bits_per_weight(n: int, k: int, bits: int) -> float:
-    """Stored bits per original weight element, padding and all scales included."""
+def bits_per_weight(n: int, k: int, bits: int, rotated: bool = False) -> float:
+    """Stored bits per original weight element, padding, all scales and (``rotated``) the sign words included."""
     shapes = packed_shapes(n, k, bits)
     nbytes = sum(math.prod(s) * PACKED_DTYPES[name].itemsize for name, s in shapes.items())
+    if rotated:
+        nbytes += math.prod(rotation_signs_shape(k)) * ROTATION_SIGNS_DTYPE.itemsize
     return 8 * nbytes / (n * k)
 
 

@@ -11,6 +11,9 @@ takes the op's inputs instead:
 - ``kbit.mm(rms_norm(h))`` -> ``kbit.mm_rmsnorm(h)``;
 - ``kbit.mm(silu_mul(gate, up))`` -> ``kbit.mm_silu_mul(gate, up)``.
 
+A projection's packed tensors, ``in_features`` and ``signs`` (a rotated layer's sign words) go to the fused op as
+they are: with signs, the prologue's output is rotated before it meets the weight, as ``kbit.mm`` rotates x.
+
 ``rms_norm`` and ``silu_mul`` are matched as transformers writes them (hf_kbit._ops), after inductor's
 decompositions, and only where their intermediates have no other use. Use it through
 :func:`compile_options` or, for ``generate``'s own compile, :func:`compile_config`::
@@ -223,14 +226,14 @@ def fuse(graph: fx.Graph, max_tokens: int | None = DEFAULT_MAX_TOKENS) -> dict[s
         replaced: list[tuple[fx.Node, fx.Node]] = []  # (projection, its replacement)
         if (norm := _match_rms_norm(x)) is not None:
             dropped, h, weight, eps = norm
-            inputs = (weight, *(a for p in projections for a in p.args[1:]))
+            inputs = (weight, *(a for p in projections for a in (*p.args[1:], *p.kwargs.values())))
             if _same_shape_add(h) and _defined_before(graph, (*h.args, *inputs), h):
                 anchor, source = h, h
                 for i, p in enumerate(projections):
                     with graph.inserting_after(anchor):
                         if i == 0:
                             args = (*h.args, weight, eps, *p.args[1:])
-                            fused = graph.call_function(kbit.mm_add_rmsnorm.default, args)
+                            fused = graph.call_function(kbit.mm_add_rmsnorm.default, args, dict(p.kwargs))
                             fused.meta["val"] = (_val(p), _val(h))
                             with graph.inserting_after(fused):
                                 out = graph.call_function(operator.getitem, (fused, 0))
@@ -239,7 +242,8 @@ def fuse(graph: fx.Graph, max_tokens: int | None = DEFAULT_MAX_TOKENS) -> dict[s
                             anchor, source = total, total
                             made["mm_add_rmsnorm"] += 1
                         else:
-                            out = graph.call_function(kbit.mm_rmsnorm.default, (source, weight, eps, *p.args[1:]))
+                            out = graph.call_function(kbit.mm_rmsnorm.default, (source, weight, eps, *p.args[1:]),
+                                                      dict(p.kwargs))
                             out.meta["val"] = _val(p)
                             anchor = out
                             made["mm_rmsnorm"] += 1
@@ -249,7 +253,8 @@ def fuse(graph: fx.Graph, max_tokens: int | None = DEFAULT_MAX_TOKENS) -> dict[s
             elif _defined_before(graph, inputs, mm):
                 for p in projections:
                     with graph.inserting_before(p):
-                        out = graph.call_function(kbit.mm_rmsnorm.default, (h, weight, eps, *p.args[1:]))
+                        out = graph.call_function(kbit.mm_rmsnorm.default, (h, weight, eps, *p.args[1:]),
+                                                  dict(p.kwargs))
                     out.meta["val"] = _val(p)
                     replaced.append((p, out))
                     made["mm_rmsnorm"] += 1
@@ -259,7 +264,7 @@ def fuse(graph: fx.Graph, max_tokens: int | None = DEFAULT_MAX_TOKENS) -> dict[s
             dropped, gate, up = gated
             for p in projections:
                 with graph.inserting_before(p):
-                    out = graph.call_function(kbit.mm_silu_mul.default, (gate, up, *p.args[1:]))
+                    out = graph.call_function(kbit.mm_silu_mul.default, (gate, up, *p.args[1:]), dict(p.kwargs))
                 out.meta["val"] = _val(p)
                 replaced.append((p, out))
                 made["mm_silu_mul"] += 1

@@ -147,8 +147,9 @@ def render_card(
         size_before=format_bytes(stats["size_before_bytes"]),
         size_before_label=size_before_label,
         size_after=format_bytes(stats["size_after_bytes"]),
-        format_version=cfg.format_version,
+        format_version=stats.get("format_version", cfg.format_version),
         calibration=_calibration_summary(cfg),
+        rotation=_rotation_summary(cfg, stats),
         command=command,
         repo_id=repo_id or "path/to/this/folder",
         eval=eval,
@@ -163,6 +164,16 @@ def _calibration_summary(cfg) -> str:
         return "none (data-free)"
     return (f"GPTQ-style error feedback (hf_kbit.calibration) on {record['tokens']:,} tokens of calibration text "
             f"({record['samples']} sequences of {record['seq_len']})")
+
+
+def _rotation_summary(cfg, stats: dict) -> str:
+    if cfg.rotation is False:
+        return "none"
+    rotated = stats.get("rotated_tensors", 0)
+    how = "every quantized tensor whose" if cfg.rotation is True else "chosen per weight group (auto) among tensors whose"
+    return (f"seeded block Hadamard along K (block {fmt.ROTATION_BLOCK}, seed {cfg.rotation_seed}), {how} in_features "
+            f"is a multiple of {fmt.ROTATION_BLOCK}: {rotated} of {stats['quantized_tensors']} tensors are stored "
+            "rotated (the kernels turn the activations to match)")
 
 
 def _codebook_name(cfg) -> str:

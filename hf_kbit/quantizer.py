@@ -10,10 +10,25 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name
 
 from . import checkpoint, fitting, fusion
+from . import format as fmt
 from .config import KbitConfig
-from .nn.experts import KbitExperts, quantize_experts_on_load, replace_experts_with_kbit, replace_kbit_experts_with_float
+from .nn.experts import (
+    PROJECTIONS,
+    KbitExperts,
+    quantize_experts_on_load,
+    replace_experts_with_kbit,
+    replace_kbit_experts_with_float,
+)
 from .nn.fused import codebook_siblings, fuse_projections
-from .nn.linear import COMPUTE_DTYPES, FORMAT_TENSORS, KbitLinear, pack_storages, quantize_group
+from .nn.linear import (
+    COMPUTE_DTYPES,
+    FORMAT_TENSORS,
+    ROTATION_SIGNS,
+    KbitLinear,
+    KbitModule,
+    pack_storages,
+    quantize_siblings,
+)
 from .nn.replace import check_quantizable, quantize_model, replace_kbit_with_linear, replace_linear_with_kbit, tied_modules
 
 
@@ -84,13 +99,24 @@ class KbitHfQuantizer(HfQuantizer):
             model, self.quantization_config, self.modules_to_not_convert, weight_placeholder=not self.pre_quantized
         )
         if self.pre_quantized and checkpoint_files:
-            checkpoint.validate_files(checkpoint_files, model, rename=_checkpoint_key_renamer(model, self))
+            rename = _checkpoint_key_renamer(model, self)
+            expect_stored_rotation(model, checkpoint.rotation_signs_keys(checkpoint_files, rename), self.quantization_config)
+            checkpoint.validate_files(checkpoint_files, model, rename=rename)
         if not self.pre_quantized:
             config = self.quantization_config
+            if config.rotation is not False:  # placeholders for the sign words of whatever may rotate
+                for module in model.modules():
+                    if isinstance(module, KbitModule):
+                        for name, k in module.rotation_in_features().items():
+                            if fmt.rotatable(k):
+                                module.expect_rotation(name)
+            # Siblings wait for each other when they share what is decided on all of them: a fitted codebook, or
+            # whether to rotate ("auto").
             self.codebook_siblings = codebook_siblings({
                 name: (m.in_features, m.bits)
                 for name, m in model.named_modules()
-                if isinstance(m, KbitLinear) and fitting.codebook_needs_data(config.fitting, m.bits, config.codebook)
+                if isinstance(m, KbitLinear) and (
+                    fitting.codebook_needs_data(config.fitting, m.bits, config.codebook) or config.rotation == "auto")
             })
         return model
 
@@ -108,9 +134,11 @@ class KbitHfQuantizer(HfQuantizer):
             packed = _quantize_siblings(model, self.quantization_config, list(waiting.items()))
             for key, tensor in packed.items():
                 module, name = key.rsplit(".", 1)
-                model.get_submodule(module)._buffers[name] = tensor
+                setattr(model.get_submodule(module), name, tensor)
         self.pending.clear()
         checkpoint.validate_loaded(model)
+        if not self.pre_quantized:  # what was quantized decides the version: 2 once a layer is stored rotated
+            self.quantization_config.format_version = format_version_of(model)
         pack_storages(model)
         if self.quantization_config.fuse_projections:
             fuse_projections(model)
@@ -150,17 +178,17 @@ class KbitQuantize(ConversionOps):
         value = value[0] if isinstance(value, list) else value
         full_layer_name = full_layer_name or target_key
         module, tensor_name = get_module_from_name(model, full_layer_name)
+        prefix = full_layer_name.rpartition(".")[0]
         if isinstance(module, KbitExperts):  # fused MoE experts (hf_kbit.nn.experts)
             packed = quantize_experts_on_load(
                 module, tensor_name, value, self.hf_quantizer.quantization_config, full_layer_name
             )
-            if missing_keys is not None:
-                missing_keys.discard(full_layer_name)
+            if missing_keys is not None:  # the weight, and the sign words of a projection that stayed unrotated
+                missing_keys.difference_update((full_layer_name, f"{prefix}.{PROJECTIONS[tensor_name]}_{ROTATION_SIGNS}"))
             return packed
-        prefix = full_layer_name.rpartition(".")[0]
         del module._parameters["weight"]
         if missing_keys is not None:
-            missing_keys.discard(full_layer_name)
+            missing_keys.difference_update((full_layer_name, f"{prefix}.{ROTATION_SIGNS}"))
         group = self.hf_quantizer.codebook_siblings.get(prefix)
         if group is None:
             members = [(prefix, value)]
@@ -175,14 +203,52 @@ class KbitQuantize(ConversionOps):
 
 
 def _quantize_siblings(model, config: KbitConfig, members: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Quantize the weights of KbitLinear ``members`` (``[(name, weight)]``) with one codebook; returns
-    their format tensors by state-dict key."""
+    """Quantize the weights of KbitLinear ``members`` (``[(name, weight)]``) with one codebook and in one basis;
+    returns their format tensors (and sign words, when rotated) by state-dict key. A member whose placeholder for
+    sign words stays unfilled ("auto" kept the group unrotated) loses it."""
     bits = model.get_submodule(members[0][0]).bits
     device = members[0][1].device
-    packed = quantize_group(
-        [w.to(device) for _, w in members], bits, config.codebook, config.fitting, [f"{name}.weight" for name, _ in members]
+    packed = quantize_siblings(
+        [w.to(device) for _, w in members], bits, config.codebook, config.fitting, [f"{name}.weight" for name, _ in members],
+        config.rotation, config.rotation_seed,
     )
-    return {f"{name}.{t}": tensor for (name, _), tensors in zip(members, packed) for t, tensor in zip(FORMAT_TENSORS, tensors)}
+    out = {}
+    for (name, _), (*tensors, signs) in zip(members, packed):
+        out.update({f"{name}.{t}": tensor for t, tensor in zip(FORMAT_TENSORS, tensors)})
+        if signs is not None:
+            out[f"{name}.{ROTATION_SIGNS}"] = signs
+        elif model.get_submodule(name).rotated:
+            model.get_submodule(name).rotation_signs = None
+    return out
+
+
+def expect_stored_rotation(model, keys: list[str], config: KbitConfig) -> None:
+    """Before a pre-quantized load: give each layer whose sign words the checkpoint holds (``keys``, model naming,
+    :func:`hf_kbit.checkpoint.rotation_signs_keys`) a placeholder for them, so that it loads rotated. A
+    checkpoint whose config.json says ``rotation`` is off but which holds sign words is refused."""
+    if keys and config.rotation is False:
+        raise checkpoint.KbitCheckpointError(
+            f"the checkpoint holds sign words of rotated layers (e.g. '{keys[0]}'), but its quantization_config has "
+            "no rotation: config.json and tensors disagree; use the config.json the checkpoint was saved with"
+        )
+    modules = dict(model.named_modules())
+    prefix = getattr(model, "base_model_prefix", "")
+    for key in keys:
+        for candidate in (key, f"{prefix}.{key}"):
+            module_name, _, name = candidate.rpartition(".")
+            module = modules.get(module_name)
+            if isinstance(module, KbitModule) and name in module.rotation_in_features():
+                try:
+                    module.expect_rotation(name)
+                except ValueError as e:
+                    raise checkpoint.KbitCheckpointError(f"checkpoint tensor '{key}': {e}") from None
+                break
+
+
+def format_version_of(model) -> int:
+    """The format version a checkpoint of ``model`` is: 2 once one of its weights is stored rotated, else 1."""
+    rotated = any(m.stores_rotated() for m in model.modules() if isinstance(m, KbitModule))
+    return fmt.ROTATION_VERSION if rotated else 1
 
 
 def _checkpoint_key_renamer(model, hf_quantizer):

@@ -50,9 +50,10 @@ before it meets the decoded weights. Shared facts:
   32 take one ``__shfl_xor_sync`` each: ~10 instructions, ~20 fp32 lane-op slots per element
   with shuffles at a quarter rate. Per element of x, never per weight element. ``b = 32``, one
   format block, takes 5 stages (4 lanes of 8: 3 in registers, 2 shuffles).
-- **Signs**: the host builds ``s`` once per (seed, K) as a bit mask (``K / 32`` words, a
-  non-persistent buffer beside the module; the checkpoint stores only the seed). Hashing
-  SplitMix64 per element in the kernel would cost ~20 integer ops (64-bit multiplies).
+- **Signs**: the kernels read ``s`` as sign words (:func:`sign_words`: int32 ``[K / 32]``, bit ``e & 31``
+  of word ``e >> 5`` set where ``s[e] = -1``), a buffer of the module that checkpoints carry
+  (``<module>.rotation_signs``). Hashing SplitMix64 per element in the kernel would cost ~20
+  integer ops (64-bit multiplies).
 - **Segments stay inside a K tile** whenever ``b`` divides 128 (tail segments are smaller still),
   so K splits, which cut at 128-column tiles, rotate their own range and nothing more.
 - **Rounding**: the mma operand is ``x R`` rounded to the activation dtype (bf16/fp16), one
@@ -102,8 +103,10 @@ Per path (H100: ~33 T fp32 lane-ops/s, 2.9 TB/s; costs for M tokens, weight [N, 
   public ``dequantize()`` (``model.dequantize()``, LoRA merges) returns ``unrotate(W_hat)``, an
   ordinary weight in the original basis.
 
-Format: the config records ``{"rotation": "block-hadamard", "block": b, "seed": s}`` (a new
-format version; a checkpoint without it is unrotated and loads as before).
+Format (``docs/format.md``, version 2): a rotated layer stores its quantized ``W R`` with ``block`` 64
+(:data:`hf_kbit.format.ROTATION_BLOCK`) and its sign words; only layers with K a multiple of 64
+rotate. :func:`rotate_words` and :func:`unrotate_words` are the rotation the format and the ops'
+references read from those words.
 """
 
 from __future__ import annotations
@@ -120,13 +123,18 @@ __all__ = [
     "BlockHadamard",
     "fwht_segments",
     "rotate",
+    "rotate_words",
+    "sign_words",
     "segments",
     "signs",
     "splitmix64",
     "unrotate",
+    "unrotate_words",
+    "word_signs",
 ]
 
-DEFAULT_BLOCK = 64  # the block of issue 34's first measurements; 32 (one format block) is the other candidate
+DEFAULT_BLOCK = 64  # the block of issue 34's first measurements, and the format's (hf_kbit.format.ROTATION_BLOCK)
+WORD_BITS = 32  # signs per sign word
 DEFAULT_SEED = 0
 _GOLDEN = 0x9E3779B97F4A7C15  # SplitMix64's increment (2**64 / golden ratio, odd)
 _MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # SplitMix64's finaliser multipliers
@@ -173,6 +181,49 @@ def signs(k: int, seed: int = DEFAULT_SEED, dtype: torch.dtype = torch.float32, 
     _check_seed(seed)
     negative = torch.tensor(_sign_bits(seed, k), dtype=torch.bool, device="cpu")
     return torch.where(negative, -1.0, 1.0).to(dtype=dtype, device=device)
+
+
+def sign_words(k: int, seed: int = DEFAULT_SEED, device=None) -> torch.Tensor:
+    """The sign vector ``s`` of :func:`signs` as int32 words ``[k / 32]``: bit ``e & 31`` of word ``e >> 5`` is
+    set where ``s[e] = -1``. ``k`` must be a multiple of 32."""
+    import numpy as np
+
+    _check_seed(seed)
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0 or k % WORD_BITS:
+        raise ValueError(f"sign_words: k must be a non-negative multiple of {WORD_BITS}, got {k!r}")
+    bits = np.array(_sign_bits(seed, k), dtype=np.uint32).reshape(-1, WORD_BITS)
+    words = (bits << np.arange(WORD_BITS, dtype=np.uint32)).sum(-1, dtype=np.uint32)
+    return torch.from_numpy(words.view(np.int32).copy()).to(device)
+
+
+def word_signs(words: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Sign words int32 ``[W]`` (:func:`sign_words`) -> the sign vector ``[32 W]`` (+-1 in ``dtype``), on their device."""
+    if words.dtype != torch.int32 or words.dim() != 1:
+        raise ValueError(f"sign words must be a 1-D int32 tensor, got {words.dtype} of shape {tuple(words.shape)}")
+    shifts = torch.arange(WORD_BITS, device=words.device, dtype=torch.int64)
+    negative = (words.long()[:, None] >> shifts) & 1
+    return torch.where(negative.bool(), -1.0, 1.0).to(dtype).reshape(-1)
+
+
+def _check_words(x: torch.Tensor, words: torch.Tensor) -> None:
+    if x.shape[-1] != WORD_BITS * words.numel():
+        raise ValueError(f"sign words: {words.numel()} words sign {WORD_BITS * words.numel()} elements, the tensor's "
+                         f"last dim has {x.shape[-1]}")
+
+
+def rotate_words(x: torch.Tensor, words: torch.Tensor, block: int = DEFAULT_BLOCK) -> torch.Tensor:
+    """``x [..., K] @ R`` with the signs of ``words`` (:func:`sign_words`), computed in float32 (float64 stays
+    float64) and returned in ``x``'s dtype: one rounding."""
+    _check_words(x, words)
+    w = _working(x)
+    return fwht_segments(w * word_signs(words, w.dtype), block).to(x.dtype)
+
+
+def unrotate_words(y: torch.Tensor, words: torch.Tensor, block: int = DEFAULT_BLOCK) -> torch.Tensor:
+    """``y [..., K] @ R^T``, the inverse of :func:`rotate_words`, in float32 and returned in ``y``'s dtype."""
+    _check_words(y, words)
+    w = _working(y)
+    return (fwht_segments(w, block) * word_signs(words, w.dtype)).to(y.dtype)
 
 
 def segments(k: int, block: int = DEFAULT_BLOCK) -> list[tuple[int, int]]:

@@ -7,12 +7,15 @@ quantization_config=KbitConfig(bits, fitting=rule), device_map=device)`` is time
 before the timed loads, so every load reads it from the page cache alike. ``--calibration SxL`` adds a
 load with ``KbitConfig(bits, calibration_data=..., calibration_samples=S, calibration_seq_len=L)``
 (the default fitting): the model has no tokenizer, so the calibration text is S x L tokens drawn at
-random from the vocabulary (seeded), which costs what real text of that length costs. Each entry
-records the peak GPU memory on CUDA. Results go to ``--out`` as JSON with the exact command.
+random from the vocabulary (seeded), which costs what real text of that length costs. ``--rotation on,auto``
+adds a load per value with ``KbitConfig(bits, rotation=...)`` (format v2; "auto" quantizes every group both
+ways), counting the weights it stored rotated. Each entry records the peak GPU memory on CUDA. Results go to
+``--out`` as JSON with the exact command.
 
     python scripts/bench_quantize.py --preset llama3-8b --device cuda --out results/quantize_on_load_llama3-8b_h100.json
     python scripts/bench_quantize.py --preset llama3-8b --device cuda --bits 3 --calibration 128x2048 \
         --out results/calibrate_llama3-8b_h100.json
+    python scripts/bench_quantize.py --preset llama3-8b --device cuda --rotation on,auto
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pathlib import Path
 from hf_kbit.eval.presets import build_model, make_config
 
 RULES = ("absmax", "fit")
+ROTATIONS = {"on": True, "auto": "auto"}  # --rotation's values: KbitConfig.rotation
 
 
 def _read_all(folder: Path) -> None:
@@ -59,6 +63,14 @@ def parse_calibration(value: str) -> tuple[int, int]:
     return int(samples), int(seq_len)
 
 
+def parse_rotations(value: str) -> list[str]:
+    """``"on,auto"`` -> ["on", "auto"]."""
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if not names or any(n not in ROTATIONS for n in names):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {sorted(ROTATIONS)}, got {value!r}")
+    return names
+
+
 def _timed_load(folder: Path, device: str, config) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -73,6 +85,10 @@ def _timed_load(folder: Path, device: str, config) -> dict:
     result = {"seconds": round(time.perf_counter() - start, 2)}
     if cuda:
         result["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+    if config is not None and config.rotation is not False:
+        from hf_kbit.nn.linear import KbitModule
+
+        result["rotated_modules"] = sum(m.stores_rotated() for m in model.modules() if isinstance(m, KbitModule))
     del model
     gc.collect()
     if cuda:
@@ -81,7 +97,7 @@ def _timed_load(folder: Path, device: str, config) -> dict:
 
 
 def run(preset: str, layers: int | None, bits: int, device: str, workdir: Path,
-        calibration: tuple[int, int] | None = None) -> dict:
+        calibration: tuple[int, int] | None = None, rotations: list[str] = ()) -> dict:
     import torch
 
     import hf_kbit
@@ -98,6 +114,10 @@ def run(preset: str, layers: int | None, bits: int, device: str, workdir: Path,
         timed = _timed_load(folder, device, hf_kbit.KbitConfig(bits=bits, fitting=rule))
         results.append({"variant": f"kbit{bits}", "fitting": rule, **timed})
         print(f"kbit{bits} fitting={rule}: {timed['seconds']:.1f} s", file=sys.stderr)
+    for name in rotations:
+        timed = _timed_load(folder, device, hf_kbit.KbitConfig(bits=bits, rotation=ROTATIONS[name]))
+        results.append({"variant": f"kbit{bits}", "rotation": ROTATIONS[name], **timed})
+        print(f"kbit{bits} rotation={name}: {timed['seconds']:.1f} s", file=sys.stderr)
     if calibration is not None:
         samples, seq_len = calibration
         cal = hf_kbit.KbitConfig(bits=bits, calibration_data="x" * (samples * seq_len), calibration_samples=samples,
@@ -123,10 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", help="device_map of the loads (default cuda)")
     parser.add_argument("--calibration", type=parse_calibration, default=None, metavar="SAMPLESxSEQ_LEN",
                         help="also time a load calibrated on this many random tokens, e.g. 128x2048 (default: none)")
+    parser.add_argument("--rotation", type=parse_rotations, default=[], metavar="on,auto",
+                        help="also time loads with KbitConfig(rotation=...) for each value (default: none)")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here (default: print it)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        payload = run(args.preset, args.layers, args.bits, args.device, Path(tmp), args.calibration)
+        payload = run(args.preset, args.layers, args.bits, args.device, Path(tmp), args.calibration, args.rotation)
     payload["command"] = "python scripts/bench_quantize.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text = json.dumps(payload, indent=2) + "\n"
     if args.out is None:

@@ -9,13 +9,13 @@ start ``--stride`` apart, each token scored once (hf_kbit.eval.perplexity). Per 
 to bf16 with a paired standard error over windows, bits/weight with every byte of metadata, weight SQNR.
 
 ``--variants``: comma-separated specs ``METHOD[BITS][:KEY=VALUE]...`` (hf_kbit.eval.variants): ``bf16``;
-``kbit<k>`` with any KbitConfig field as an option (``kbit3:codebook=nf``, ``kbit4:lm_head_bits=5``); anchors
+``kbit<k>`` with any KbitConfig field as an option (``kbit3:codebook=nf``, ``kbit4:lm_head_bits=5``,
+``kbit3:rotation=auto``: the shipped rotation, format v2); anchors
 ``hqq<b>`` (HQQ, group 64), ``rtn<b>`` (asymmetric int, group 128), ``nf4`` (NF4, blocks of 64), each with
 ``:group_size=N``; ``kbitfit<k>`` (the kbit format fitted by hf_kbit.fitting, fake-quantized, with
 ``:codes_below=``, ``:codes_above=``, ``:lloyd_iters=``); ``kbitcal<k>`` (the same format calibrated by
 hf_kbit.calibration, GPTQ-style, on the last ``:samples=`` x ``:seq_len=`` tokens (default 128 x 2048) of the
-evaluated corpus after the part that is scored, or of ``:corpus=``); ``kbitrot<k>`` (``kbitfit<k>`` on the
-weight rotated along K by hf_kbit.rotation, ``:block=``, ``:seed=``); ``:name=LABEL`` renames a variant. Without
+evaluated corpus after the part that is scored, or of ``:corpus=``); ``:name=LABEL`` renames a variant. Without
 ``--variants``, ``--bits`` (default 2,3,4,5), ``--lm-head-bits`` and ``--no-bf16`` choose bf16 and kbit
 variants as before.
 

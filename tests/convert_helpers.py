@@ -62,14 +62,14 @@ def make_llama(folder: Path, dtype: torch.dtype = torch.float32, tie: bool = Fal
 
 
 def make_moe(folder: Path, family: str = "qwen3_moe", layout: str = "per-expert", dtype: torch.dtype = torch.bfloat16,
-             max_shard_size: str = "100KB") -> Path:
+             max_shard_size: str = "100KB", **sizes) -> Path:
     """A tiny MoE model (tests/tiny_models.py) saved sharded, its experts stored ``layout``:
     "per-expert" (``experts.3.gate_proj.weight``, ..., as Hub checkpoints and save_pretrained have
     them) or "fused" (``experts.gate_up_proj [E, 2I, H]``, save_pretrained(save_original_format=False);
-    gpt_oss stores its experts fused either way)."""
+    gpt_oss stores its experts fused either way). ``sizes`` replace config fields of the tiny model."""
     from tiny_models import tiny_moe_model
 
-    model = tiny_moe_model(family, dtype)
+    model = tiny_moe_model(family, dtype, **sizes)
     model.save_pretrained(folder, max_shard_size=max_shard_size, save_original_format=layout == "per-expert")
     make_tokenizer().save_pretrained(folder)
     keys = set()

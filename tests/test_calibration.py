@@ -223,7 +223,7 @@ def test_experts_share_the_data_free_codebook_and_an_expert_without_tokens_is_da
     weight = torch.stack([heavy_tailed((24, 96), seed=e) for e in range(4)])
     hessian = torch.stack([correlated_hessian(96, seed=e) for e in range(4)])
     hessian[2] = 0  # no token reached expert 2
-    monkeypatch.setattr(calibration, "EXPERT_CHUNK_ELEMENTS", 96 * (128 + 32))  # one expert at a time
+    monkeypatch.setattr(calibration.moe, "EXPERT_CHUNK_ELEMENTS", 96 * (128 + 32))  # one expert at a time
     planes, scales, rows, codebook = calibration.calibrate_experts(weight, hessian, 3)
     settings = fitting.DEFAULT_SETTINGS[3]
     assert torch.equal(codebook, fitting.layer_codebook(fitting.codebook_sample(weight, settings), 3, settings))
@@ -355,7 +355,8 @@ def test_driver_equals_whole_model_reference():
     for name in want:
         for a, b in zip(got[name], want[name]):
             assert torch.equal(a, b), name
-        planes, scales, rows, codebook = got[name]
+        planes, scales, rows, codebook, signs = got[name]
+        assert signs is None  # no rotation asked for
         module = model.get_submodule(name)
         assert torch.equal(module.weight, fmt.dequantize(planes, scales, rows, codebook, module.in_features))
 
@@ -428,3 +429,61 @@ def test_weighted_options_reduce_to_the_unweighted_ones_under_equal_weights(bits
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     with pytest.raises(ValueError, match="column_weights"):
         fitting.fit_codebook(weight, bits, settings, column_weights=-torch.ones(200))
+
+
+# ---------------------------------------------------------------------------- rotation (format v2)
+
+# Relative weight error of a calibrated k = 3 weight (N(0, 0.1) weights; data-free k = 3 is ~0.2).
+MAX_REL_ERROR_K3 = 0.5
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_a_rotated_group_is_calibrated_as_w_r_with_the_rotated_inputs_hessian(monkeypatch, moe):
+    """calibrate_model with rotation=True hands GPTQ ``W R`` and ``R^T H R`` (H of the unrotated run, whose first
+    decoder layer sees the same inputs), returns the sign words, and writes back weights in the original basis."""
+    from tiny_models import tiny_dense_model, tiny_moe_model
+
+    from hf_kbit import rotation, rotation_policy
+    from hf_kbit.calibration import model as driver
+
+    make = (lambda: tiny_moe_model("qwen3_moe", torch.float32, hidden_size=128, moe_intermediate_size=64)) if moe \
+        else (lambda: tiny_dense_model("llama", torch.float32, hidden_size=128, intermediate_size=192))
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 256, (2, 24), generator=g)]
+    seen = {}
+    real_group, real_experts = driver.calibrate_group, driver.calibrate_experts
+
+    def group(weights, hessians, bits, settings):  # clones: the driver writes the weights back in place
+        seen.setdefault(settings.rotation, []).append(([w.clone() for w in weights], hessians))
+        return real_group(weights, hessians, bits, settings)
+
+    def experts(weight, hessian, bits, settings):
+        seen.setdefault(settings.rotation, []).append(([weight.clone()], [hessian]))
+        return real_experts(weight, hessian, bits, settings)
+
+    monkeypatch.setattr(driver, "calibrate_group", group)
+    monkeypatch.setattr(driver, "calibrate_experts", experts)
+    names = ["model.layers.0.mlp.experts"] if moe else []
+    results = {}
+    for rotate in (False, True):
+        model = make()
+        original = {n: p.detach().clone() for n, p in model.named_parameters()}
+        settings = calibration.CalibrationSettings(fitting="absmax", rotation=rotate)
+        results[rotate] = calibration.calibrate_model(model, batches, 3, settings=settings, progress=False,
+                                                      experts=names)
+    words = rotation.sign_words(128, 0)
+    (w_plain, h_plain), (w_rot, h_rot) = seen[False][0], seen[True][0]  # layer 0's first group: the same inputs
+    for a, b in zip(w_plain, w_rot):
+        assert torch.equal(rotation_policy.rotate_weight(a, words), b)
+    for a, b in zip(h_plain, h_rot):
+        assert torch.equal(rotation_policy.rotate_hessian(a, words), b)
+    first = next(iter(results[True]))
+    assert torch.equal(results[True][first][4], words) and results[False][first][4] is None
+    for name, packed in results[True].items():  # written back in the original basis, as the ops compute
+        key = name if ".experts." in name else f"{name}.weight"
+        param = model.get_parameter(key).detach()
+        recon = rotation_policy.reconstruction(packed[:4], param.shape[-1], packed[4])
+        assert torch.equal(param, recon.to(param.dtype)), name
+        assert (param - original[key]).norm() / original[key].norm() < MAX_REL_ERROR_K3, name
+    with pytest.raises(ValueError, match="CalibrationSettings.rotation must be one of"):
+        calibration.CalibrationSettings(rotation="yes")

@@ -45,6 +45,22 @@ def test_listed_choices_are_the_librarys():
     from hf_kbit import format as fmt
 
     assert cli.SUPPORTED_BITS == fmt.SUPPORTED_BITS and cli.FITTING_CHOICES == fitting.FITTINGS
+    from hf_kbit import rotation_policy
+
+    assert list(cli.ROTATION_CHOICES.values()) == list(rotation_policy.ROTATIONS)
+
+
+def test_convert_with_rotation(capsys, llama_fp32, tmp_path):
+    """--rotation on --rotation-seed S: config.json records both and format v2 (every Linear but down_proj has
+    in_features 64), the card says how many tensors are rotated."""
+    out = tmp_path / "out"
+    code, stdout, _ = run(capsys, llama_fp32, "--bits", "3", "--out", out, "--no-progress", "--rotation", "on",
+                          "--rotation-seed", "5")
+    assert code == 0, stdout
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["rotation"] is True and qc["rotation_seed"] == 5 and qc["format_version"] == 2
+    card = (out / "README.md").read_text()
+    assert "| Rotation | seeded block Hadamard along K (block 64, seed 5)" in card and "--rotation on" in card
 
 
 def test_convert_end_to_end(capsys, llama_fp32, tmp_path):
@@ -143,11 +159,15 @@ def test_moe_dry_run_and_convert(capsys, moe_checkpoint, tmp_path):
         (["--calibration-samples", "8", "--out", "X"], "--calibration-samples needs --calibration-data"),
         (["--calibration-data", "X", "--out", "X"], "no such file"),
         (["--calibration-data", __file__, "--calibration-seq-len", "0", "--out", "X"], "--calibration-seq-len must"),
+        (["--rotation", "yes", "--out", "X"], "invalid choice: 'yes'"),
+        (["--rotation-seed", "3", "--out", "X"], "--rotation-seed needs --rotation on or auto"),
+        (["--rotation", "auto", "--rotation-seed", "-1", "--out", "X"], "rotation_seed must be an int in [0, 2**64)"),
     ],
     ids=["bits", "no-out", "module-bits-form", "module-bits-value", "module-bits-regex", "module-bits-backtracking",
          "codebook-json",
          "codebook-name", "fitting", "repo-id", "private-alone", "shard-size", "dry-run-push",
-         "calibration-samples-alone", "calibration-data-missing", "calibration-seq-len"],
+         "calibration-samples-alone", "calibration-data-missing", "calibration-seq-len", "rotation",
+         "rotation-seed-alone", "rotation-seed-negative"],
 )
 def test_bad_arguments(capsys, llama_fp32, tmp_path, argv, message):
     argv = [str(tmp_path / a) if a == "X" else a for a in argv]

@@ -22,7 +22,9 @@ def test_defaults_and_json_roundtrip():
         fusion_pass=False,
     )
     d = json.loads(cfg.to_json_string())
-    assert d["quant_method"] == "kbit" and d["format_version"] == FORMAT_VERSION and d["block_size"] == 32
+    # nothing asks for rotation: the checkpoint is format v1, and the rotation fields are not written
+    assert d["quant_method"] == "kbit" and d["format_version"] == 1 and d["block_size"] == 32
+    assert "rotation" not in d and "rotation_seed" not in d
     again = KbitConfig.from_dict(d)
     assert again == cfg and again.to_dict() == cfg.to_dict() and again.fitting == "absmax"
     assert again.fusion_pass is False and KbitConfig.from_dict({"bits": 4}).fusion_pass is True  # older configs: on
@@ -102,12 +104,33 @@ def test_module_bits_pattern():
         ({"calibration": {"method": "gptq", "samples": 0, "seq_len": 1, "tokens": 1}}, "calibration"),
         ({"calibration": {"method": "gptq", "samples": 1, "seq_len": 1, "tokens": 1}, "calibration_data": "t"},
          "calibration"),
+        ({"rotation": "on"}, "rotation"),
+        ({"rotation": 1}, "rotation"),
+        ({"rotation": None}, "rotation"),
+        ({"rotation": True, "rotation_seed": -1}, "rotation_seed"),
+        ({"rotation": True, "rotation_seed": 2**64}, "rotation_seed"),
+        ({"rotation": "auto", "rotation_seed": 1.5}, "rotation_seed"),
+        ({"rotation_seed": 3}, "rotation_seed"),
+        ({"format_version": True}, "format_version"),
     ],
     ids=lambda v: str(v) if isinstance(v, str) else None,
 )
 def test_invalid_fields_name_the_field(kwargs, field):
     with pytest.raises((ValueError, TypeError), match=field):
         KbitConfig(**kwargs)
+
+
+@pytest.mark.parametrize("rotation", [True, "auto"], ids=str)
+def test_rotation_fields_round_trip_and_are_written_only_when_set(rotation):
+    cfg = KbitConfig(bits=3, rotation=rotation, rotation_seed=7)
+    d = json.loads(cfg.to_json_string())
+    assert d["rotation"] == rotation and d["rotation_seed"] == 7
+    assert d["format_version"] == 1  # raised to 2 by quantization once a layer is stored rotated
+    again = KbitConfig.from_dict(d)
+    assert again == cfg and again.rotation == rotation and again.rotation_seed == 7
+    assert "rotation_seed" not in KbitConfig(rotation=rotation).to_dict()
+    assert KbitConfig.from_dict({"bits": 4}).rotation is False  # configs from before the field: unrotated
+    assert KbitConfig(format_version=FORMAT_VERSION).format_version == 2 == FORMAT_VERSION
 
 
 def test_newer_format_version_is_refused_with_upgrade_hint():

@@ -420,7 +420,7 @@ def test_moe_streams_a_few_experts_at_a_time(moe_checkpoint, tmp_path, monkeypat
     chunk_elements = 3 * 80 * 96  # 3 experts of gate_up [80, 96]; 6 of down [96, 40]
     monkeypatch.setattr(writing, "_EXPERT_CHUNK_ELEMENTS", chunk_elements)
     events = []
-    real_get, real_pack = writing._SourceReader.get, KbitExperts.pack
+    real_get, real_pack = writing._SourceReader.get, writing.pack_experts_chunk
 
     def get(self, key, rows=None):
         tensor = real_get(self, key, rows)
@@ -428,12 +428,12 @@ def test_moe_streams_a_few_experts_at_a_time(moe_checkpoint, tmp_path, monkeypat
             events.append(("read", tensor.numel()))
         return tensor
 
-    def pack(self, projection, value, *args, **kwargs):
-        events.append(("pack", value.shape[0], value.numel()))
-        return real_pack(self, projection, value, *args, **kwargs)
+    def pack(weight, *args, **kwargs):  # what KbitExperts.pack packs, a chunk of experts at a time here
+        events.append(("pack", weight.shape[0], weight.numel()))
+        return real_pack(weight, *args, **kwargs)
 
     monkeypatch.setattr(writing._SourceReader, "get", get)
-    monkeypatch.setattr(KbitExperts, "pack", pack)
+    monkeypatch.setattr(writing, "pack_experts_chunk", pack)
     config = hf_kbit.KbitConfig(bits=4, fitting=fitting)
     for layout in ("per-expert", "fused"):
         src = moe_checkpoint("qwen3_moe", layout)
@@ -452,9 +452,7 @@ def test_moe_streams_a_few_experts_at_a_time(moe_checkpoint, tmp_path, monkeypat
                 read = 0
         total_read = sum(e[1] for e in events if e[0] == "read")
         assert total_read == sum(e[2] for e in packs) * (2 if fitting == "fit" else 1), layout
-        monkeypatch.setattr(KbitExperts, "pack", real_pack)
         assert_same_state(load(out), quantize_on_load(src, config))
-        monkeypatch.setattr(KbitExperts, "pack", pack)
 
 
 def test_moe_dry_run_and_card_report_true_sizes(moe_checkpoint, tmp_path):

@@ -109,6 +109,15 @@ def test_the_pass_follows_fused_gate_up_and_leaves_a_bf16_lm_head():
     _compile_and_compare(model, {"mm_add_rmsnorm": 3, "mm_rmsnorm": 1, "mm_silu_mul": 2})
 
 
+def test_the_pass_hands_rotated_projections_their_sign_words():
+    """With rotation, every projection's sign words go into its fused op: the compiled result stays the eager one
+    (which rotates x after the norm / SiLU-mul). K = 128 and 192: every kbit Linear rotates, the LM head too."""
+    model = tiny_dense_model("llama", hidden_size=128, intermediate_size=192)
+    model = hf_kbit.quantize_model(model, hf_kbit.KbitConfig(bits=4, rotation=True))
+    assert all(m.rotated for m in model.modules() if isinstance(m, hf_kbit.KbitLinear))
+    _compile_and_compare(model, {"mm_add_rmsnorm": 4, "mm_rmsnorm": 1, "mm_silu_mul": 2})
+
+
 def test_compile_config_runs_the_pass_in_generate():
     # generate's own compile (static cache) with the pass; transformers compiles on CUDA only unless told.
     model = hf_kbit.quantize_model(tiny_dense_model("llama"), hf_kbit.KbitConfig(bits=4))

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 import hf_kbit
 from hf_kbit import KbitConfig
 from hf_kbit.nn import KbitExperts, KbitFusedProjections, KbitLinear
+from hf_kbit.nn.replace import replace_kbit_with_linear
 from tiny_models import tiny_dense_model, tiny_moe_model
 
 peft = pytest.importorskip("peft", reason="LoRA tests need peft (the test extra installs it)")
@@ -26,11 +27,12 @@ RELOAD_ATOL = 0.0
 MERGE_ATOL = 1e-4
 
 
-def kbit_model(dtype=torch.float32, bits=4, **overrides):
+def kbit_model(dtype=torch.float32, bits=4, rotation=False, **overrides):
     """Tiny Llama, k-bit but for the LM head (as quantize-on-load), q/k/v and gate/up fused (intermediate 192:
     a multiple of 16; fitting "absmax": one codebook for all layers, which fusion needs)."""
     model = tiny_dense_model("llama", dtype, intermediate_size=192, **overrides)
-    return hf_kbit.quantize_model(model, KbitConfig(bits=bits, modules_to_not_convert=["lm_head"], fitting="absmax"))
+    return hf_kbit.quantize_model(model, KbitConfig(bits=bits, modules_to_not_convert=["lm_head"], fitting="absmax",
+                                                    rotation=rotation))
 
 
 def lora_model(model, r=4, **kwargs):
@@ -204,3 +206,30 @@ def test_trainer_runs_on_a_kbit_model_with_lora(tmp_path):
     result = transformers.Trainer(model=pm, args=args, train_dataset=data).train()
     assert result.global_step == 2
     assert any(not torch.equal(v, pm.state_dict()[k]) for k, v in before.items())
+
+
+# LoRA gradients through a rotated kbit base (x R in float32, dX turned back) against the same adapters on nn.Linear
+# layers holding the kbit weights dequantized in the original basis: float32 butterflies and accumulation.
+ROTATED_GRAD_ATOL = 1e-4
+
+
+def test_lora_on_a_rotated_model_trains_with_the_gradients_of_its_dequantized_weights():
+    model = kbit_model(hidden_size=128, rotation=True)
+    rotated = [m for m in model.modules() if isinstance(m, KbitLinear) and m.rotated]
+    assert len(rotated) == 2 * 7  # every Linear of both layers: K = 128 and 192
+    dense = replace_kbit_with_linear(copy.deepcopy(model))
+    grads, pms = [], []
+    for m in (model, dense):
+        pm = lora_model(m)
+        pms.append(pm)
+        for name, p in sorted(pm.named_parameters()):  # the same non-zero adapters in both
+            if p.requires_grad:
+                torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(len(name)))
+        pm.train()
+        pm(**batch()).loss.backward()
+        grads.append({n: p.grad for n, p in pm.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys()
+    for name, g in grads[1].items():
+        torch.testing.assert_close(grads[0][name], g, atol=ROTATED_GRAD_ATOL * float(g.abs().max()), rtol=0)
+    losses = train_steps(pms[0], steps=3)
+    assert all(torch.isfinite(torch.tensor(losses)))

@@ -151,3 +151,59 @@ def test_bad_arguments_name_themselves(kwargs, match):
 def test_integer_tensors_are_refused():
     with pytest.raises(TypeError, match="floating point"):
         rotation.rotate(torch.ones(2, 64, dtype=torch.int32))
+
+
+# ---------------------------------------------------------------------------- sign words (format v2)
+
+
+@pytest.mark.parametrize("seed", [0, 5, 2**64 - 1])
+def test_sign_words_bit_order_is_the_sign_vector(seed):
+    k = 320
+    words = rotation.sign_words(k, seed)
+    assert words.dtype == torch.int32 and words.shape == (k // 32,)
+    s = rotation.signs(k, seed)
+    for e in range(k):  # bit (e & 31) of word (e >> 5) set <=> s[e] = -1
+        bit = (int(words[e >> 5]) >> (e & 31)) & 1
+        assert bit == (s[e] < 0), e
+    assert torch.equal(rotation.word_signs(words), s)
+
+
+def test_sign_words_refuse_k_not_a_multiple_of_32():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        rotation.sign_words(100)
+
+
+@pytest.mark.parametrize("k", [64, 256, 200], ids=["one-block", "whole", "tail"])
+def test_rotate_words_is_the_dense_product(k):
+    k = k // 32 * 32
+    x = torch.randn(3, 2, k, dtype=torch.float64, generator=torch.Generator().manual_seed(k))
+    words = rotation.sign_words(k, 9)
+    r = dense_rotation(k, 64, 9)
+    torch.testing.assert_close(rotation.rotate_words(x, words), x @ r, **FLOAT64)
+    torch.testing.assert_close(rotation.unrotate_words(x, words), x @ r.T, **FLOAT64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_rotate_words_rounds_once_to_the_input_dtype(dtype):
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(1)).to(dtype)
+    words = rotation.sign_words(128, 0)
+    out = rotation.rotate_words(x, words)
+    assert out.dtype == dtype
+    assert torch.equal(out, rotation.rotate(x.float(), 64, 0).to(dtype))  # float32 math, one rounding
+    assert torch.equal(rotation.unrotate_words(out, words), rotation.unrotate(out.float(), 64, 0).to(dtype))
+
+
+def test_rotate_words_checks_the_word_count():
+    with pytest.raises(ValueError, match="2 words sign 64 elements"):
+        rotation.rotate_words(torch.randn(2, 128), rotation.sign_words(64))
+    with pytest.raises(ValueError, match="1-D int32"):
+        rotation.word_signs(rotation.sign_words(64).long())
+
+
+def test_format_rotation_block_and_eligibility():
+    from hf_kbit import format as fmt
+
+    assert fmt.ROTATION_BLOCK == rotation.DEFAULT_BLOCK == 64
+    assert [fmt.rotatable(k) for k in (0, 32, 64, 96, 128, 4096)] == [False, False, True, False, True, True]
+    assert fmt.rotation_signs_shape(4096) == (128,)
+    assert fmt.bits_per_weight(16, 128, 4, rotated=True) - fmt.bits_per_weight(16, 128, 4) == 32 * (128 // 32) / (16 * 128)

@@ -74,10 +74,10 @@ MOE_FAMILIES = {
 }
 
 
-def tiny_moe_model(family: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> torch.nn.Module:
-    """A 2-layer MoE model of ``family`` (8 experts, top-2) with random weights."""
+def tiny_moe_model(family: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A 2-layer MoE model of ``family`` (8 experts, top-2) with random weights; ``overrides`` replace config fields."""
     config_cls, model_cls, extra = MOE_FAMILIES[family]
-    config = getattr(transformers, config_cls)(**{**_COMMON, "num_experts_per_tok": 2, **extra})
+    config = getattr(transformers, config_cls)(**{**_COMMON, "num_experts_per_tok": 2, **extra, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config)
     with torch.no_grad():  # as tiny_dense_model; expert weights (3-D) and routers too

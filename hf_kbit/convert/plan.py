@@ -16,7 +16,7 @@ from ..config import KbitConfig
 from ..hub import format_bytes
 from ..nn.experts import PROJECTIONS as EXPERT_PROJECTIONS
 from ..nn.experts import ExpertsLayout
-from ..nn.linear import FORMAT_TENSORS
+from ..nn.linear import FORMAT_TENSORS, ROTATION_SIGNS
 
 
 @dataclass
@@ -44,15 +44,36 @@ class TensorPlan:
     combine: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None = None
     experts: ExpertsLayout | None = None  # the KbitExperts layout when this is a fused experts weight
     expert_sources: tuple[tuple[str, ...], ...] | None = None  # the sources of each expert, expert-major
+    # Stored rotated for certain (KbitConfig.rotation=True, in_features a multiple of 64): its sign words are an
+    # output too. Under "auto" that is known only once quantized (the writer adds them then).
+    rotated: bool = False
 
     @property
     def prefix(self) -> str:
         return self.name.rpartition(".")[0]
 
+    def in_features(self) -> int:
+        """K of the weight (of each expert), whatever the model's layout."""
+        if self.experts is not None:
+            return self.experts.linear_shape(self.name.rpartition(".")[2])[1]
+        return self.shape[-1]
+
+    def signs_key(self) -> str:
+        """The output key of this weight's sign words, when it is stored rotated."""
+        if self.experts is not None:
+            return f"{self.prefix}.{EXPERT_PROJECTIONS[self.name.rpartition('.')[2]]}_{ROTATION_SIGNS}"
+        return f"{self.prefix}.{ROTATION_SIGNS}"
+
     def outputs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """``{output key: (shape, dtype)}`` this tensor becomes (model naming)."""
+        """``{output key: (shape, dtype)}`` this tensor becomes (model naming), the sign words last when ``rotated``."""
         if self.bits is None:
             return {self.name: (self.shape, self.dtype)}
+        outputs = self._format_outputs()
+        if self.rotated:
+            outputs[self.signs_key()] = (fmt.rotation_signs_shape(self.in_features()), fmt.ROTATION_SIGNS_DTYPE)
+        return outputs
+
+    def _format_outputs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         if self.experts is not None:  # KbitExperts buffers: "<experts>.gate_up_planes", ... (docs/moe.md)
             projection = self.name.rpartition(".")[2]
             n, k = self.experts.linear_shape(projection)
@@ -162,6 +183,13 @@ class ConversionPlan:
                 f"bits/weight:   {s['bits_per_quantized_weight']:.3f} (quantized weights, scales included), "
                 f"{bpw_all:.3f} (all parameters)"
             )
+        rotation = self.kbit_config.rotation
+        if rotation is not False:
+            eligible = [t for t in self.quantized if fmt.rotatable(t.in_features())]
+            how = "every one" if rotation is True else "where it lowers the weight error (auto)"
+            lines.append(f"rotation:      block Hadamard (block {fmt.ROTATION_BLOCK}, seed "
+                         f"{self.kbit_config.rotation_seed}), {how} of {len(eligible)} tensors with in_features a "
+                         f"multiple of {fmt.ROTATION_BLOCK}")
         record = self.kbit_config.calibration_record() if self.kbit_config.calibrates else None
         if record is not None:
             lines.append(

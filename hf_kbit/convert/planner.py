@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from .. import checkpoint
+from .. import format as fmt
 from .._paths import (
     ConversionError,
     weight_files,
@@ -91,6 +92,8 @@ def plan_conversion(
                 unclaimed.pop(key, None)
     planner = _DefaultPlanner(model, ctx, unclaimed, ckpt_nbytes, model_cls.__name__, dtype)
     plans += planner.plan()
+    for plan in plans:
+        plan.rotated = plan.bits is not None and kbit_config.rotation is True and fmt.rotatable(plan.in_features())
 
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
     missing = sorted(set(model_tensors) - {p.name for p in plans} - planner.covered - tied)

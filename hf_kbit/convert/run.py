@@ -148,7 +148,8 @@ def convert(
         eval_result = None
         if eval:
             eval_result = measure_perplexity(
-                source, tmp, output_config(source, plan), plan.dtype, eval_text, eval_max_tokens, device
+                source, tmp, output_config(source, plan, stats["format_version"]), plan.dtype, eval_text,
+                eval_max_tokens, device
             )
         card = hub.render_card(
             plan=plan,
@@ -160,7 +161,7 @@ def convert(
             repo_id=repo_id,
         )
         card.save(tmp / "README.md")
-        config = output_config(source, plan)
+        config = output_config(source, plan, stats["format_version"])
         shutil.rmtree(tmp / _GGUF_SCRATCH, ignore_errors=True)
         _write_config(tmp, config)  # last: its presence marks a complete checkpoint
         publish(tmp, target)

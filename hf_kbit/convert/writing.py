@@ -15,11 +15,12 @@ from typing import Any
 import torch
 
 from .. import fitting
+from .. import format as fmt
 from .._paths import (
     ConversionError,
 )
 from ..config import KbitConfig
-from ..nn.experts import KbitExperts
+from ..nn.experts import PROJECTIONS, KbitExperts, chosen_basis, experts_candidates, pack_experts_chunk
 from .plan import ConversionPlan, TensorPlan
 from .sources import _first_line
 
@@ -145,19 +146,21 @@ def _write(plan: ConversionPlan, folder: Path, device: torch.device, shard_bytes
     from tqdm.auto import tqdm
 
     from ..nn.fused import codebook_siblings
-    from ..nn.linear import check_weight, quantize_group
+    from ..nn.linear import check_weight, quantize_siblings
 
     writer = _ShardWriter(folder, shard_bytes)
-    q_numel = q_bytes = 0
+    q_numel = q_bytes = rotated = 0
     # In the order the source shards hold the tensors (a plan comes when its last source is reached).
     order = sorted(plan.tensors, key=lambda p: max(plan.locations[k] for k in p.sources))
     bar = tqdm(total=len(order), desc="Converting", unit="tensor", disable=not progress)
     config = plan.kbit_config
-    # Siblings that share a codebook fitted on all of them (as quantize-on-load): held until the last arrives.
+    # Siblings that share a codebook fitted on all of them, or a rotation decided on all of them ("auto"), as
+    # quantize-on-load: held until the last arrives.
     siblings = codebook_siblings({
         p.prefix: (p.shape[-1], p.bits)
         for p in plan.tensors
-        if p.bits is not None and p.experts is None and fitting.codebook_needs_data(config.fitting, p.bits, config.codebook)
+        if p.bits is not None and p.experts is None and (
+            fitting.codebook_needs_data(config.fitting, p.bits, config.codebook) or config.rotation == "auto")
     })
     waiting: dict[tuple[str, ...], dict[str, tuple[TensorPlan, torch.Tensor]]] = {}
     with contextlib.ExitStack() as stack:
@@ -178,10 +181,11 @@ def _write(plan: ConversionPlan, folder: Path, device: torch.device, shard_bytes
                         continue
                     members = [waiting[group][name] for name in group]
                     del waiting[group]
-                    packed = quantize_group(
-                        [t for _, t in members], p.bits, config.codebook, config.fitting, [m.name for m, _ in members]
+                    packed = quantize_siblings(
+                        [t for _, t in members], p.bits, config.codebook, config.fitting, [m.name for m, _ in members],
+                        config.rotation, config.rotation_seed,
                     )
-                    done = [(m, dict(zip(m.outputs(), (t.cpu() for t in tensors)))) for (m, _), tensors in zip(members, packed)]
+                    done = [(m, _outputs(m, tensors)) for (m, _), tensors in zip(members, packed)]
                     del members, packed
                 else:
                     done = [(p, _quantize_experts(p, reader, config, device))]
@@ -195,10 +199,22 @@ def _write(plan: ConversionPlan, folder: Path, device: torch.device, shard_bytes
                     writer.add(plan.output_key(key), t)
                     q_bytes += t.numel() * t.element_size()
                 q_numel += math.prod(member.shape)
+                rotated += member.signs_key() in outputs
                 bar.update(1)
             del done
     bar.close()
-    return _written_stats(plan, writer, folder, q_numel, q_bytes)
+    return _written_stats(plan, writer, folder, q_numel, q_bytes, rotated)
+
+
+def _outputs(p: TensorPlan, packed: tuple) -> dict[str, torch.Tensor]:
+    """The output tensors of the quantized weight ``p`` by key, on the CPU: ``packed`` is ``(planes, block_scales,
+    row_scales, codebook, rotation_signs or None)``."""
+    *tensors, signs = packed
+    keys = [key for key in p.outputs() if key != p.signs_key()]
+    outputs = dict(zip(keys, (t.cpu() for t in tensors)))
+    if signs is not None:
+        outputs[p.signs_key()] = signs.cpu()
+    return outputs
 
 
 @torch.no_grad()
@@ -223,7 +239,7 @@ def _write_calibrated(plan: ConversionPlan, folder: Path, device: torch.device, 
     state = model.state_dict()
     del model
     writer = _ShardWriter(folder, shard_bytes)
-    q_numel = q_bytes = 0
+    q_numel = q_bytes = rotated = 0
     order = sorted(plan.tensors, key=lambda p: max(plan.locations[k] for k in p.sources))
     bar = tqdm(total=len(order), desc="Writing", unit="tensor", disable=not progress)
     with contextlib.ExitStack() as stack:
@@ -232,18 +248,23 @@ def _write_calibrated(plan: ConversionPlan, folder: Path, device: torch.device, 
             if p.bits is None:
                 writer.add(plan.output_key(p.name), reader.tensor(p))
             else:
-                for key in p.outputs():
+                signs = p.signs_key()  # in the state when quantize_model stored the weight rotated
+                keys = [*(k for k in p.outputs() if k != signs), *([signs] if signs in state else [])]
+                for key in keys:
                     t = state.pop(key).cpu()
                     writer.add(plan.output_key(key), t)
                     q_bytes += t.numel() * t.element_size()
                 q_numel += math.prod(p.shape)
+                rotated += signs in keys
             bar.update(1)
     bar.close()
-    return _written_stats(plan, writer, folder, q_numel, q_bytes)
+    return _written_stats(plan, writer, folder, q_numel, q_bytes, rotated)
 
 
-def _written_stats(plan: ConversionPlan, writer: _ShardWriter, folder: Path, q_numel: int, q_bytes: int) -> dict:
-    """The plan's statistics with the sizes measured on what ``writer`` wrote (its shards finished here)."""
+def _written_stats(plan: ConversionPlan, writer: _ShardWriter, folder: Path, q_numel: int, q_bytes: int,
+                   rotated: int) -> dict:
+    """The plan's statistics with the sizes measured on what ``writer`` wrote (its shards finished here), and how
+    many quantized tensors are stored rotated (which makes the checkpoint format v2)."""
     shards = writer.finish()
     return {
         **plan.stats(),
@@ -251,15 +272,20 @@ def _written_stats(plan: ConversionPlan, writer: _ShardWriter, folder: Path, q_n
         "files_bytes_after": sum((folder / s).stat().st_size for s in shards),
         "bits_per_quantized_weight": 8 * q_bytes / q_numel if q_numel else None,
         "shards": len(shards),
+        "rotated_tensors": rotated,
+        "format_version": fmt.ROTATION_VERSION if rotated else 1,
     }
 
 
 def _quantize_experts(p: TensorPlan, reader: _SourceReader, config: KbitConfig, device) -> dict[str, torch.Tensor]:
-    """The packed tensors of the fused experts weight ``p``, built a chunk of experts at a time with
-    ``KbitExperts.pack`` (what quantize-on-load runs). The experts share one codebook, fitted first
-    on the rows quantize-on-load samples from the whole weight (read once more, chunk by chunk)."""
+    """The packed tensors of the fused experts weight ``p``, built a chunk of experts at a time as
+    ``KbitExperts.pack`` builds them (what quantize-on-load runs). The experts share one codebook, fitted first
+    on the rows quantize-on-load samples from the whole weight (read once more, chunk by chunk), and one basis:
+    under ``rotation="auto"`` every chunk is packed both ways (the packed chunks wait on the CPU) and the basis
+    of lower error over all experts is kept."""
+    from ..nn.linear import check_weight
+
     module_name, _, projection = p.name.rpartition(".")
-    outputs = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in p.outputs().items()}
     num_experts, step = p.shape[0], _expert_chunk(p)
     bits = p.bits
     settings = fitting.settings_for(config.fitting, bits, config.codebook)
@@ -271,36 +297,33 @@ def _quantize_experts(p: TensorPlan, reader: _SourceReader, config: KbitConfig, 
     def chunk_weight(start, stop):
         rows = None if (start, stop) == (0, num_experts) else (start, stop)
         packer = KbitExperts(replace(p.experts, num_experts=stop - start), bits, bits, device="meta")
-        return packer, reader.tensor(p, rows).to(device)
+        return packer.linear_weight(projection, reader.tensor(p, rows).to(device), module_name)
 
     sample = []
     for start, stop in chunks if settings is not None and settings.lloyd_iters else ():
-        packer, chunk = chunk_weight(start, stop)
-        weight = packer.linear_weight(projection, chunk, module_name)
+        weight = chunk_weight(start, stop)
         first = start * whole.layout.linear_shape(projection)[0]
         sample.append(fitting.codebook_sample(weight, settings, total_rows, first).float())
-        del chunk, weight
+        del weight
     k = whole.layout.linear_shape(projection)[1]
     sample = torch.cat(sample) if sample else torch.empty(0, k, device=device)
-    codebook = fitting.layer_codebook(sample, bits, settings, config.codebook)
+    candidates = experts_candidates(sample, bits, settings, config.codebook, config.rotation, config.rotation_seed)
     for start, stop in chunks:
-        packer, chunk = chunk_weight(start, stop)
-        packed = packer.pack(projection, chunk, codebook, module_name, config.fitting)
-        del chunk
-        for name, t in packed.items():
-            key = f"{module_name}.{name}"
-            if name.endswith("_codebook"):
-                outputs[key].copy_(t)
-            else:
-                outputs[key][start:stop] = t
-        del packed
-    return outputs
+        weight = chunk_weight(start, stop)
+        check_weight(weight, f"{module_name}.{projection}")
+        pack_experts_chunk(weight, candidates, settings)
+        del weight
+        for basis in candidates:
+            basis.parts[-1] = tuple(t.cpu() for t in basis.parts[-1])
+    packed = chosen_basis(candidates).packed(PROJECTIONS[projection])
+    return {f"{module_name}.{name}": t.cpu() for name, t in packed.items()}
 
 
-def output_config(source: Path, plan: ConversionPlan) -> dict[str, Any]:
-    """The source's config.json with the kbit ``quantization_config`` and the output dtype."""
+def output_config(source: Path, plan: ConversionPlan, format_version: int = 1) -> dict[str, Any]:
+    """The source's config.json with the kbit ``quantization_config`` and the output dtype; ``format_version``:
+    what was written (``stats["format_version"]``: 2 once a tensor is stored rotated)."""
     config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = plan.kbit_config.to_dict()
+    config["quantization_config"] = {**plan.kbit_config.to_dict(), "format_version": format_version}
     config["dtype"] = str(plan.dtype).removeprefix("torch.")
     config.pop("torch_dtype", None)
     return config

@@ -26,10 +26,9 @@ bits per weight, metadata included:
   ``lloyd_iters`` override ``fitting.DEFAULT_SETTINGS[k]``), dequantized with :func:`hf_kbit.format.dequantize`:
   what the kbit kernels would compute with, before that quantizer is wired into quantize-on-load. Bits:
   :func:`hf_kbit.format.bits_per_weight`, the same as ``kbit<k>``.
-- ``kbitrot<k>``: ``kbitfit<k>`` on the weight rotated along K by :class:`hf_kbit.rotation.BlockHadamard`
-  (options ``block``, default 64, and ``seed``, default 0, beside kbitfit's), dequantized and rotated back:
-  what a kernel that turns its activations by the same rotation would compute with (issue 34 item 3). The
-  same bits as ``kbitfit<k>``: the rotation is a seed and a block size, nothing per weight.
+
+Rotation (format v2) is not an anchor: ``kbit<k>:rotation=true`` (or ``=auto``) quantizes through the shipped
+path, ``KbitConfig(rotation=...)``, whose modules rotate the activations as the kernels do.
 
 All functions take a 2-D weight ``[N, K]`` of any float dtype on any device and return float32 on that device.
 """
@@ -44,13 +43,11 @@ import torch
 
 from .. import format as fmt
 
-ANCHORS = ("hqq", "rtn", "nf", "kbitfit", "kbitrot")
-ANCHOR_BITS = {"hqq": (2, 3, 4, 5, 8), "rtn": (2, 3, 4, 5, 8), "nf": (4,), "kbitfit": fmt.SUPPORTED_BITS,
-               "kbitrot": fmt.SUPPORTED_BITS}
-DEFAULT_GROUP_SIZE = {"hqq": 64, "rtn": 128, "nf": 64, "kbitfit": fmt.BLOCK_SIZE, "kbitrot": fmt.BLOCK_SIZE}
+ANCHORS = ("hqq", "rtn", "nf", "kbitfit")
+ANCHOR_BITS = {"hqq": (2, 3, 4, 5, 8), "rtn": (2, 3, 4, 5, 8), "nf": (4,), "kbitfit": fmt.SUPPORTED_BITS}
+DEFAULT_GROUP_SIZE = {"hqq": 64, "rtn": 128, "nf": 64, "kbitfit": fmt.BLOCK_SIZE}
 FIT_OPTIONS = ("codes_below", "codes_above", "lloyd_iters")  # kbitfit's overrides of fitting.FitSettings
-ROTATION_OPTIONS = ("block", "seed")  # kbitrot's hf_kbit.rotation.BlockHadamard fields, beside FIT_OPTIONS
-KBIT_OPTIONS = {"kbitfit": FIT_OPTIONS, "kbitrot": FIT_OPTIONS + ROTATION_OPTIONS}  # options per fitted method
+KBIT_OPTIONS = {"kbitfit": FIT_OPTIONS}  # options per fitted method
 FP16_BITS = 16  # scale and zero of RTN and HQQ
 FP32_BITS = 32  # NF4 absmax
 
@@ -172,25 +169,14 @@ def kbit_fit_fake_quantize(weight: torch.Tensor, bits: int, settings=None) -> to
     return fmt.dequantize(planes, block_scales, row_scales, codebook, weight.shape[1])
 
 
-def kbit_rot_fake_quantize(weight: torch.Tensor, bits: int, settings=None, rotation=None) -> torch.Tensor:
-    """``weight`` rotated along K by ``rotation`` (default: :class:`hf_kbit.rotation.BlockHadamard()`), through
-    :func:`kbit_fit_fake_quantize`, and rotated back into the original basis."""
-    from ..rotation import BlockHadamard
-
-    _check_weight(weight)
-    rotation = BlockHadamard() if rotation is None else rotation
-    return rotation.unrotate(kbit_fit_fake_quantize(rotation.rotate(weight), bits, settings))
-
-
 # ----------------------------------------------------------------------------- one interface
 
 
 @dataclass(frozen=True)
 class Anchor:
     """One anchor format: ``method`` in ANCHORS, ``bits``, ``group_size`` (the NF4 block size for ``nf``; fixed
-    at the format's block for ``kbitfit`` and ``kbitrot``), ``fit`` (``kbitfit`` and ``kbitrot`` only: ``(name,
-    value)`` overrides of :class:`hf_kbit.fitting.FitSettings`; ``kbitrot`` also takes ``block`` and ``seed`` of
-    its rotation)."""
+    at the format's block for ``kbitfit``), ``fit`` (``kbitfit`` only: ``(name, value)`` overrides of
+    :class:`hf_kbit.fitting.FitSettings`)."""
 
     method: str
     bits: int
@@ -210,13 +196,11 @@ class Anchor:
                 raise ValueError(f"{self.method}: the format's block is {fmt.BLOCK_SIZE} elements, "
                                  f"got group_size={self.group_size}")
             self.fit_settings()  # validates the overrides
-            if self.method == "kbitrot":
-                self.rotation()
         elif self.fit:
             raise ValueError(f"{self.method} anchors take no fit options, got {dict(self.fit)}")
 
     def fit_settings(self):
-        """kbitfit, kbitrot: ``fitting.DEFAULT_SETTINGS[bits]`` with this anchor's overrides."""
+        """kbitfit: ``fitting.DEFAULT_SETTINGS[bits]`` with this anchor's overrides."""
         from .. import fitting
 
         allowed = KBIT_OPTIONS[self.method]
@@ -225,15 +209,6 @@ class Anchor:
             raise ValueError(f"{self.method}: unknown option(s) {unknown}; it takes {list(allowed)}")
         overrides = {k: v for k, v in self.fit if k in FIT_OPTIONS}
         return dataclasses.replace(fitting.DEFAULT_SETTINGS[self.bits], **overrides)
-
-    def rotation(self):
-        """kbitrot: its :class:`hf_kbit.rotation.BlockHadamard` (``block``, ``seed`` options, else the defaults)."""
-        from ..rotation import BlockHadamard
-
-        try:
-            return BlockHadamard(**{k: v for k, v in self.fit if k in ROTATION_OPTIONS})
-        except ValueError as e:
-            raise ValueError(f"kbitrot: {e}") from None
 
     def fake_quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, float]:
         """``(reconstructed weight float32, stored bits per weight as the format would hold it)``."""
@@ -245,9 +220,6 @@ class Anchor:
             return rtn_fake_quantize(weight, self.bits, self.group_size), self.bits_per_weight(n, k)
         if self.method == "kbitfit":
             return kbit_fit_fake_quantize(weight, self.bits, self.fit_settings()), self.bits_per_weight(n, k)
-        if self.method == "kbitrot":
-            out = kbit_rot_fake_quantize(weight, self.bits, self.fit_settings(), self.rotation())
-            return out, self.bits_per_weight(n, k)
         return nf4_fake_quantize(weight, self.group_size), self.bits_per_weight(n, k)
 
     def bits_per_weight(self, n: int, k: int) -> float:
@@ -270,13 +242,9 @@ class Anchor:
                     f"fp16 zero per group: {self.bits} + 32/{self.group_size} bits/weight (tail groups included)")
         if self.method in KBIT_OPTIONS:
             settings = self.fit_settings()
-            rotated = ""
-            if self.method == "kbitrot":
-                r = self.rotation()
-                rotated = f"rotated along K by a block Hadamard (block {r.block}, seed {r.seed}), "
-            return (f"kbit format v1, k = {self.bits}, {rotated}fitted by hf_kbit.fitting (block codes searched "
+            return (f"kbit format v1, k = {self.bits}, fitted by hf_kbit.fitting (block codes searched "
                     f"{settings.codes_below} below / {settings.codes_above} above the absmax code, "
-                    f"{settings.lloyd_iters} Lloyd iterations of the per-layer codebook), dequantized"
-                    f"{' and rotated back' if rotated else ''}: bits/weight as format.bits_per_weight")
+                    f"{settings.lloyd_iters} Lloyd iterations of the per-layer codebook), dequantized: bits/weight "
+                    "as format.bits_per_weight")
         return (f"NF4 (bitsandbytes levels), float32 absmax per block of {self.group_size}, no double "
                 f"quantization: 4 + 32/{self.group_size} bits/weight")

@@ -5,8 +5,9 @@ A variant spec is ``METHOD[BITS][:KEY=VALUE]...``; a list of them is comma-separ
 
 - ``bf16``: the checkpoint as it is, computed in the run's dtype.
 - ``kbit<k>``: quantized on load with ``KbitConfig(bits=k, **options)``. Every option goes to KbitConfig
-  unchanged (``kbit3:codebook=nf``, ``kbit4:fitting=absmax``), so new
-  config fields need no change here; KbitConfig validates them. ``lm_head_bits=h`` also quantizes the LM
+  unchanged (``kbit3:codebook=nf``, ``kbit4:fitting=absmax``, ``kbit3:rotation=auto``,
+  ``kbit4:rotation=true:rotation_seed=1``), so new config fields need no change here; KbitConfig validates them.
+  The summary counts the weights stored rotated (``rotated_weights``) and their sign words in bits/weight. ``lm_head_bits=h`` also quantizes the LM
   head, at k = h (variant ``kbit<k>-head<h>``).
 - ``hqq<b>``, ``rtn<b>``, ``nf4``: anchors (hf_kbit.eval.anchors), fake-quantized Linears; option
   ``group_size`` (the NF4 block size for ``nf4``).
@@ -19,8 +20,6 @@ A variant spec is ``METHOD[BITS][:KEY=VALUE]...``; a list of them is comma-separ
   the evaluated prefix, so calibration and evaluation never share text; another corpus: its end). Options
   ``samples`` (128), ``seq_len`` (2048), ``corpus``, ``damp``, ``batch_size`` (sequences per calibration
   forward, 8) and kbitfit's three.
-- ``kbitrot<k>``: ``kbitfit<k>`` on the weight rotated along K by a seeded block Hadamard (hf_kbit.rotation),
-  rotated back after dequantizing; options ``block`` (64), ``seed`` (0) and kbitfit's.
 
 A value is read as JSON when it parses (``false``, ``64``, ``[-1, 0, 1]``, ``"x"``), else as a string.
 ``name=...`` sets the label; the default label is the spec as written.
@@ -255,11 +254,14 @@ def reference_weights(folder: Path) -> dict[str, Any]:
 
 
 def _stored_bits(shapes: dict[str, tuple[int, ...]]) -> int:
-    """Bits of the format tensors ``shapes`` (name -> shape; names end in a format tensor's name)."""
+    """Bits of the format tensors ``shapes`` (name -> shape; names end in a format tensor's name, sign words of a
+    rotated weight included)."""
     from hf_kbit import format as fmt
 
+    dtypes = {**fmt.PACKED_DTYPES, fmt.ROTATION_SIGNS: fmt.ROTATION_SIGNS_DTYPE}
+
     def dtype(name: str):
-        return next(d for t, d in fmt.PACKED_DTYPES.items() if name.endswith(t))
+        return next(d for t, d in dtypes.items() if name.endswith(t))
 
     return sum(8 * math.prod(shape) * dtype(name).itemsize for name, shape in shapes.items())
 
@@ -269,13 +271,15 @@ def kbit_summary(model) -> dict[str, Any]:
     KbitExperts, all format metadata included), share of parameters quantized, and which modules they are."""
     from hf_kbit.nn import KbitExperts, KbitLinear
 
-    quantized_elems, quantized_bits, names = 0, 0, []
+    quantized_elems, quantized_bits, names, rotated = 0, 0, [], 0
     for name, module in model.named_modules():
         if isinstance(module, KbitLinear):
             quantized_elems += module.out_features * module.in_features
+            rotated += module.rotated
         elif isinstance(module, KbitExperts):
             quantized_elems += module.num_experts * sum(
                 math.prod(module.layout.linear_shape(p)) for p in module.bits)
+            rotated += sum(module.rotated.values())
         else:
             continue
         quantized_bits += _stored_bits(module.packed_shapes())
@@ -287,6 +291,7 @@ def kbit_summary(model) -> dict[str, Any]:
         "bits_per_weight": quantized_bits / quantized_elems if quantized_elems else None,
         "quantized_modules": len(names),
         "quantized_modules_sha256": _names_sha256(names),
+        "rotated_weights": rotated,  # KbitLinears and experts projections stored rotated (format v2)
     }
 
 
@@ -406,8 +411,8 @@ def apply_calibration(model, folder: Path, spec: VariantSpec, evaluated: tuple[A
 
     def measure(name, linear, packed):
         nonlocal elems
-        planes, block_scales, rows, codebook = packed
-        error.add(linear.weight.data, fmt.dequantize(planes, block_scales, rows, codebook, linear.in_features))
+        *tensors, signs = packed  # kbitcal does not rotate: signs is None
+        error.add(linear.weight.data, fmt.dequantize(*tensors, linear.in_features))
         elems += linear.weight.numel()
 
     # Siblings (q/k/v, gate/up) share one codebook, as quantize-on-load with calibration_data gives them.

@@ -15,7 +15,7 @@ Nothing here knows about the transformers loading lifecycle; ``hf_kbit.quantizer
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -23,8 +23,18 @@ from torch import nn
 from .. import _ops
 from .. import fitting
 from .. import format as fmt
+from .. import rotation_policy
 from ..config import KbitConfig
-from .linear import COMPUTE_DTYPES, FORMAT_TENSORS, KbitModule, check_weight, quantize_checked
+from .linear import (
+    COMPUTE_DTYPES,
+    FORMAT_TENSORS,
+    ROTATION_SIGNS,
+    KbitModule,
+    check_weight,
+    format_layout,
+    quantize_checked,
+    rotation_signs_placeholder,
+)
 from .selection import _set_submodule, should_convert, swap_modules
 
 # Fused checkpoint parameter -> prefix of its packed tensors. The packed names must not start
@@ -121,6 +131,10 @@ class KbitExperts(KbitModule):
         gate_up_codebook: float32 ``[2**bits]``.
         down_planes, down_block_scales, down_row_scales, down_codebook: the same for
         ``[E, H, I]``.
+        gate_up_rotation_signs: int32 ``[H/32]``, down_rotation_signs: int32 ``[I/32]`` (format v2), for
+        a projection stored rotated (``rotated[projection]``): its experts hold ``W R`` and share these
+        sign words (they read the same x), which every op call passes as ``signs``. None (no state-dict
+        entry) for an unrotated projection.
     Parameters ``gate_up_proj_bias [E, 2I]`` and ``down_proj_bias [E, H]`` (when the model
     has them) keep the model's dtype and names.
 
@@ -128,6 +142,8 @@ class KbitExperts(KbitModule):
     the model's shape and layout) receive the fused checkpoint tensors, which
     :func:`quantize_experts_on_load` packs and then removes.
     """
+
+    rotated = dict.fromkeys(PROJECTIONS, False)  # per projection; replaced (never changed in place) when it rotates
 
     def __init__(
         self,
@@ -138,12 +154,14 @@ class KbitExperts(KbitModule):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         weight_placeholder: bool = False,
+        rotated: dict[str, bool] | None = None,
     ):
         super().__init__()
         self.layout = layout
         self.num_experts = layout.num_experts
         self.hidden_size, self.intermediate_size = layout.hidden_size, layout.intermediate_size
         self.bits = {"gate_up_proj": gate_up_bits, "down_proj": down_bits}
+        self.rotated = dict.fromkeys(PROJECTIONS, False)
         self._model_apply_gate = None
         for projection, prefix in PROJECTIONS.items():
             bits = self.bits[projection]
@@ -155,6 +173,10 @@ class KbitExperts(KbitModule):
                 self.register_buffer(f"{prefix}_{t}", buffer)
             with torch.no_grad():
                 setattr(self, f"{prefix}_codebook", fmt.make_codebook(codebook, bits).to(device))
+            self.register_buffer(f"{prefix}_{ROTATION_SIGNS}", None)
+            if rotated and rotated.get(projection):
+                placeholder = rotation_signs_placeholder(k, device, f"KbitExperts.{projection}")
+                setattr(self, f"{prefix}_{ROTATION_SIGNS}", placeholder)
             if weight_placeholder:
                 placeholder = torch.empty(layout.weight_shape(projection), dtype=dtype, device="meta")
                 self.register_parameter(projection, nn.Parameter(placeholder, requires_grad=False))
@@ -178,13 +200,15 @@ class KbitExperts(KbitModule):
         name: str = "experts",
         fitting_rule: str | None = None,
         packed: dict[str, tuple[torch.Tensor, ...]] | None = None,
+        rotation: bool | str = False,
+        rotation_seed: int = 0,
     ) -> "KbitExperts":
         """A KbitExperts taking over ``experts``' gating, activation and attributes.
 
         On the meta device (model skeleton) nothing is quantized; otherwise the weights are
-        packed now (``codebook`` and ``fitting_rule`` as ``KbitConfig.codebook`` / ``.fitting``),
-        or taken from ``packed`` (``{projection: (planes, block_scales, row_scales, codebook)}``, e.g.
-        calibrated), and the biases copied.
+        packed now (``codebook``, ``fitting_rule``, ``rotation`` and ``rotation_seed`` as the
+        KbitConfig fields), or taken from ``packed`` (``{projection: (planes, block_scales, row_scales,
+        codebook[, rotation_signs])}``, e.g. calibrated), and the biases copied.
         """
         layout = fused_experts_layout(experts, name)
         if layout is None:
@@ -196,9 +220,11 @@ class KbitExperts(KbitModule):
             with torch.no_grad():
                 for projection, prefix in PROJECTIONS.items():
                     if packed is not None:
-                        tensors = dict(zip((f"{prefix}_{t}" for t in FORMAT_TENSORS), packed[projection]))
+                        names = (f"{prefix}_{t}" for t in (*FORMAT_TENSORS, ROTATION_SIGNS))
+                        tensors = dict(zip(names, packed[projection]))
                     else:
-                        tensors = module.pack(projection, getattr(experts, projection), codebook, name, fitting_rule)
+                        tensors = module.pack(projection, getattr(experts, projection), codebook, name, fitting_rule,
+                                              rotation, rotation_seed)
                     module.load_packed(projection, **tensors)
                 for bias in BIASES if layout.has_bias else ():
                     getattr(module, bias).copy_(getattr(experts, bias))
@@ -219,12 +245,20 @@ class KbitExperts(KbitModule):
 
     def packed_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shape of each format tensor (the checkpoint contract, see hf_kbit.checkpoint)."""
-        shapes = {}
-        for projection, prefix in PROJECTIONS.items():
-            n, k = self.layout.linear_shape(projection)
-            for t, shape in fmt.packed_shapes(n, k, self.bits[projection]).items():
-                shapes[f"{prefix}_{t}"] = shape if t == "codebook" else (self.num_experts, *shape)
-        return shapes
+        return {name: shape for name, (_, shape) in self.format_layout().items()}
+
+    def _set_rotated(self, name: str, rotated: bool) -> None:
+        prefix = name[: -len(ROTATION_SIGNS) - 1]
+        projection = next((p for p, q in PROJECTIONS.items() if q == prefix), None)
+        if projection is not None:
+            self.rotated = {**self.rotated, projection: rotated}
+
+    def rotation_in_features(self) -> dict[str, int]:
+        return {f"{prefix}_{ROTATION_SIGNS}": self.layout.linear_shape(p)[1] for p, prefix in PROJECTIONS.items()}
+
+    def rotation_signs(self, projection: str) -> torch.Tensor | None:
+        """``projection``'s sign words (the buffer ``<prefix>_rotation_signs``), None when it is not rotated."""
+        return getattr(self, f"{PROJECTIONS[projection]}_{ROTATION_SIGNS}")
 
     def placeholders(self) -> list[str]:
         """Full-precision placeholders still waiting for quantize-on-load."""
@@ -249,35 +283,37 @@ class KbitExperts(KbitModule):
         codebook: str | list[float] | torch.Tensor | None = None,
         name: str = "experts",
         fitting_rule: str | None = None,
+        rotation: bool | str = False,
+        rotation_seed: int = 0,
     ) -> dict[str, torch.Tensor]:
         """Pack the fused weight of ``projection`` (in the model's shape and layout) into
-        ``{"<prefix>_planes" | "_block_scales" | "_row_scales" | "_codebook": tensor}``,
+        ``{"<prefix>_planes" | "_block_scales" | "_row_scales" | "_codebook" [| "_rotation_signs"]: tensor}``,
         checking it first; errors name ``<name>.<projection>``.
 
-        ``codebook`` and ``fitting_rule`` mean what ``KbitConfig.codebook`` / ``.fitting`` do; the
-        experts share one codebook, fitted on all of them (:func:`hf_kbit.nn.quantize_layer`). A
-        codebook tensor is kept as given: a caller packing the experts in pieces passes the whole's.
+        ``codebook``, ``fitting_rule``, ``rotation`` and ``rotation_seed`` mean what the KbitConfig fields do;
+        the experts share one codebook, fitted on all of them (:func:`hf_kbit.nn.quantize_layer`), and one basis
+        (:mod:`hf_kbit.rotation_policy`). A codebook tensor is kept as given: a caller packing the experts in
+        pieces passes the whole's (:func:`experts_candidates`, :func:`pack_experts_chunk`).
         """
         full_name = f"{name}.{projection}"
         weight = self.linear_weight(projection, value, name)
         check_weight(weight, full_name)
         bits = self.bits[projection]
         settings = fitting.settings_for(fitting_rule, bits, codebook)
-        cb = fitting.layer_codebook(fitting.codebook_sample(weight, settings), bits, settings, codebook)
-        per_expert = math.prod(weight.shape[1:])
-        chunk = max(1, _QUANTIZE_CHUNK_ELEMENTS // max(per_expert, 1))
-        parts = [quantize_checked(w, cb, settings) for w in weight.split(chunk)]
-        prefix = PROJECTIONS[projection]
-        packed = {f"{prefix}_{t}": torch.cat(ts) for t, ts in zip(FORMAT_TENSORS, zip(*parts))}
-        packed[f"{prefix}_codebook"] = cb
-        return packed
+        sample = fitting.codebook_sample(weight, settings)
+        candidates = experts_candidates(sample, bits, settings, codebook, rotation, rotation_seed)
+        pack_experts_chunk(weight, candidates, settings)
+        return chosen_basis(candidates).packed(PROJECTIONS[projection])
 
     @torch.no_grad()
     def load_packed(self, projection: str, **packed: torch.Tensor) -> None:
-        """Take ``projection``'s packed tensors (from :meth:`pack` or a checkpoint)."""
-        device = getattr(self, f"{PROJECTIONS[projection]}_planes").device
+        """Take ``projection``'s packed tensors (from :meth:`pack` or a checkpoint); without
+        ``<prefix>_rotation_signs`` the projection is unrotated."""
+        prefix = PROJECTIONS[projection]
+        device = getattr(self, f"{prefix}_planes").device
+        packed.setdefault(f"{prefix}_{ROTATION_SIGNS}", None)
         for key, value in packed.items():
-            setattr(self, key, value.to(device))
+            setattr(self, key, None if value is None else value.to(device))
         self._parameters.pop(projection, None)
         self.pack_storage()
 
@@ -285,10 +321,9 @@ class KbitExperts(KbitModule):
         layout = {}
         for projection, prefix in PROJECTIONS.items():
             n, k = self.layout.linear_shape(projection)
-            shapes = fmt.packed_shapes(n, k, self.bits[projection])
-            for t in FORMAT_TENSORS:
-                lead = () if t == "codebook" else (self.num_experts,)
-                layout[f"{prefix}_{t}"] = (fmt.PACKED_DTYPES[t], lead + shapes[t])
+            for t, (dtype, shape) in format_layout(n, k, self.bits[projection], self.rotated[projection]).items():
+                lead = (self.num_experts,) if t in FORMAT_TENSORS[:3] else ()
+                layout[f"{prefix}_{t}"] = (dtype, lead + shape)
         return layout
 
     # ------------------------------------------------------------------ forward
@@ -299,12 +334,18 @@ class KbitExperts(KbitModule):
 
     def _project(self, projection: str, x: torch.Tensor, expert_ids: torch.Tensor, routing) -> torch.Tensor:
         prefix = PROJECTIONS[projection]
+        names, signs = tuple(f"{prefix}_{t}" for t in FORMAT_TENSORS), None
+        if self.rotated[projection]:  # its experts share x, and so the sign words
+            *tensors, signs = self.format_tensors((*names, f"{prefix}_{ROTATION_SIGNS}"), x.device)
+        else:
+            tensors = self.format_tensors(names, x.device)
         out = torch.ops.kbit.grouped_mm(
             x,
             expert_ids,
-            *self.format_tensors(tuple(f"{prefix}_{t}" for t in FORMAT_TENSORS), x.device),
+            *tensors,
             self.layout.linear_shape(projection)[1],
-            *routing,
+            *(routing or (None, None)),
+            signs,
         )
         bias = getattr(self, f"{projection}_bias")
         if bias is not None:
@@ -348,6 +389,7 @@ class KbitExperts(KbitModule):
             getattr(self, f"{prefix}_codebook"),
             self.layout.linear_shape(projection)[1],
             dtype,
+            self.rotation_signs(projection),
         )
         return w.transpose(-1, -2).contiguous() if self.layout.is_transposed else w
 
@@ -358,7 +400,7 @@ class KbitExperts(KbitModule):
         experts = self.source_class.__new__(self.source_class)
         nn.Module.__init__(experts)
         for key, value in vars(self).items():
-            if key in _MODULE_INTERNALS or key in ("layout", "bits", "_model_apply_gate", "source_class"):
+            if key in _MODULE_INTERNALS or key in ("layout", "bits", "rotated", "_model_apply_gate", "source_class"):
                 continue
             setattr(experts, key, value)
         for child_name, child in self.named_children():
@@ -374,7 +416,67 @@ class KbitExperts(KbitModule):
         return (
             f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
             f"intermediate_size={self.intermediate_size}, {bits}, bias={self.layout.has_bias}"
+            + "".join(f", {PROJECTIONS[p]}_rotated=True" for p, r in self.rotated.items() if r)
         )
+
+
+@dataclass
+class Basis:
+    """One basis a fused experts projection may be packed in: its sign words (None: unrotated) and codebook, the
+    packed chunks so far (``parts``) and, when another basis competes, their :func:`hf_kbit.rotation_policy.error_sums`."""
+
+    words: torch.Tensor | None
+    codebook: torch.Tensor
+    parts: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
+    errors: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def packed(self, prefix: str) -> dict[str, torch.Tensor]:
+        """The projection's packed tensors by buffer name (``<prefix>_planes``, ...), the chunks concatenated."""
+        out = {f"{prefix}_{t}": torch.cat(ts) for t, ts in zip(FORMAT_TENSORS, zip(*self.parts))}
+        out[f"{prefix}_codebook"] = self.codebook
+        if self.words is not None:
+            out[f"{prefix}_{ROTATION_SIGNS}"] = self.words
+        return out
+
+
+def experts_candidates(sample: torch.Tensor, bits: int, settings: fitting.FitSettings | None, codebook,
+                       rotation: bool | str, rotation_seed: int) -> list[Basis]:
+    """The bases a fused experts projection is tried in under ``KbitConfig.rotation`` (unrotated, rotated or both,
+    :mod:`hf_kbit.rotation_policy`), each with its codebook fitted on ``sample`` (:func:`hf_kbit.fitting.codebook_sample`
+    of the whole projection, ``[R, K]``; rotated rows for the rotated basis)."""
+    words = rotation_policy.layer_words(sample.shape[-1], rotation, rotation_seed, sample.device)
+    bases = [None] if words is None else [words] if rotation is True else [None, words]
+    return [Basis(w, fitting.layer_codebook(sample if w is None else rotation_policy.rotate_weight(sample, w), bits,
+                                            settings, codebook)) for w in bases]
+
+
+def pack_experts_chunk(weight: torch.Tensor, candidates: list[Basis], settings: fitting.FitSettings | None) -> None:
+    """Pack experts ``weight [e, N, K]`` (Linear layout, checked) in every candidate basis, appending to their
+    ``parts``; with several, measure each basis's error per expert. At most ``_QUANTIZE_CHUNK_ELEMENTS`` weight
+    elements (whole experts) at a time: rows are independent, so chunking gives the same bits and bounds the
+    float32 and int64 temporaries of the quantizer (~20 B per element)."""
+    chunk = max(1, _QUANTIZE_CHUNK_ELEMENTS // max(math.prod(weight.shape[1:]), 1))
+    for part in weight.split(chunk):
+        for basis in candidates:
+            w = part if basis.words is None else rotation_policy.rotate_weight(part, basis.words)
+            packed = quantize_checked(w, basis.codebook, settings)
+            basis.parts.append(packed)
+            if len(candidates) > 1:
+                basis.errors.append(rotation_policy.error_sums(part, (*packed, basis.codebook), basis.words))
+
+
+def chosen_basis(candidates: list[Basis]) -> Basis:
+    """The candidate a fused experts projection keeps: the only one, or the rotated one when its relative error
+    over all experts is lower (:mod:`hf_kbit.rotation_policy`)."""
+    if len(candidates) == 1:
+        return candidates[0]
+    plain, rotated = candidates
+
+    def error(basis: Basis) -> float:
+        err, norm = (torch.cat(t) for t in zip(*basis.errors))
+        return rotation_policy.relative_error(err, norm)
+
+    return rotated if rotation_policy.keeps_rotated(error(rotated), error(plain)) else plain
 
 
 def apply_gate(module: nn.Module, gate_up: torch.Tensor, model_apply_gate=None) -> torch.Tensor:
@@ -425,8 +527,12 @@ def quantize_experts_on_load(
     if projection not in module.placeholders():
         raise ValueError(f"{full_name}: not a quantize-on-load placeholder of {type(module).__name__}")
     module_name = full_name.rpartition(".")[0]
-    packed = module.pack(projection, value, config.codebook, module_name, config.fitting)
+    packed = module.pack(projection, value, config.codebook, module_name, config.fitting, config.rotation,
+                         config.rotation_seed)
     del module._parameters[projection]
+    signs = f"{PROJECTIONS[projection]}_{ROTATION_SIGNS}"
+    if signs not in packed and module.rotated[projection]:
+        setattr(module, signs, None)  # "auto" kept this projection unrotated: no placeholder waits for its signs
     return {f"{module_name}.{key}": tensor for key, tensor in packed.items()}
 
 
@@ -449,7 +555,8 @@ def quantize_experts(
             gate_up_bits, down_bits = expert_bits(config, name)
             given = {p: packed[f"{name}.{p}"] for p in PROJECTIONS} if packed and f"{name}.down_proj" in packed else None
             _set_submodule(model, name, KbitExperts.from_experts(
-                module, gate_up_bits, down_bits, config.codebook, name=name, fitting_rule=config.fitting, packed=given
+                module, gate_up_bits, down_bits, config.codebook, name=name, fitting_rule=config.fitting, packed=given,
+                rotation=config.rotation, rotation_seed=config.rotation_seed,
             ))
     return model
 

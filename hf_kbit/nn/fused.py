@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .. import format as fmt
-from .linear import ROW_TENSORS, KbitLinear, KbitModule, fused_group, packed_matmul
+from .linear import ROTATION_SIGNS, ROW_TENSORS, KbitLinear, KbitModule, format_layout, fused_group, packed_matmul
 
 # Fused module name -> the sibling projections it serves (they must share their input).
 FUSED_GROUPS: dict[str, tuple[str, ...]] = {
@@ -59,8 +59,11 @@ class KbitFusedProjections(KbitModule):
     reach it; it owns the fused format tensors as plain attributes (not buffers: the members'
     views are the buffers, so state dicts and memory footprints count every byte once), all four
     views into its one storage (:class:`~hf_kbit.nn.linear.KbitModule`), and re-points the members'
-    views after a move. It has no state-dict entries of its own.
+    views after a move. It has no state-dict entries of its own. Rotated members (equal sign words: they
+    read the same x) make a rotated fused module: ``rotation_signs`` (a copy, in its storage) and ``rotated``.
     """
+
+    rotated = False
 
     def __init__(self, members: Sequence[KbitLinear], names: Sequence[str]):
         super().__init__()
@@ -69,24 +72,27 @@ class KbitFusedProjections(KbitModule):
         self.sizes = tuple(m.out_features for m in members)
         self.out_features = sum(self.sizes)
         self.names = tuple(names)
+        self.rotated = first.rotated
         with torch.no_grad():
             for name in ROW_TENSORS:  # concatenated along N (dim 0)
                 self.__dict__[name] = torch.cat([getattr(m, name) for m in members])
             self.__dict__["codebook"] = first.codebook.clone()
+            self.__dict__[ROTATION_SIGNS] = first.rotation_signs.clone() if self.rotated else None
         self.__dict__["members"] = tuple(members)
         for index, member in enumerate(members):
             member.__dict__["fused_into"] = (self, index, fused_group(self))
             # a view into the member's own storage would keep all of it alive once the rows move here
             member._buffers["codebook"] = member.codebook.clone()
+            if member.rotated:
+                member._buffers[ROTATION_SIGNS] = member.rotation_signs.clone()
         self.pack_storage()
         self._link()
 
     def format_layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        shapes = fmt.packed_shapes(self.out_features, self.in_features, self.bits)
-        return {name: (fmt.PACKED_DTYPES[name], shapes[name]) for name in (*ROW_TENSORS, "codebook")}
+        return format_layout(self.out_features, self.in_features, self.bits, self.rotated)
 
     def _format_sources(self) -> dict[str, torch.Tensor | None]:
-        return {name: self.__dict__.get(name) for name in (*ROW_TENSORS, "codebook")}
+        return {name: self.__dict__.get(name) for name in self.format_layout()}
 
     def _set_format_tensor(self, name: str, value: torch.Tensor | None) -> None:
         self.__dict__[name] = value
@@ -116,7 +122,7 @@ class KbitFusedProjections(KbitModule):
         if self._storage is not None:
             super()._apply(fn, recurse)
         else:
-            for name in (*ROW_TENSORS, "codebook"):
+            for name in self.format_layout():
                 t = self.__dict__[name]
                 out = fn(t)
                 self.__dict__[name] = t.to(out.device) if out.dtype != t.dtype else out  # format dtypes stay
@@ -128,7 +134,9 @@ class KbitFusedProjections(KbitModule):
         return packed_matmul(self, x)
 
     def extra_repr(self) -> str:
-        return f"members={self.names}, in_features={self.in_features}, out_features={self.sizes}, bits={self.bits}"
+        rotated = ", rotated=True" if self.rotated else ""
+        return (f"members={self.names}, in_features={self.in_features}, out_features={self.sizes}, "
+                f"bits={self.bits}{rotated}")
 
 
 def _fusable(parent: nn.Module, names: Sequence[str]) -> list[KbitLinear] | None:
@@ -142,6 +150,8 @@ def _fusable(parent: nn.Module, names: Sequence[str]) -> list[KbitLinear] | None
         or m.planes.device != first.planes.device
         or m.out_features % fmt.TILE_N  # rows of a partial tile would shift every row after it
         or not torch.equal(m.codebook, first.codebook)
+        or m.rotated != first.rotated  # one launch turns x once: the same sign words or none
+        or (m.rotated and not torch.equal(m.rotation_signs, first.rotation_signs))
         for m in members
     ):
         return None
@@ -152,8 +162,9 @@ def fuse_projections(model: nn.Module, groups: dict[str, tuple[str, ...]] | None
     """Fuse sibling KbitLinear projections of ``model`` in place; returns the fused modules' names.
 
     ``groups`` (default :data:`FUSED_GROUPS`): ``{fused name: member names}``. A group is fused
-    where a module has every member as a KbitLinear of the same ``in_features``, bits, device
-    and codebook with ``out_features`` a multiple of 16, and no attribute of the fused name.
+    where a module has every member as a KbitLinear of the same ``in_features``, bits, device,
+    codebook and rotation (none, or equal sign words) with ``out_features`` a multiple of 16, and no
+    attribute of the fused name.
     Encoder-decoder models are left alone (cross-attention feeds k/v another input than q).
     Undo with :func:`unfuse_projections` (which is not needed to save: the members' state-dict
     entries are written as tensors of their own).

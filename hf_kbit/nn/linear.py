@@ -9,13 +9,14 @@ import weakref
 import torch
 from torch import nn
 
-from .. import _ops, fitting
+from .. import _ops, fitting, rotation_policy
 from .. import format as fmt
 
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 FORMAT_TENSORS = ("planes", "block_scales", "row_scales", "codebook")
 ROW_TENSORS = FORMAT_TENSORS[:3]  # one entry per output row (or row tile); the codebook is the layer's
+ROTATION_SIGNS = fmt.ROTATION_SIGNS  # format v2: a rotated layer's sign words, the last tensor of its storage
 
 
 # Bytes at which each format tensor of a module's one storage starts (vector loads, any dtype).
@@ -78,9 +79,31 @@ class KbitModule(nn.Module):
         self._buffers[name] = value
 
     def __setattr__(self, name, value):
-        if self._storage is not None and name in self.__dict__.get("_buffers", ()):
+        buffers = self.__dict__.get("_buffers", ())
+        if self._storage is not None and name in buffers:
             self.__dict__["_storage"] = None  # a buffer of its own now: the storage no longer holds it
         super().__setattr__(name, value)
+        if name.endswith(ROTATION_SIGNS) and name in buffers:
+            self._set_rotated(name, value is not None)  # a loader (or anyone) set the sign words or removed them
+
+    def _set_rotated(self, name: str, rotated: bool) -> None:
+        """Record whether the sign words ``name`` are there (an attribute, so that :meth:`format_layout` reads no
+        tensor): a module with rotation overrides this."""
+
+    def rotation_in_features(self) -> dict[str, int]:
+        """``{sign-words buffer name: in_features of its weight}`` for every weight of the module (format v2)."""
+        return {}
+
+    def stores_rotated(self) -> bool:
+        """Whether one of the module's own weights is stored rotated (its sign words are there)."""
+        return any(self._buffers.get(name) is not None for name in self.rotation_in_features())
+
+    def expect_rotation(self, name: str) -> None:
+        """Give the sign words ``name`` an empty placeholder (int32 ``[K / 32]``, on the format tensors' device) for a
+        loader to fill: the weight is stored rotated. ValueError when it cannot be (K not a multiple of 64)."""
+        k = self.rotation_in_features()[name]
+        device = next(t.device for t in self._format_sources().values() if t is not None)
+        setattr(self, name, rotation_signs_placeholder(k, device, f"{type(self).__name__}.{name}"))
 
     def drop_storage(self) -> None:
         """Forget the one storage (the buffers keep their values, as views into it)."""
@@ -188,6 +211,10 @@ class KbitLinear(KbitModule):
         block_scales: uint8 ``[ceil(N/16), ceil(K/128), 16, 4]`` E4M4 block scale codes.
         row_scales: float32 ``[N]`` per-row scale.
         codebook: float32 ``[2**bits]`` sorted levels in [-1, 1].
+        rotation_signs: int32 ``[K/32]`` (format v2) when the layer is rotated (``rotated``): the packed
+            tensors then hold ``W R`` (hf_kbit.rotation, block 64 along K; K a multiple of 64) and every op
+            call passes these sign words as ``signs``, so that outputs and :meth:`dequantize_weight` are in
+            the original basis. ``None`` (no state-dict entry) when not rotated.
     Parameter ``bias`` ``[N]`` (optional) keeps the model's dtype. The forward computes in
     the dtype of its input (bf16, fp16 or fp32) with float32 accumulation; ``.half()`` or
     ``.to(dtype)`` cast the bias only, the format tensors keep their dtypes.
@@ -201,6 +228,7 @@ class KbitLinear(KbitModule):
     """
 
     fused_into = None
+    rotated = False
 
     def __setstate__(self, state):
         # deepcopy and unpickling make a new fused module: its members' group follows it
@@ -220,6 +248,7 @@ class KbitLinear(KbitModule):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         weight_placeholder: bool = False,
+        rotated: bool = False,
     ):
         super().__init__()
         if bits not in fmt.SUPPORTED_BITS:
@@ -228,6 +257,9 @@ class KbitLinear(KbitModule):
         shapes = fmt.packed_shapes(out_features, in_features, bits)
         for name in FORMAT_TENSORS:
             self.register_buffer(name, torch.empty(shapes[name], dtype=fmt.PACKED_DTYPES[name], device=device))
+        self.register_buffer(ROTATION_SIGNS, None)
+        if rotated:
+            self.rotation_signs = rotation_signs_placeholder(in_features, device, "KbitLinear")
         if codebook is None:
             codebook = fmt.make_codebook(None, bits)
         with torch.no_grad():
@@ -246,11 +278,14 @@ class KbitLinear(KbitModule):
         codebook: str | list[float] | torch.Tensor | None = None,
         fitting: str | None = None,
         packed: tuple[torch.Tensor, ...] | None = None,
+        rotation: bool | str = False,
+        rotation_seed: int = 0,
     ) -> "KbitLinear":
         """Quantize an existing ``nn.Linear`` (same device, bias kept in its dtype).
 
-        ``codebook`` and ``fitting`` mean what they mean in :class:`hf_kbit.KbitConfig`;
-        ``packed``: its weight's format tensors when already quantized (:func:`quantize_group`).
+        ``codebook``, ``fitting``, ``rotation`` and ``rotation_seed`` mean what they mean in
+        :class:`hf_kbit.KbitConfig`; ``packed``: its weight's format tensors when already quantized
+        (:func:`quantize_siblings`: ``(planes, block_scales, row_scales, codebook[, rotation_signs])``).
         A fitted codebook is this layer's own, so siblings quantized one by one do not fuse
         (:func:`hf_kbit.nn.fuse_projections` needs one codebook): ``quantize_model`` and
         quantize-on-load fit one per group of siblings.
@@ -264,14 +299,25 @@ class KbitLinear(KbitModule):
             dtype=weight.dtype,
             device=weight.device,
         )
-        module.load_packed(*(packed if packed is not None else quantize_layer(weight, bits, codebook, fitting, name="weight")))
+        if packed is None:
+            packed = quantize_siblings([weight], bits, codebook, fitting, ["weight"], rotation, rotation_seed)[0]
+        module.load_packed(*packed)
         if linear.bias is not None:
             module.bias.data.copy_(linear.bias.detach())
         return module
 
     def packed_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shape of each format tensor (the checkpoint contract, see hf_kbit.checkpoint)."""
-        return fmt.packed_shapes(self.out_features, self.in_features, self.bits)
+        shapes = fmt.packed_shapes(self.out_features, self.in_features, self.bits)
+        if self.rotated:
+            shapes[ROTATION_SIGNS] = fmt.rotation_signs_shape(self.in_features)
+        return shapes
+
+    def _set_rotated(self, name: str, rotated: bool) -> None:
+        self.__dict__["rotated"] = rotated
+
+    def rotation_in_features(self) -> dict[str, int]:
+        return {ROTATION_SIGNS: self.in_features}
 
     @property
     def qweight(self) -> torch.Tensor:
@@ -284,8 +330,7 @@ class KbitLinear(KbitModule):
         return ["weight"] if "weight" in self._parameters else []
 
     def format_layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        shapes = fmt.packed_shapes(self.out_features, self.in_features, self.bits)
-        return {name: (fmt.PACKED_DTYPES[name], shapes[name]) for name in FORMAT_TENSORS}
+        return format_layout(self.out_features, self.in_features, self.bits, self.rotated)
 
     def pack_storage(self) -> bool:
         if self.fused_into is not None:  # its row tensors are views into the fused module's storage
@@ -293,15 +338,19 @@ class KbitLinear(KbitModule):
         return super().pack_storage()
 
     @torch.no_grad()
-    def load_packed(self, planes, block_scales, row_scales, codebook) -> None:
-        """Take packed tensors (from :func:`quantize_weight` or a checkpoint)."""
+    def load_packed(self, planes, block_scales, row_scales, codebook, rotation_signs=None) -> None:
+        """Take packed tensors (from :func:`quantize_siblings` or a checkpoint); ``rotation_signs`` None: unrotated."""
         if self.fused_into is not None:
             raise RuntimeError(
                 f"load_packed: this KbitLinear is fused into {self.fused_into[0].names}; "
                 "call hf_kbit.unfuse_projections(model) first"
             )
+        if rotation_signs is not None and not fmt.rotatable(self.in_features):
+            raise ValueError(f"load_packed: rotation_signs given, but in_features={self.in_features} is not a multiple "
+                             f"of {fmt.ROTATION_BLOCK}, so this layer cannot be rotated")
         for name, value in zip(FORMAT_TENSORS, (planes, block_scales, row_scales, codebook)):
             setattr(self, name, value.to(self.planes.device))
+        self.rotation_signs = None if rotation_signs is None else rotation_signs.to(self.planes.device)
         if "weight" in self._parameters:
             del self._parameters["weight"]
         self.pack_storage()
@@ -314,9 +363,9 @@ class KbitLinear(KbitModule):
 
     @torch.no_grad()
     def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight ``[out_features, in_features]`` as the format reconstructs it."""
+        """The weight ``[out_features, in_features]`` as the format reconstructs it, in the original basis."""
         return torch.ops.kbit.dequantize(
-            self.planes, self.block_scales, self.row_scales, self.codebook, self.in_features, dtype
+            self.planes, self.block_scales, self.row_scales, self.codebook, self.in_features, dtype, self.rotation_signs
         )
 
     def to_linear(self, dtype: torch.dtype | None = None) -> nn.Linear:
@@ -335,11 +384,32 @@ class KbitLinear(KbitModule):
         return linear
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, bias={self.bias is not None}"
+        rotated = ", rotated=True" if self.rotated else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"bias={self.bias is not None}{rotated}")
+
+
+def format_layout(n: int, k: int, bits: int, rotated: bool) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """``{name: (dtype, shape)}`` of the format tensors of one ``[n, k]`` weight, in storage order (the sign words
+    last, when ``rotated``)."""
+    shapes = fmt.packed_shapes(n, k, bits)
+    layout = {name: (fmt.PACKED_DTYPES[name], shapes[name]) for name in FORMAT_TENSORS}
+    if rotated:
+        layout[ROTATION_SIGNS] = (fmt.ROTATION_SIGNS_DTYPE, fmt.rotation_signs_shape(k))
+    return layout
+
+
+def rotation_signs_placeholder(k: int, device, owner: str) -> torch.Tensor:
+    """An empty ``rotation_signs`` buffer ``[k / 32]`` (int32) for a loader to fill; ValueError naming ``owner`` when
+    ``k`` cannot rotate."""
+    if not fmt.rotatable(k):
+        raise ValueError(f"{owner}: in_features={k} is not a multiple of {fmt.ROTATION_BLOCK}, so it cannot be rotated")
+    return torch.empty(fmt.rotation_signs_shape(k), dtype=fmt.ROTATION_SIGNS_DTYPE, device=device)
 
 
 def packed_matmul(module: KbitModule, x: torch.Tensor) -> torch.Tensor:
-    """``x @ W.T`` for a module holding format tensors (KbitLinear, KbitFusedProjections), no bias."""
+    """``x @ W.T`` for a module holding format tensors (KbitLinear, KbitFusedProjections), no bias; a rotated
+    module's sign words go to the op as ``signs``."""
     out = None
     fast = _ops.eager_mm
     if fast is not None and not torch.compiler.is_compiling():
@@ -347,7 +417,11 @@ def packed_matmul(module: KbitModule, x: torch.Tensor) -> torch.Tensor:
     if out is None:
         if x.dtype not in COMPUTE_DTYPES:
             raise TypeError(f"KbitLinear input must be one of {COMPUTE_DTYPES}, got {x.dtype}")
-        out = torch.ops.kbit.mm(x, *module.format_tensors(FORMAT_TENSORS, x.device), module.in_features)
+        if module.rotated:
+            *tensors, signs = module.format_tensors((*FORMAT_TENSORS, ROTATION_SIGNS), x.device)
+        else:
+            tensors, signs = module.format_tensors(FORMAT_TENSORS, x.device), None
+        out = torch.ops.kbit.mm(x, *tensors, module.in_features, signs)
     return out
 
 
@@ -458,3 +532,29 @@ def quantize_group(
     return [
         (*quantize_checked(w, cb, settings), cb if i == 0 else cb.clone()) for i, w in enumerate(weights)
     ]
+
+
+def quantize_siblings(
+    weights: list[torch.Tensor],
+    bits: int,
+    codebook: str | list[float] | torch.Tensor | None = None,
+    fitting_rule: str | None = None,
+    names: list[str] | None = None,
+    rotation: bool | str = False,
+    rotation_seed: int = 0,
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """:func:`quantize_group` in the basis ``KbitConfig(rotation=rotation, rotation_seed=rotation_seed)`` picks for
+    the group (:mod:`hf_kbit.rotation_policy`): ``[(planes, block_scales, row_scales, codebook, rotation_signs)]``,
+    ``rotation_signs`` None where the group stays unrotated (each member its own copy otherwise). The members
+    must share in_features (siblings do)."""
+    names = names or [f"weights[{i}]" for i in range(len(weights))]
+    for weight, name in zip(weights, names):
+        check_weight(weight, name)
+    if len({w.shape[-1] for w in weights}) > 1:
+        raise ValueError(f"quantize_siblings: {names} have different in_features {[w.shape[-1] for w in weights]}")
+
+    def quantize(group: list[torch.Tensor]):
+        return quantize_group(group, bits, codebook, fitting_rule, names)
+
+    packed, words = rotation_policy.choose(weights, rotation, rotation_seed, quantize)
+    return [(*p, None if words is None else words.clone()) for p in packed]

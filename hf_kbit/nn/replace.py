@@ -9,7 +9,7 @@ from .. import format as fmt
 from ..config import KbitConfig
 from .experts import expert_bits, fused_experts_layout, quantize_experts
 from .fused import codebook_siblings, fuse_projections, unfuse_projections
-from .linear import KbitLinear, check_weight, quantize_group
+from .linear import KbitLinear, check_weight, quantize_siblings
 from .selection import _set_submodule, should_convert, swap_modules, tied_modules
 
 
@@ -73,6 +73,8 @@ def quantize_model(
     precision; unlike ``from_pretrained`` there is no default skip of the LM head here, except
     that tied modules (an LM head sharing the input embedding's weight) are always kept
     (:func:`tied_modules`).
+    With ``config.rotation`` each group of siblings (q/k/v, gate/up: they share one codebook and one basis) and
+    each experts projection is quantized rotated where the config says (:mod:`hf_kbit.rotation_policy`).
     With ``config.calibration_data`` the Linears are calibrated (:func:`hf_kbit.calibration.calibrate_model`, on
     the model's device, a tqdm bar unless ``progress`` is False), the fused experts of the decoder layers too;
     what quantize-on-load with calibration and ``kbit-convert --calibration-data`` run.
@@ -97,7 +99,8 @@ def quantize_model(
         else:
             with torch.no_grad():
                 weights = [m.weight.detach() for m in members]
-                packed = quantize_group(weights, config.bits_for(group[0]), config.codebook, config.fitting, list(group))
+                packed = quantize_siblings(weights, config.bits_for(group[0]), config.codebook, config.fitting,
+                                           list(group), config.rotation, config.rotation_seed)
         for name, module, tensors in zip(group, members, packed):
             _set_submodule(model, name, KbitLinear.from_linear(module, config.bits_for(name), packed=tensors))
     model = quantize_experts(model, config, modules_to_not_convert, packed=calibrated)
@@ -130,7 +133,8 @@ def _calibrate(
         for projection in ("gate_up_proj", "down_proj"):
             check_weight(getattr(module, projection).detach(), f"{name}.{projection}")
     batches = calibration.config_batches(config, model)
-    settings = calibration.CalibrationSettings(fitting=config.fitting, codebook=config.codebook)
+    settings = calibration.CalibrationSettings(fitting=config.fitting, codebook=config.codebook,
+                                               rotation=config.rotation, rotation_seed=config.rotation_seed)
     shared = [group for group in groups if len(group) > 1]
     return calibration.calibrate_model(model, batches, bits, list(linears), settings, progress, groups=shared,
                                        experts=list(experts))

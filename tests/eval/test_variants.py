@@ -171,3 +171,20 @@ def test_kbitcal_calibrates_on_text_the_scoring_does_not_read(tiny_folder):
         assert info[key] == fit_info[key], key
     # the same format and codebook as kbitfit, other indices: its weight error is a little higher
     assert fit_info["weight_sqnr_db"] - 3 < info["weight_sqnr_db"] < fit_info["weight_sqnr_db"]
+
+
+def test_kbit_variants_take_the_rotation_through_kbitconfig(tiny_folder):
+    """``kbit<k>:rotation=...`` quantizes through the shipped path (KbitConfig, the rotated modules), not a fake
+    quantization: the summary counts the weights stored rotated and their sign words, the SQNR is measured on the
+    weights dequantized back into the original basis. The tiny Llama's K (128, 256) all rotate."""
+    spec, seeded = V.parse_variants("kbit3:rotation=auto,kbit3:rotation=true:rotation_seed=2")
+    assert spec.kbit_config().rotation == "auto" and seeded.kbit_config().rotation is True
+    assert seeded.kbit_config().rotation_seed == 2
+    with pytest.raises(ValueError, match="rotation must be one of"):
+        V.parse_variant("kbit3:rotation=sometimes")
+    reference = V.reference_weights(tiny_folder)
+    _, plain = V.load_variant(tiny_folder, V.parse_variant("kbit3"), "cpu", torch.float32, reference=reference)
+    _, rotated = V.load_variant(tiny_folder, seeded, "cpu", torch.float32, reference=reference)
+    assert plain["rotated_weights"] == 0 and rotated["rotated_weights"] == rotated["quantized_modules"] == 14
+    assert rotated["bits_per_weight"] > plain["bits_per_weight"]  # the sign words: K/8 bytes per weight
+    assert rotated["weight_sqnr_db"] > 10 and rotated["kbit_forward"] == "dequantized-to-nn.Linear"

@@ -241,3 +241,40 @@ def test_siblings_share_a_codebook_and_fuse_on_load(fitting, tmp_path):
     in_memory = hf_kbit.quantize_model(model, config, modules_to_not_convert=["lm_head"]).state_dict()
     for key, value in loaded.state_dict().items():
         assert torch.equal(in_memory[key], value), key
+
+
+# ---------------------------------------------------------------------------- rotation (format v2)
+
+
+@pytest.mark.parametrize("rotation", [True, "auto"], ids=str)
+def test_rotated_siblings_fuse_and_match_the_unfused_members(rotation):
+    """q/k/v and gate/up read one x, so they share one rotation (decided per group): they fuse, the fused module
+    carries their sign words, and the fused model computes what the unfused one does."""
+    model = tiny_dense_model("llama", torch.float32, hidden_size=128, intermediate_size=192)
+    config = dict(bits=3, rotation=rotation, modules_to_not_convert=["lm_head"])
+    plain = hf_kbit.quantize_model(copy.deepcopy(model), KbitConfig(**config, fuse_projections=False))
+    fused = hf_kbit.quantize_model(model, KbitConfig(**config))
+    groups = fused_modules(fused)
+    assert len(groups) == 4
+    for name, module in groups.items():
+        assert all(m.rotated == module.rotated for m in module.members)
+        if module.rotated:
+            assert all(torch.equal(m.rotation_signs, module.rotation_signs) for m in module.members)
+            assert module.rotation_signs.data_ptr() != module.members[0].rotation_signs.data_ptr()
+    if rotation is True:
+        assert all(m.rotated for m in groups.values())
+    torch.testing.assert_close(logits(fused, IDS), logits(plain, IDS), atol=LOGIT_ATOL, rtol=0)
+    unfuse_projections(fused)
+    torch.testing.assert_close(logits(fused, IDS), logits(plain, IDS), atol=LOGIT_ATOL, rtol=0)
+
+
+def test_siblings_in_different_bases_do_not_fuse():
+    model = tiny_dense_model("llama", torch.float32, hidden_size=128, intermediate_size=192)
+    hf_kbit.quantize_model(model, KbitConfig(bits=4, rotation=True, fuse_projections=False),
+                           modules_to_not_convert=["lm_head"])
+    attention = model.model.layers[0].self_attn
+    attention.k_proj.rotation_signs = hf_kbit.rotation.sign_words(128, 1)  # another seed: another x R
+    mlp = model.model.layers[0].mlp
+    mlp.up_proj.load_packed(mlp.up_proj.planes, mlp.up_proj.block_scales, mlp.up_proj.row_scales, mlp.up_proj.codebook)
+    assert not mlp.up_proj.rotated
+    assert fuse_projections(model) == ["model.layers.1.self_attn.qkv_proj", "model.layers.1.mlp.gate_up_proj"]

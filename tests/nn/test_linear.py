@@ -107,3 +107,59 @@ def test_quantize_group_is_one_weight_cut_into_members():
         assert torch.equal(packed[3], whole[3])
         assert torch.equal(packed[0], whole[0][rows]) and torch.equal(packed[1], whole[1][rows])
     assert torch.equal(torch.cat([got[0][2], got[1][2]]), whole[2])
+
+
+# ---------------------------------------------------------------------------- rotation (format v2)
+
+# The rotated layer's forward against x @ W_hat^T with W_hat its dequantized weight in the original basis: float32
+# butterflies on x and on the reconstruction, float32 accumulation.
+ROTATED_ATOL = 1e-4
+
+
+@pytest.mark.parametrize("bits", fmt.SUPPORTED_BITS, ids=lambda b: f"k{b}")
+def test_rotated_linear_computes_in_the_original_basis(bits):
+    from hf_kbit import rotation
+
+    torch.manual_seed(bits)
+    linear = nn.Linear(192, 40)
+    kbit = KbitLinear.from_linear(linear, bits, rotation=True, rotation_seed=9)
+    words = rotation.sign_words(192, 9)
+    assert kbit.rotated and torch.equal(kbit.rotation_signs, words)
+    assert "rotated=True" in repr(kbit)
+    w_rot = fmt.dequantize(kbit.planes, kbit.block_scales, kbit.row_scales, kbit.codebook, 192)
+    w_hat = kbit.dequantize_weight()
+    torch.testing.assert_close(w_hat, rotation.unrotate_words(w_rot, words), rtol=0, atol=0)
+    assert (w_hat - linear.weight).square().sum() < (w_rot - linear.weight).square().sum()  # the original basis
+    x = torch.randn(3, 192)
+    ref = x.double() @ w_hat.double().T + linear.bias.double()
+    torch.testing.assert_close(kbit(x).double(), ref, atol=ROTATED_ATOL * float(ref.abs().max()), rtol=0)
+    torch.testing.assert_close(kbit.to_linear(torch.float32)(x), x @ w_hat.T + linear.bias, rtol=0, atol=1e-5)
+
+
+def test_rotated_linear_state_dict_carries_the_sign_words():
+    torch.manual_seed(0)
+    kbit = KbitLinear.from_linear(nn.Linear(128, 32), 4, rotation=True)
+    state = kbit.state_dict()
+    assert state["rotation_signs"].dtype == torch.int32 and state["rotation_signs"].shape == (4,)
+    assert kbit.packed_shapes()["rotation_signs"] == (4,)
+    empty = KbitLinear(128, 32, bits=4, rotated=True)
+    empty.load_state_dict(state)
+    x = torch.randn(2, 128)
+    assert empty.rotated and torch.equal(empty(x), kbit(x))
+    plain = KbitLinear(128, 32, bits=4)
+    assert plain.rotation_signs is None and "rotation_signs" not in plain.state_dict()
+    with pytest.raises(RuntimeError, match="rotation_signs"):
+        plain.load_state_dict(state)  # an unexpected key: the layer is not rotated
+    plain.rotation_signs = None  # setting the sign words (or removing them) is what rotates a layer
+    assert not plain.rotated
+
+
+def test_layers_that_cannot_rotate_say_so():
+    linear = nn.Linear(96, 16)  # whole 32-blocks, not whole 64-segments
+    assert not KbitLinear.from_linear(linear, 4, rotation=True).rotated  # rotation=True skips it
+    with pytest.raises(ValueError, match="in_features=96 is not a multiple of 64"):
+        KbitLinear(96, 16, bits=4, rotated=True)
+    kbit = KbitLinear.from_linear(linear, 4)
+    packed = quantize_layer(linear.weight.detach(), 4)
+    with pytest.raises(ValueError, match="in_features=96 is not a multiple of 64"):
+        kbit.load_packed(*packed, torch.zeros(3, dtype=torch.int32))

@@ -132,3 +132,30 @@ def test_experts_keep_one_storage():
     hf_kbit.quantize_model(model, KbitConfig(bits=4))
     experts = [m for m in model.modules() if isinstance(m, KbitExperts)]
     assert experts and all(m._storage is not None and _storage_views(m, list(m.format_layout())) for m in experts)
+
+
+def test_a_rotated_layer_keeps_its_sign_words_in_its_storage():
+    torch.manual_seed(0)
+    layer = KbitLinear.from_linear(torch.nn.Linear(128, 48), 4, rotation=True)
+    names = (*FORMAT_TENSORS, "rotation_signs")
+    assert list(layer.format_layout()) == list(names) and _storage_views(layer, names)
+    signs = layer.rotation_signs
+    assert signs.is_contiguous() and signs.data_ptr() % 16 == 0  # kernels read it as int32 (4-byte aligned)
+    x = torch.randn(3, 128)
+    expected = layer(x)
+    for twin in (copy.deepcopy(layer), torch.load(io.BytesIO(_saved(layer)), weights_only=False)):
+        assert twin.rotated and _storage_views(twin, names)
+        torch.testing.assert_close(twin(x), expected, **EXACT)
+    layer = layer.to(torch.float16)  # casts the bias only; the sign words stay int32 in the one storage
+    assert layer.rotation_signs.dtype == torch.int32 and torch.equal(layer.rotation_signs, signs)
+    assert _storage_views(layer, names)
+
+
+def test_a_compiled_step_of_a_rotated_model_lifts_no_more_inputs():
+    """The sign words ride in the module's storage: rotation adds no graph input (and the compiled step runs the
+    rotated ops)."""
+    model = tiny_dense_model("llama", torch.float32, hidden_size=128, intermediate_size=192)
+    bf16 = _graph_inputs(model)
+    hf_kbit.quantize_model(model, KbitConfig(bits=4, rotation=True), modules_to_not_convert=["lm_head"])
+    assert all(m.rotated for m in model.modules() if isinstance(m, (KbitLinear, KbitFusedProjections)))
+    assert _graph_inputs(model) <= bf16

@@ -29,3 +29,14 @@ def test_calibration_argument_form():
     assert bench_quantize.parse_calibration("128x2048") == (128, 2048)
     with pytest.raises(argparse.ArgumentTypeError, match="SAMPLESxSEQ_LEN"):
         bench_quantize.parse_calibration("128")
+
+
+def test_times_rotated_loads(tmp_path):
+    out = tmp_path / "q.json"
+    argv = ["--preset", "tiny-llama", "--device", "cpu", "--bits", "4", "--rotation", "on,auto", "--out", str(out)]
+    assert bench_quantize.main(argv) == 0
+    rotated = [r for r in json.loads(out.read_text())["results"] if "rotation" in r]
+    assert [r["rotation"] for r in rotated] == [True, "auto"] and all(r["seconds"] > 0 for r in rotated)
+    assert rotated[0]["rotated_modules"] == 2 * 7 >= rotated[1]["rotated_modules"]  # K = 256 and 512: every Linear
+    with pytest.raises(argparse.ArgumentTypeError, match="comma-separated list"):
+        bench_quantize.parse_rotations("sometimes")
