@@ -538,3 +538,37 @@ def _grouped_mm_backward(ctx, grad):
 
 torch.library.register_autograd("kbit::mm", _mm_backward, setup_context=_mm_setup_context)
 torch.library.register_autograd("kbit::grouped_mm", _grouped_mm_backward, setup_context=_grouped_mm_setup_context)
+
+
+# ---------------------------------------------------------------------------- eager training
+
+# The registered autograd above serves compiled graphs, which need one opaque op with a fake impl. In eager
+# mode its torch.library wrapper (defaults filled, metadata built, a second dispatch) costs about 100 us of host
+# time per call on an H100's host, and gradient checkpointing packs and unpacks its saved packed tensors through
+# Python hooks; a batch-1 LoRA step is launch-bound, so that host time is step time. KbitMatmul is the same
+# gradient as a plain autograd.Function: the packed tensors are frozen buffers, kept on ctx, never saved; a
+# backend may register its implementations for it to call past the dispatcher (register_eager_train).
+_eager_train: dict[str, tuple] = {}
+
+
+def register_eager_train(device_type: str, mm, mm_grad_x) -> None:
+    """``mm`` and ``mm_grad_x``: a backend's implementations of ``kbit::mm`` and ``kbit::mm_grad_x`` for tensors
+    of ``device_type`` (same arguments as the ops), which :class:`KbitMatmul` calls directly."""
+    _eager_train[device_type] = (mm, mm_grad_x)
+
+
+class KbitMatmul(torch.autograd.Function):
+    """``kbit::mm`` with its gradient for x (``kbit::mm_grad_x``), for eager training (see above)."""
+
+    @staticmethod
+    def forward(ctx, x, planes, block_scales, row_scales, codebook, in_features, signs=None):
+        ctx.packed = (planes, block_scales, row_scales, codebook, in_features, signs)
+        impl = _eager_train.get(x.device.type)
+        mm = impl[0] if impl is not None else torch.ops.kbit.mm.default
+        return mm(x, planes, block_scales, row_scales, codebook, in_features, signs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        impl = _eager_train.get(grad.device.type)
+        mm_grad_x = impl[1] if impl is not None else torch.ops.kbit.mm_grad_x.default
+        return mm_grad_x(grad, *ctx.packed), None, None, None, None, None, None

@@ -410,9 +410,11 @@ def rotation_signs_placeholder(k: int, device, owner: str) -> torch.Tensor:
 def packed_matmul(module: KbitModule, x: torch.Tensor) -> torch.Tensor:
     """``x @ W.T`` for a module holding format tensors (KbitLinear, KbitFusedProjections), no bias; a rotated
     module's sign words go to the op as ``signs``."""
+    eager = not torch.compiler.is_compiling()
+    training = eager and x.requires_grad and torch.is_grad_enabled() and type(x) is torch.Tensor
     out = None
     fast = _ops.eager_mm
-    if fast is not None and not torch.compiler.is_compiling():
+    if fast is not None and eager and not training:
         out = fast(module, x)  # a backend's eager shortcut (CUDA: one lean launch), None where the op must serve
     if out is None:
         if x.dtype not in COMPUTE_DTYPES:
@@ -421,7 +423,10 @@ def packed_matmul(module: KbitModule, x: torch.Tensor) -> torch.Tensor:
             *tensors, signs = module.format_tensors((*FORMAT_TENSORS, ROTATION_SIGNS), x.device)
         else:
             tensors, signs = module.format_tensors(FORMAT_TENSORS, x.device), None
-        out = torch.ops.kbit.mm(x, *tensors, module.in_features, signs)
+        if training:  # the op's gradient at a fraction of its eager host cost (hf_kbit._ops.KbitMatmul)
+            out = _ops.KbitMatmul.apply(x, *tensors, module.in_features, signs)
+        else:
+            out = torch.ops.kbit.mm(x, *tensors, module.in_features, signs)
     return out
 
 

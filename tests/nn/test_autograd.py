@@ -80,3 +80,21 @@ def test_kbit_experts_dx_matches_dequantized_experts(bits, family):
     reference(xr, index, weights).backward(grad)
     assert_rel_close(xk.grad, xr.grad, 1e-4)  # float32, gating nonlinearity between the two products
     assert not any(t.requires_grad for t in experts.buffers())
+
+
+@pytest.mark.parametrize("rotation", [False, True], ids=["plain", "rotated"])
+def test_eager_training_saves_no_packed_tensor(rotation):
+    """A training forward keeps the frozen packed tensors (and sign words) out of autograd's saved tensors,
+    which gradient checkpointing packs and unpacks through Python hooks at every call (hf_kbit._ops.KbitMatmul)."""
+    torch.manual_seed(0)
+    layer = KbitLinear.from_linear(torch.nn.Linear(64, 48), bits=4, rotation=rotation)
+    assert layer.rotated == rotation
+    reference = layer.to_linear(torch.float32)
+    saved = []
+    x = torch.randn(5, 64, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.dtype) or t, lambda t: t):
+        layer(x).square().sum().backward()
+    assert not {torch.int32, torch.uint8} & set(saved), saved
+    xr = x.detach().clone().requires_grad_()
+    reference(xr).square().sum().backward()
+    assert_rel_close(x.grad, xr.grad, DX_ATOL[torch.float32])
