@@ -54,6 +54,14 @@ LAUNCHES = {
 }
 
 
+# Kernels that know nothing of bits, for every dtype of the table (the table lists (kernel, bits,
+# dtype), so they are not in it): one instantiation file each and find_<name>(dtype).
+DTYPE_LAUNCHES = {
+    # x R of rotated layers (rotation.cuh): the standalone activation rotation.
+    "rotate": Launch("rotation.cuh", "launch_rotate<{T}>", "", "RotateParams"),
+}
+
+
 def load_table():
     """hf_kbit/kernel_table.py by path: importing the package would import torch."""
     spec = importlib.util.spec_from_file_location("kernel_table", ROOT / "hf_kbit" / "kernel_table.py")
@@ -128,6 +136,18 @@ def render_header(table) -> str:
             for v, inst in zip(launch.variants or (0,), _instances(table, kernel, bits, dtype)):
                 lines.append(f"    case launch_key({bits}, {dtype_code[dtype]}, {v}): return &{inst};")
         lines += ["    default: return nullptr;", "  }", "}"]
+    for name, launch in DTYPE_LAUNCHES.items():
+        fn = f"{_camel(name)}Launch"
+        lines += [
+            "",
+            f"using {fn} = {launch.signature()};",
+            f"// The {name} launch for dtype; nullptr outside the table's dtypes.",
+            f"inline {fn} find_{name}(int dtype) {{",
+            "  switch (dtype) {",
+        ]
+        for dtype in table.DTYPES:
+            lines.append(f"    case {dtype_code[dtype]}: return &{launch.template.format(T=CPP_TYPES[dtype])};")
+        lines += ["    default: return nullptr;", "  }", "}"]
     lines += ["", "}  // namespace kbit", ""]
     return "\n".join(lines)
 
@@ -148,6 +168,14 @@ def render_instantiations(table) -> dict[str, str]:
                     lines.append(f"template cudaError_t {inst}(const {launch.struct}&{launch.params}, cudaStream_t);")
             lines += ["}  // namespace kbit", ""]
             files[f"kbit_k{bits}_{SHORT[dtype]}.cu"] = "\n".join(lines)
+    for name, launch in DTYPE_LAUNCHES.items():
+        lines = [BANNER, f"// {name}, every dtype.", '#include "../kbit_launch.h"', f'#include "../{launch.header}"', "",
+                 "namespace kbit {"]
+        for dtype in table.DTYPES:
+            inst = launch.template.format(T=CPP_TYPES[dtype])
+            lines.append(f"template cudaError_t {inst}(const {launch.struct}&{launch.params}, cudaStream_t);")
+        lines += ["}  // namespace kbit", ""]
+        files[f"kbit_{name}.cu"] = "\n".join(lines)
     return files
 
 

@@ -19,7 +19,7 @@ namespace {
 
 using namespace kbit;
 
-constexpr int kAbiVersion = 7;
+constexpr int kAbiVersion = 8;
 
 thread_local char g_error[512] = "";
 
@@ -305,14 +305,16 @@ struct GemmPlan {
   int tile;  // NT (mma.sync GEMM) or NB (wgmma GEMM)
   int splits, chunk_kt, smem;
   dim3 grid;
-  int64_t x_perm_floats;  // wgmma: x rewritten into the stage layout, at the head of the workspace
+  // wgmma: x rewritten into the stage layout; mma.sync with a rotated weight: x R (rotation.cuh,
+  // the standalone rotation) for the GEMM to read. At the head of the workspace.
+  int64_t x_perm_floats;
 
   int64_t workspace(int64_t m, int64_t n) const { return x_perm_floats + (splits > 1 ? int64_t{splits} * m * n : 0); }
 };
 
 int gemm_nt(int64_t m) { return m <= 16 ? 2 : m <= 32 ? 4 : m <= 64 ? 8 : 16; }
 
-GemmPlan plan_gemm(int64_t m, int64_t n, int64_t k, int bits, int sms, bool wgmma) {
+GemmPlan plan_gemm(int64_t m, int64_t n, int64_t k, int bits, int sms, bool wgmma, bool rotated) {
   GemmPlan plan{};
   plan.wgmma = wgmma;
   plan.tile = wgmma ? wgmma_nb(m) : gemm_nt(m);
@@ -339,7 +341,9 @@ GemmPlan plan_gemm(int64_t m, int64_t n, int64_t k, int bits, int sms, bool wgmm
   plan.grid = dim3(static_cast<unsigned>(token_blocks), static_cast<unsigned>(row_blocks),
                    static_cast<unsigned>(plan.splits));
   plan.smem = wgmma ? wgmma_smem_bytes(plan.tile) : gemm_smem_bytes(bits, plan.tile);
-  plan.x_perm_floats = wgmma ? token_blocks * k_tiles * (wgmma_stage_bytes(plan.tile) / 4) : 0;
+  // x R in 16-bit (the GEMM's dtypes), a whole number of 16-byte units so the partials stay aligned.
+  plan.x_perm_floats = wgmma ? token_blocks * k_tiles * (wgmma_stage_bytes(plan.tile) / 4)
+                       : rotated ? ceil_div(m * k * 2, 16) * 4 : 0;
   return plan;
 }
 
@@ -383,10 +387,10 @@ bool use_wgmma(int device) {
   return cache[device] == 2;
 }
 
-GemmPlan device_gemm_plan(int device, int64_t m, int64_t n, int64_t k, int bits) {
+GemmPlan device_gemm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, bool rotated) {
   // The wgmma GEMM indexes tiles in 32 bits (as the GEMV): larger weights take the mma.sync GEMM.
   const bool small_index = ceil_div(n, kTileN) * ceil_div(k, kTileK) * bits * 64 < (int64_t{1} << 31);
-  return plan_gemm(m, n, k, bits, sm_count(device), small_index && use_wgmma(device));
+  return plan_gemm(m, n, k, bits, sm_count(device), small_index && use_wgmma(device), rotated);
 }
 
 // Measured path crossovers (kbit_set_mm_crossovers), by GEMM kernel (0 mma.sync, 1 wgmma) and bits.
@@ -401,6 +405,21 @@ MmCrossovers g_crossovers[2][kMaxPlanBits + 1] = {};
 
 // The GEMM plans (no dtype yet) take the bit widths the GEMM has for some dtype.
 bool gemm_has_bits(int bits) { return in_kernel_table(kGemm, bits, kFloat16) || in_kernel_table(kGemm, bits, kBFloat16); }
+
+// Rotated layers (rot_signs given): whole 64-element Hadamard segments along K (rotation.cuh).
+int check_rotation(const uint32_t* rot_signs, int64_t k) {
+  if (!rot_signs) return KBIT_OK;
+  if (k % kRotBlock != 0)
+    return fail("rot_signs given for in_features=%lld: rotated layers need in_features %% %d == 0",
+                static_cast<long long>(k), kRotBlock);
+  if (!aligned(rot_signs, 4)) return fail("rot_signs must be 4-byte aligned (int32 words)");
+  return KBIT_OK;
+}
+
+// Entries whose kernels do not rotate yet refuse rot_signs (removed kernel by kernel as they learn it).
+int not_rotating(const uint32_t* rot_signs, const char* kernel) {
+  return rot_signs ? fail("rot_signs: the %s kernel does not rotate yet", kernel) : KBIT_OK;
+}
 
 int check_common(KernelId kernel, int bits, int dtype, int64_t n, int64_t k) {
   if (dtype < kFloat32 || dtype > kBFloat16) return fail("dtype code must be 0 (float32), 1 (float16) or 2 (bfloat16), got %d", dtype);
@@ -447,8 +466,10 @@ int kbit_quantize(int device, void* stream, const void* weight, int dtype, const
 
 int kbit_dequantize(int device, void* stream, const int32_t* planes, const uint8_t* block_scales,
                     const float* row_scales, const float* codebook, int64_t codebook_stride, int bits, int64_t batch,
-                    int64_t n, int64_t k, void* out, int dtype) {
+                    int64_t n, int64_t k, void* out, int dtype, const uint32_t* rot_signs) {
   if (int rc = check_common(kDequantize, bits, dtype, n, k)) return rc;
+  if (int rc = check_rotation(rot_signs, k)) return rc;
+  if (int rc = not_rotating(rot_signs, "dequantize")) return rc;
   if (batch < 0 || batch > 65535) return fail("batch must be in [0, 65535], got %lld", static_cast<long long>(batch));
   if (codebook_stride != 0 && codebook_stride != (1 << bits))
     return fail("codebook_stride must be 0 or %d, got %lld", 1 << bits, static_cast<long long>(codebook_stride));
@@ -457,10 +478,31 @@ int kbit_dequantize(int device, void* stream, const int32_t* planes, const uint8
   if (batch * n * k == 0) return KBIT_OK;
   DeviceGuard guard(device);
   if (guard.error() != cudaSuccess) return cuda_fail(guard.error(), "selecting the device");
-  DequantizeParams p{planes, block_scales, row_scales, codebook, out, batch, n, k, codebook_stride, bits, dtype};
+  DequantizeParams p{planes, block_scales, row_scales, codebook, out, batch, n, k, codebook_stride, bits, dtype,
+                     rot_signs};
   const auto s = static_cast<cudaStream_t>(stream);
   cudaError_t err = find_dequantize(bits, dtype)(p, s);
   return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_dequantize launch");
+}
+
+int kbit_rotate(int device, void* stream, const void* x, int64_t x_stride, int dtype, int64_t m, int64_t k,
+                const uint32_t* rot_signs, void* out) {
+  if (dtype < kFloat32 || dtype > kBFloat16) return fail("dtype code must be 0, 1 or 2, got %d", dtype);
+  if (m < 0 || k < 0) return fail("shape must be non-negative, got m=%lld k=%lld", static_cast<long long>(m),
+                                  static_cast<long long>(k));
+  if (!rot_signs) return fail("rot_signs must be a device pointer");
+  if (int rc = check_rotation(rot_signs, k)) return rc;
+  if (m * k == 0) return KBIT_OK;
+  if (!x || !out) return fail("x and out must be device pointers");
+  if (m > 1 && x_stride < k)
+    return fail("x_stride (%lld) must be at least in_features (%lld)", static_cast<long long>(x_stride),
+                static_cast<long long>(k));
+  if (!aligned(out, 16)) return fail("out must be 16-byte aligned");
+  DeviceGuard guard(device);
+  if (guard.error() != cudaSuccess) return cuda_fail(guard.error(), "selecting the device");
+  const RotateParams p{x, out, rot_signs, m, k, m > 1 ? x_stride : k, dtype};
+  cudaError_t err = find_rotate(dtype)(p, static_cast<cudaStream_t>(stream));
+  return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_rotate launch");
 }
 
 int64_t kbit_gemv_workspace_size(int device, int64_t m, int64_t n, int64_t k, int bits) {
@@ -505,8 +547,11 @@ struct GemvCall {
 // Checks of the weight and the problem shared by kbit_gemv, kbit_gemv_prologue and kbit_gemv_prepare;
 // fills the call.
 int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* block_scales, const float* row_scales,
-               const float* codebook, int bits, int64_t m, int64_t n, int64_t k, GemvCall* call, int64_t* need) {
+               const float* codebook, int bits, int64_t m, int64_t n, int64_t k, const uint32_t* rot_signs,
+               GemvCall* call, int64_t* need) {
   if (int rc = check_common(kGemv, bits, dtype, n, k)) return rc;
+  if (int rc = check_rotation(rot_signs, k)) return rc;
+  if (int rc = not_rotating(rot_signs, "gemv")) return rc;
   if (m < 1 || m > kGemvMaxM) return fail("x has %lld rows, the GEMV takes 1..%d", static_cast<long long>(m), kGemvMaxM);
   if (k == 0) return fail("in_features must be positive (an empty product is all zeros: handle it before the call)");
   if (n > 0 && (!planes || !block_scales || !row_scales || !codebook))
@@ -524,6 +569,7 @@ int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* bloc
   p.cluster = plan.cluster;
   p.balanced = plan.balanced;
   p.cta_rows = plan.balanced ? static_cast<int>(ceil_div(n, kTileN) / (plan.grid / plan.splits)) : 0;
+  p.rot_signs = rot_signs;
   call->device = device;
   call->grid = plan.grid;
   call->launch = find_gemv(bits, dtype, gemv_tiles(m));
@@ -560,10 +606,11 @@ extern "C" {
 
 int kbit_gemv(int device, void* stream, const void* x, int dtype, const int32_t* planes, const uint8_t* block_scales,
               const float* row_scales, const float* codebook, int bits, int64_t m, int64_t n, int64_t k, void* out,
-              float* workspace, int64_t workspace_size) {
+              float* workspace, int64_t workspace_size, const uint32_t* rot_signs) {
   GemvCall call{};
   int64_t need = 0;
-  if (int rc = gemv_setup(device, dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, &call, &need))
+  if (int rc = gemv_setup(device, dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, rot_signs, &call,
+                          &need))
     return rc;
   if (n == 0) return KBIT_OK;
   if (!x || !out) return fail("x and out must be device pointers");
@@ -579,12 +626,13 @@ int kbit_gemv_prologue(int device, void* stream, int prologue, const void* x, in
                        int64_t x2_stride, const void* norm_weight, float eps, void* sum_out, int dtype,
                        const int32_t* planes, const uint8_t* block_scales, const float* row_scales,
                        const float* codebook, int bits, int64_t m, int64_t n, int64_t k, void* out, float* workspace,
-                       int64_t workspace_size) {
+                       int64_t workspace_size, const uint32_t* rot_signs) {
   if (prologue < kPrologueSiluMul || prologue > kPrologueAddNorm)
     return fail("prologue must be 1 (silu_mul), 2 (rmsnorm) or 3 (add_rmsnorm), got %d", prologue);
   GemvCall call{};
   int64_t need = 0;
-  if (int rc = gemv_setup(device, dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, &call, &need))
+  if (int rc = gemv_setup(device, dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, rot_signs, &call,
+                          &need))
     return rc;
   if (n == 0) return KBIT_OK;
   const bool uses_x2 = prologue != kPrologueNorm, norm = prologue != kPrologueSiluMul;
@@ -623,11 +671,13 @@ int64_t kbit_gemv_call_size(void) { return static_cast<int64_t>(sizeof(GemvCall)
 
 int kbit_gemv_prepare(int device, int dtype, const int32_t* planes, const uint8_t* block_scales,
                       const float* row_scales, const float* codebook, int bits, int64_t m, int64_t n, int64_t k,
-                      void* call, int64_t* workspace_size) {
+                      const uint32_t* rot_signs, void* call, int64_t* workspace_size) {
   if (!call || !workspace_size) return fail("call and workspace_size must be host pointers");
   GemvCall c{};
   int64_t need = 0;
-  if (int rc = gemv_setup(device, dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, &c, &need)) return rc;
+  if (int rc = gemv_setup(device, dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, rot_signs, &c,
+                          &need))
+    return rc;
   *static_cast<GemvCall*>(call) = c;
   *workspace_size = need;
   return KBIT_OK;
@@ -644,8 +694,10 @@ int kbit_gemv_run(const void* call, const void* x, void* out, float* workspace, 
 int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const int64_t* expert_ids,
                       const int64_t* order, const int64_t* offsets, const int32_t* planes,
                       const uint8_t* block_scales, const float* row_scales, const float* codebook, int bits,
-                      int64_t s, int64_t e, int64_t n, int64_t k, void* out) {
+                      int64_t s, int64_t e, int64_t n, int64_t k, void* out, const uint32_t* rot_signs) {
   if (int rc = check_common(kGroupedGemv, bits, dtype, n, k)) return rc;
+  if (int rc = check_rotation(rot_signs, k)) return rc;
+  if (int rc = not_rotating(rot_signs, "grouped_gemv")) return rc;
   if (s < 0 || e < 1 || e > (1 << 20)) return fail("need s >= 0 and 1 <= e <= 2^20, got s=%lld e=%lld",
                                                     static_cast<long long>(s), static_cast<long long>(e));
   if (k == 0) return fail("in_features must be positive");
@@ -677,6 +729,7 @@ int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const 
   p.k = k;
   p.bits = bits;
   p.dtype = dtype;
+  p.rot_signs = rot_signs;
   const int64_t k_tiles = ceil_div(k, kTileK);
   const SmemLimits lim = smem_limits(device);
   int ctas = 0;
@@ -718,10 +771,10 @@ int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const 
   return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_grouped_gemv launch");
 }
 
-int64_t kbit_gemm_workspace_size(int device, int64_t m, int64_t n, int64_t k, int bits) {
+int64_t kbit_gemm_workspace_size(int device, int64_t m, int64_t n, int64_t k, int bits, int rotated) {
   if (!gemm_has_bits(bits)) return -1;
   if (m <= 0 || n <= 0 || k <= 0) return 0;
-  const GemmPlan plan = device_gemm_plan(device, m, n, k, bits);
+  const GemmPlan plan = device_gemm_plan(device, m, n, k, bits, rotated != 0);
   if (plan.smem > smem_limits(device).per_block) return -1;
   return plan.workspace(m, n);
 }
@@ -733,7 +786,7 @@ int kbit_gemm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int* w
   if (m < 1 || n < 1 || k < 1)
     return fail("need m, n and k >= 1, got m=%lld n=%lld k=%lld", static_cast<long long>(m), static_cast<long long>(n),
                 static_cast<long long>(k));
-  const GemmPlan plan = device_gemm_plan(device, m, n, k, bits);
+  const GemmPlan plan = device_gemm_plan(device, m, n, k, bits, false);
   *wgmma = plan.wgmma ? 1 : 0;
   *block_m = plan.wgmma ? plan.tile * kWgmmaTokens : gemm_block_m(plan.tile);
   *splits = plan.splits;
@@ -762,7 +815,7 @@ int kbit_set_mm_crossovers(int gemm, int bits, int gemv_max_m, int classes, cons
   return KBIT_OK;
 }
 
-int kbit_mm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int dtype, int* path, int* gemm,
+int kbit_mm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int dtype, int rotated, int* path, int* gemm,
                  int64_t* workspace) {
   if (!path || !gemm || !workspace) return fail("path, gemm and workspace must be host pointers");
   if (m < 1 || n < 1 || k < 1)
@@ -786,7 +839,7 @@ int kbit_mm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int dtyp
   while (cls + 1 < c->classes && n * k < c->min_weight[cls]) ++cls;
   if (m <= c->gemm_max_m[cls] && in_kernel_table(kGemm, bits, dtype) &&
       (!wgmma || in_kernel_table(kWgmmaGemm, bits, dtype))) {
-    const GemmPlan plan = device_gemm_plan(device, m, n, k, bits);
+    const GemmPlan plan = device_gemm_plan(device, m, n, k, bits, rotated != 0);
     if (plan.smem <= smem_limits(device).per_block) {  // else this GPU lacks the GEMM's shared memory
       *path = kPathGemm;
       *workspace = plan.workspace(m, n);
@@ -797,15 +850,17 @@ int kbit_mm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int dtyp
 
 int kbit_gemm(int device, void* stream, const void* x, int dtype, const int32_t* planes, const uint8_t* block_scales,
               const float* row_scales, const float* codebook, int bits, int64_t m, int64_t n, int64_t k, void* out,
-              float* workspace, int64_t workspace_size) {
+              float* workspace, int64_t workspace_size, const uint32_t* rot_signs) {
   if (int rc = check_common(kGemm, bits, dtype, n, k)) return rc;
+  if (int rc = check_rotation(rot_signs, k)) return rc;
+  if (int rc = not_rotating(rot_signs, "gemm")) return rc;
   if (m < 1 || m > (int64_t{1} << 31)) return fail("x has %lld rows, the GEMM takes 1..2^31", static_cast<long long>(m));
   if (k == 0) return fail("in_features must be positive (an empty product is all zeros: handle it before the call)");
   if (n == 0) return KBIT_OK;
   if (!x || !out || !planes || !block_scales || !row_scales || !codebook)
     return fail("x, out, planes, block_scales, row_scales and codebook must be device pointers");
   if (!aligned(planes, 16) || !aligned(block_scales, 16)) return fail("planes and block_scales must be 16-byte aligned");
-  const GemmPlan plan = device_gemm_plan(device, m, n, k, bits);
+  const GemmPlan plan = device_gemm_plan(device, m, n, k, bits, rot_signs != nullptr);
   const GemmLaunch launch = plan.wgmma ? find_wgmma_gemm(bits, dtype, plan.tile) : find_gemm(bits, dtype, plan.tile);
   if (!launch) return unsupported(plan.wgmma ? kWgmmaGemm : kGemm, bits, dtype);
   if (ceil_div(n, plan.wgmma ? kWgmmaRows : kGemmRows) > 65535)
@@ -824,6 +879,7 @@ int kbit_gemm(int device, void* stream, const void* x, int dtype, const int32_t*
   p.out = out;
   p.x_perm = reinterpret_cast<char*>(workspace);
   p.workspace = workspace ? workspace + plan.x_perm_floats : nullptr;
+  p.rot_signs = rot_signs;
   const auto st = static_cast<cudaStream_t>(stream);
   cudaError_t err = launch(p, plan.grid, st);
   return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_gemm launch");

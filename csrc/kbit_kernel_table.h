@@ -247,4 +247,15 @@ inline GroupedGemvLaunch find_grouped_gemv(int bits, int dtype, int tile) {
   }
 }
 
+using RotateLaunch = cudaError_t (*)(const RotateParams&, cudaStream_t);
+// The rotate launch for dtype; nullptr outside the table's dtypes.
+inline RotateLaunch find_rotate(int dtype) {
+  switch (dtype) {
+    case 0: return &launch_rotate<float>;
+    case 1: return &launch_rotate<__half>;
+    case 2: return &launch_rotate<__nv_bfloat16>;
+    default: return nullptr;
+  }
+}
+
 }  // namespace kbit

@@ -56,4 +56,7 @@ cudaError_t launch_wgmma_gemm(const MmParams& p, dim3 grid, cudaStream_t stream)
 template <int BITS, typename T, int NT>
 cudaError_t launch_grouped_gemv(const GroupedParams& p, int grid, cudaStream_t stream);
 
+template <typename T>
+cudaError_t launch_rotate(const RotateParams& p, cudaStream_t stream);
+
 }  // namespace kbit

@@ -81,13 +81,14 @@ def test_library_refuses_entries_outside_the_table(call):
     lib = _lib.load()
     bits = max(kernel_table.BITS) + 1
     if call == "dequantize_bits":
-        rc = lib.kbit_dequantize(0, None, None, None, None, None, 0, bits, 1, 1, 1, None, 2)
+        rc = lib.kbit_dequantize(0, None, None, None, None, None, 0, bits, 1, 1, 1, None, 2, None)
         expected = f"kernel=dequantize, bits={bits}, dtype=bfloat16"
     elif call == "gemv_float32":
-        rc = lib.kbit_gemv(0, None, None, 0, None, None, None, None, 4, 1, 1, 1, None, None, 0)
+        rc = lib.kbit_gemv(0, None, None, 0, None, None, None, None, 4, 1, 1, 1, None, None, 0, None)
         expected = "kernel=gemv, bits=4, dtype=float32"
     else:
-        rc = lib.kbit_grouped_gemv(0, None, None, 1, None, None, None, None, None, None, None, bits, 1, 1, 1, 1, None)
+        rc = lib.kbit_grouped_gemv(0, None, None, 1, None, None, None, None, None, None, None, bits, 1, 1, 1, 1, None,
+                                    None)
         expected = f"kernel=grouped_gemv, bits={bits}, dtype=float16"
     with pytest.raises(ValueError, match=f"unsupported {expected}"):
         _lib.check(rc, call)
