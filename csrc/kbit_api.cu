@@ -469,7 +469,6 @@ int kbit_dequantize(int device, void* stream, const int32_t* planes, const uint8
                     int64_t n, int64_t k, void* out, int dtype, const uint32_t* rot_signs) {
   if (int rc = check_common(kDequantize, bits, dtype, n, k)) return rc;
   if (int rc = check_rotation(rot_signs, k)) return rc;
-  if (int rc = not_rotating(rot_signs, "dequantize")) return rc;
   if (batch < 0 || batch > 65535) return fail("batch must be in [0, 65535], got %lld", static_cast<long long>(batch));
   if (codebook_stride != 0 && codebook_stride != (1 << bits))
     return fail("codebook_stride must be 0 or %d, got %lld", 1 << bits, static_cast<long long>(codebook_stride));

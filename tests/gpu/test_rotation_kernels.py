@@ -123,3 +123,37 @@ def test_rotation_refuses_bad_signs_before_launch():
     rc = lib.kbit_rotate(0, None, ctypes.c_void_p(16), 100, 2, 1, 100, fake, ctypes.c_void_p(16))
     with pytest.raises(ValueError, match="in_features % 64 == 0"):
         _lib.check(rc, "rotate")
+
+
+# ---------------------------------------------------------------------------- dequantize
+
+
+@pytest.mark.parametrize("shape", [(257, 576), (16, 128), (5, 64), (33, 4160)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("bits,dtype", table_cases("dequantize"))
+def test_dequantize_unrotates_bit_exact(bits, dtype, shape):
+    """dequantize with the sign words returns W' R^T: the reference's float32 unrotate of the float32
+    dequantization, rounded once to dtype, bit for bit (the same float32 operations in the same order).
+    4160: a last K tile of one segment."""
+    n, k = shape
+    (planes, scales, rs, cb), wq, signs = rotated_packed(n, k, bits)
+    ref = rotation.unrotate(wq, BLOCK, SEED).to(dtype)
+    got = backend()._dequantize_cuda(planes, scales, rs, cb, k, dtype, signs)  # op: kbit::dequantize
+    assert got.dtype == dtype and got.shape == (n, k)
+    assert torch.equal(got, ref)
+
+
+def test_dequantize_unrotates_experts():
+    """A stacked [E, N, K] weight (MoE experts share K and so the rotation)."""
+    e, n, k, bits = 3, 40, 320, 4
+    (planes, scales, rs, cb), wq, signs = rotated_packed(n, k, bits, experts=e)
+    got = backend()._dequantize_cuda(planes, scales, rs, cb, k, torch.bfloat16, signs)  # op: kbit::dequantize
+    assert torch.equal(got, rotation.unrotate(wq, BLOCK, SEED).to(torch.bfloat16))
+
+
+def test_dequantize_without_signs_is_unchanged():
+    """signs=None: the stored weight as it is (today's kernel), bit-exact with the reference."""
+    n, k, bits = 100, 640, 3
+    (planes, scales, rs, cb), wq, _ = rotated_packed(n, k, bits)
+    got = backend()._dequantize_cuda(planes, scales, rs, cb, k, torch.bfloat16, None)
+    assert torch.equal(got, wq.to(torch.bfloat16))
+    assert torch.equal(got, torch.ops.kbit.dequantize(planes, scales, rs, cb, k, torch.bfloat16))
