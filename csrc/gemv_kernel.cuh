@@ -33,12 +33,15 @@
 // Prologues (kPrologue instantiations, hf_kbit.fusion): the staging computes silu(g) * u, or an RMSNorm
 // input w * (a [+ b]) whose per-token rsqrt(mean + eps) scales the sums in the epilogue (XPrologue,
 // RowSquares).
+// Rotated layers (MmParams::rot_signs, a runtime flag): the staging turns what it would store into x R
+// (after the prologue) before the store, so the K loop is the unrotated kernel's (stage_x, rotate_run).
 #pragma once
 
 #include <type_traits>
 
 #include "kbit_common.cuh"
 #include "kbit_launch.h"
+#include "rotation.cuh"
 
 namespace kbit {
 
@@ -478,6 +481,40 @@ template <typename T> struct RowSquares {
   }
 };
 
+// Rotated layers: x R of one staging run (8 elements of a token, rotation.cuh). The 8 threads of a
+// 64-segment (q, t % 2: the segment is blocks 2 (t / 2), + 1 of the K tile) are 8 consecutive lanes of
+// the 16 that stage a record, so the transform's strides map to registers and to the lane bits of q
+// and t: k = 2, run 8q .. 8q + 7 of block t: strides 1, 2, 4 in registers, 8 and 16 across q, 32
+// across t; k >= 3, runs o .. o + 3 and o + 8 .. o + 11 (o = 16 (q / 2) + 4 (q % 2)): strides 1, 2 and
+// 8 in registers, 4 and 16 across q, 32 across t. Stages in the reference's order (1, 2, ..., 32), in
+// float32, one rounding. `sign_bits`: the sign word of the run's block shifted to its first element;
+// `mask`: the 16 lanes of the record.
+template <int BITS, typename T>
+__device__ __forceinline__ uint4 rotate_run(uint4 u, uint32_t sign_bits, unsigned mask) {
+  constexpr int kSecond = BITS == 2 ? 4 : 8;  // stage_x's run layout
+  union Run { uint4 u; uint32_t w[4]; T e[8]; };
+  Run in;
+  in.u = u;
+  float v[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) v[e] = flip_sign(to_float(in.e[e]), (sign_bits >> (e < 4 ? e : e - 4 + kSecond)) & 1u);
+  butterfly_regs<1>(v);
+  butterfly_regs<2>(v);
+  if constexpr (BITS == 2) {
+    butterfly_regs<4>(v);
+    butterfly_lanes<1>(v, mask);
+  } else {
+    butterfly_lanes<1>(v, mask);
+    butterfly_regs<4>(v);
+  }
+  butterfly_lanes<2>(v, mask);
+  butterfly_lanes<4>(v, mask);
+  Run out;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) out.w[i] = pack2<T>(__fmul_rn(v[2 * i], kRotScale), __fmul_rn(v[2 * i + 1], kRotScale));
+  return out.u;
+}
+
 // Stage activation rows x[row(0..m-1), kc0*128 : kc1*128) in B-fragment order: lane (g, t)'s
 // record of K tile j and token g holds its 8 chunks (64 bytes): 16-byte chunk pair q (chunks 2q,
 // 2q + 1) at position q ^ swizzle, its 32-bit word (c % 2) * 2 + h the pair at K = (kc0 + j) * 128 +
@@ -491,13 +528,14 @@ template <typename T> struct RowSquares {
 // NT = 4 instantiation spilled and ran 10-12% slower at 16-64 tokens on the H100). fetch: PlainX
 // (x itself, row_of(tok) rows of k) or an XPrologue, which computes each run from its inputs.
 // between(): called once by every thread while its first loads are in flight (the GEMV builds its
-// table there).
+// table there). rot_signs: a rotated layer's sign words (rotate_run, before each store), else nullptr.
 struct NoWork {
   __device__ void operator()() const {}
 };
 template <int BITS, typename T, int kUnroll, typename RowOf, typename Fetch = PlainX, typename Between = NoWork>
 __device__ __forceinline__ void stage_x(const T* x, int64_t k, int m, RowOf row_of, uint32_t* xs, int64_t kc0,
-                                        int64_t kc1, Fetch fetch = {}, Between between = {}) {
+                                        int64_t kc1, Fetch fetch = {}, Between between = {},
+                                        const uint32_t* rot_signs = nullptr) {
   constexpr int kSecond = BITS == 2 ? 4 : 8;  // element offset of the run's second half
   union Run { uint4 u; uint32_t w[4]; T e[8]; };
   const int q = threadIdx.x & 3, t = (threadIdx.x >> 2) & 3, step = blockDim.x >> 4;
@@ -511,6 +549,7 @@ __device__ __forceinline__ void stage_x(const T* x, int64_t k, int m, RowOf row_
   do {  // the first pass by every thread, for between()
     uint4 v[kUnroll];
     int dst[kUnroll];
+    uint32_t sign_bits[kUnroll];  // rotated layers
 #pragma unroll
     for (int r = 0; r < kUnroll; ++r) dst[r] = -1;
 #pragma unroll
@@ -535,7 +574,9 @@ __device__ __forceinline__ void stage_x(const T* x, int64_t k, int m, RowOf row_
           run.e[e] = kk + o < k ? src[o] : from_float<T>(0.f);
         }
       }
-      v[r] = make_uint4(run.w[0], run.w[2], run.w[1], run.w[3]);
+      v[r] = run.u;
+      // k % 64 == 0: a run past k is zero, and so is its segment (no sign word to read).
+      if (rot_signs) sign_bits[r] = kk < k ? __ldg(rot_signs + (kk >> 5)) >> (kk & 31) : 0u;
       dst[r] = ((rec * 4 + t) * 4 + (q ^ x_swizzle(tok & 7, t))) * 4;
       rec += step;
       j += dj;
@@ -548,8 +589,13 @@ __device__ __forceinline__ void stage_x(const T* x, int64_t k, int m, RowOf row_
     if (first) between();
     first = false;
 #pragma unroll
-    for (int r = 0; r < kUnroll; ++r)
-      if (dst[r] >= 0) *reinterpret_cast<uint4*>(xs + dst[r]) = v[r];
+    for (int r = 0; r < kUnroll; ++r) {
+      if (dst[r] >= 0) {  // uniform over the 16 threads of a record (the lanes rotate_run shuffles among)
+        uint4 u = v[r];
+        if (rot_signs) u = rotate_run<BITS, T>(u, sign_bits[r], 0xFFFFu << (threadIdx.x & 16));
+        *reinterpret_cast<uint4*>(xs + dst[r]) = make_uint4(u.x, u.z, u.y, u.w);
+      }
+    }
   } while (rec < recs);
 }
 
@@ -743,14 +789,14 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
     const bool norm = p.prologue >= kPrologueNorm;
     RowSquares<T> squares;
     if (norm) squares.issue(prologue, p.k, m);
-    stage_x<BITS, T, 4>(static_cast<const T*>(p.x), p.k, m, row_of, xs, kc0, kc1, prologue, table_build);
+    stage_x<BITS, T, 4>(static_cast<const T*>(p.x), p.k, m, row_of, xs, kc0, kc1, prologue, table_build, p.rot_signs);
     __syncthreads();
     if (norm) {
       squares.finish(prologue, p.k, m, static_cast<T*>(p.sum_out), warp_ss);
       __syncthreads();
     }
   } else {
-    stage_x<BITS, T, 4>(static_cast<const T*>(p.x), p.k, m, row_of, xs, kc0, kc1, PlainX{}, table_build);
+    stage_x<BITS, T, 4>(static_cast<const T*>(p.x), p.k, m, row_of, xs, kc0, kc1, PlainX{}, table_build, p.rot_signs);
     __syncthreads();
   }
 #if KBIT_TRACE

@@ -550,7 +550,6 @@ int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* bloc
                GemvCall* call, int64_t* need) {
   if (int rc = check_common(kGemv, bits, dtype, n, k)) return rc;
   if (int rc = check_rotation(rot_signs, k)) return rc;
-  if (int rc = not_rotating(rot_signs, "gemv")) return rc;
   if (m < 1 || m > kGemvMaxM) return fail("x has %lld rows, the GEMV takes 1..%d", static_cast<long long>(m), kGemvMaxM);
   if (k == 0) return fail("in_features must be positive (an empty product is all zeros: handle it before the call)");
   if (n > 0 && (!planes || !block_scales || !row_scales || !codebook))

@@ -25,6 +25,7 @@ import torch
 
 from hf_kbit import _lib, rotation
 from hf_kbit import format as fmt
+from hf_kbit.eval.timing import capture_cuda_graph
 from kernel_cases import table_cases
 
 pytestmark = [
@@ -157,3 +158,180 @@ def test_dequantize_without_signs_is_unchanged():
     got = backend()._dequantize_cuda(planes, scales, rs, cb, k, torch.bfloat16, None)
     assert torch.equal(got, wq.to(torch.bfloat16))
     assert torch.equal(got, torch.ops.kbit.dequantize(planes, scales, rs, cb, k, torch.bfloat16))
+
+
+# ---------------------------------------------------------------------------- mm: every path
+
+ROT_MS = (1, 2, 4, 8, 16, 17, 64, 256, 600)
+# (N, K), K % 64 == 0: odd N and partial row tiles, a last K tile of one segment (576, 8256: the
+# zero half rotates to zeros), split-K GEMV plans (40 x 8256), many row blocks (4100 x 256).
+ROT_SHAPES = [(257, 576), (40, 8256), (1000, 320), (4100, 256)]
+ROT_PATHS = ("gemv", "dequant")
+
+
+def check_rotated_path(path, x, weights, wq, signs, k):
+    """One kernel path on a rotated layer against the reference, and (GEMV, GEMM) bit for bit against
+    the unrotated kernel on the reference's rounded x R: the staging rotates exactly as rotate()."""
+    be = backend()
+    out = be.run_path(path, x, *weights, k, None, signs)
+    xr = rotate_ref(x)
+    assert out.shape == (x.shape[0], wq.shape[0]) and out.dtype == x.dtype
+    err = rel_err(out, xr.double() @ wq.double().T)
+    assert err < MM_REL_TOL[x.dtype], (path, err)
+    if path != "dequant":
+        assert torch.equal(out, be.run_path(path, xr, *weights, k)), f"{path}: x R staged differently from rotate()"
+    return out
+
+
+@pytest.mark.parametrize("m", ROT_MS, ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("shape", ROT_SHAPES, ids=lambda s: f"N{s[0]}K{s[1]}")
+@pytest.mark.parametrize("bits,dtype", table_cases("gemv"))
+def test_rotated_mm_each_path(bits, dtype, shape, m):
+    be = backend()
+    n, k = shape
+    weights, wq, signs = rotated_packed(n, k, bits)
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    for path in ROT_PATHS:
+        if path == "gemv" and m > be.GEMV_MAX_M:
+            continue
+        if path == "gemm" and be.gemm_workspace(x.device.index, m, n, k, bits, True) < 0:
+            continue
+        check_rotated_path(path, x, weights, wq, signs, k)
+    # The planner's path (op: kbit::mm), through leading dims.
+    out = be._mm_cuda(x.view(1, m, k), *weights, k, signs)
+    assert out.shape == (1, m, n)
+    assert rel_err(out[0], rotate_ref(x).double() @ wq.double().T) < MM_REL_TOL[dtype]
+
+
+def test_rotated_mm_float32_x_dequantizes():
+    """float32 x (no GEMV or GEMM in the table): the unrotated weight and x itself, float32 all through."""
+    n, k = 129, 256
+    weights, wq, signs = rotated_packed(n, k, 4)
+    x = torch.randn(3, k, device=DEVICE)
+    out = backend()._mm_cuda(x, *weights, k, signs)  # op: kbit::mm
+    assert out.dtype == torch.float32
+    assert rel_err(out, rotate_ref(x).double() @ wq.double().T) < MM_REL_TOL[torch.float32]
+
+
+# (N, K, M) with K % 64 == 0 near test_cuda_kernels.GEMV_PLAN_CASES (their K rounded to whole
+# segments): on an H100 they take every GEMV plan mode (test below), with partial row tiles and
+# K tiles (4160, 8256, 16448, 704: a last K tile of one segment).
+ROT_GEMV_PLAN_CASES = [(4100, 2048, 3), (6100, 4096, 1), (2048, 5120, 4), (5120, 2048, 16), (14336, 4096, 16),
+                       (2048, 5120, 8), (42240, 384, 1), (17408, 5120, 16), (6144, 4096, 16), (1024, 4096, 13),
+                       (14336, 4160, 13), (40, 16448, 16), (4096, 14336, 8), (1000, 16448, 16), (2000, 1024, 1),
+                       (300, 704, 16), (4096, 4096, 1), (1024, 4096, 1), (4096, 14336, 1), (14336, 4096, 1)]
+
+
+def gemv_plan(n: int, k: int, m: int) -> dict:
+    lib = _lib.load()
+    vals = [ctypes.c_int() for _ in range(4)]
+    _lib.check(lib.kbit_gemv_plan(torch.cuda.current_device(), m, n, k, *(ctypes.byref(v) for v in vals)), "gemv_plan")
+    return dict(zip(("splits", "chunk_kt", "grid", "mode"), (v.value for v in vals)))
+
+
+def test_rotated_gemv_plan_cases_cover_every_mode():
+    """The plan modes (0 one split / workspace split-K, 1 cluster split-K, 2 balanced, 3 balanced
+    cluster) of the cases below, on this GPU: all four on sm_90, else at least 0 and 2."""
+    modes = {gemv_plan(n, k, m)["mode"] for n, k, m in ROT_GEMV_PLAN_CASES}
+    want = {0, 1, 2, 3} if torch.cuda.get_device_capability()[0] >= 9 else {0, 2}
+    assert want <= modes, modes
+
+
+@pytest.mark.parametrize("case", ROT_GEMV_PLAN_CASES, ids=lambda c: f"N{c[0]}K{c[1]}M{c[2]}")
+@pytest.mark.parametrize("bits,dtype", table_cases("gemv"))
+def test_rotated_gemv_every_plan_mode(bits, dtype, case):
+    n, k, m = case
+    weights, wq, signs = rotated_packed(n, k, bits)
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    check_rotated_path("gemv", x, weights, wq, signs, k)
+
+
+# ---------------------------------------------------------------------------- the GEMV's prologues
+
+EPS = 1e-5
+PROLOGUE_CASES = [(257, 576, 1), (40, 8256, 3), (1000, 320, 16), (6144, 4096, 1), (1024, 4096, 13),
+                  (14336, 4096, 16), (4100, 2048, 3), (42240, 384, 1), (300, 256, 64)]  # M = 64: not the GEMV
+
+
+def prologue_input(kind, a, b, w):
+    """What the staging multiplies before the rotation, unfused (the references' roundings)."""
+    from hf_kbit import _ops
+
+    if kind == "silu_mul":
+        return _ops.silu_mul(a, b)
+    return _ops.rms_norm(a + b if kind == "add_rmsnorm" else a, w, EPS)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kind", ["silu_mul", "rmsnorm", "add_rmsnorm"])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5], ids=lambda b: f"k{b}")
+@pytest.mark.parametrize("case", PROLOGUE_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_rotated_prologue_matches_the_unfused_ops(case, bits, kind, dtype):
+    """The fused prologue rotates what it would stage (silu(g) * u, w * (a [+ b])); the norm's per-token
+    rsqrt still scales the sums (it commutes with R) and add_rmsnorm's sum stays unrotated."""
+    be = backend()
+    n, k, m = case
+    weights, wq, signs = rotated_packed(n, k, bits)
+    g = torch.Generator(device=DEVICE).manual_seed(n + k + m)
+    wide = torch.randn(m, 2 * k, device=DEVICE, generator=g).to(dtype)  # a fused gate/up output: strided halves
+    a, b = wide[:, :k], wide[:, k:]
+    w = (torch.rand(k, device=DEVICE, generator=g) + 0.5).to(dtype)
+    xin = prologue_input(kind, a, b, w)
+    ref = be._mm_cuda(xin, *weights, k, signs)  # op: kbit::mm, unfused
+    if kind == "silu_mul":
+        out = be._mm_silu_mul_cuda(a, b, *weights, k, signs)  # op: kbit::mm_silu_mul
+    elif kind == "rmsnorm":
+        out = be._mm_rmsnorm_cuda(a, w, EPS, *weights, k, signs)  # op: kbit::mm_rmsnorm
+    else:
+        out, total = be._mm_add_rmsnorm_cuda(a, b, w, EPS, *weights, k, signs)  # op: kbit::mm_add_rmsnorm
+        torch.testing.assert_close(total, a + b, rtol=0, atol=0)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert rel_err(out, ref) < MM_REL_TOL[dtype], kind
+    assert rel_err(out, rotate_ref(xin).double() @ wq.double().T) < MM_REL_TOL[dtype], kind
+
+
+# ---------------------------------------------------------------------------- eager fast path, graphs
+
+
+@pytest.mark.parametrize("m", [1, 3, 16], ids=lambda m: f"M{m}")
+def test_eager_fast_path_reads_rotation_signs(m):
+    """KbitLinear.forward's fast path (register_eager_mm) takes module.rotation_signs: the op's result,
+    and a new record when the signs are replaced."""
+    import hf_kbit
+
+    be = backend()
+    n, k = 1000, 4096
+    weights, wq, signs = rotated_packed(n, k, 4)
+    layer = hf_kbit.KbitLinear.from_linear(torch.nn.Linear(k, n, bias=False, device=DEVICE, dtype=torch.bfloat16),
+                                           bits=4)
+    for name, t in zip(("planes", "block_scales", "row_scales", "codebook"), weights):
+        setattr(layer, name, t)
+    layer.rotation_signs = signs
+    x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        out = be.linear_fast(layer, x)
+        assert out is not None, "the fast path did not serve"
+        assert torch.equal(out, be._mm_cuda(x, *weights, k, signs))
+        layer.rotation_signs = sign_words(k, SEED + 1)
+        other = be.linear_fast(layer, x)
+        assert torch.equal(other, be._mm_cuda(x, *weights, k, layer.rotation_signs))
+        assert not torch.equal(other, out)
+        layer.rotation_signs = None
+        assert torch.equal(be.linear_fast(layer, x), torch.ops.kbit.mm(x, *weights, k))
+
+
+@pytest.mark.parametrize("m", [1, 4, 64, 300], ids=lambda m: f"M{m}")
+def test_rotated_mm_cuda_graph_replay(m):
+    """A rotated mm captured in a CUDA graph replays on new x like an eager call (GEMV split-K plans at
+    small M, the GEMM at 64 and 300 where the planner takes it, else dequantize + cuBLAS)."""
+    be = backend()
+    n, k = 40, 8256
+    weights, _, signs = rotated_packed(n, k, 3)
+    x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+    eager = be._mm_cuda(x, *weights, k, signs)  # op: kbit::mm
+    graph, captured = capture_cuda_graph(lambda: be._mm_cuda(x, *weights, k, signs))
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, be._mm_cuda(x, *weights, k, signs))
+    assert not torch.equal(captured, eager)
