@@ -851,7 +851,6 @@ int kbit_gemm(int device, void* stream, const void* x, int dtype, const int32_t*
               float* workspace, int64_t workspace_size, const uint32_t* rot_signs) {
   if (int rc = check_common(kGemm, bits, dtype, n, k)) return rc;
   if (int rc = check_rotation(rot_signs, k)) return rc;
-  if (int rc = not_rotating(rot_signs, "gemm")) return rc;
   if (m < 1 || m > (int64_t{1} << 31)) return fail("x has %lld rows, the GEMM takes 1..2^31", static_cast<long long>(m));
   if (k == 0) return fail("in_features must be positive (an empty product is all zeros: handle it before the call)");
   if (n == 0) return KBIT_OK;
@@ -859,6 +858,8 @@ int kbit_gemm(int device, void* stream, const void* x, int dtype, const int32_t*
     return fail("x, out, planes, block_scales, row_scales and codebook must be device pointers");
   if (!aligned(planes, 16) || !aligned(block_scales, 16)) return fail("planes and block_scales must be 16-byte aligned");
   const GemmPlan plan = device_gemm_plan(device, m, n, k, bits, rot_signs != nullptr);
+  if (!plan.wgmma)
+    if (int rc = not_rotating(rot_signs, "mma.sync gemm")) return rc;
   const GemmLaunch launch = plan.wgmma ? find_wgmma_gemm(bits, dtype, plan.tile) : find_gemm(bits, dtype, plan.tile);
   if (!launch) return unsupported(plan.wgmma ? kWgmmaGemm : kGemm, bits, dtype);
   if (ceil_div(n, plan.wgmma ? kWgmmaRows : kGemmRows) > 65535)

@@ -166,7 +166,7 @@ ROT_MS = (1, 2, 4, 8, 16, 17, 64, 256, 600)
 # (N, K), K % 64 == 0: odd N and partial row tiles, a last K tile of one segment (576, 8256: the
 # zero half rotates to zeros), split-K GEMV plans (40 x 8256), many row blocks (4100 x 256).
 ROT_SHAPES = [(257, 576), (40, 8256), (1000, 320), (4100, 256)]
-ROT_PATHS = ("gemv", "dequant")
+ROT_PATHS = ("gemv", "gemm", "dequant")
 
 
 def check_rotated_path(path, x, weights, wq, signs, k):
@@ -201,6 +201,22 @@ def test_rotated_mm_each_path(bits, dtype, shape, m):
     out = be._mm_cuda(x.view(1, m, k), *weights, k, signs)
     assert out.shape == (1, m, n)
     assert rel_err(out[0], rotate_ref(x).double() @ wq.double().T) < MM_REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("m", [17, 64, 65, 256, 600], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("bits,dtype", table_cases("wgmma_gemm"))
+def test_rotated_mm_large_weight_planner(bits, dtype, m):
+    """A Llama-3-8B-sized weight, where the planner takes the GEMM (wgmma on sm_90: x R written in its
+    x rewrite) at mid M and dequantize + cuBLAS beyond; every token block size (64, 128, 256)."""
+    be = backend()
+    n, k = 4096, 4096
+    weights, wq, signs = rotated_packed(n, k, bits)
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    path = be.mm_plan(m, n, k, bits, x.device.index, dtype, True)[0]
+    out = be._mm_cuda(x, *weights, k, signs)  # op: kbit::mm
+    assert rel_err(out, rotate_ref(x).double() @ wq.double().T) < MM_REL_TOL[dtype], path
+    if path != "dequant":
+        assert torch.equal(out, be.run_path(path, rotate_ref(x), *weights, k)), path
 
 
 def test_rotated_mm_float32_x_dequantizes():
