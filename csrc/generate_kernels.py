@@ -169,8 +169,8 @@ def render_instantiations(table) -> dict[str, str]:
             lines += ["}  // namespace kbit", ""]
             files[f"kbit_k{bits}_{SHORT[dtype]}.cu"] = "\n".join(lines)
     for name, launch in DTYPE_LAUNCHES.items():
-        lines = [BANNER, f"// {name}, every dtype.", '#include "../kbit_launch.h"', f'#include "../{launch.header}"', "",
-                 "namespace kbit {"]
+        lines = [BANNER, f"// {name}, every dtype.", '#include "../kbit_launch.h"', f'#include "../{launch.header}"',
+                 "", "namespace kbit {"]
         for dtype in table.DTYPES:
             inst = launch.template.format(T=CPP_TYPES[dtype])
             lines.append(f"template cudaError_t {inst}(const {launch.struct}&{launch.params}, cudaStream_t);")

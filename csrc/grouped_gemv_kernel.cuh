@@ -10,7 +10,9 @@
 //    offsets into a chunk prefix sum in shared memory and finds a unit's expert by binary search.
 // A CTA's kGemvWarps warps cover row_tiles x k_warps (row tile, K lane); activations are staged
 // per unit in K sub-chunks, the k_warps partial sums of a row tile are added in shared memory in
-// warp order (deterministic), and each output row is written once.
+// warp order (deterministic), and each output row is written once. Rotated experts (rot_signs, one
+// rotation for all: they read the same x) stage x R, as the GEMV does (stage_x, rotate_run): per unit
+// and K pass, a few float32 operations per staged element against a unit's whole weight tile.
 #pragma once
 
 #include "gemv_kernel.cuh"
@@ -123,7 +125,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) grouped_gemv_ker
         if (active && ktd < ke) load_tile<BITS>(planes, scales, static_cast<int>(tile_base + ktd), lane, buf[d]);
       }
       __syncthreads();  // the previous pass's / unit's readers are done with xs and red
-      stage_x<BITS, T, 2>(x, p.k, m, row_of, xs, ks, ke);
+      stage_x<BITS, T, 2>(x, p.k, m, row_of, xs, ks, ke, PlainX{}, NoWork{}, p.rot_signs);
       __syncthreads();
       if (!active) continue;
       for (int64_t kt = kt0; kt < ke; kt += kDepth * k_warps) {

@@ -695,7 +695,6 @@ int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const 
                       int64_t s, int64_t e, int64_t n, int64_t k, void* out, const uint32_t* rot_signs) {
   if (int rc = check_common(kGroupedGemv, bits, dtype, n, k)) return rc;
   if (int rc = check_rotation(rot_signs, k)) return rc;
-  if (int rc = not_rotating(rot_signs, "grouped_gemv")) return rc;
   if (s < 0 || e < 1 || e > (1 << 20)) return fail("need s >= 0 and 1 <= e <= 2^20, got s=%lld e=%lld",
                                                     static_cast<long long>(s), static_cast<long long>(e));
   if (k == 0) return fail("in_features must be positive");

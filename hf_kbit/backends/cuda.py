@@ -83,9 +83,10 @@ def mm_plan(m: int, n: int, k: int, bits: int, device: int, dtype: torch.dtype =
     return plan
 
 
-def mm_path(m: int, n: int, k: int, bits: int, device: int, dtype: torch.dtype = torch.bfloat16) -> str:
+def mm_path(m: int, n: int, k: int, bits: int, device: int, dtype: torch.dtype = torch.bfloat16,
+            rotated: bool = False) -> str:
     """The kernel path ``kbit::mm`` takes (:func:`mm_plan`)."""
-    return mm_plan(m, n, k, bits, device, dtype)[0]
+    return mm_plan(m, n, k, bits, device, dtype, rotated)[0]
 
 
 load_crossovers()
@@ -162,7 +163,8 @@ def _signs_ptr(signs, k: int, device: torch.device):
         raise ValueError(f"signs must be int32 [in_features // 32] = [{k // 32}] with in_features % 64 == 0 "
                          f"(in_features={k}), got {signs.dtype} {tuple(signs.shape)}")
     if signs.device != device:
-        raise ValueError(f"signs is on {signs.device} but the weight is on {device} (all kbit tensors must be on one device)")
+        raise ValueError(f"signs is on {signs.device} but the weight is on {device} "
+                         "(all kbit tensors must be on one device)")
     if not signs.is_contiguous():
         raise ValueError("signs must be contiguous")
     return signs.data_ptr()

@@ -351,3 +351,82 @@ def test_rotated_mm_cuda_graph_replay(m):
     torch.cuda.synchronize()
     assert torch.equal(captured, be._mm_cuda(x, *weights, k, signs))
     assert not torch.equal(captured, eager)
+
+
+# ---------------------------------------------------------------------------- grouped_mm (MoE)
+
+
+def grouped_reference(x, ids, wq):
+    """float64 rows of x R times their expert's rotated weight; rows of no expert are zeros."""
+    xr = rotate_ref(x).double()
+    out = torch.zeros(x.shape[0], wq.shape[1], dtype=torch.float64, device=x.device)
+    for e in range(wq.shape[0]):
+        rows = (ids == e).nonzero().flatten()
+        out[rows] = xr[rows] @ wq[e].double().T
+    return out
+
+
+@pytest.mark.parametrize("s", [1, 7, 64, 65, 300], ids=lambda s: f"S{s}")  # per-row mode up to 64, grouped above
+@pytest.mark.parametrize("bits,dtype", table_cases("grouped_gemv"))
+def test_rotated_grouped_mm(bits, dtype, s):
+    """Per-row and grouped modes stage x R (the experts' shared rotation), bit for bit as the unrotated
+    kernel on the reference's x R; a row of no expert (id -1) stays zero."""
+    be = backend()
+    e, n, k = 6, 200, 576
+    weights, wq, signs = rotated_packed(n, k, bits, experts=e)
+    g = torch.Generator(device=DEVICE).manual_seed(s + bits)
+    x = torch.randn(s, k, device=DEVICE, generator=g).to(dtype)
+    ids = torch.randint(0, e, (s,), device=DEVICE, generator=g)
+    ids[0] = -1
+    out = be._grouped_mm_cuda(x, ids, *weights, k, None, None, signs)  # op: kbit::grouped_mm
+    assert out.shape == (s, n) and out.dtype == dtype
+    assert rel_err(out, grouped_reference(x, ids, wq)) < MM_REL_TOL[dtype]
+    assert torch.equal(out, be._grouped_mm_cuda(rotate_ref(x), ids, *weights, k))
+    from hf_kbit import _ops
+
+    order, offsets = _ops.expert_offsets(ids, e)  # the routing an experts layer hands over
+    assert torch.equal(out, be._grouped_mm_cuda(x, ids, *weights, k, order, offsets, signs))
+
+
+def test_rotated_grouped_mm_reference_fallbacks():
+    """float32 x and per-expert codebooks take the reference, on x R (the standalone rotation)."""
+    be = backend()
+    e, n, k, bits = 3, 64, 320, 4
+    weights, wq, signs = rotated_packed(n, k, bits, experts=e)
+    ids = torch.tensor([0, 2, 1, 2, -1], device=DEVICE)
+    x = torch.randn(5, k, device=DEVICE)
+    out = be._grouped_mm_cuda(x, ids, *weights, k, None, None, signs)  # op: kbit::grouped_mm
+    assert out.dtype == torch.float32
+    assert rel_err(out, grouped_reference(x, ids, wq)) < MM_REL_TOL[torch.float32]
+    planes, scales, rs, cb = weights
+    per_expert = cb.expand(e, -1).contiguous()
+    xb = x.to(torch.bfloat16)
+    out = be._grouped_mm_cuda(xb, ids, planes, scales, rs, per_expert, k, None, None, signs)
+    assert rel_err(out, grouped_reference(xb, ids, wq)) < MM_REL_TOL[torch.bfloat16]
+
+
+# ---------------------------------------------------------------------------- gradients
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_rotated_grad_x_uses_the_unrotated_weight(dtype):
+    """dX = dY @ W with W = W' R^T (dequantize with the signs): the gradient of x -> (x R) @ W'^T."""
+    be = backend()
+    n, k = 300, 640
+    weights, wq, signs = rotated_packed(n, k, 3)
+    w = rotation.unrotate(wq, BLOCK, SEED)
+    grad = torch.randn(2, 5, n, device=DEVICE).to(dtype)
+    out = be._mm_grad_x_cuda(grad, *weights, k, signs)  # op: kbit::mm_grad_x
+    assert out.shape == (2, 5, k) and out.dtype == dtype
+    assert rel_err(out, grad.double() @ w.double()) < MM_REL_TOL[dtype]
+    e = 4
+    weights, wq, signs = rotated_packed(n, k, 3, experts=e)
+    w = rotation.unrotate(wq, BLOCK, SEED)
+    ids = torch.tensor([3, 0, 0, 2, -1, 3], device=DEVICE)
+    grad = torch.randn(6, n, device=DEVICE).to(dtype)
+    out = be._grouped_mm_grad_x_cuda(grad, ids, *weights, k, None, None, signs)  # op: kbit::grouped_mm_grad_x
+    ref = torch.zeros(6, k, dtype=torch.float64, device=DEVICE)
+    for r, i in enumerate(ids.tolist()):
+        if i >= 0:
+            ref[r] = grad[r].double() @ w[i].double()
+    assert rel_err(out, ref) < MM_REL_TOL[dtype]
