@@ -416,11 +416,6 @@ int check_rotation(const uint32_t* rot_signs, int64_t k) {
   return KBIT_OK;
 }
 
-// Entries whose kernels do not rotate yet refuse rot_signs (removed kernel by kernel as they learn it).
-int not_rotating(const uint32_t* rot_signs, const char* kernel) {
-  return rot_signs ? fail("rot_signs: the %s kernel does not rotate yet", kernel) : KBIT_OK;
-}
-
 int check_common(KernelId kernel, int bits, int dtype, int64_t n, int64_t k) {
   if (dtype < kFloat32 || dtype > kBFloat16) return fail("dtype code must be 0 (float32), 1 (float16) or 2 (bfloat16), got %d", dtype);
   if (!in_kernel_table(kernel, bits, dtype)) return unsupported(kernel, bits, dtype);
@@ -857,8 +852,6 @@ int kbit_gemm(int device, void* stream, const void* x, int dtype, const int32_t*
     return fail("x, out, planes, block_scales, row_scales and codebook must be device pointers");
   if (!aligned(planes, 16) || !aligned(block_scales, 16)) return fail("planes and block_scales must be 16-byte aligned");
   const GemmPlan plan = device_gemm_plan(device, m, n, k, bits, rot_signs != nullptr);
-  if (!plan.wgmma)
-    if (int rc = not_rotating(rot_signs, "mma.sync gemm")) return rc;
   const GemmLaunch launch = plan.wgmma ? find_wgmma_gemm(bits, dtype, plan.tile) : find_gemm(bits, dtype, plan.tile);
   if (!launch) return unsupported(plan.wgmma ? kWgmmaGemm : kGemm, bits, dtype);
   if (ceil_div(n, plan.wgmma ? kWgmmaRows : kGemmRows) > 65535)

@@ -430,3 +430,38 @@ def test_rotated_grad_x_uses_the_unrotated_weight(dtype):
         if i >= 0:
             ref[r] = grad[r].double() @ w[i].double()
     assert rel_err(out, ref) < MM_REL_TOL[dtype]
+
+
+def test_rotated_mma_gemm_when_forced():
+    """HF_KBIT_GEMM_KERNEL=mma keeps the mma.sync GEMM (GPUs before sm_90) on any GPU: x R from the
+    standalone rotation into its workspace, then the GEMM, bit for bit as the GEMM on the reference's
+    x R. A fresh process: the library reads the variable once."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    script = textwrap.dedent("""
+        import torch
+        from hf_kbit.backends import cuda as backend
+        from test_rotation_kernels import MM_REL_TOL, rel_err, rotate_ref, rotated_packed
+        for bits, dtype, (n, k), m in [(2, torch.bfloat16, (257, 576), 33), (3, torch.float16, (40, 8256), 64),
+                                       (4, torch.bfloat16, (1000, 320), 130), (5, torch.float16, (4100, 256), 17),
+                                       (4, torch.bfloat16, (4096, 4096), 256)]:
+            assert backend.mm_plan(m, n, k, bits, 0, dtype, True)[1] == "mma"
+            weights, wq, signs = rotated_packed(n, k, bits)
+            x = torch.randn(m, k, device="cuda").to(dtype)
+            out = backend.run_path("gemm", x, *weights, k, None, signs)
+            err = rel_err(out, rotate_ref(x).double() @ wq.double().T)
+            assert err < MM_REL_TOL[dtype], (bits, dtype, n, k, m, err)
+            assert torch.equal(out, backend.run_path("gemm", rotate_ref(x), *weights, k)), (bits, n, k, m)
+            assert backend._mm_cuda(x, *weights, k, signs).shape == (m, n)
+        print("ok")
+    """)
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, HF_KBIT_GEMM_KERNEL="mma")
+    paths = (env.get("PYTHONPATH"), str(root), str(root / "tests"), str(root / "tests" / "gpu"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr
