@@ -90,13 +90,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kbit_rotate.restype = c_int
     lib.kbit_gemv_workspace_size.argtypes = [c_int, c_i64, c_i64, c_i64, c_int]
     lib.kbit_gemv_workspace_size.restype = c_i64
-    lib.kbit_gemv.argtypes = [c_int, c_vp, c_vp, c_int, c_vp, c_vp, c_vp, c_vp, c_int, c_i64, c_i64, c_i64, c_vp, c_vp, c_i64,
-                              c_vp]
+    lib.kbit_gemv.argtypes = [c_int, c_vp, c_vp, c_int, c_vp, c_vp, c_vp, c_vp, c_int, c_i64, c_i64, c_i64, c_vp, c_vp,
+                              c_i64, c_vp]
     lib.kbit_gemv.restype = c_int
     lib.kbit_gemm_workspace_size.argtypes = [c_int, c_i64, c_i64, c_i64, c_int, c_int]
     lib.kbit_gemm_workspace_size.restype = c_i64
-    lib.kbit_gemm.argtypes = [c_int, c_vp, c_vp, c_int, c_vp, c_vp, c_vp, c_vp, c_int, c_i64, c_i64, c_i64, c_vp, c_vp, c_i64,
-                              c_vp]
+    lib.kbit_gemm.argtypes = [c_int, c_vp, c_vp, c_int, c_vp, c_vp, c_vp, c_vp, c_int, c_i64, c_i64, c_i64, c_vp, c_vp,
+                              c_i64, c_vp]
     lib.kbit_gemm.restype = c_int
     lib.kbit_grouped_gemv.argtypes = [c_int, c_vp, c_vp, c_int, c_vp, c_vp, c_vp, c_vp, c_vp, c_vp, c_vp, c_int,
                                       c_i64, c_i64, c_i64, c_i64, c_vp, c_vp]

@@ -12,6 +12,9 @@ device copy bandwidth measured in the same run). Writes JSON and a markdown tabl
     python scripts/bench_kernels.py --paths --write-crossovers
                                                  # ... and rewrite hf_kbit/backends/crossovers.json from them
                                                  # (HF_KBIT_GEMM_KERNEL=mma: the mma.sync GEMM's entries)
+    python scripts/bench_kernels.py --rotation --out benchmarks/results/h100_rotation
+                                                 # each path on a rotated layer (random sign words) vs the
+                                                 # same layer unrotated, Llama-3-8B shapes, M 1..1024
 """
 
 from __future__ import annotations
@@ -42,6 +45,16 @@ SHAPES = {  # name: (K = in_features, N = out_features)
     "h2048 4096x2048": (4096, 2048),
 }
 MS = (1, 2, 4, 8, 16, 32, 64, 256, 1024)
+# --rotation: Llama-3-8B's projections and the M of issue 34's budget (within 3% of the unrotated
+# kernel at M = 1, 2% at M >= 256).
+ROTATION_SHAPES = {
+    "llama3-8b q/o 4096x4096": (4096, 4096),
+    "llama3-8b gate/up 4096x14336": (4096, 14336),
+    "llama3-8b down 14336x4096": (14336, 4096),
+    "llama3-8b k/v 4096x1024": (4096, 1024),
+}
+ROTATION_MS = (1, 16, 64, 256, 1024)
+ROTATION_ROUNDS = 2  # unrotated and rotated timed alternately, the least of each: clock drift hits both
 BITS = SUPPORTED_BITS
 COLD_BYTES = 400 * 2**20  # weight copies per timed graph: 8x the H100's 50 MB L2
 MIN_CALLS = 24
@@ -214,6 +227,74 @@ def bench_paths(name, k, n, ms, bits_list, results):
         torch.cuda.empty_cache()
 
 
+def bench_rotation(name, k, n, ms, bits_list, results):
+    """Each kernel path of kbit::mm (and the planner's choice) on a rotated layer (random sign words)
+    against the same packed weights unrotated, cold L2, cuBLAS bf16 in the same run. The GEMV and
+    the wgmma GEMM rotate x as they stage it, the mma.sync GEMM (HF_KBIT_GEMM_KERNEL=mma) runs the
+    standalone rotation first, dequantize + cuBLAS unrotates the weight (docs/kernels.md)."""
+    from hf_kbit.backends import cuda as backend
+
+    xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in ms}
+    ncopy = copies_for(2 * n * k)
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(ncopy)]
+    settle()
+    bf16 = {m: time_calls([lambda w=ws[i % ncopy], x=xs[m]: torch.nn.functional.linear(x, w)
+                           for i in range(max(MIN_CALLS, ncopy))]) for m in ms}
+    del ws
+    signs = torch.randint(-(2**31), 2**31 - 1, (k // 32,), dtype=torch.int32, device="cuda")
+    for bits in bits_list:
+        ncopy = copies_for(packed_bytes(n, k, bits))
+        packs = random_packed(n, k, bits, ncopy)
+        ncalls = max(MIN_CALLS, ncopy)
+        settle()
+        for m in ms:
+            x = xs[m]
+            plan = backend.mm_plan(m, n, k, bits, x.device.index, x.dtype, True)
+            # "gemv+rotate": the alternative to the fused staging, the standalone rotation kernel in front
+            # of the unrotated GEMV (both programmatic dependent launches on sm_90).
+            for path in (*backend.PATHS, "gemv+rotate"):
+                if path.startswith("gemv") and m > backend.GEMV_MAX_M:
+                    continue
+                if path == "gemm" and backend.gemm_workspace(x.device.index, m, n, k, bits, True) < 0:
+                    continue
+                if path == "gemv+rotate":
+                    calls = {rot: [lambda p=packs[i % ncopy], rot=rot:
+                                   backend.run_path("gemv", backend.rotate(x, signs) if rot else x, *p, k)
+                                   for i in range(ncalls)] for rot in (False, True)}
+                else:
+                    calls = {rot: [lambda p=packs[i % ncopy], s=(signs if rot else None), path=path:
+                                   backend.run_path(path, x, *p, k, None, s) for i in range(ncalls)]
+                             for rot in (False, True)}
+                times = {False: [], True: []}
+                for _ in range(ROTATION_ROUNDS):
+                    for rot in (False, True):
+                        times[rot].append(time_calls(calls[rot]))
+                row = {"shape": name, "K": k, "N": n, "M": m, "bits": bits, "path": path, "gemm_kernel": plan[1],
+                       "dispatch": path == plan[0], "bf16_us": bf16[m], "us": min(times[False]),
+                       "rotated_us": min(times[True])}
+                row["cost_pct"] = 100 * (row["rotated_us"] / row["us"] - 1)
+                results.append(row)
+                print(f"{name:30s} k={bits} M={m:5d} {path:7s}{'*' if row['dispatch'] else ' '} "
+                      f"bf16={row['bf16_us']:7.1f}us  unrotated={row['us']:7.1f}us  "
+                      f"rotated={row['rotated_us']:7.1f}us  cost={row['cost_pct']:+5.1f}%", flush=True)
+        del packs
+        torch.cuda.empty_cache()
+
+
+def markdown_rotation(results, meta) -> str:
+    lines = [f"# kbit::mm on rotated layers — {meta['device']}", "", f"Command: `{meta['command']}`  ",
+             (f"torch {meta['torch']}, cold L2, CUDA-graph replays, median of 7, the least of {ROTATION_ROUNDS} "
+              "alternating rounds; us per call (bf16 activations). The same packed weights unrotated and rotated "
+              "(random sign words); cost = rotated / unrotated - 1. `*`: the path kbit::mm takes for a rotated layer. "
+              f"GEMM kernel: {meta.get('gemm_kernel', 'mma')}."), "",
+             "| shape (K x N) | k | M | path | bf16 us | unrotated us | rotated us | cost |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['shape']} | {r['bits']} | {r['M']} | {r['path']}{' *' if r['dispatch'] else ''} | "
+                     f"{r['bf16_us']:.1f} | {r['us']:.1f} | {r['rotated_us']:.1f} | {r['cost_pct']:+.1f}% |")
+    return "\n".join(lines) + "\n"
+
+
 def derive_crossovers(results: list, current: dict) -> dict:
     """Crossovers (hf_kbit.backends.crossovers.read's form, for one GEMM kernel) from ``--paths`` rows,
     keeping ``current``'s weight classes: the GEMV serves M up to the largest measured M at which it
@@ -373,6 +454,8 @@ def main() -> None:
                     help="time every kernel path (GEMV, GEMM, dequantize + cuBLAS) instead of kbit::mm vs bf16")
     ap.add_argument("--write-crossovers", action="store_true",
                     help="with --paths: rewrite this GPU's GEMM kernel's entries of hf_kbit/backends/crossovers.json")
+    ap.add_argument("--rotation", action="store_true",
+                    help="each path on a rotated layer vs the same layer unrotated (Llama-3-8B shapes, M 1..1024)")
     args = ap.parse_args()
 
     import hf_kbit
@@ -382,10 +465,10 @@ def main() -> None:
         sys.exit("bench_kernels.py needs a CUDA GPU")
     _lib.load()  # clear error if the library is missing
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
-    shapes = SHAPES
-    ms = args.ms or MS
+    shapes = ROTATION_SHAPES if args.rotation else SHAPES
+    ms = args.ms or (ROTATION_MS if args.rotation else MS)
     if args.quick:
-        shapes = {k: v for k, v in SHAPES.items() if k.startswith(("llama3-8b gate", "h2048 2048x5120"))}
+        shapes = {k: v for k, v in shapes.items() if k.startswith(("llama3-8b gate", "h2048 2048x5120"))}
         ms = args.ms or (1, 16, 256)
     if args.shapes:
         shapes = {k: v for k, v in shapes.items() if any(s in k for s in args.shapes)}
@@ -393,7 +476,9 @@ def main() -> None:
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     results = []
     for name, (k, n) in shapes.items():
-        if args.paths:
+        if args.rotation:
+            bench_rotation(name, k, n, ms, args.bits, results)
+        elif args.paths:
             bench_paths(name, k, n, ms, args.bits, results)
         else:
             bench_shape(name, k, n, ms, args.bits, bw, results, int4=not args.no_int4)
@@ -403,7 +488,10 @@ def main() -> None:
         "command": shlex.join(["python", "scripts/bench_kernels.py", *sys.argv[1:]]), "cold_l2_bytes": COLD_BYTES,
         "gemv_max_m": getattr(sys.modules.get("hf_kbit.backends.cuda"), "GEMV_MAX_M", None),
     }
-    if args.paths:
+    if args.rotation:
+        meta["gemm_kernel"] = results[0]["gemm_kernel"] if results else None
+        md = markdown_rotation(results, meta)
+    elif args.paths:
         meta["gemm_kernel"] = results[0]["gemm_kernel"] if results else None
         md = markdown_paths(results, meta)
         if args.write_crossovers and results:
