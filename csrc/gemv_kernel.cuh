@@ -774,6 +774,9 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
   // loads and is built before the wait. The next kernel may launch only after the wait
   // (kbit_common.cuh).
   const float levels = codebook_lane<BITS>(p.codebook, lane);
+  // Rotated layers: this split's sign words, read by the staging (rotation.cuh, prefetch_signs).
+  if (p.rot_signs)
+    prefetch_signs(p.rot_signs, int64_t{kc0} * kBlocksPerTile, min(int64_t{kc1} * kBlocksPerTile, p.k / kBlockSize));
   if constexpr (BITS == 5) build_table<BITS, T>(table, levels);
   const auto table_build = [&] {
     if constexpr (BITS <= 4) build_table<BITS, T>(table, levels);

@@ -57,6 +57,15 @@ __device__ __forceinline__ void butterfly_lanes(float (&v)[N], unsigned mask) {
   }
 }
 
+// Prefetches sign words [w0, w1) into L1 (one instruction per 128-byte line, the block's threads
+// in turn): the kernels whose x loads wait for the previous kernel (programmatic dependent launch)
+// issue it before that wait, since the words are constant like the weight, so that the staging's
+// loads of them hit instead of adding a trip to HBM to the x loads' latency.
+__device__ __forceinline__ void prefetch_signs(const uint32_t* rot_signs, int64_t w0, int64_t w1) {
+  for (int64_t w = w0 + 32 * static_cast<int64_t>(threadIdx.x); w < w1; w += 32 * static_cast<int64_t>(blockDim.x))
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(rot_signs + w));
+}
+
 // 8 elements of one 64-segment per thread, element e at segment position 8 (lane % 8) + e: the
 // rotation of x (sign first) or the unrotation of a weight row (sign last), strides 1, 2, 4 in
 // registers and 8, 16, 32 by shuffles among the 8 lanes (`mask` holds them).
@@ -110,7 +119,8 @@ __global__ void __launch_bounds__(kRotateThreads) rotate_kernel(RotateParams p) 
     Vec in;
     if (vec) {
 #pragma unroll
-      for (int j = 0; j < static_cast<int>(sizeof(T)) / 2; ++j) in.u[j] = __ldg(reinterpret_cast<const uint4*>(src) + j);
+      for (int j = 0; j < static_cast<int>(sizeof(T)) / 2; ++j)
+        in.u[j] = __ldg(reinterpret_cast<const uint4*>(src) + j);
     } else {
 #pragma unroll
       for (int e = 0; e < 8; ++e) in.e[e] = src[e];

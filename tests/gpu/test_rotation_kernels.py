@@ -336,12 +336,14 @@ def test_eager_fast_path_reads_rotation_signs(m):
         assert torch.equal(be.linear_fast(layer, x), torch.ops.kbit.mm(x, *weights, k))
 
 
-@pytest.mark.parametrize("m", [1, 4, 64, 300], ids=lambda m: f"M{m}")
-def test_rotated_mm_cuda_graph_replay(m):
-    """A rotated mm captured in a CUDA graph replays on new x like an eager call (GEMV split-K plans at
-    small M, the GEMM at 64 and 300 where the planner takes it, else dequantize + cuBLAS)."""
+@pytest.mark.parametrize("case", [(40, 8256, 1), (40, 8256, 4), (4096, 4096, 64), (4096, 4096, 300), (40, 8256, 300)],
+                         ids=lambda c: "N{}K{}M{}".format(*c))
+def test_rotated_mm_cuda_graph_replay(case):
+    """A rotated mm captured in a CUDA graph replays on new x like an eager call: GEMV split-K plans at
+    small M, the GEMM on the large weight at mid M (sm_90: the wgmma GEMM's x rewrite rotates),
+    dequantize + cuBLAS on the small one."""
     be = backend()
-    n, k = 40, 8256
+    n, k, m = case
     weights, _, signs = rotated_packed(n, k, 3)
     x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
     eager = be._mm_cuda(x, *weights, k, signs)  # op: kbit::mm
