@@ -243,7 +243,7 @@ cudaError_t launch_gemm(const MmParams& p, dim3 grid, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   MmParams q = p;
   if (p.rot_signs) {  // x R into the workspace's head, then the GEMM on it
-    const RotateParams r{p.x, p.x_perm, p.rot_signs, p.m, p.k, p.k, TypeOf<T>::value};
+    const RotateParams r{p.x, p.x_perm, p.rot_signs, p.m, p.k, p.k, TypeOf<T>::value, 0};
     err = launch_rotate<T>(r, stream);
     if (err != cudaSuccess) return err;
     q.x = p.x_perm;

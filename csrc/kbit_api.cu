@@ -416,6 +416,28 @@ int check_rotation(const uint32_t* rot_signs, int64_t k) {
   return KBIT_OK;
 }
 
+// Rotated GEMV crossover (kbit_set_gemv_rotate_crossover), by bits: a rotated layer's GEMV stages x R
+// itself up to this M (every CTA rotates its split of x: cost grows with M), above it the standalone
+// rotation writes x R into the workspace's head first (one extra dependent kernel). 0 until set: the
+// standalone rotation everywhere.
+int g_rotate_staging_max_m[kMaxPlanBits + 1] = {};
+
+// x R for the GEMV at the workspace's head: 16-bit elements in whole 16-byte units (float4), so that
+// the split-K partials after it stay aligned.
+int64_t rotated_x_floats(int64_t m, int64_t k) { return ceil_div(m * k * 2, 16) * 4; }
+
+// How a rotated layer's GEMV of m rows runs (kbit_gemv_rotate_plan): the rotated instantiation, which
+// stages x R (a prologue must: its output exists only in the staging), where the kernel table has one
+// for m and, without a prologue, m is within the crossover; else the standalone rotation, then the
+// unrotated GEMV on x R (kGemvRotateNone: a prologue beyond the rotated instantiations).
+enum GemvRotate : int { kGemvRotateStandalone = 0, kGemvRotateStaging = 1, kGemvRotateNone = -1 };
+GemvRotate gemv_rotate_mode(int bits, int dtype, int64_t m, bool prologue) {
+  const bool staged = find_gemv(bits, dtype, gemv_tiles(m), true) != nullptr;
+  if (prologue) return staged ? kGemvRotateStaging : kGemvRotateNone;
+  const int max_m = bits >= 0 && bits <= kMaxPlanBits ? g_rotate_staging_max_m[bits] : 0;
+  return staged && m <= max_m ? kGemvRotateStaging : kGemvRotateStandalone;
+}
+
 int check_common(KernelId kernel, int bits, int dtype, int64_t n, int64_t k) {
   if (dtype < kFloat32 || dtype > kBFloat16) return fail("dtype code must be 0 (float32), 1 (float16) or 2 (bfloat16), got %d", dtype);
   if (!in_kernel_table(kernel, bits, dtype)) return unsupported(kernel, bits, dtype);
@@ -480,7 +502,7 @@ int kbit_dequantize(int device, void* stream, const int32_t* planes, const uint8
 }
 
 int kbit_rotate(int device, void* stream, const void* x, int64_t x_stride, int dtype, int64_t m, int64_t k,
-                const uint32_t* rot_signs, void* out) {
+                const uint32_t* rot_signs, int inverse, void* out) {
   if (dtype < kFloat32 || dtype > kBFloat16) return fail("dtype code must be 0, 1 or 2, got %d", dtype);
   if (m < 0 || k < 0) return fail("shape must be non-negative, got m=%lld k=%lld", static_cast<long long>(m),
                                   static_cast<long long>(k));
@@ -492,17 +514,34 @@ int kbit_rotate(int device, void* stream, const void* x, int64_t x_stride, int d
     return fail("x_stride (%lld) must be at least in_features (%lld)", static_cast<long long>(x_stride),
                 static_cast<long long>(k));
   if (!aligned(out, 16)) return fail("out must be 16-byte aligned");
+  if (inverse != 0 && inverse != 1) return fail("inverse must be 0 (x R) or 1 (x R^T), got %d", inverse);
   DeviceGuard guard(device);
   if (guard.error() != cudaSuccess) return cuda_fail(guard.error(), "selecting the device");
-  const RotateParams p{x, out, rot_signs, m, k, m > 1 ? x_stride : k, dtype};
+  const RotateParams p{x, out, rot_signs, m, k, m > 1 ? x_stride : k, dtype, inverse};
   cudaError_t err = find_rotate(dtype)(p, static_cast<cudaStream_t>(stream));
   return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_rotate launch");
 }
 
-int64_t kbit_gemv_workspace_size(int device, int64_t m, int64_t n, int64_t k, int bits) {
+int64_t kbit_gemv_workspace_size(int device, int64_t m, int64_t n, int64_t k, int bits, int rotated) {
   (void)bits;
   if (m <= 0 || n <= 0 || k <= 0 || m > kGemvMaxM) return 0;
-  return device_gemv_plan(device, m, n, k).workspace(m, n);
+  // Rotated: room for x R too, whichever way the call rotates (a few KB: m <= 16).
+  return device_gemv_plan(device, m, n, k).workspace(m, n) + (rotated ? rotated_x_floats(m, k) : 0);
+}
+
+int kbit_set_gemv_rotate_crossover(int bits, int in_staging_max_m) {
+  if (bits < 0 || bits > kMaxPlanBits) return fail("bits must be in 0..%d, got %d", kMaxPlanBits, bits);
+  if (in_staging_max_m < 0) return fail("in_staging_max_m must be >= 0, got %d", in_staging_max_m);
+  g_rotate_staging_max_m[bits] = in_staging_max_m;
+  return KBIT_OK;
+}
+
+int kbit_gemv_rotate_plan(int bits, int dtype, int64_t m, int prologue, int* mode) {
+  if (!mode) return fail("mode must be a host pointer");
+  if (m < 1 || m > kGemvMaxM) return fail("m must be in 1..%d, got %lld", kGemvMaxM, static_cast<long long>(m));
+  if (dtype < kFloat32 || dtype > kBFloat16) return fail("dtype code must be 0, 1 or 2, got %d", dtype);
+  *mode = gemv_rotate_mode(bits, dtype, m, prologue != 0);
+  return KBIT_OK;
 }
 
 }  // extern "C"
@@ -535,6 +574,11 @@ struct GemvCall {
   int device;
   int grid;
   GemvLaunch launch;
+  // A rotated layer's call above its in-staging crossover: the standalone rotation writes x R into the
+  // workspace's head (xr_floats), which the unrotated GEMV then reads as its x (its programmatic
+  // dependent: the weight's first tiles load while the rotation runs).
+  RotateLaunch rotate;
+  int64_t xr_floats;
   MmParams p;
 };
 
@@ -542,7 +586,7 @@ struct GemvCall {
 // fills the call.
 int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* block_scales, const float* row_scales,
                const float* codebook, int bits, int64_t m, int64_t n, int64_t k, const uint32_t* rot_signs,
-               GemvCall* call, int64_t* need) {
+               bool prologue, GemvCall* call, int64_t* need) {
   if (int rc = check_common(kGemv, bits, dtype, n, k)) return rc;
   if (int rc = check_rotation(rot_signs, k)) return rc;
   if (m < 1 || m > kGemvMaxM) return fail("x has %lld rows, the GEMV takes 1..%d", static_cast<long long>(m), kGemvMaxM);
@@ -555,7 +599,13 @@ int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* bloc
     return fail("weight of %lld x %lld is too large for the GEMV's 32-bit tile indexing", static_cast<long long>(n),
                 static_cast<long long>(k));
   const GemvPlan plan = device_gemv_plan(device, m, n, k);
-  *need = plan.workspace(m, n);
+  const GemvRotate rotate = rot_signs ? gemv_rotate_mode(bits, dtype, m, prologue) : kGemvRotateStaging;
+  if (rotate == kGemvRotateNone)
+    return fail("a rotated layer's GEMV with a prologue takes m <= 8 (the rotated instantiations), got m=%lld: "
+                "run the prologue, then kbit_gemv", static_cast<long long>(m));
+  call->rotate = rotate == kGemvRotateStandalone ? find_rotate(dtype) : nullptr;
+  call->xr_floats = call->rotate ? rotated_x_floats(m, k) : 0;
+  *need = plan.workspace(m, n) + call->xr_floats;
   MmParams& p = call->p;
   p = mm_params(dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, plan.splits, plan.chunk_kt);
   p.abs_table = plan.abs_table;
@@ -565,7 +615,7 @@ int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* bloc
   p.rot_signs = rot_signs;
   call->device = device;
   call->grid = plan.grid;
-  call->launch = find_gemv(bits, dtype, gemv_tiles(m));
+  call->launch = find_gemv(bits, dtype, gemv_tiles(m), rot_signs && !call->rotate);
   return call->launch ? KBIT_OK : unsupported(kGemv, bits, dtype);
 }
 
@@ -589,6 +639,14 @@ int gemv_launch(const GemvCall& call, const void* x, void* out, float* workspace
   DeviceGuard guard(call.device);
   if (guard.error() != cudaSuccess) return cuda_fail(guard.error(), "selecting the device");
   const auto s = static_cast<cudaStream_t>(stream);
+  if (call.rotate) {  // x (contiguous: no prologue here) -> x R at the workspace's head
+    const RotateParams r{x, workspace, p.rot_signs, p.m, p.k, p.k, p.dtype, 0};
+    cudaError_t err = call.rotate(r, s);
+    if (err != cudaSuccess) return cuda_fail(err, "kbit_gemv launch (rotation)");
+    p.x = workspace;
+    p.workspace = workspace + call.xr_floats;
+    p.rot_signs = nullptr;
+  }
   cudaError_t err = call.launch(p, call.grid, s);
   return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_gemv launch");
 }
@@ -602,8 +660,8 @@ int kbit_gemv(int device, void* stream, const void* x, int dtype, const int32_t*
               float* workspace, int64_t workspace_size, const uint32_t* rot_signs) {
   GemvCall call{};
   int64_t need = 0;
-  if (int rc = gemv_setup(device, dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, rot_signs, &call,
-                          &need))
+  if (int rc = gemv_setup(device, dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, rot_signs, false,
+                          &call, &need))
     return rc;
   if (n == 0) return KBIT_OK;
   if (!x || !out) return fail("x and out must be device pointers");
@@ -624,8 +682,8 @@ int kbit_gemv_prologue(int device, void* stream, int prologue, const void* x, in
     return fail("prologue must be 1 (silu_mul), 2 (rmsnorm) or 3 (add_rmsnorm), got %d", prologue);
   GemvCall call{};
   int64_t need = 0;
-  if (int rc = gemv_setup(device, dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, rot_signs, &call,
-                          &need))
+  if (int rc = gemv_setup(device, dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, rot_signs, true,
+                          &call, &need))
     return rc;
   if (n == 0) return KBIT_OK;
   const bool uses_x2 = prologue != kPrologueNorm, norm = prologue != kPrologueSiluMul;
@@ -668,8 +726,8 @@ int kbit_gemv_prepare(int device, int dtype, const int32_t* planes, const uint8_
   if (!call || !workspace_size) return fail("call and workspace_size must be host pointers");
   GemvCall c{};
   int64_t need = 0;
-  if (int rc = gemv_setup(device, dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, rot_signs, &c,
-                          &need))
+  if (int rc = gemv_setup(device, dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, rot_signs, false,
+                          &c, &need))
     return rc;
   *static_cast<GemvCall*>(call) = c;
   *workspace_size = need;
@@ -679,8 +737,8 @@ int kbit_gemv_prepare(int device, int dtype, const int32_t* planes, const uint8_
 int kbit_gemv_run(const void* call, const void* x, void* out, float* workspace, void* stream) {
   if (!call) return fail("call is a null pointer (kbit_gemv_prepare)");
   const GemvCall& c = *static_cast<const GemvCall*>(call);
-  if (c.p.n > 0 && (!x || !out || (c.p.splits > 1 && !c.p.cluster && !workspace)))
-    return fail("x, out (and the workspace of a split-K plan) must be device pointers");
+  if (c.p.n > 0 && (!x || !out || ((c.rotate || (c.p.splits > 1 && !c.p.cluster)) && !workspace)))
+    return fail("x, out (and the workspace of a split-K plan or a standalone rotation) must be device pointers");
   return gemv_launch(c, x, out, workspace, stream);
 }
 
@@ -698,6 +756,11 @@ int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const 
     return fail("x, out, planes, block_scales, row_scales and codebook must be device pointers");
   if (order ? !offsets : !expert_ids)
     return fail("give expert_ids (per-row mode) or order and offsets (grouped mode)");
+  // Grouped mode would rotate a row once per unit of its expert: there x R comes from the standalone
+  // rotation, once (the rotated instantiations are per-row mode's, generate_kernels.py).
+  if (rot_signs && order)
+    return fail("rot_signs takes per-row mode (expert_ids, no order/offsets); in grouped mode pass x R "
+                "(kbit_rotate) and no rot_signs");
   if (!aligned(planes, 16)) return fail("planes must be 16-byte aligned");
   if (ceil_div(n, kTileN) * ceil_div(k, kTileK) * bits * 64 >= (int64_t{1} << 31))
     return fail("expert weight of %lld x %lld is too large for 32-bit tile indexing", static_cast<long long>(n),
@@ -757,7 +820,7 @@ int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const 
                 static_cast<long long>(e));
   const int grid = sm_count(device) * ctas;
   const auto st = static_cast<cudaStream_t>(stream);
-  const GroupedGemvLaunch launch = find_grouped_gemv(bits, dtype, p.order ? kGroupedNt : 1);
+  const GroupedGemvLaunch launch = find_grouped_gemv(bits, dtype, p.order ? kGroupedNt : 1, rot_signs != nullptr);
   if (!launch) return unsupported(kGroupedGemv, bits, dtype);
   cudaError_t err = launch(p, grid, st);
   return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_grouped_gemv launch");
@@ -824,7 +887,7 @@ int kbit_mm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int dtyp
                 wgmma ? "wgmma" : "mma.sync", bits);
   if (m <= std::min(c->gemv_max_m, kGemvMaxM) && in_kernel_table(kGemv, bits, dtype)) {
     *path = kPathGemv;
-    *workspace = device_gemv_plan(device, m, n, k).workspace(m, n);
+    *workspace = device_gemv_plan(device, m, n, k).workspace(m, n) + (rotated ? rotated_x_floats(m, k) : 0);
     return KBIT_OK;
   }
   int cls = 0;

@@ -10,7 +10,9 @@
  * the sign words of R = diag(s) B (B = H64 / 8 on consecutive 64-element segments of K): [k / 32]
  * uint32 on the device, bit e % 32 of word e / 32 set <=> s_e = -1, k % 64 == 0. The stored
  * weight W' is then the quantized W R: the matmuls multiply x R (after any prologue, in float32,
- * rounded once to x's dtype) by W'^T, and dequantize returns W' R^T. NULL: no rotation.
+ * rounded once to x's dtype) by W'^T, and dequantize returns W' R^T. NULL: no rotation. Where a
+ * kernel does not stage x R itself, the call runs the standalone rotation (kbit_rotate) into its
+ * workspace first; the caller's dequantize + matmul path multiplies W' by kbit_rotate's x R.
  */
 #pragma once
 
@@ -44,13 +46,26 @@ KBIT_API int kbit_dequantize(int device, void* stream, const int32_t* planes, co
                              const float* row_scales, const float* codebook, int64_t codebook_stride, int bits,
                              int64_t batch, int64_t n, int64_t k, void* out, int dtype, const uint32_t* rot_signs);
 
-/* out [m, k] = x [m, k] R in dtype (rows of x x_stride elements apart; out contiguous, 16-byte
- * aligned): the standalone activation rotation, where no kernel fuses it. rot_signs required. */
+/* out [m, k] = x [m, k] R (inverse = 1: x R^T, e.g. dX = (dY W') R^T) in dtype, float32 arithmetic
+ * rounded once (rows of x x_stride elements apart; out contiguous, 16-byte aligned, not overlapping
+ * x): the standalone rotation, where no kernel fuses it. rot_signs required. */
 KBIT_API int kbit_rotate(int device, void* stream, const void* x, int64_t x_stride, int dtype, int64_t m, int64_t k,
-                         const uint32_t* rot_signs, void* out);
+                         const uint32_t* rot_signs, int inverse, void* out);
 
-/* Floats of float32 workspace kbit_gemv needs for this problem (0: none). */
-KBIT_API int64_t kbit_gemv_workspace_size(int device, int64_t m, int64_t n, int64_t k, int bits);
+/* Floats of float32 workspace kbit_gemv needs for this problem (0: none); rotated != 0: a rotated
+ * layer's (room for x R at its head, whichever way the call rotates). */
+KBIT_API int64_t kbit_gemv_workspace_size(int device, int64_t m, int64_t n, int64_t k, int bits, int rotated);
+
+/* The rotated GEMV crossover of bits (hf_kbit/backends/crossovers.json, rotated_gemv): a rotated
+ * layer's GEMV of m <= in_staging_max_m rows stages x R itself (where the library has that
+ * instantiation), larger m take the standalone rotation into the workspace, then the unrotated GEMV
+ * as its programmatic dependent. 0 (the value until set): the standalone rotation at every m. */
+KBIT_API int kbit_set_gemv_rotate_crossover(int bits, int in_staging_max_m);
+
+/* How a rotated layer's GEMV of m rows in dtype runs, into *mode: 1 x R staged by the GEMV, 0 the
+ * standalone rotation first, -1 (prologue != 0 beyond the rotated instantiations) refused by
+ * kbit_gemv_prologue (run the prologue unfused, then kbit_gemv). */
+KBIT_API int kbit_gemv_rotate_plan(int bits, int dtype, int64_t m, int prologue, int* mode);
 
 /* out [m, n] = x [m, k] @ W.T, m <= kbit_gemv_max_m(), x/out float16 or bfloat16. */
 KBIT_API int kbit_gemv(int device, void* stream, const void* x, int dtype, const int32_t* planes,
@@ -98,7 +113,8 @@ KBIT_API int kbit_gemm(int device, void* stream, const void* x, int dtype, const
  * sum_out [m, k] too). x and x2 rows are x_stride / x2_stride elements apart (>= k). The norm's
  * per-token rsqrt(mean(x^2) + eps) scales the token's sums, so results differ from the unfused
  * ops by rounding only. With rot_signs the GEMV multiplies the prologue's output rotated (the sum
- * of squares and sum_out stay unrotated: ||x R|| = ||x||). */
+ * of squares and sum_out stay unrotated: ||x R|| = ||x||), staged by the GEMV: m <= 8
+ * (kbit_gemv_rotate_plan), since only the staging sees the prologue's output. */
 KBIT_API int kbit_gemv_prologue(int device, void* stream, int prologue, const void* x, int64_t x_stride,
                                 const void* x2, int64_t x2_stride, const void* norm_weight, float eps, void* sum_out,
                                 int dtype, const int32_t* planes, const uint8_t* block_scales,
@@ -132,7 +148,8 @@ KBIT_API int kbit_gemv_run(const void* call, const void* x, void* out, float* wo
  * (rows of expert i are order[offsets[i] : offsets[i + 1]]); rows of no expert are not written.
  * With expert_ids given too, a GPU whose shared memory cannot hold the grouped mode's staging
  * falls back to per-row mode. The caller zero-fills out first. x/out float16 or bfloat16. rot_signs:
- * the experts' shared rotation (they all read the same x). */
+ * the experts' shared rotation (they all read the same x), per-row mode only (grouped mode: pass
+ * kbit_rotate's x R instead, one rotation rather than one per unit). */
 KBIT_API int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const int64_t* expert_ids,
                                const int64_t* order, const int64_t* offsets, const int32_t* planes,
                                const uint8_t* block_scales, const float* row_scales, const float* codebook,

@@ -49,13 +49,14 @@ struct DequantizeParams {
   const uint32_t* rot_signs;
 };
 
-// x R of x [m, k] (rotation.cuh, the standalone rotation): k % 64 == 0.
+// x R (or, inverse, x R^T) of x [m, k] (rotation.cuh, the standalone rotation): k % 64 == 0.
 struct RotateParams {
   const void* x;               // [m, k], rows x_stride elements apart, dtype `dtype`
-  void* out;                   // [m, k] contiguous, 16-byte aligned, dtype `dtype`
+  void* out;                   // [m, k] contiguous, 16-byte aligned, dtype `dtype`, not overlapping x
   const uint32_t* rot_signs;   // [k / 32]: bit e % 32 of word e / 32 set <=> s_e = -1
   int64_t m, k, x_stride;
   int dtype;
+  int inverse;                 // 0: x R (sign, then the transform); 1: x R^T (the transform, then the sign)
 };
 
 // out[m, n] = sum_k x[m, k] * W[n, k] for the small-M GEMV (gemv_kernel.cuh) and the mid-M

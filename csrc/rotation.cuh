@@ -46,15 +46,14 @@ __device__ __forceinline__ void butterfly_regs(float (&v)[N]) {
 }
 
 // Butterfly stage across lanes lane ^ kXor (kXor < 32; `mask`: the lanes taking part, whole
-// groups of them): the lower lane keeps a + b, the upper a - b, element by element.
+// groups of them): the lower lane keeps a + b, the upper a - b, element by element. One fma per
+// element, v * (+-1) + o: the product is exact, so it rounds as the add (a + b, or o - v = a - b)
+// does, where a select between two adds costs three instructions.
 template <int kXor, int N>
 __device__ __forceinline__ void butterfly_lanes(float (&v)[N], unsigned mask) {
-  const bool upper = (threadIdx.x & kXor) != 0;
+  const float sign = (threadIdx.x & kXor) != 0 ? -1.f : 1.f;
 #pragma unroll
-  for (int i = 0; i < N; ++i) {
-    const float o = __shfl_xor_sync(mask, v[i], kXor);
-    v[i] = upper ? o - v[i] : v[i] + o;
-  }
+  for (int i = 0; i < N; ++i) v[i] = __fmaf_rn(sign, v[i], __shfl_xor_sync(mask, v[i], kXor));
 }
 
 // Prefetches sign words [w0, w1) into L1 (one instruction per 128-byte line, the block's threads
@@ -92,14 +91,17 @@ __device__ __forceinline__ void unrotate8(float (&v)[8], uint32_t sign_bits, uns
   for (int e = 0; e < 8; ++e) v[e] = flip_sign(__fmul_rn(v[e], kRotScale), (sign_bits >> e) & 1u);
 }
 
-// ---- the standalone rotation: x [m, k] -> x R [m, k] in x's dtype ----
-// The fallback where no kernel fuses it (the mma.sync GEMM: into its workspace) and the tests'
-// reference point. A thread rotates 8 consecutive elements (one 16-byte load of 16-bit x), 8
-// lanes a segment (rotate8); grid-stride over the 8-element vectors.
+// ---- the standalone rotation: x [m, k] -> x R (or y R^T) [m, k] in x's dtype ----
+// Where no kernel fuses it: the GEMV above its in-staging crossover and the mma.sync GEMM (x R into
+// their workspace), dequantize + cuBLAS (x R), and the gradients (dX = (dY W') R^T: the unrotation of
+// dY W'); also the tests' reference point. A thread transforms 8 consecutive elements (one 16-byte
+// load of 16-bit x), 8 lanes a segment (rotate8 / unrotate8); grid-stride over the 8-element vectors.
+// It launches its dependents right after its own wait (kbit_common.cuh): the GEMV that reads its
+// output then loads its first weight tiles and builds its table while the rotation runs.
 
 constexpr int kRotateThreads = 256;
 
-template <typename T>
+template <typename T, bool kInverse>
 __global__ void __launch_bounds__(kRotateThreads) rotate_kernel(RotateParams p) {
   wait_for_primary_grid();  // a programmatic dependent launch (sm_90+): x may be the previous kernel's output
   allow_dependent_launch();
@@ -129,7 +131,8 @@ __global__ void __launch_bounds__(kRotateThreads) rotate_kernel(RotateParams p) 
     float v[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) v[e] = to_float(in.e[e]);
-    rotate8(v, bits, mask);
+    if constexpr (kInverse) unrotate8(v, bits, mask);
+    else rotate8(v, bits, mask);
     Vec o;
 #pragma unroll
     for (int e = 0; e < 8; ++e) o.e[e] = from_float<T>(v[e]);
@@ -145,7 +148,8 @@ cudaError_t launch_rotate(const RotateParams& p, cudaStream_t stream) {
   const unsigned blocks =
       static_cast<unsigned>(std::min<int64_t>((threads + kRotateThreads - 1) / kRotateThreads, int64_t{1} << 20));
   const KernelLaunch launch(blocks, kRotateThreads, 0, stream, 1, use_pdl());
-  return cudaLaunchKernelEx(&launch.config, rotate_kernel<T>, p);
+  return p.inverse ? cudaLaunchKernelEx(&launch.config, rotate_kernel<T, true>, p)
+                   : cudaLaunchKernelEx(&launch.config, rotate_kernel<T, false>, p);
 }
 
 }  // namespace kbit

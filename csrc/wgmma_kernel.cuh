@@ -182,10 +182,11 @@ __device__ __forceinline__ void store_x_groups(char* stage, int atom_bytes, int 
     *reinterpret_cast<uint4*>(row + ((x_perm_unit<BITS>(q, j) ^ (r & 7)) * 16)) = make_uint4(w[j][0], w[j][1], w[j][2], w[j][3]);
 }
 
-// One thread per (token, K tile, group q) of every token block; rot_signs: a rotated layer's sign
-// words (x R is staged), else nullptr. The 4 threads of a (token, K tile) are consecutive lanes, and
-// whole warps run the grid-stride loop together (every count is a multiple of 256).
-template <int BITS, typename T>
+// One thread per (token, K tile, group q) of every token block; kRotate: rot_signs are a rotated
+// layer's sign words and x R is staged (a template flag: the unrotated instantiation is the code it was
+// before rotation existed). The 4 threads of a (token, K tile) are consecutive lanes, and whole warps
+// run the grid-stride loop together (every count is a multiple of 256).
+template <int BITS, typename T, bool kRotate>
 __global__ void __launch_bounds__(256) wgmma_x_kernel(const T* x, int64_t m, int64_t k, int k_tiles, int nb,
                                                       int64_t tokens_padded, char* x_perm,
                                                       const uint32_t* rot_signs) {
@@ -202,7 +203,7 @@ __global__ void __launch_bounds__(256) wgmma_x_kernel(const T* x, int64_t m, int
     const int64_t tok = rest / k_tiles;
     uint4 v[4];
     load_x_groups<T>(x, m, k, vec_ok, tok, kt, q, v);
-    if (rot_signs) rotate_x_groups<T>(v, rot_signs, k, kt, q);
+    if constexpr (kRotate) rotate_x_groups<T>(v, rot_signs, k, kt, q);
     const int64_t tb = tok / block_tokens;
     const int r = static_cast<int>(tok - tb * block_tokens);
     store_x_groups<BITS>(x_perm + (tb * k_tiles + kt) * 2 * (block_tokens * 128), block_tokens * 128, r, q, v);
@@ -374,8 +375,10 @@ cudaError_t launch_wgmma_gemm(const MmParams& p, dim3 grid, cudaStream_t stream)
   const int64_t threads = tokens_padded * k_tiles * 4;
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((threads + 255) / 256, int64_t{1} << 20));
   const KernelLaunch x_launch(blocks, 256, 0, stream, 1, use_pdl());
-  cudaError_t err = cudaLaunchKernelEx(&x_launch.config, wgmma_x_kernel<BITS, T>, static_cast<const T*>(p.x), p.m, p.k,
-                                       k_tiles, NB, tokens_padded, p.x_perm, p.rot_signs);
+  cudaError_t err = cudaLaunchKernelEx(&x_launch.config, p.rot_signs ? wgmma_x_kernel<BITS, T, true>
+                                                                      : wgmma_x_kernel<BITS, T, false>,
+                                       static_cast<const T*>(p.x), p.m, p.k, k_tiles, NB, tokens_padded, p.x_perm,
+                                       p.rot_signs);
   if (err != cudaSuccess) return err;
 
   constexpr int kSmem = wgmma_smem_bytes(NB);

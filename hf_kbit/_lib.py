@@ -86,10 +86,14 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kbit_dequantize.argtypes = [c_int, c_vp, c_vp, c_vp, c_vp, c_vp, c_i64, c_int, c_i64, c_i64, c_i64, c_vp, c_int,
                                     c_vp]
     lib.kbit_dequantize.restype = c_int
-    lib.kbit_rotate.argtypes = [c_int, c_vp, c_vp, c_i64, c_int, c_i64, c_i64, c_vp, c_vp]
+    lib.kbit_rotate.argtypes = [c_int, c_vp, c_vp, c_i64, c_int, c_i64, c_i64, c_vp, c_int, c_vp]
     lib.kbit_rotate.restype = c_int
-    lib.kbit_gemv_workspace_size.argtypes = [c_int, c_i64, c_i64, c_i64, c_int]
+    lib.kbit_gemv_workspace_size.argtypes = [c_int, c_i64, c_i64, c_i64, c_int, c_int]
     lib.kbit_gemv_workspace_size.restype = c_i64
+    lib.kbit_set_gemv_rotate_crossover.argtypes = [c_int, c_int]
+    lib.kbit_set_gemv_rotate_crossover.restype = c_int
+    lib.kbit_gemv_rotate_plan.argtypes = [c_int, c_int, c_i64, c_int, ctypes.POINTER(c_int)]
+    lib.kbit_gemv_rotate_plan.restype = c_int
     lib.kbit_gemv.argtypes = [c_int, c_vp, c_vp, c_int, c_vp, c_vp, c_vp, c_vp, c_int, c_i64, c_i64, c_i64, c_vp, c_vp,
                               c_i64, c_vp]
     lib.kbit_gemv.restype = c_int
