@@ -24,9 +24,12 @@ Dispatch of ``mm`` by M (rows of x after flattening the leading dims): the libra
 Rotated layers (hf_kbit.rotation): every function that computes with a weight takes ``signs``, the
 layer's sign words (int32 ``[in_features // 32]`` on the weight's device, bit ``e % 32`` of word
 ``e // 32`` set where ``s_e = -1``; :func:`sign_words` builds them), or None. The kernels then multiply
-``x R`` (the GEMV and the wgmma GEMM rotate x as they stage it; the mma.sync GEMM rotates it into its
-workspace first), ``dequantize`` returns the weight unrotated, ``W' R^T``, and so the dequantize +
-cuBLAS and gradient paths multiply x itself. The eager fast path reads ``module.rotation_signs``.
+``x R`` by the stored ``W'``: the GEMV stages ``x R`` up to its measured crossover (``rotated_gemv`` in
+crossovers.json) and above it runs the standalone rotation into its workspace first, as the mma.sync
+GEMM does; the wgmma GEMM rotates in its x rewrite; dequantize + cuBLAS multiplies the stored weight by
+the standalone rotation's ``x R``, and the gradient ``dX = (dY W') R^T`` is unrotated after the matmul.
+Only ``dequantize`` itself returns the weight unrotated, ``W' R^T``. The eager fast path reads
+``module.rotation_signs``.
 """
 
 from __future__ import annotations
@@ -40,10 +43,14 @@ from .. import _lib
 from .. import _ops
 from .. import format as fmt
 from . import crossovers
+from . import cuda_rotation
+from .cuda_rotation import gemv_rotate_plan, rotate, unrotate
+from .cuda_rotation import signs_ptr as _signs_ptr
 
 _LIB = _lib.load()
 
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+sign_words = cuda_rotation.sign_words  # rotated layers' sign words, as the kernels read them
 
 # The GEMV kernel's own limit on M.
 GEMV_MAX_M = int(_LIB.kbit_gemv_max_m())
@@ -61,7 +68,10 @@ def load_crossovers(path=crossovers.FILE) -> None:
             rc = _LIB.kbit_set_mm_crossovers(crossovers.GEMM_KERNELS.index(kernel), bits, gemv_max_m, len(classes),
                                              weights, gemm_max)
             _lib.check(rc, f"set_mm_crossovers ({kernel}, bits={bits})")
+    for bits, in_staging_max_m in crossovers.read_rotated(path).items():
+        _lib.check(_LIB.kbit_set_gemv_rotate_crossover(bits, in_staging_max_m), f"set_gemv_rotate_crossover ({bits})")
     _mm_plans.clear()
+    gemv_rotate_plan.cache_clear()
 
 
 _mm_plans: dict[tuple, tuple[str, str, int]] = {}
@@ -89,13 +99,13 @@ def mm_path(m: int, n: int, k: int, bits: int, device: int, dtype: torch.dtype =
     return mm_plan(m, n, k, bits, device, dtype, rotated)[0]
 
 
-load_crossovers()
-
-
 def gemv_wins(m: int, n: int, k: int, bits: int, device: int, dtype: torch.dtype = torch.bfloat16,
               rotated: bool = False) -> bool:
     """True when the GEMV serves this problem (the eager fast path covers only the GEMV)."""
     return mm_plan(m, n, k, bits, device, dtype, rotated)[0] == "gemv"
+
+
+load_crossovers()
 
 
 _checked_shapes: set[tuple] = set()
@@ -124,9 +134,9 @@ _gemm_workspace = gemm_workspace  # the name before it was public
 
 
 @functools.cache
-def _gemv_workspace(device: int, m: int, n: int, k: int, bits: int) -> int:
-    """Floats of workspace the GEMV needs on CUDA device index ``device``."""
-    return int(_LIB.kbit_gemv_workspace_size(device, m, n, k, bits))
+def _gemv_workspace(device: int, m: int, n: int, k: int, bits: int, rotated: bool = False) -> int:
+    """Floats of workspace the GEMV needs on CUDA device index ``device`` (``rotated``: a rotated layer's)."""
+    return int(_LIB.kbit_gemv_workspace_size(device, m, n, k, bits, int(rotated)))
 
 
 def _dense(planes, block_scales, row_scales, codebook) -> tuple:
@@ -141,49 +151,6 @@ def _same_device(x: torch.Tensor, x_name: str = "x", /, **tensors: torch.Tensor)
             raise ValueError(
                 f"{name} is on {t.device} but {x_name} is on {x.device} (all kbit tensors must be on one device)"
             )
-
-
-def sign_words(k: int, seed: int, device=None) -> torch.Tensor:
-    """The sign words of ``hf_kbit.rotation.signs(k, seed)`` as the kernels read them: int32 ``[k // 32]``,
-    bit ``e % 32`` of word ``e // 32`` set where ``s_e = -1``."""
-    from .. import rotation
-
-    if k % 64:
-        raise ValueError(f"rotated layers need in_features % 64 == 0, got {k}")
-    bits = (rotation.signs(k, seed) < 0).to(torch.int64).view(k // 32, 32)
-    words = (bits << torch.arange(32, dtype=torch.int64)).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).to(device)
-
-
-def _signs_ptr(signs, k: int, device: torch.device):
-    """The C ABI's rot_signs for ``signs`` (None: no rotation), after checking it."""
-    if signs is None:
-        return None
-    if signs.dtype != torch.int32 or tuple(signs.shape) != (k // 32,) or k % 64:
-        raise ValueError(f"signs must be int32 [in_features // 32] = [{k // 32}] with in_features % 64 == 0 "
-                         f"(in_features={k}), got {signs.dtype} {tuple(signs.shape)}")
-    if signs.device != device:
-        raise ValueError(f"signs is on {signs.device} but the weight is on {device} "
-                         "(all kbit tensors must be on one device)")
-    if not signs.is_contiguous():
-        raise ValueError("signs must be contiguous")
-    return signs.data_ptr()
-
-
-def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
-    """``x [..., K] @ R`` in x's dtype (float32 arithmetic, rounded once): the standalone rotation kernel."""
-    k = x.shape[-1]
-    sp = _signs_ptr(signs, k, x.device)
-    if sp is None:
-        raise ValueError("rotate needs the sign words (signs)")
-    if x.dtype not in _DTYPE_CODE:
-        raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
-    x2 = _rows(x, k)
-    out = torch.empty((x2.shape[0], k), dtype=x.dtype, device=x.device)
-    rc = _LIB.kbit_rotate(x.device.index, _stream(x.device), x2.data_ptr(), x2.stride(0) if x2.shape[0] > 1 else k,
-                          _DTYPE_CODE[x.dtype], x2.shape[0], k, sp, out.data_ptr())
-    _lib.check(rc, "rotate")
-    return out.reshape(x.shape)
 
 
 def _check_packed_once(planes, block_scales, row_scales, codebook, in_features) -> None:
@@ -287,9 +254,12 @@ mm_direct = _mm_cuda  # kbit::mm's CUDA implementation without the dispatcher (b
 def _dequant_matmul(x2, planes, block_scales, row_scales, codebook, k: int, signs=None) -> torch.Tensor:
     # Whole-weight dequantize, then one cuBLAS call: measured faster than working through the
     # weight in L2-sized row chunks (smaller cuBLAS calls lose more than the L2 saves). A rotated
-    # weight comes out unrotated (W' R^T), so x needs no rotation here.
+    # layer: the stored W' times the standalone rotation's x R (2 M K bytes each way), not the weight
+    # unrotated in the dequantize, which turned that kernel ALU-bound (+15-31% on the H100).
+    if signs is not None:
+        x2 = rotate(x2, signs)
     w = torch.empty((row_scales.shape[0], k), dtype=x2.dtype, device=x2.device)
-    _dequantize_into(planes, block_scales, row_scales, codebook, k, w, signs)
+    _dequantize_into(planes, block_scales, row_scales, codebook, k, w)
     return torch.matmul(x2, w.t())
 
 
@@ -313,7 +283,7 @@ def run_path(path: str, x2, planes, block_scales, row_scales, codebook, k: int,
         ws_size = _gemm_workspace(device.index, m, n, k, bits, sp is not None) if ws_size is None else ws_size
         launch = _LIB.kbit_gemm
     else:
-        ws_size = _gemv_workspace(device.index, m, n, k, bits) if ws_size is None else ws_size
+        ws_size = _gemv_workspace(device.index, m, n, k, bits, sp is not None) if ws_size is None else ws_size
         launch = _LIB.kbit_gemv
     out = torch.empty((m, n), dtype=x2.dtype, device=device)
     ws = torch.empty(ws_size, dtype=torch.float32, device=device) if ws_size > 0 else None
@@ -352,6 +322,8 @@ def _gemv_prologue(kind, x, x2, norm_weight, eps, planes, block_scales, row_scal
     m = xr.shape[0]
     if m == 0 or n == 0 or k == 0 or mm_path(m, n, k, bits, x.device.index, x.dtype, signs is not None) != "gemv":
         return None
+    if signs is not None and gemv_rotate_plan(m, bits, x.dtype, True) is None:
+        return None  # only the staging sees the prologue's output: beyond the rotated GEMV, unfused
     _check_packed_once(planes, block_scales, row_scales, codebook, k)
     _same_device(x, planes=planes, block_scales=block_scales, row_scales=row_scales, codebook=codebook)
     sp = _signs_ptr(signs, k, x.device)
@@ -359,7 +331,7 @@ def _gemv_prologue(kind, x, x2, norm_weight, eps, planes, block_scales, row_scal
     weight = norm_weight.contiguous() if norm_weight is not None else None
     planes, block_scales, row_scales, codebook = _dense(planes, block_scales, row_scales, codebook)
     total = torch.empty((m, k), dtype=x.dtype, device=x.device) if kind == "add_rmsnorm" else None
-    ws_size = _gemv_workspace(x.device.index, m, n, k, bits)
+    ws_size = _gemv_workspace(x.device.index, m, n, k, bits, sp is not None)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ws = torch.empty(ws_size, dtype=torch.float32, device=x.device) if ws_size > 0 else None
     rc = _LIB.kbit_gemv_prologue(
@@ -535,7 +507,8 @@ def _grouped_mm_cuda(x, expert_ids, planes, block_scales, row_scales, codebook, 
     """Rows up to ``GROUP_ROWS_ABOVE``: each row its expert's GEMV (decode, no sort);
     beyond it the rows grouped by expert on the device, so that a weight tile is decoded once
     for up to 32 rows of its expert (``order``/``offsets`` when given, else sorted here).
-    ``signs``: the experts' shared rotation (they all read x), rotated as x is staged."""
+    ``signs``: the experts' shared rotation (they all read x): staged as x R in per-row mode, the
+    standalone rotation's x R in grouped mode."""
     _ops._check_mm_input(x, in_features)
     _check_packed_once(planes, block_scales, row_scales, codebook, in_features)
     _ops._check_grouped(x, expert_ids, row_scales, codebook)
@@ -567,6 +540,8 @@ def _grouped_mm_cuda(x, expert_ids, planes, block_scales, row_scales, codebook, 
         order, offsets = order.contiguous(), offsets.contiguous()
         _same_device(x, order=order, offsets=offsets)
         ids_ptr, order_ptr, offsets_ptr = ids.data_ptr(), order.data_ptr(), offsets.data_ptr()
+        if sp is not None:  # grouped mode: x R once (the kernel would rotate a row in every unit)
+            x, sp = rotate(x, signs), None
     rc = _LIB.kbit_grouped_gemv(
         x.device.index, _stream(x.device), x.data_ptr(), _GEMV_DTYPES[x.dtype], ids_ptr, order_ptr, offsets_ptr,
         planes.data_ptr(), block_scales.data_ptr(), row_scales.data_ptr(), codebook.data_ptr(), planes.shape[-3],
@@ -581,8 +556,9 @@ def _grouped_mm_cuda(x, expert_ids, planes, block_scales, row_scales, codebook, 
 # dX = dY @ W at training shapes (M = batch x sequence, thousands of rows): the weight dequantized
 # into dY's dtype and one cuBLAS call, the path the forward's own table takes past its GEMM
 # crossover (docs/kernels.md); no transposed kbit kernel exists yet. float32 gradients take the
-# reference (dequantize to float32, same cuBLAS). A rotated layer's weight is dequantized unrotated
-# (W = W' R^T, the weight x multiplies), so grad @ W is its gradient as it stands.
+# reference (dequantize to float32, same cuBLAS). A rotated layer: dX = (dY W') R^T, the stored W'
+# dequantized as it is and the product unrotated by the standalone kernel (2 M K bytes each way,
+# where unrotating the weight in the dequantize made that kernel ALU-bound).
 
 
 @torch.library.impl(_ops._lib, "mm_grad_x", "CUDA")
@@ -596,30 +572,21 @@ def _mm_grad_x_cuda(grad, planes, block_scales, row_scales, codebook, in_feature
     compute = grad.dtype if grad.dtype in _GEMV_DTYPES else torch.float32
     w = torch.empty((row_scales.shape[0], in_features), dtype=compute, device=grad.device)
     if w.numel():
-        _dequantize_into(planes, block_scales, row_scales, codebook, in_features, w, signs)
-    return torch.matmul(grad.to(compute), w).to(grad.dtype)
+        _dequantize_into(planes, block_scales, row_scales, codebook, in_features, w)
+    out = torch.matmul(grad.to(compute), w)
+    if signs is not None and out.numel():
+        out = unrotate(out, signs)
+    return out.to(grad.dtype)
 
 
 @torch.library.impl(_ops._lib, "grouped_mm_grad_x", "CUDA")
 def _grouped_mm_grad_x_cuda(grad, expert_ids, planes, block_scales, row_scales, codebook, in_features, order=None,
                             offsets=None, signs=None):
     # One expert's weight at a time in grad's dtype (never all E dequantized at once); the group
-    # sizes are read on the host, as in the forward reference.
-    compute = grad.dtype if grad.dtype in _GEMV_DTYPES else torch.float32
-    if signs is None:
-        return _ops._grouped_grad_x(grad, expert_ids, planes, block_scales, row_scales, codebook, in_features, order,
-                                    offsets, compute)
-    # TODO(merge): _ops._grouped_grad_x with signs once the op schemas take them; until then the same
-    # loop here, each expert's weight dequantized unrotated by the CUDA kernel.
-    _ops._check_grad_input(grad, row_scales)
-    _check_packed_once(planes, block_scales, row_scales, codebook, in_features)
-    _ops._check_grouped(grad.new_empty((grad.shape[0], in_features)), expert_ids, row_scales, codebook)
-    _ops._check_routing(expert_ids, order, offsets, row_scales.shape[0])
-    _same_device(grad, "grad", expert_ids=expert_ids, planes=planes, block_scales=block_scales, row_scales=row_scales,
-                 codebook=codebook)
+    # sizes are read on the host, as in the forward reference. Rotated experts share R (they all
+    # read x): the rows' products with the stored weights, then one unrotation of them all.
     _signs_ptr(signs, in_features, grad.device)
-    out = torch.zeros(grad.shape[0], in_features, dtype=compute, device=grad.device)
-    for rows, packed in _ops._expert_groups(expert_ids, order, offsets, planes, block_scales, row_scales, codebook):
-        w = _dequantize_cuda(*packed, in_features, compute, signs)
-        out[rows] = grad[rows].to(compute) @ w
-    return out.to(grad.dtype)
+    compute = grad.dtype if grad.dtype in _GEMV_DTYPES else torch.float32
+    out = _ops._grouped_grad_x(grad, expert_ids, planes, block_scales, row_scales, codebook, in_features, order,
+                               offsets, compute)
+    return unrotate(out, signs) if signs is not None and out.numel() else out
