@@ -1,6 +1,6 @@
 """GPU tests of the kernels' side of rotation (issue 34 item 3, hf_kbit/rotation.py) against the PyTorch
-reference: the standalone rotation kernel, dequantize with the sign words, and every path of kbit::mm,
-its prologues and grouped_mm on a rotated layer.
+reference: the standalone rotation kernel both ways, dequantize with the sign words, and every path of
+kbit::mm (the GEMV both ways of rotating), its prologues, grouped_mm and the gradients on a rotated layer.
 
 A rotated layer stores the quantized ``rotate(W)`` (``W R``, ``R = diag(s) B``, ``B`` = H64 / 8 on
 64-element segments of K); the kernels multiply ``x R`` rounded once to x's dtype, so the reference
@@ -111,6 +111,18 @@ def test_rotate_kernel_strided_rows(offset):
     assert torch.equal(backend().rotate(x, sign_words(k)), rotate_ref(x.contiguous()))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m,k", [(1, 64), (3, 4096), (600, 576), (5, 14336)], ids=lambda v: str(v))
+def test_unrotate_kernel_bit_exact(dtype, m, k):
+    """kbit_rotate's inverse (y R^T: the transform, then the sign): bit-exact with unrotate(y).to(dtype),
+    and the inverse of the rotation up to the two roundings."""
+    y = torch.randn(m, k, device=DEVICE).to(dtype)
+    got = backend().unrotate(y, sign_words(k))
+    assert got.dtype == dtype and torch.equal(got, rotation.unrotate(y, BLOCK, SEED).to(dtype))
+    back = backend().rotate(got, sign_words(k))
+    assert rel_err(back, y) < MM_REL_TOL[dtype]
+
+
 def test_rotation_refuses_bad_signs_before_launch():
     be = backend()
     x = torch.randn(2, 100, device=DEVICE, dtype=torch.bfloat16)
@@ -121,8 +133,11 @@ def test_rotation_refuses_bad_signs_before_launch():
     # The C ABI checks K itself (rot_signs is never read before the check).
     lib = _lib.load()
     fake = ctypes.c_void_p(16)
-    rc = lib.kbit_rotate(0, None, ctypes.c_void_p(16), 100, 2, 1, 100, fake, ctypes.c_void_p(16))
+    rc = lib.kbit_rotate(0, None, ctypes.c_void_p(16), 100, 2, 1, 100, fake, 0, ctypes.c_void_p(16))
     with pytest.raises(ValueError, match="in_features % 64 == 0"):
+        _lib.check(rc, "rotate")
+    rc = lib.kbit_rotate(0, None, ctypes.c_void_p(16), 128, 2, 1, 128, fake, 2, ctypes.c_void_p(16))
+    with pytest.raises(ValueError, match="inverse must be 0"):
         _lib.check(rc, "rotate")
 
 
@@ -178,9 +193,38 @@ def check_rotated_path(path, x, weights, wq, signs, k):
     assert out.shape == (x.shape[0], wq.shape[0]) and out.dtype == x.dtype
     err = rel_err(out, xr.double() @ wq.double().T)
     assert err < MM_REL_TOL[x.dtype], (path, err)
-    if path != "dequant":
-        assert torch.equal(out, be.run_path(path, xr, *weights, k)), f"{path}: x R staged differently from rotate()"
+    # Every path multiplies the stored W' by x R exactly as rotate() rounds it: the GEMV and GEMM staging
+    # it, the standalone rotation before the GEMV, the GEMM or dequantize + cuBLAS.
+    assert torch.equal(out, be.run_path(path, xr, *weights, k)), f"{path}: x R differs from rotate()'s"
     return out
+
+
+@pytest.fixture(params=["staged", "standalone"])
+def gemv_rotation(request):
+    """Forces the rotated GEMV's way of rotating through its crossover (kbit_set_gemv_rotate_crossover):
+    staged (where the rotated instantiation exists, M <= 8) or the standalone rotation first; the
+    shipped crossovers are reloaded after."""
+    be = backend()
+    lib = _lib.load()
+    for bits in (2, 3, 4, 5):
+        lib.kbit_set_gemv_rotate_crossover(bits, be.GEMV_MAX_M if request.param == "staged" else 0)
+    be.gemv_rotate_plan.cache_clear()
+    yield request.param
+    be.load_crossovers()
+
+
+def test_rotated_gemv_plan_from_the_crossover():
+    """The shipped crossover (crossovers.json, rotated_gemv): the GEMV stages x R up to its M and runs the
+    standalone rotation first above it; a prologue stages wherever the rotated instantiation exists
+    (M <= 8) and is refused beyond (unfused)."""
+    from hf_kbit.backends import crossovers
+
+    be = backend()
+    for bits, max_m in crossovers.read_rotated().items():
+        for m in (1, 2, 3, 8, 9, 16):
+            want = "staged" if m <= min(max_m, 8) else "standalone"
+            assert be.gemv_rotate_plan(m, bits, torch.bfloat16) == want, (bits, m)
+            assert be.gemv_rotate_plan(m, bits, torch.float16, True) == ("staged" if m <= 8 else None), (bits, m)
 
 
 @pytest.mark.parametrize("m", ROT_MS, ids=lambda m: f"M{m}")
@@ -255,11 +299,40 @@ def test_rotated_gemv_plan_cases_cover_every_mode():
 
 @pytest.mark.parametrize("case", ROT_GEMV_PLAN_CASES, ids=lambda c: f"N{c[0]}K{c[1]}M{c[2]}")
 @pytest.mark.parametrize("bits,dtype", table_cases("gemv"))
-def test_rotated_gemv_every_plan_mode(bits, dtype, case):
+def test_rotated_gemv_every_plan_mode(bits, dtype, case, gemv_rotation):
+    """Both ways of rotating (forced): the staged x R and the standalone rotation into the workspace's
+    head (the split-K partials after it), each bit for bit as the unrotated GEMV on rotate()'s x R."""
     n, k, m = case
     weights, wq, signs = rotated_packed(n, k, bits)
     x = torch.randn(m, k, device=DEVICE).to(dtype)
+    want = "staged" if gemv_rotation == "staged" and m <= 8 else "standalone"
+    assert backend().gemv_rotate_plan(m, bits, dtype) == want
     check_rotated_path("gemv", x, weights, wq, signs, k)
+
+
+def test_rotated_gemv_refusals():
+    """The C ABI's rotated limits, named: a prologue beyond the rotated instantiations (only the staging
+    sees its output) and rot_signs in the grouped GEMV's grouped mode (x R comes from kbit_rotate)."""
+    lib = _lib.load()
+    n, k = 64, 256
+    (planes, scales, rs, cb), _, signs = rotated_packed(n, k, 4)
+    x = torch.randn(16, 2 * k, device=DEVICE, dtype=torch.bfloat16)
+    out = torch.empty(16, n, device=DEVICE, dtype=torch.bfloat16)
+    ws = torch.empty(1 << 16, device=DEVICE)
+    rc = lib.kbit_gemv_prologue(0, None, 1, x.data_ptr(), 2 * k, x[:, k:].data_ptr(), 2 * k, None, 0.0, None, 2,
+                                planes.data_ptr(), scales.data_ptr(), rs.data_ptr(), cb.data_ptr(), 4, 16, n, k,
+                                out.data_ptr(), ws.data_ptr(), ws.numel(), signs.data_ptr())
+    with pytest.raises(ValueError, match="prologue takes m <= 8"):
+        _lib.check(rc, "mm_silu_mul")
+    e = 2
+    (planes, scales, rs, cb), _, signs = rotated_packed(n, k, 4, experts=e)
+    ids = torch.zeros(16, dtype=torch.int64, device=DEVICE)
+    order, offsets = torch.arange(16, device=DEVICE), torch.tensor([0, 16, 16], device=DEVICE)
+    rc = lib.kbit_grouped_gemv(0, None, x.data_ptr(), 2, ids.data_ptr(), order.data_ptr(), offsets.data_ptr(),
+                               planes.data_ptr(), scales.data_ptr(), rs.data_ptr(), cb.data_ptr(), 4, 16, e, n, k,
+                               out.data_ptr(), signs.data_ptr())
+    with pytest.raises(ValueError, match="rot_signs takes per-row mode"):
+        _lib.check(rc, "grouped_mm")
 
 
 # ---------------------------------------------------------------------------- the GEMV's prologues
@@ -284,7 +357,8 @@ def prologue_input(kind, a, b, w):
 @pytest.mark.parametrize("case", PROLOGUE_CASES, ids=lambda c: "x".join(map(str, c)))
 def test_rotated_prologue_matches_the_unfused_ops(case, bits, kind, dtype):
     """The fused prologue rotates what it would stage (silu(g) * u, w * (a [+ b])); the norm's per-token
-    rsqrt still scales the sums (it commutes with R) and add_rmsnorm's sum stays unrotated."""
+    rsqrt still scales the sums (it commutes with R) and add_rmsnorm's sum stays unrotated. M > 8:
+    beyond the rotated instantiations, the unfused ops (the op's fallback)."""
     be = backend()
     n, k, m = case
     weights, wq, signs = rotated_packed(n, k, bits)
@@ -411,8 +485,9 @@ def test_rotated_grouped_mm_reference_fallbacks():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_rotated_grad_x_uses_the_unrotated_weight(dtype):
-    """dX = dY @ W with W = W' R^T (dequantize with the signs): the gradient of x -> (x R) @ W'^T."""
+def test_rotated_grad_x_unrotates_the_product(dtype):
+    """dX = dY W = (dY W') R^T: the stored weight's product unrotated by the standalone kernel, the
+    gradient of x -> (x R) @ W'^T."""
     be = backend()
     n, k = 300, 640
     weights, wq, signs = rotated_packed(n, k, 3)
@@ -421,12 +496,17 @@ def test_rotated_grad_x_uses_the_unrotated_weight(dtype):
     out = be._mm_grad_x_cuda(grad, *weights, k, signs)  # op: kbit::mm_grad_x
     assert out.shape == (2, 5, k) and out.dtype == dtype
     assert rel_err(out, grad.double() @ w.double()) < MM_REL_TOL[dtype]
+    # (dY W') R^T: the stored weight's product (the unrotated layer's gradient), unrotated once.
+    stored = be._mm_grad_x_cuda(grad, *weights, k)
+    assert torch.equal(out, rotation.unrotate(stored, BLOCK, SEED).to(dtype))
     e = 4
     weights, wq, signs = rotated_packed(n, k, 3, experts=e)
     w = rotation.unrotate(wq, BLOCK, SEED)
     ids = torch.tensor([3, 0, 0, 2, -1, 3], device=DEVICE)
     grad = torch.randn(6, n, device=DEVICE).to(dtype)
     out = be._grouped_mm_grad_x_cuda(grad, ids, *weights, k, None, None, signs)  # op: kbit::grouped_mm_grad_x
+    stored = be._grouped_mm_grad_x_cuda(grad, ids, *weights, k)
+    assert torch.equal(out, rotation.unrotate(stored, BLOCK, SEED).to(dtype))
     ref = torch.zeros(6, k, dtype=torch.float64, device=DEVICE)
     for r, i in enumerate(ids.tolist()):
         if i >= 0:
