@@ -65,12 +65,13 @@ def read_rotated(path: Path = FILE) -> dict[int, int]:
 
 def write(crossovers: dict, about: str, path: Path = FILE, rotated: dict[int, int] | None = None) -> None:
     """Write ``crossovers`` (as :func:`read` returns, for one or both GEMM kernels: the others keep the
-    file's values) and ``rotated`` (as :func:`read_rotated` returns; None keeps the file's) to ``path``."""
+    file's values) and ``rotated`` (as :func:`read_rotated` returns; None keeps the file's, or the shipped
+    file's for a new one) to ``path``."""
     exists = Path(path).is_file()
     merged = read(path) if exists else {}
     merged.update(crossovers)
     if rotated is None:
-        rotated = read_rotated(path) if exists else {}
+        rotated = read_rotated(path if exists else FILE)
     mm = {kernel: {str(bits): {"gemv_max_m": gemv, "gemm_max_m_by_weight": [list(c) for c in classes]}
                    for bits, (gemv, classes) in sorted(by_bits.items())}
           for kernel, by_bits in merged.items()}
