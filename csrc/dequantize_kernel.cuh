@@ -7,9 +7,17 @@
 // one row (one 16-byte store in 16-bit dtypes, two in float32), and a warp's 16 lanes per row
 // write 128 contiguous columns. Measured on an H100 at 14336 x 4096: bf16 50-62 us for
 // k = 2..5 (2.5-2.7 TB/s read + written; a device copy reaches 2.9), float32 92-99 us.
+//
+// Rotated layers (kRotate, rot_signs, rotation.cuh): each row comes out unrotated, W' R^T (the public
+// dequantize; the matmul paths multiply the stored W' by x R instead). A thread's 8
+// elements are one eighth of a 64-segment (columns 8c .. 8c + 7, c % 8 the lane within its group
+// of 8), so the transform of the segment takes strides 1, 2, 4 in registers and 8, 16, 32 by
+// shuffles among those 8 lanes, in float32, before the one rounding: bit-exact with
+// rotation.unrotate of format.dequantize's float32 weight, rounded to the output dtype.
 #pragma once
 
 #include "kbit_common.cuh"
+#include "rotation.cuh"
 
 namespace kbit {
 
@@ -60,7 +68,7 @@ __device__ __forceinline__ void block_byte_indices(const uint32_t (&w)[BITS], ui
   static_assert(BITS >= 2 && BITS <= 5, "byte fields hold indices of up to 5 bits");
 }
 
-template <typename T, int BITS>
+template <typename T, int BITS, bool kRotate>
 __global__ void __launch_bounds__(kDequantizeThreads) dequantize_kernel(DequantizeParams p) {
   constexpr int kLevels = 1 << BITS;
   constexpr int kTileWords = BITS * kTileN * kBlocksPerTile;  // plane words of one tile
@@ -82,6 +90,7 @@ __global__ void __launch_bounds__(kDequantizeThreads) dequantize_kernel(Dequanti
   const uint8_t* codes = p.block_scales + tile0 * kTileScales + r * kBlocksPerTile + q;
   uint32_t w[kDequantizeKTiles][BITS];
   uint32_t code[kDequantizeKTiles];
+  uint32_t sign_word[kDequantizeKTiles];  // kRotate: the sign word of this thread's block
 #pragma unroll
   for (int i = 0; i < kDequantizeKTiles; ++i) {
     const bool live = row_valid && tile_k0 + i < kt;
@@ -89,6 +98,12 @@ __global__ void __launch_bounds__(kDequantizeThreads) dequantize_kernel(Dequanti
     for (int j = 0; j < BITS; ++j)
       w[i][j] = live ? static_cast<uint32_t>(__ldg(planes + i * kTileWords + j * kTileN * kBlocksPerTile)) : 0u;
     code[i] = live ? __ldg(codes + i * kTileScales) : 0u;
+    if constexpr (kRotate) {
+      // Word (tile_k0 + i) * 4 + q of [k / 32]; k % 64 == 0, so a live tile's half past k is a whole
+      // segment that breaks out of the loop below before using it.
+      const int64_t word = static_cast<int64_t>(tile_k0 + i) * kBlocksPerTile + q;
+      sign_word[i] = live && word * kBlockSize < p.k ? __ldg(p.rot_signs + word) : 0u;
+    }
   }
   const float row_scale = row_valid ? __ldg(p.row_scales + b * p.n + row) : 0.f;
 
@@ -115,6 +130,9 @@ __global__ void __launch_bounds__(kDequantizeThreads) dequantize_kernel(Dequanti
       v[2 * e] = __fmul_rn(cb[(idx_even >> (8 * e)) & 0xFFu], scale);
       v[2 * e + 1] = __fmul_rn(cb[(idx_odd >> (8 * e)) & 0xFFu], scale);
     }
+    // The 8 lanes of this segment (same row, same half of the K tile) are here together: rows
+    // and the break above are uniform over them.
+    if constexpr (kRotate) unrotate8(v, sign_word[i] >> (8 * byte), 0xFFu << (threadIdx.x & 24));
 
     // __stwb is st.global.wb.v4 (default caching): a plain uint4/float4 assignment here was
     // split into 32-bit stores by the compiler (float32 then took 1.5x as long).
@@ -157,7 +175,8 @@ cudaError_t launch_dequantize(const DequantizeParams& p, cudaStream_t stream) {
   const int64_t ctas = nt * ((kt + kDequantizeKTiles - 1) / kDequantizeKTiles);
   if (ctas > INT32_MAX) return cudaErrorInvalidConfiguration;  // the kernel's tile indices are int
   const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(p.batch));
-  dequantize_kernel<T, BITS><<<grid, kDequantizeThreads, 0, stream>>>(p);
+  if (p.rot_signs) dequantize_kernel<T, BITS, true><<<grid, kDequantizeThreads, 0, stream>>>(p);
+  else dequantize_kernel<T, BITS, false><<<grid, kDequantizeThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -22,9 +22,14 @@
 //    decode the same weight tiles run together and share them through L2. Split-K partials
 //    (plan_gemm adds splits only to fill the GPU) go to a float32 workspace reduced in split
 //    order by splitk_reduce_kernel.
+//  * Rotated layers (rot_signs): the standalone rotation (rotation.cuh) writes x R into the head of
+//    the workspace (x_perm, planned by the host), which the GEMM then reads as its x. Rotating the x
+//    tiles in shared memory instead would repeat the work in every row block and roughly double the
+//    CUDA cores' share per K tile (rotation.py's design note); the extra pass is 2 M K bytes each way.
 #pragma once
 
 #include "gemv_kernel.cuh"
+#include "rotation.cuh"
 
 namespace kbit {
 
@@ -236,7 +241,15 @@ cudaError_t launch_gemm(const MmParams& p, dim3 grid, cudaStream_t stream) {
   constexpr int kSmem = gemm_smem_bytes(BITS, NT);
   cudaError_t err = raise_smem_limit<gemm_kernel<BITS, T, NT>>(kSmem);
   if (err != cudaSuccess) return err;
-  gemm_kernel<BITS, T, NT><<<grid, kGemmThreads, kSmem, stream>>>(p);
+  MmParams q = p;
+  if (p.rot_signs) {  // x R into the workspace's head, then the GEMM on it
+    const RotateParams r{p.x, p.x_perm, p.rot_signs, p.m, p.k, p.k, TypeOf<T>::value, 0};
+    err = launch_rotate<T>(r, stream);
+    if (err != cudaSuccess) return err;
+    q.x = p.x_perm;
+    q.rot_signs = nullptr;
+  }
+  gemm_kernel<BITS, T, NT><<<grid, kGemmThreads, kSmem, stream>>>(q);
   err = cudaGetLastError();
   if (err != cudaSuccess || p.splits == 1) return err;
   return launch_splitk_reduce<T>(p.workspace, p.out, p.m * p.n, p.splits, stream);

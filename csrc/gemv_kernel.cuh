@@ -33,12 +33,17 @@
 // Prologues (kPrologue instantiations, hf_kbit.fusion): the staging computes silu(g) * u, or an RMSNorm
 // input w * (a [+ b]) whose per-token rsqrt(mean + eps) scales the sums in the epilogue (XPrologue,
 // RowSquares).
+// Rotated layers (kRotate instantiations, MmParams::rot_signs): the staging turns what it would store into
+// x R (after the prologue) before the store, so the K loop is the unrotated kernel's (stage_x, rotate_run).
+// A template flag, not a runtime one: the unrotated instantiations compile to the code they had before
+// rotation existed (a runtime flag moved ptxas's register allocation in the K loop, 3-8% at M = 16).
 #pragma once
 
 #include <type_traits>
 
 #include "kbit_common.cuh"
 #include "kbit_launch.h"
+#include "rotation.cuh"
 
 namespace kbit {
 
@@ -478,6 +483,62 @@ template <typename T> struct RowSquares {
   }
 };
 
+// Rotated layers: x R of one staging run (8 elements of a token, rotation.cuh). The 8 threads of a
+// 64-segment (q, t % 2: the segment is blocks 2 (t / 2), + 1 of the K tile) are 8 consecutive lanes of
+// the 16 that stage a record, so the transform's strides map to registers and to the lane bits of q
+// and t: k = 2, run 8q .. 8q + 7 of block t: strides 1, 2, 4 in registers, 8 and 16 across q, 32
+// across t; k >= 3, runs o .. o + 3 and o + 8 .. o + 11 (o = 16 (q / 2) + 4 (q % 2)): strides 1, 2 and
+// 8 in registers, 4 and 16 across q, 32 across t. Stages in the reference's order (1, 2, ..., 32), in
+// float32, one rounding. `sign_bits`: the sign word of the run's block shifted to its first element;
+// `mask`: the 16 lanes of the record.
+// The signs flip the 16-bit sign bits before the conversion (exact, as the reference's multiply by
+// +-1): pair i of the run (elements 2i, 2i + 1: sign bits a and a + 1) XORs its word with
+// t * (2^(15 - a) + 2^(30 - a)) & 0x80008000, t the run's sign bits alone, which moves bit a to 15 and
+// a + 1 to 31 (the two shifted copies of t never overlap, so the product carries nothing): a multiply
+// and a LOP3 per pair, where a flip per float took a shift and a LOP3 per element.
+template <int BITS, typename T>
+__device__ __forceinline__ uint4 rotate_run(uint4 u, uint32_t sign_bits, unsigned mask) {
+  constexpr int kSecond = BITS == 2 ? 4 : 8;  // stage_x's run layout
+  static_assert(sizeof(T) == 2, "the staging is 16-bit");
+  union Run { uint4 u; uint32_t w[4]; T e[8]; };
+  Run in;
+  in.u = u;
+  const uint32_t t = sign_bits & (BITS == 2 ? 0xFFu : 0xF0Fu);  // the run's elements' bits (kSecond)
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    constexpr uint32_t kSignBits = 0x80008000u;
+    const int a = 2 * i < 4 ? 2 * i : 2 * i - 4 + kSecond;
+    in.w[i] ^= (t * ((1u << (15 - a)) + (1u << (30 - a)))) & kSignBits;
+  }
+  float v[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {  // a word's two elements at once (bf16: a shift and a mask, exact)
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      v[2 * i] = __uint_as_float(in.w[i] << 16);
+      v[2 * i + 1] = __uint_as_float(in.w[i] & 0xFFFF0000u);
+    } else {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&in.w[i]));
+      v[2 * i] = f.x;
+      v[2 * i + 1] = f.y;
+    }
+  }
+  butterfly_regs<1>(v);
+  butterfly_regs<2>(v);
+  if constexpr (BITS == 2) {
+    butterfly_regs<4>(v);
+    butterfly_lanes<1>(v, mask);
+  } else {
+    butterfly_lanes<1>(v, mask);
+    butterfly_regs<4>(v);
+  }
+  butterfly_lanes<2>(v, mask);
+  butterfly_lanes<4>(v, mask);
+  Run out;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) out.w[i] = pack2<T>(__fmul_rn(v[2 * i], kRotScale), __fmul_rn(v[2 * i + 1], kRotScale));
+  return out.u;
+}
+
 // Stage activation rows x[row(0..m-1), kc0*128 : kc1*128) in B-fragment order: lane (g, t)'s
 // record of K tile j and token g holds its 8 chunks (64 bytes): 16-byte chunk pair q (chunks 2q,
 // 2q + 1) at position q ^ swizzle, its 32-bit word (c % 2) * 2 + h the pair at K = (kc0 + j) * 128 +
@@ -491,13 +552,15 @@ template <typename T> struct RowSquares {
 // NT = 4 instantiation spilled and ran 10-12% slower at 16-64 tokens on the H100). fetch: PlainX
 // (x itself, row_of(tok) rows of k) or an XPrologue, which computes each run from its inputs.
 // between(): called once by every thread while its first loads are in flight (the GEMV builds its
-// table there).
+// table there). kRotate: rot_signs are a rotated layer's sign words (rotate_run, before each store).
 struct NoWork {
   __device__ void operator()() const {}
 };
-template <int BITS, typename T, int kUnroll, typename RowOf, typename Fetch = PlainX, typename Between = NoWork>
+template <int BITS, typename T, int kUnroll, bool kRotate = false, typename RowOf, typename Fetch = PlainX,
+          typename Between = NoWork>
 __device__ __forceinline__ void stage_x(const T* x, int64_t k, int m, RowOf row_of, uint32_t* xs, int64_t kc0,
-                                        int64_t kc1, Fetch fetch = {}, Between between = {}) {
+                                        int64_t kc1, Fetch fetch = {}, Between between = {},
+                                        const uint32_t* rot_signs = nullptr) {
   constexpr int kSecond = BITS == 2 ? 4 : 8;  // element offset of the run's second half
   union Run { uint4 u; uint32_t w[4]; T e[8]; };
   const int q = threadIdx.x & 3, t = (threadIdx.x >> 2) & 3, step = blockDim.x >> 4;
@@ -511,6 +574,7 @@ __device__ __forceinline__ void stage_x(const T* x, int64_t k, int m, RowOf row_
   do {  // the first pass by every thread, for between()
     uint4 v[kUnroll];
     int dst[kUnroll];
+    uint32_t sign_bits[kRotate ? kUnroll : 1];
 #pragma unroll
     for (int r = 0; r < kUnroll; ++r) dst[r] = -1;
 #pragma unroll
@@ -535,7 +599,13 @@ __device__ __forceinline__ void stage_x(const T* x, int64_t k, int m, RowOf row_
           run.e[e] = kk + o < k ? src[o] : from_float<T>(0.f);
         }
       }
-      v[r] = make_uint4(run.w[0], run.w[2], run.w[1], run.w[3]);
+      if constexpr (kRotate) {
+        v[r] = run.u;  // words 0, 2, 1, 3 at the store, after the rotation
+        // k % 64 == 0: a run past k is zero, and so is its segment (no sign word to read).
+        sign_bits[r] = kk < k ? __ldg(rot_signs + (kk >> 5)) >> (kk & 31) : 0u;
+      } else {
+        v[r] = make_uint4(run.w[0], run.w[2], run.w[1], run.w[3]);
+      }
       dst[r] = ((rec * 4 + t) * 4 + (q ^ x_swizzle(tok & 7, t))) * 4;
       rec += step;
       j += dj;
@@ -548,8 +618,16 @@ __device__ __forceinline__ void stage_x(const T* x, int64_t k, int m, RowOf row_
     if (first) between();
     first = false;
 #pragma unroll
-    for (int r = 0; r < kUnroll; ++r)
-      if (dst[r] >= 0) *reinterpret_cast<uint4*>(xs + dst[r]) = v[r];
+    for (int r = 0; r < kUnroll; ++r) {
+      if constexpr (kRotate) {
+        if (dst[r] >= 0) {  // uniform over the 16 threads of a record (the lanes rotate_run shuffles among)
+          const uint4 u = rotate_run<BITS, T>(v[r], sign_bits[r], 0xFFFFu << (threadIdx.x & 16));
+          *reinterpret_cast<uint4*>(xs + dst[r]) = make_uint4(u.x, u.z, u.y, u.w);
+        }
+      } else {
+        if (dst[r] >= 0) *reinterpret_cast<uint4*>(xs + dst[r]) = v[r];
+      }
+    }
   } while (rec < recs);
 }
 
@@ -623,7 +701,8 @@ struct GemvTrace {
 // out (or to its split's workspace slice). kBalancedCluster: the balanced cluster plans (the
 // host sets `cluster` and `balanced`). Their code lives only in that instantiation: in the
 // others, even unused, it changed the machine code of the main loop, and M = 1 was 1-5% slower.
-template <int BITS, typename T, int NT, bool kAbs, bool kBalancedCluster, bool kPrologue>
+// kRotate: a rotated layer's instantiation (x R staged; the host picks it, rotation.cuh).
+template <int BITS, typename T, int NT, bool kAbs, bool kBalancedCluster, bool kPrologue, bool kRotate>
 __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmParams p) {
   constexpr int kDepth = kGemvDepth;
   extern __shared__ float4 smem_f4[];
@@ -728,6 +807,9 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
   // loads and is built before the wait. The next kernel may launch only after the wait
   // (kbit_common.cuh).
   const float levels = codebook_lane<BITS>(p.codebook, lane);
+  // Rotated layers: this split's sign words, read by the staging (rotation.cuh, prefetch_signs).
+  if constexpr (kRotate)
+    prefetch_signs(p.rot_signs, int64_t{kc0} * kBlocksPerTile, min(int64_t{kc1} * kBlocksPerTile, p.k / kBlockSize));
   if constexpr (BITS == 5) build_table<BITS, T>(table, levels);
   const auto table_build = [&] {
     if constexpr (BITS <= 4) build_table<BITS, T>(table, levels);
@@ -743,14 +825,16 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
     const bool norm = p.prologue >= kPrologueNorm;
     RowSquares<T> squares;
     if (norm) squares.issue(prologue, p.k, m);
-    stage_x<BITS, T, 4>(static_cast<const T*>(p.x), p.k, m, row_of, xs, kc0, kc1, prologue, table_build);
+    stage_x<BITS, T, 4, kRotate>(static_cast<const T*>(p.x), p.k, m, row_of, xs, kc0, kc1, prologue, table_build,
+                                 p.rot_signs);
     __syncthreads();
     if (norm) {
       squares.finish(prologue, p.k, m, static_cast<T*>(p.sum_out), warp_ss);
       __syncthreads();
     }
   } else {
-    stage_x<BITS, T, 4>(static_cast<const T*>(p.x), p.k, m, row_of, xs, kc0, kc1, PlainX{}, table_build);
+    stage_x<BITS, T, 4, kRotate>(static_cast<const T*>(p.x), p.k, m, row_of, xs, kc0, kc1, PlainX{}, table_build,
+                                 p.rot_signs);
     __syncthreads();
   }
 #if KBIT_TRACE
@@ -974,43 +1058,47 @@ cudaError_t launch_splitk_reduce(const float* ws, void* out, int64_t mn, int spl
   return cudaLaunchKernelEx(&launch.config, splitk_reduce_kernel<T>, ws, static_cast<T*>(out), mn, splits);
 }
 
-template <int BITS, typename T, int NT, bool kAbs, bool kBalancedCluster, bool kPrologue>
+template <int BITS, typename T, int NT, bool kAbs, bool kBalancedCluster, bool kPrologue, bool kRotate>
 cudaError_t launch_gemv_kernel(const MmParams& p, int grid, int cluster_slots, cudaStream_t stream) {
+  constexpr auto kernel = gemv_kernel<BITS, T, NT, kAbs, kBalancedCluster, kPrologue, kRotate>;
   const int smem = gemv_smem_bytes(static_cast<int>(p.m), p.chunk_kt, kAbs, cluster_slots);
-  cudaError_t err = raise_smem_limit<gemv_kernel<BITS, T, NT, kAbs, kBalancedCluster, kPrologue>>(smem);
+  cudaError_t err = raise_smem_limit<kernel>(smem);
   if (err != cudaSuccess) return err;
   const KernelLaunch launch(static_cast<unsigned>(grid), kGemvThreads, smem, stream, p.cluster ? p.splits : 1,
                             use_pdl());
-  return cudaLaunchKernelEx(&launch.config, gemv_kernel<BITS, T, NT, kAbs, kBalancedCluster, kPrologue>, p);
+  return cudaLaunchKernelEx(&launch.config, kernel, p);
 }
 
-template <int BITS, typename T, int NT, bool kAbs, bool kPrologue>
+template <int BITS, typename T, int NT, bool kAbs, bool kPrologue, bool kRotate>
 cudaError_t launch_gemv_table(const MmParams& p, int grid, cudaStream_t stream) {
   if (p.cluster && p.balanced) {
     const int ctas = grid / p.splits, n_tiles = static_cast<int>((p.n + kTileN - 1) / kTileN);
     const int rows = (n_tiles + ctas - 1) / ctas;  // a CTA's row tiles, at most
-    return launch_gemv_kernel<BITS, T, NT, kAbs, true, kPrologue>(p, grid, gemv_balanced_cluster_slots(p.splits, rows),
-                                                                  stream);
+    return launch_gemv_kernel<BITS, T, NT, kAbs, true, kPrologue, kRotate>(
+        p, grid, gemv_balanced_cluster_slots(p.splits, rows), stream);
   }
-  cudaError_t err = launch_gemv_kernel<BITS, T, NT, kAbs, false, kPrologue>(
+  cudaError_t err = launch_gemv_kernel<BITS, T, NT, kAbs, false, kPrologue, kRotate>(
       p, grid, p.cluster ? gemv_cluster_slots(p.splits) : 0, stream);
   if (err != cudaSuccess || p.splits == 1 || p.cluster) return err;
   return launch_splitk_reduce<T>(p.workspace, p.out, p.m * p.n, p.splits, stream);
 }
 
 // A prologue (MmParams::prologue) is its own instantiation: the plain GEMV keeps none of its code.
-template <int BITS, typename T, int NT, bool kAbs>
+template <int BITS, typename T, int NT, bool kAbs, bool kRotate>
 cudaError_t launch_gemv_prologue(const MmParams& p, int grid, cudaStream_t stream) {
-  return p.prologue == kPrologueNone ? launch_gemv_table<BITS, T, NT, kAbs, false>(p, grid, stream)
-                                     : launch_gemv_table<BITS, T, NT, kAbs, true>(p, grid, stream);
+  return p.prologue == kPrologueNone ? launch_gemv_table<BITS, T, NT, kAbs, false, kRotate>(p, grid, stream)
+                                     : launch_gemv_table<BITS, T, NT, kAbs, true, kRotate>(p, grid, stream);
 }
 
-template <int BITS, typename T, int NT>
+// kRotate: the instantiation of rotated layers (p.rot_signs set), which stages x R; the host calls it
+// only where the kernel table has it (generate_kernels.py) and its crossover says so, and otherwise
+// rotates x with the standalone kernel first (kbit_api.cu, gemv_launch).
+template <int BITS, typename T, int NT, bool kRotate>
 cudaError_t launch_gemv(const MmParams& p, int grid, cudaStream_t stream) {
   // k = 5 keeps byte 3 of its permute source for the high bits: its cluster plans, whose
   // shared windows start at rank << 24, take relative table addressing.
-  return p.abs_table && (BITS <= 4 || !p.cluster) ? launch_gemv_prologue<BITS, T, NT, true>(p, grid, stream)
-                     : launch_gemv_prologue<BITS, T, NT, false>(p, grid, stream);
+  return p.abs_table && (BITS <= 4 || !p.cluster) ? launch_gemv_prologue<BITS, T, NT, true, kRotate>(p, grid, stream)
+                     : launch_gemv_prologue<BITS, T, NT, false, kRotate>(p, grid, stream);
 }
 
 }  // namespace kbit

@@ -30,27 +30,46 @@ class Launch:
     """How a kernel of the table is launched: csrc/kbit_launch.h declares the template."""
 
     header: str  # defines the launch template
-    template: str  # its arguments, from {bits}, {T} and {v}
+    template: str  # its arguments, from {bits}, {T}, {v} and {rot}
     params: str  # the launch's arguments after the params struct
     struct: str
     variants: tuple[int, ...] = ()  # the template's tile argument {v}: every value the planners pick
+    # Tiles that also have a rotated instantiation (the template's kRotate argument {rot} true; every
+    # tile has the unrotated one). A rotated layer's call elsewhere rotates x first with the
+    # standalone kernel (kbit_api.cu): the rotated code stays where it pays for its build time.
+    rotated: tuple[int, ...] = ()
 
     def signature(self) -> str:
         return f"cudaError_t (*)(const {self.struct}&{self.params}, cudaStream_t)"
+
+    def instances(self, bits: int, cpp_type: str) -> list[tuple[int, bool, str]]:
+        """``(tile, rotated, instantiation)`` of every instantiation for (bits, dtype)."""
+        return [(v, rot, self.template.format(bits=bits, T=cpp_type, v=v, rot=str(rot).lower()))
+                for v in (self.variants or (0,)) for rot in (False, True) if not rot or v in self.rotated]
 
 
 LAUNCHES = {
     "quantize": Launch("quantize_kernel.cuh", "launch_quantize<{T}, {bits}>", "", "QuantizeParams"),
     "dequantize": Launch("dequantize_kernel.cuh", "launch_dequantize<{T}, {bits}>", "", "DequantizeParams"),
-    # mma token tiles: 1 for M <= 8, 2 up to kGemvMaxM.
-    "gemv": Launch("gemv_kernel.cuh", "launch_gemv<{bits}, {T}, {v}>", ", int", "MmParams", (1, 2)),
+    # mma token tiles: 1 for M <= 8, 2 up to kGemvMaxM. Rotated: M <= 8, where staging x R in every CTA
+    # can beat a standalone rotation's extra kernel (the rotated GEMV crossover, crossovers.json).
+    "gemv": Launch("gemv_kernel.cuh", "launch_gemv<{bits}, {T}, {v}, {rot}>", ", int", "MmParams", (1, 2), (1,)),
     # mma token tiles per CTA (gemm_nt).
     "gemm": Launch("gemm_kernel.cuh", "launch_gemm<{bits}, {T}, {v}>", ", dim3", "MmParams", (2, 4, 8, 16)),
     # 64-token wgmma blocks per CTA (wgmma_nb).
     "wgmma_gemm": Launch("wgmma_kernel.cuh", "launch_wgmma_gemm<{bits}, {T}, {v}>", ", dim3", "MmParams", (1, 2, 4)),
-    # Token tiles per unit: 1 in per-row mode, kGroupedNt in grouped mode.
-    "grouped_gemv": Launch("grouped_gemv_kernel.cuh", "launch_grouped_gemv<{bits}, {T}, {v}>", ", int",
-                           "GroupedParams", (1, 4)),
+    # Token tiles per unit: 1 in per-row mode, kGroupedNt in grouped mode. Rotated: per-row mode (decode);
+    # grouped mode rotates x once first instead of in every unit of a row's expert.
+    "grouped_gemv": Launch("grouped_gemv_kernel.cuh", "launch_grouped_gemv<{bits}, {T}, {v}, {rot}>", ", int",
+                           "GroupedParams", (1, 4), (1,)),
+}
+
+
+# Kernels that know nothing of bits, for every dtype of the table (the table lists (kernel, bits,
+# dtype), so they are not in it): one instantiation file each and find_<name>(dtype).
+DTYPE_LAUNCHES = {
+    # x R of rotated layers (rotation.cuh): the standalone activation rotation.
+    "rotate": Launch("rotation.cuh", "launch_rotate<{T}>", "", "RotateParams"),
 }
 
 
@@ -66,9 +85,8 @@ def _camel(name: str) -> str:
     return "".join(part.capitalize() for part in name.split("_"))
 
 
-def _instances(table, kernel: str, bits: int, dtype: str) -> list[str]:
-    launch = LAUNCHES[kernel]
-    return [launch.template.format(bits=bits, T=CPP_TYPES[dtype], v=v) for v in (launch.variants or (0,))]
+def _instances(kernel: str, bits: int, dtype: str) -> list[tuple[int, bool, str]]:
+    return LAUNCHES[kernel].instances(bits, CPP_TYPES[dtype])
 
 
 def render_header(table) -> str:
@@ -106,27 +124,45 @@ def render_header(table) -> str:
         "  return false;",
         "}",
         "",
-        "// One switch label per (bits, dtype, tile); -1 (no label) outside the ranges a key can hold.",
-        "constexpr int launch_key(int bits, int dtype, int tile) {",
-        "  return bits < 0 || bits > 64 || dtype < 0 || dtype > 2 || tile < 0 || tile > 31 ? -1 : (bits * 3 + dtype) * 32 + tile;",
+        "// One switch label per (bits, dtype, tile, rotated); -1 (no label) outside the ranges a key can hold.",
+        "constexpr int launch_key(int bits, int dtype, int tile, bool rotated = false) {",
+        "  return bits < 0 || bits > 64 || dtype < 0 || dtype > 2 || tile < 0 || tile > 31",
+        "             ? -1",
+        "             : ((bits * 3 + dtype) * 32 + tile) * 2 + (rotated ? 1 : 0);",
         "}",
     ]
     for kernel in table.KERNELS:
         launch = LAUNCHES[kernel]
         fn = f"{_camel(kernel)}Launch"
         tile = ", int tile" if launch.variants else ""
+        rot = ", bool rotated = false" if launch.rotated else ""
+        args = ", tile" if launch.variants else ""
+        args += ", rotated" if launch.rotated else ""
         lines += [
             "",
             f"using {fn} = {launch.signature()};",
-            f"// The {kernel} launch for (bits, dtype{', tile' if launch.variants else ''}); nullptr where the table has none.",
-            f"inline {fn} find_{kernel}(int bits, int dtype{tile}) {{",
-            f"  switch (launch_key(bits, dtype, {'tile' if launch.variants else '0'})) {{",
+            f"// The {kernel} launch for (bits, dtype{args}); nullptr where the table has none.",
+            f"inline {fn} find_{kernel}(int bits, int dtype{tile}{rot}) {{",
+            f"  switch (launch_key(bits, dtype, {'tile' if launch.variants else '0'}{', rotated' if launch.rotated else ''})) {{",
         ]
         for k, bits, dtype in table.TABLE:
             if k != kernel:
                 continue
-            for v, inst in zip(launch.variants or (0,), _instances(table, kernel, bits, dtype)):
-                lines.append(f"    case launch_key({bits}, {dtype_code[dtype]}, {v}): return &{inst};")
+            for v, rotated, inst in _instances(kernel, bits, dtype):
+                key = f"{bits}, {dtype_code[dtype]}, {v}" + (", true" if rotated else "")
+                lines.append(f"    case launch_key({key}): return &{inst};")
+        lines += ["    default: return nullptr;", "  }", "}"]
+    for name, launch in DTYPE_LAUNCHES.items():
+        fn = f"{_camel(name)}Launch"
+        lines += [
+            "",
+            f"using {fn} = {launch.signature()};",
+            f"// The {name} launch for dtype; nullptr outside the table's dtypes.",
+            f"inline {fn} find_{name}(int dtype) {{",
+            "  switch (dtype) {",
+        ]
+        for dtype in table.DTYPES:
+            lines.append(f"    case {dtype_code[dtype]}: return &{launch.template.format(T=CPP_TYPES[dtype])};")
         lines += ["    default: return nullptr;", "  }", "}"]
     lines += ["", "}  // namespace kbit", ""]
     return "\n".join(lines)
@@ -144,10 +180,18 @@ def render_instantiations(table) -> dict[str, str]:
             lines += ["", "namespace kbit {"]
             for kernel in kernels:
                 launch = LAUNCHES[kernel]
-                for inst in _instances(table, kernel, bits, dtype):
+                for _, _, inst in _instances(kernel, bits, dtype):
                     lines.append(f"template cudaError_t {inst}(const {launch.struct}&{launch.params}, cudaStream_t);")
             lines += ["}  // namespace kbit", ""]
             files[f"kbit_k{bits}_{SHORT[dtype]}.cu"] = "\n".join(lines)
+    for name, launch in DTYPE_LAUNCHES.items():
+        lines = [BANNER, f"// {name}, every dtype.", '#include "../kbit_launch.h"', f'#include "../{launch.header}"',
+                 "", "namespace kbit {"]
+        for dtype in table.DTYPES:
+            inst = launch.template.format(T=CPP_TYPES[dtype])
+            lines.append(f"template cudaError_t {inst}(const {launch.struct}&{launch.params}, cudaStream_t);")
+        lines += ["}  // namespace kbit", ""]
+        files[f"kbit_{name}.cu"] = "\n".join(lines)
     return files
 
 

@@ -10,14 +10,18 @@
 //    offsets into a chunk prefix sum in shared memory and finds a unit's expert by binary search.
 // A CTA's kGemvWarps warps cover row_tiles x k_warps (row tile, K lane); activations are staged
 // per unit in K sub-chunks, the k_warps partial sums of a row tile are added in shared memory in
-// warp order (deterministic), and each output row is written once.
+// warp order (deterministic), and each output row is written once. Rotated experts (kRotate
+// instantiations, rot_signs: one rotation for all, they read the same x) stage x R, as the GEMV does
+// (stage_x, rotate_run): per unit and K pass, a few float32 operations per staged element against a
+// unit's whole weight tile. The host takes it in per-row mode; in grouped mode, where every unit of a
+// row's expert would rotate the row again, it rotates x once with the standalone kernel (kbit_api.cu).
 #pragma once
 
 #include "gemv_kernel.cuh"
 
 namespace kbit {
 
-template <int BITS, typename T, int NT>
+template <int BITS, typename T, int NT, bool kRotate>
 __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) grouped_gemv_kernel(GroupedParams p) {
   constexpr int kDepth = kGemvDepth;
   constexpr int kMaxTok = 8 * NT;
@@ -123,7 +127,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) grouped_gemv_ker
         if (active && ktd < ke) load_tile<BITS>(planes, scales, static_cast<int>(tile_base + ktd), lane, buf[d]);
       }
       __syncthreads();  // the previous pass's / unit's readers are done with xs and red
-      stage_x<BITS, T, 2>(x, p.k, m, row_of, xs, ks, ke);
+      stage_x<BITS, T, 2, kRotate>(x, p.k, m, row_of, xs, ks, ke, PlainX{}, NoWork{}, p.rot_signs);
       __syncthreads();
       if (!active) continue;
       for (int64_t kt = kt0; kt < ke; kt += kDepth * k_warps) {
@@ -161,13 +165,15 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) grouped_gemv_ker
   }
 }
 
-template <int BITS, typename T, int NT>
+// kRotate: rotated experts (p.rot_signs set), x R staged; where the kernel table has it.
+template <int BITS, typename T, int NT, bool kRotate>
 cudaError_t launch_grouped_gemv(const GroupedParams& p, int grid, cudaStream_t stream) {
+  constexpr auto kernel = grouped_gemv_kernel<BITS, T, NT, kRotate>;
   const int smem = grouped_smem_bytes(NT, p.sub_kt, p.order ? p.e : 0);
-  const cudaError_t err = raise_smem_limit<grouped_gemv_kernel<BITS, T, NT>>(smem);
+  const cudaError_t err = raise_smem_limit<kernel>(smem);
   if (err != cudaSuccess) return err;
   const KernelLaunch launch(static_cast<unsigned>(grid), kGemvThreads, smem, stream, 1, use_pdl());
-  return cudaLaunchKernelEx(&launch.config, grouped_gemv_kernel<BITS, T, NT>, p);
+  return cudaLaunchKernelEx(&launch.config, kernel, p);
 }
 
 }  // namespace kbit

@@ -19,7 +19,7 @@ namespace {
 
 using namespace kbit;
 
-constexpr int kAbiVersion = 7;
+constexpr int kAbiVersion = 8;
 
 thread_local char g_error[512] = "";
 
@@ -305,14 +305,16 @@ struct GemmPlan {
   int tile;  // NT (mma.sync GEMM) or NB (wgmma GEMM)
   int splits, chunk_kt, smem;
   dim3 grid;
-  int64_t x_perm_floats;  // wgmma: x rewritten into the stage layout, at the head of the workspace
+  // wgmma: x rewritten into the stage layout; mma.sync with a rotated weight: x R (rotation.cuh,
+  // the standalone rotation) for the GEMM to read. At the head of the workspace.
+  int64_t x_perm_floats;
 
   int64_t workspace(int64_t m, int64_t n) const { return x_perm_floats + (splits > 1 ? int64_t{splits} * m * n : 0); }
 };
 
 int gemm_nt(int64_t m) { return m <= 16 ? 2 : m <= 32 ? 4 : m <= 64 ? 8 : 16; }
 
-GemmPlan plan_gemm(int64_t m, int64_t n, int64_t k, int bits, int sms, bool wgmma) {
+GemmPlan plan_gemm(int64_t m, int64_t n, int64_t k, int bits, int sms, bool wgmma, bool rotated) {
   GemmPlan plan{};
   plan.wgmma = wgmma;
   plan.tile = wgmma ? wgmma_nb(m) : gemm_nt(m);
@@ -339,7 +341,9 @@ GemmPlan plan_gemm(int64_t m, int64_t n, int64_t k, int bits, int sms, bool wgmm
   plan.grid = dim3(static_cast<unsigned>(token_blocks), static_cast<unsigned>(row_blocks),
                    static_cast<unsigned>(plan.splits));
   plan.smem = wgmma ? wgmma_smem_bytes(plan.tile) : gemm_smem_bytes(bits, plan.tile);
-  plan.x_perm_floats = wgmma ? token_blocks * k_tiles * (wgmma_stage_bytes(plan.tile) / 4) : 0;
+  // x R in 16-bit (the GEMM's dtypes), a whole number of 16-byte units so the partials stay aligned.
+  plan.x_perm_floats = wgmma ? token_blocks * k_tiles * (wgmma_stage_bytes(plan.tile) / 4)
+                       : rotated ? ceil_div(m * k * 2, 16) * 4 : 0;
   return plan;
 }
 
@@ -383,10 +387,10 @@ bool use_wgmma(int device) {
   return cache[device] == 2;
 }
 
-GemmPlan device_gemm_plan(int device, int64_t m, int64_t n, int64_t k, int bits) {
+GemmPlan device_gemm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, bool rotated) {
   // The wgmma GEMM indexes tiles in 32 bits (as the GEMV): larger weights take the mma.sync GEMM.
   const bool small_index = ceil_div(n, kTileN) * ceil_div(k, kTileK) * bits * 64 < (int64_t{1} << 31);
-  return plan_gemm(m, n, k, bits, sm_count(device), small_index && use_wgmma(device));
+  return plan_gemm(m, n, k, bits, sm_count(device), small_index && use_wgmma(device), rotated);
 }
 
 // Measured path crossovers (kbit_set_mm_crossovers), by GEMM kernel (0 mma.sync, 1 wgmma) and bits.
@@ -401,6 +405,38 @@ MmCrossovers g_crossovers[2][kMaxPlanBits + 1] = {};
 
 // The GEMM plans (no dtype yet) take the bit widths the GEMM has for some dtype.
 bool gemm_has_bits(int bits) { return in_kernel_table(kGemm, bits, kFloat16) || in_kernel_table(kGemm, bits, kBFloat16); }
+
+// Rotated layers (rot_signs given): whole 64-element Hadamard segments along K (rotation.cuh).
+int check_rotation(const uint32_t* rot_signs, int64_t k) {
+  if (!rot_signs) return KBIT_OK;
+  if (k % kRotBlock != 0)
+    return fail("rot_signs given for in_features=%lld: rotated layers need in_features %% %d == 0",
+                static_cast<long long>(k), kRotBlock);
+  if (!aligned(rot_signs, 4)) return fail("rot_signs must be 4-byte aligned (int32 words)");
+  return KBIT_OK;
+}
+
+// Rotated GEMV crossover (kbit_set_gemv_rotate_crossover), by bits: a rotated layer's GEMV stages x R
+// itself up to this M (every CTA rotates its split of x: cost grows with M), above it the standalone
+// rotation writes x R into the workspace's head first (one extra dependent kernel). 0 until set: the
+// standalone rotation everywhere.
+int g_rotate_staging_max_m[kMaxPlanBits + 1] = {};
+
+// x R for the GEMV at the workspace's head: 16-bit elements in whole 16-byte units (float4), so that
+// the split-K partials after it stay aligned.
+int64_t rotated_x_floats(int64_t m, int64_t k) { return ceil_div(m * k * 2, 16) * 4; }
+
+// How a rotated layer's GEMV of m rows runs (kbit_gemv_rotate_plan): the rotated instantiation, which
+// stages x R (a prologue must: its output exists only in the staging), where the kernel table has one
+// for m and, without a prologue, m is within the crossover; else the standalone rotation, then the
+// unrotated GEMV on x R (kGemvRotateNone: a prologue beyond the rotated instantiations).
+enum GemvRotate : int { kGemvRotateStandalone = 0, kGemvRotateStaging = 1, kGemvRotateNone = -1 };
+GemvRotate gemv_rotate_mode(int bits, int dtype, int64_t m, bool prologue) {
+  const bool staged = find_gemv(bits, dtype, gemv_tiles(m), true) != nullptr;
+  if (prologue) return staged ? kGemvRotateStaging : kGemvRotateNone;
+  const int max_m = bits >= 0 && bits <= kMaxPlanBits ? g_rotate_staging_max_m[bits] : 0;
+  return staged && m <= max_m ? kGemvRotateStaging : kGemvRotateStandalone;
+}
 
 int check_common(KernelId kernel, int bits, int dtype, int64_t n, int64_t k) {
   if (dtype < kFloat32 || dtype > kBFloat16) return fail("dtype code must be 0 (float32), 1 (float16) or 2 (bfloat16), got %d", dtype);
@@ -447,8 +483,9 @@ int kbit_quantize(int device, void* stream, const void* weight, int dtype, const
 
 int kbit_dequantize(int device, void* stream, const int32_t* planes, const uint8_t* block_scales,
                     const float* row_scales, const float* codebook, int64_t codebook_stride, int bits, int64_t batch,
-                    int64_t n, int64_t k, void* out, int dtype) {
+                    int64_t n, int64_t k, void* out, int dtype, const uint32_t* rot_signs) {
   if (int rc = check_common(kDequantize, bits, dtype, n, k)) return rc;
+  if (int rc = check_rotation(rot_signs, k)) return rc;
   if (batch < 0 || batch > 65535) return fail("batch must be in [0, 65535], got %lld", static_cast<long long>(batch));
   if (codebook_stride != 0 && codebook_stride != (1 << bits))
     return fail("codebook_stride must be 0 or %d, got %lld", 1 << bits, static_cast<long long>(codebook_stride));
@@ -457,16 +494,54 @@ int kbit_dequantize(int device, void* stream, const int32_t* planes, const uint8
   if (batch * n * k == 0) return KBIT_OK;
   DeviceGuard guard(device);
   if (guard.error() != cudaSuccess) return cuda_fail(guard.error(), "selecting the device");
-  DequantizeParams p{planes, block_scales, row_scales, codebook, out, batch, n, k, codebook_stride, bits, dtype};
+  DequantizeParams p{planes, block_scales, row_scales, codebook, out, batch, n, k, codebook_stride, bits, dtype,
+                     rot_signs};
   const auto s = static_cast<cudaStream_t>(stream);
   cudaError_t err = find_dequantize(bits, dtype)(p, s);
   return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_dequantize launch");
 }
 
-int64_t kbit_gemv_workspace_size(int device, int64_t m, int64_t n, int64_t k, int bits) {
+int kbit_rotate(int device, void* stream, const void* x, int64_t x_stride, int dtype, int64_t m, int64_t k,
+                const uint32_t* rot_signs, int inverse, void* out) {
+  if (dtype < kFloat32 || dtype > kBFloat16) return fail("dtype code must be 0, 1 or 2, got %d", dtype);
+  if (m < 0 || k < 0) return fail("shape must be non-negative, got m=%lld k=%lld", static_cast<long long>(m),
+                                  static_cast<long long>(k));
+  if (!rot_signs) return fail("rot_signs must be a device pointer");
+  if (int rc = check_rotation(rot_signs, k)) return rc;
+  if (m * k == 0) return KBIT_OK;
+  if (!x || !out) return fail("x and out must be device pointers");
+  if (m > 1 && x_stride < k)
+    return fail("x_stride (%lld) must be at least in_features (%lld)", static_cast<long long>(x_stride),
+                static_cast<long long>(k));
+  if (!aligned(out, 16)) return fail("out must be 16-byte aligned");
+  if (inverse != 0 && inverse != 1) return fail("inverse must be 0 (x R) or 1 (x R^T), got %d", inverse);
+  DeviceGuard guard(device);
+  if (guard.error() != cudaSuccess) return cuda_fail(guard.error(), "selecting the device");
+  const RotateParams p{x, out, rot_signs, m, k, m > 1 ? x_stride : k, dtype, inverse};
+  cudaError_t err = find_rotate(dtype)(p, static_cast<cudaStream_t>(stream));
+  return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_rotate launch");
+}
+
+int64_t kbit_gemv_workspace_size(int device, int64_t m, int64_t n, int64_t k, int bits, int rotated) {
   (void)bits;
   if (m <= 0 || n <= 0 || k <= 0 || m > kGemvMaxM) return 0;
-  return device_gemv_plan(device, m, n, k).workspace(m, n);
+  // Rotated: room for x R too, whichever way the call rotates (a few KB: m <= 16).
+  return device_gemv_plan(device, m, n, k).workspace(m, n) + (rotated ? rotated_x_floats(m, k) : 0);
+}
+
+int kbit_set_gemv_rotate_crossover(int bits, int in_staging_max_m) {
+  if (bits < 0 || bits > kMaxPlanBits) return fail("bits must be in 0..%d, got %d", kMaxPlanBits, bits);
+  if (in_staging_max_m < 0) return fail("in_staging_max_m must be >= 0, got %d", in_staging_max_m);
+  g_rotate_staging_max_m[bits] = in_staging_max_m;
+  return KBIT_OK;
+}
+
+int kbit_gemv_rotate_plan(int bits, int dtype, int64_t m, int prologue, int* mode) {
+  if (!mode) return fail("mode must be a host pointer");
+  if (m < 1 || m > kGemvMaxM) return fail("m must be in 1..%d, got %lld", kGemvMaxM, static_cast<long long>(m));
+  if (dtype < kFloat32 || dtype > kBFloat16) return fail("dtype code must be 0, 1 or 2, got %d", dtype);
+  *mode = gemv_rotate_mode(bits, dtype, m, prologue != 0);
+  return KBIT_OK;
 }
 
 }  // extern "C"
@@ -499,14 +574,21 @@ struct GemvCall {
   int device;
   int grid;
   GemvLaunch launch;
+  // A rotated layer's call above its in-staging crossover: the standalone rotation writes x R into the
+  // workspace's head (xr_floats), which the unrotated GEMV then reads as its x (its programmatic
+  // dependent: the weight's first tiles load while the rotation runs).
+  RotateLaunch rotate;
+  int64_t xr_floats;
   MmParams p;
 };
 
 // Checks of the weight and the problem shared by kbit_gemv, kbit_gemv_prologue and kbit_gemv_prepare;
 // fills the call.
 int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* block_scales, const float* row_scales,
-               const float* codebook, int bits, int64_t m, int64_t n, int64_t k, GemvCall* call, int64_t* need) {
+               const float* codebook, int bits, int64_t m, int64_t n, int64_t k, const uint32_t* rot_signs,
+               bool prologue, GemvCall* call, int64_t* need) {
   if (int rc = check_common(kGemv, bits, dtype, n, k)) return rc;
+  if (int rc = check_rotation(rot_signs, k)) return rc;
   if (m < 1 || m > kGemvMaxM) return fail("x has %lld rows, the GEMV takes 1..%d", static_cast<long long>(m), kGemvMaxM);
   if (k == 0) return fail("in_features must be positive (an empty product is all zeros: handle it before the call)");
   if (n > 0 && (!planes || !block_scales || !row_scales || !codebook))
@@ -517,16 +599,23 @@ int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* bloc
     return fail("weight of %lld x %lld is too large for the GEMV's 32-bit tile indexing", static_cast<long long>(n),
                 static_cast<long long>(k));
   const GemvPlan plan = device_gemv_plan(device, m, n, k);
-  *need = plan.workspace(m, n);
+  const GemvRotate rotate = rot_signs ? gemv_rotate_mode(bits, dtype, m, prologue) : kGemvRotateStaging;
+  if (rotate == kGemvRotateNone)
+    return fail("a rotated layer's GEMV with a prologue takes m <= 8 (the rotated instantiations), got m=%lld: "
+                "run the prologue, then kbit_gemv", static_cast<long long>(m));
+  call->rotate = rotate == kGemvRotateStandalone ? find_rotate(dtype) : nullptr;
+  call->xr_floats = call->rotate ? rotated_x_floats(m, k) : 0;
+  *need = plan.workspace(m, n) + call->xr_floats;
   MmParams& p = call->p;
   p = mm_params(dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, plan.splits, plan.chunk_kt);
   p.abs_table = plan.abs_table;
   p.cluster = plan.cluster;
   p.balanced = plan.balanced;
   p.cta_rows = plan.balanced ? static_cast<int>(ceil_div(n, kTileN) / (plan.grid / plan.splits)) : 0;
+  p.rot_signs = rot_signs;
   call->device = device;
   call->grid = plan.grid;
-  call->launch = find_gemv(bits, dtype, gemv_tiles(m));
+  call->launch = find_gemv(bits, dtype, gemv_tiles(m), rot_signs && !call->rotate);
   return call->launch ? KBIT_OK : unsupported(kGemv, bits, dtype);
 }
 
@@ -550,6 +639,14 @@ int gemv_launch(const GemvCall& call, const void* x, void* out, float* workspace
   DeviceGuard guard(call.device);
   if (guard.error() != cudaSuccess) return cuda_fail(guard.error(), "selecting the device");
   const auto s = static_cast<cudaStream_t>(stream);
+  if (call.rotate) {  // x (contiguous: no prologue here) -> x R at the workspace's head
+    const RotateParams r{x, workspace, p.rot_signs, p.m, p.k, p.k, p.dtype, 0};
+    cudaError_t err = call.rotate(r, s);
+    if (err != cudaSuccess) return cuda_fail(err, "kbit_gemv launch (rotation)");
+    p.x = workspace;
+    p.workspace = workspace + call.xr_floats;
+    p.rot_signs = nullptr;
+  }
   cudaError_t err = call.launch(p, call.grid, s);
   return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_gemv launch");
 }
@@ -560,10 +657,11 @@ extern "C" {
 
 int kbit_gemv(int device, void* stream, const void* x, int dtype, const int32_t* planes, const uint8_t* block_scales,
               const float* row_scales, const float* codebook, int bits, int64_t m, int64_t n, int64_t k, void* out,
-              float* workspace, int64_t workspace_size) {
+              float* workspace, int64_t workspace_size, const uint32_t* rot_signs) {
   GemvCall call{};
   int64_t need = 0;
-  if (int rc = gemv_setup(device, dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, &call, &need))
+  if (int rc = gemv_setup(device, dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, rot_signs, false,
+                          &call, &need))
     return rc;
   if (n == 0) return KBIT_OK;
   if (!x || !out) return fail("x and out must be device pointers");
@@ -579,12 +677,13 @@ int kbit_gemv_prologue(int device, void* stream, int prologue, const void* x, in
                        int64_t x2_stride, const void* norm_weight, float eps, void* sum_out, int dtype,
                        const int32_t* planes, const uint8_t* block_scales, const float* row_scales,
                        const float* codebook, int bits, int64_t m, int64_t n, int64_t k, void* out, float* workspace,
-                       int64_t workspace_size) {
+                       int64_t workspace_size, const uint32_t* rot_signs) {
   if (prologue < kPrologueSiluMul || prologue > kPrologueAddNorm)
     return fail("prologue must be 1 (silu_mul), 2 (rmsnorm) or 3 (add_rmsnorm), got %d", prologue);
   GemvCall call{};
   int64_t need = 0;
-  if (int rc = gemv_setup(device, dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, &call, &need))
+  if (int rc = gemv_setup(device, dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, rot_signs, true,
+                          &call, &need))
     return rc;
   if (n == 0) return KBIT_OK;
   const bool uses_x2 = prologue != kPrologueNorm, norm = prologue != kPrologueSiluMul;
@@ -623,11 +722,13 @@ int64_t kbit_gemv_call_size(void) { return static_cast<int64_t>(sizeof(GemvCall)
 
 int kbit_gemv_prepare(int device, int dtype, const int32_t* planes, const uint8_t* block_scales,
                       const float* row_scales, const float* codebook, int bits, int64_t m, int64_t n, int64_t k,
-                      void* call, int64_t* workspace_size) {
+                      const uint32_t* rot_signs, void* call, int64_t* workspace_size) {
   if (!call || !workspace_size) return fail("call and workspace_size must be host pointers");
   GemvCall c{};
   int64_t need = 0;
-  if (int rc = gemv_setup(device, dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, &c, &need)) return rc;
+  if (int rc = gemv_setup(device, dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, rot_signs, false,
+                          &c, &need))
+    return rc;
   *static_cast<GemvCall*>(call) = c;
   *workspace_size = need;
   return KBIT_OK;
@@ -636,16 +737,17 @@ int kbit_gemv_prepare(int device, int dtype, const int32_t* planes, const uint8_
 int kbit_gemv_run(const void* call, const void* x, void* out, float* workspace, void* stream) {
   if (!call) return fail("call is a null pointer (kbit_gemv_prepare)");
   const GemvCall& c = *static_cast<const GemvCall*>(call);
-  if (c.p.n > 0 && (!x || !out || (c.p.splits > 1 && !c.p.cluster && !workspace)))
-    return fail("x, out (and the workspace of a split-K plan) must be device pointers");
+  if (c.p.n > 0 && (!x || !out || ((c.rotate || (c.p.splits > 1 && !c.p.cluster)) && !workspace)))
+    return fail("x, out (and the workspace of a split-K plan or a standalone rotation) must be device pointers");
   return gemv_launch(c, x, out, workspace, stream);
 }
 
 int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const int64_t* expert_ids,
                       const int64_t* order, const int64_t* offsets, const int32_t* planes,
                       const uint8_t* block_scales, const float* row_scales, const float* codebook, int bits,
-                      int64_t s, int64_t e, int64_t n, int64_t k, void* out) {
+                      int64_t s, int64_t e, int64_t n, int64_t k, void* out, const uint32_t* rot_signs) {
   if (int rc = check_common(kGroupedGemv, bits, dtype, n, k)) return rc;
+  if (int rc = check_rotation(rot_signs, k)) return rc;
   if (s < 0 || e < 1 || e > (1 << 20)) return fail("need s >= 0 and 1 <= e <= 2^20, got s=%lld e=%lld",
                                                     static_cast<long long>(s), static_cast<long long>(e));
   if (k == 0) return fail("in_features must be positive");
@@ -654,6 +756,11 @@ int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const 
     return fail("x, out, planes, block_scales, row_scales and codebook must be device pointers");
   if (order ? !offsets : !expert_ids)
     return fail("give expert_ids (per-row mode) or order and offsets (grouped mode)");
+  // Grouped mode would rotate a row once per unit of its expert: there x R comes from the standalone
+  // rotation, once (the rotated instantiations are per-row mode's, generate_kernels.py).
+  if (rot_signs && order)
+    return fail("rot_signs takes per-row mode (expert_ids, no order/offsets); in grouped mode pass x R "
+                "(kbit_rotate) and no rot_signs");
   if (!aligned(planes, 16)) return fail("planes must be 16-byte aligned");
   if (ceil_div(n, kTileN) * ceil_div(k, kTileK) * bits * 64 >= (int64_t{1} << 31))
     return fail("expert weight of %lld x %lld is too large for 32-bit tile indexing", static_cast<long long>(n),
@@ -677,6 +784,7 @@ int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const 
   p.k = k;
   p.bits = bits;
   p.dtype = dtype;
+  p.rot_signs = rot_signs;
   const int64_t k_tiles = ceil_div(k, kTileK);
   const SmemLimits lim = smem_limits(device);
   int ctas = 0;
@@ -712,16 +820,16 @@ int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const 
                 static_cast<long long>(e));
   const int grid = sm_count(device) * ctas;
   const auto st = static_cast<cudaStream_t>(stream);
-  const GroupedGemvLaunch launch = find_grouped_gemv(bits, dtype, p.order ? kGroupedNt : 1);
+  const GroupedGemvLaunch launch = find_grouped_gemv(bits, dtype, p.order ? kGroupedNt : 1, rot_signs != nullptr);
   if (!launch) return unsupported(kGroupedGemv, bits, dtype);
   cudaError_t err = launch(p, grid, st);
   return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_grouped_gemv launch");
 }
 
-int64_t kbit_gemm_workspace_size(int device, int64_t m, int64_t n, int64_t k, int bits) {
+int64_t kbit_gemm_workspace_size(int device, int64_t m, int64_t n, int64_t k, int bits, int rotated) {
   if (!gemm_has_bits(bits)) return -1;
   if (m <= 0 || n <= 0 || k <= 0) return 0;
-  const GemmPlan plan = device_gemm_plan(device, m, n, k, bits);
+  const GemmPlan plan = device_gemm_plan(device, m, n, k, bits, rotated != 0);
   if (plan.smem > smem_limits(device).per_block) return -1;
   return plan.workspace(m, n);
 }
@@ -733,7 +841,7 @@ int kbit_gemm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int* w
   if (m < 1 || n < 1 || k < 1)
     return fail("need m, n and k >= 1, got m=%lld n=%lld k=%lld", static_cast<long long>(m), static_cast<long long>(n),
                 static_cast<long long>(k));
-  const GemmPlan plan = device_gemm_plan(device, m, n, k, bits);
+  const GemmPlan plan = device_gemm_plan(device, m, n, k, bits, false);
   *wgmma = plan.wgmma ? 1 : 0;
   *block_m = plan.wgmma ? plan.tile * kWgmmaTokens : gemm_block_m(plan.tile);
   *splits = plan.splits;
@@ -762,7 +870,7 @@ int kbit_set_mm_crossovers(int gemm, int bits, int gemv_max_m, int classes, cons
   return KBIT_OK;
 }
 
-int kbit_mm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int dtype, int* path, int* gemm,
+int kbit_mm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int dtype, int rotated, int* path, int* gemm,
                  int64_t* workspace) {
   if (!path || !gemm || !workspace) return fail("path, gemm and workspace must be host pointers");
   if (m < 1 || n < 1 || k < 1)
@@ -779,14 +887,14 @@ int kbit_mm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int dtyp
                 wgmma ? "wgmma" : "mma.sync", bits);
   if (m <= std::min(c->gemv_max_m, kGemvMaxM) && in_kernel_table(kGemv, bits, dtype)) {
     *path = kPathGemv;
-    *workspace = device_gemv_plan(device, m, n, k).workspace(m, n);
+    *workspace = device_gemv_plan(device, m, n, k).workspace(m, n) + (rotated ? rotated_x_floats(m, k) : 0);
     return KBIT_OK;
   }
   int cls = 0;
   while (cls + 1 < c->classes && n * k < c->min_weight[cls]) ++cls;
   if (m <= c->gemm_max_m[cls] && in_kernel_table(kGemm, bits, dtype) &&
       (!wgmma || in_kernel_table(kWgmmaGemm, bits, dtype))) {
-    const GemmPlan plan = device_gemm_plan(device, m, n, k, bits);
+    const GemmPlan plan = device_gemm_plan(device, m, n, k, bits, rotated != 0);
     if (plan.smem <= smem_limits(device).per_block) {  // else this GPU lacks the GEMM's shared memory
       *path = kPathGemm;
       *workspace = plan.workspace(m, n);
@@ -797,15 +905,16 @@ int kbit_mm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int dtyp
 
 int kbit_gemm(int device, void* stream, const void* x, int dtype, const int32_t* planes, const uint8_t* block_scales,
               const float* row_scales, const float* codebook, int bits, int64_t m, int64_t n, int64_t k, void* out,
-              float* workspace, int64_t workspace_size) {
+              float* workspace, int64_t workspace_size, const uint32_t* rot_signs) {
   if (int rc = check_common(kGemm, bits, dtype, n, k)) return rc;
+  if (int rc = check_rotation(rot_signs, k)) return rc;
   if (m < 1 || m > (int64_t{1} << 31)) return fail("x has %lld rows, the GEMM takes 1..2^31", static_cast<long long>(m));
   if (k == 0) return fail("in_features must be positive (an empty product is all zeros: handle it before the call)");
   if (n == 0) return KBIT_OK;
   if (!x || !out || !planes || !block_scales || !row_scales || !codebook)
     return fail("x, out, planes, block_scales, row_scales and codebook must be device pointers");
   if (!aligned(planes, 16) || !aligned(block_scales, 16)) return fail("planes and block_scales must be 16-byte aligned");
-  const GemmPlan plan = device_gemm_plan(device, m, n, k, bits);
+  const GemmPlan plan = device_gemm_plan(device, m, n, k, bits, rot_signs != nullptr);
   const GemmLaunch launch = plan.wgmma ? find_wgmma_gemm(bits, dtype, plan.tile) : find_gemm(bits, dtype, plan.tile);
   if (!launch) return unsupported(plan.wgmma ? kWgmmaGemm : kGemm, bits, dtype);
   if (ceil_div(n, plan.wgmma ? kWgmmaRows : kGemmRows) > 65535)
@@ -824,6 +933,7 @@ int kbit_gemm(int device, void* stream, const void* x, int dtype, const int32_t*
   p.out = out;
   p.x_perm = reinterpret_cast<char*>(workspace);
   p.workspace = workspace ? workspace + plan.x_perm_floats : nullptr;
+  p.rot_signs = rot_signs;
   const auto st = static_cast<cudaStream_t>(stream);
   cudaError_t err = launch(p, plan.grid, st);
   return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_gemm launch");

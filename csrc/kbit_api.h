@@ -5,6 +5,14 @@
  * returns 0 or an error code; kbit_last_error() then describes the failure, naming the
  * argument at fault. Tensors are raw device pointers to contiguous memory in the layouts of
  * hf_kbit/format.py (format v1). dtype codes: 0 float32, 1 float16, 2 bfloat16.
+ *
+ * Rotated layers (hf_kbit/rotation.py): every entry that computes with a weight takes rot_signs,
+ * the sign words of R = diag(s) B (B = H64 / 8 on consecutive 64-element segments of K): [k / 32]
+ * uint32 on the device, bit e % 32 of word e / 32 set <=> s_e = -1, k % 64 == 0. The stored
+ * weight W' is then the quantized W R: the matmuls multiply x R (after any prologue, in float32,
+ * rounded once to x's dtype) by W'^T, and dequantize returns W' R^T. NULL: no rotation. Where a
+ * kernel does not stage x R itself, the call runs the standalone rotation (kbit_rotate) into its
+ * workspace first; the caller's dequantize + matmul path multiplies W' by kbit_rotate's x R.
  */
 #pragma once
 
@@ -32,23 +40,44 @@ KBIT_API int kbit_quantize(int device, void* stream, const void* weight, int dty
                            int bits, int64_t batch, int64_t n, int64_t k, int32_t* planes,
                            uint8_t* block_scales, float* row_scales);
 
-/* packed -> out [batch, n, k] in dtype; codebook [batch, 2^bits] (codebook_stride = 2^bits) or shared (0). */
+/* packed -> out [batch, n, k] in dtype; codebook [batch, 2^bits] (codebook_stride = 2^bits) or shared (0).
+ * With rot_signs, each row unrotated (W' R^T: float32, rounded once to dtype). */
 KBIT_API int kbit_dequantize(int device, void* stream, const int32_t* planes, const uint8_t* block_scales,
                              const float* row_scales, const float* codebook, int64_t codebook_stride, int bits,
-                             int64_t batch, int64_t n, int64_t k, void* out, int dtype);
+                             int64_t batch, int64_t n, int64_t k, void* out, int dtype, const uint32_t* rot_signs);
 
-/* Floats of float32 workspace kbit_gemv needs for this problem (0: none). */
-KBIT_API int64_t kbit_gemv_workspace_size(int device, int64_t m, int64_t n, int64_t k, int bits);
+/* out [m, k] = x [m, k] R (inverse = 1: x R^T, e.g. dX = (dY W') R^T) in dtype, float32 arithmetic
+ * rounded once (rows of x x_stride elements apart; out contiguous, 16-byte aligned, not overlapping
+ * x): the standalone rotation, where no kernel fuses it. rot_signs required. */
+KBIT_API int kbit_rotate(int device, void* stream, const void* x, int64_t x_stride, int dtype, int64_t m, int64_t k,
+                         const uint32_t* rot_signs, int inverse, void* out);
+
+/* Floats of float32 workspace kbit_gemv needs for this problem (0: none); rotated != 0: a rotated
+ * layer's (room for x R at its head, whichever way the call rotates). */
+KBIT_API int64_t kbit_gemv_workspace_size(int device, int64_t m, int64_t n, int64_t k, int bits, int rotated);
+
+/* The rotated GEMV crossover of bits (hf_kbit/backends/crossovers.json, rotated_gemv): a rotated
+ * layer's GEMV of m <= in_staging_max_m rows stages x R itself (where the library has that
+ * instantiation), larger m take the standalone rotation into the workspace, then the unrotated GEMV
+ * as its programmatic dependent. 0 (the value until set): the standalone rotation at every m. */
+KBIT_API int kbit_set_gemv_rotate_crossover(int bits, int in_staging_max_m);
+
+/* How a rotated layer's GEMV of m rows in dtype runs, into *mode: 1 x R staged by the GEMV, 0 the
+ * standalone rotation first, -1 (prologue != 0 beyond the rotated instantiations) refused by
+ * kbit_gemv_prologue (run the prologue unfused, then kbit_gemv). */
+KBIT_API int kbit_gemv_rotate_plan(int bits, int dtype, int64_t m, int prologue, int* mode);
 
 /* out [m, n] = x [m, k] @ W.T, m <= kbit_gemv_max_m(), x/out float16 or bfloat16. */
 KBIT_API int kbit_gemv(int device, void* stream, const void* x, int dtype, const int32_t* planes,
                        const uint8_t* block_scales, const float* row_scales, const float* codebook, int bits,
-                       int64_t m, int64_t n, int64_t k, void* out, float* workspace, int64_t workspace_size);
+                       int64_t m, int64_t n, int64_t k, void* out, float* workspace, int64_t workspace_size,
+                       const uint32_t* rot_signs);
 
 /* Floats of float32 workspace kbit_gemm needs for this problem (0: none): split-K partials and,
- * for the wgmma kernel, x rewritten into its stage layout; -1 when the GEMM cannot run on this
- * GPU (too little shared memory per block: use dequantize + matmul). */
-KBIT_API int64_t kbit_gemm_workspace_size(int device, int64_t m, int64_t n, int64_t k, int bits);
+ * for the wgmma kernel, x rewritten into its stage layout (for the mma.sync kernel with a rotated
+ * weight, `rotated` != 0: x R); -1 when the GEMM cannot run on this GPU (too little shared memory
+ * per block: use dequantize + matmul). */
+KBIT_API int64_t kbit_gemm_workspace_size(int device, int64_t m, int64_t n, int64_t k, int bits, int rotated);
 
 /* The GEMM's launch plan for this problem on `device` (for tests and benchmarks): whether it
  * runs the wgmma kernel (sm_90a) or the mma.sync one, tokens per CTA, K splits and CTAs. */
@@ -66,27 +95,32 @@ KBIT_API int kbit_set_mm_crossovers(int gemm, int bits, int gemv_max_m, int clas
 /* The one path planner of out [m, n] = x [m, k] @ W.T, x in dtype: *path 0 the GEMV (kbit_gemv), 1 the
  * GEMM (kbit_gemm), 2 dequantize + the caller's matmul (float32 x, large m, or a GPU without the GEMM's
  * shared memory); *gemm the GEMM kernel of this device (0 mma.sync, 1 wgmma); *workspace the floats of
- * workspace the path's kernel needs. Tiles and splits are planned by the kernel calls themselves. */
-KBIT_API int kbit_mm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int dtype, int* path, int* gemm,
-                          int64_t* workspace);
+ * workspace the path's kernel needs (`rotated` != 0: for a rotated weight). Tiles and splits are planned
+ * by the kernel calls themselves. */
+KBIT_API int kbit_mm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int dtype, int rotated, int* path,
+                          int* gemm, int64_t* workspace);
 
 /* Mid-M tensor-core GEMM: out [m, n] = x [m, k] @ W.T, any m >= 1, x/out float16 or bfloat16,
  * planes and block_scales 16-byte aligned. */
 KBIT_API int kbit_gemm(int device, void* stream, const void* x, int dtype, const int32_t* planes,
                        const uint8_t* block_scales, const float* row_scales, const float* codebook, int bits,
-                       int64_t m, int64_t n, int64_t k, void* out, float* workspace, int64_t workspace_size);
+                       int64_t m, int64_t n, int64_t k, void* out, float* workspace, int64_t workspace_size,
+                       const uint32_t* rot_signs);
 
 /* kbit_gemv of x after an elementwise prologue, folded into the GEMV's x staging (prologue 1
  * silu_mul: silu(x) * x2, SiLU in float32 rounded to dtype, as transformers' gated MLPs; 2 rmsnorm:
  * rms_norm(x) * norm_weight; 3 add_rmsnorm: the same of x + x2 (rounded to dtype), written to
  * sum_out [m, k] too). x and x2 rows are x_stride / x2_stride elements apart (>= k). The norm's
  * per-token rsqrt(mean(x^2) + eps) scales the token's sums, so results differ from the unfused
- * ops by rounding only. */
+ * ops by rounding only. With rot_signs the GEMV multiplies the prologue's output rotated (the sum
+ * of squares and sum_out stay unrotated: ||x R|| = ||x||), staged by the GEMV: m <= 8
+ * (kbit_gemv_rotate_plan), since only the staging sees the prologue's output. */
 KBIT_API int kbit_gemv_prologue(int device, void* stream, int prologue, const void* x, int64_t x_stride,
                                 const void* x2, int64_t x2_stride, const void* norm_weight, float eps, void* sum_out,
                                 int dtype, const int32_t* planes, const uint8_t* block_scales,
                                 const float* row_scales, const float* codebook, int bits, int64_t m, int64_t n,
-                                int64_t k, void* out, float* workspace, int64_t workspace_size);
+                                int64_t k, void* out, float* workspace, int64_t workspace_size,
+                                const uint32_t* rot_signs);
 
 /* The GEMV's launch plan for this problem on `device` (for tests and benchmarks): K splits,
  * K tiles per split, CTAs, and its mode: 0 one split, or splits summed through a workspace and
@@ -100,11 +134,11 @@ KBIT_API int kbit_gemv_plan(int device, int64_t m, int64_t n, int64_t k, int* sp
  * problem once and writes an opaque call record (kbit_gemv_call_size() bytes, caller-owned)
  * plus the workspace floats it needs; kbit_gemv_run then launches with only the per-call
  * pointers (x, out, workspace, stream), checking nothing but null pointers. The record stays
- * valid while the packed tensors live at the same addresses. */
+ * valid while the packed tensors (and rot_signs) live at the same addresses. */
 KBIT_API int64_t kbit_gemv_call_size(void);
 KBIT_API int kbit_gemv_prepare(int device, int dtype, const int32_t* planes, const uint8_t* block_scales,
                                const float* row_scales, const float* codebook, int bits, int64_t m, int64_t n,
-                               int64_t k, void* call, int64_t* workspace_size);
+                               int64_t k, const uint32_t* rot_signs, void* call, int64_t* workspace_size);
 KBIT_API int kbit_gemv_run(const void* call, const void* x, void* out, float* workspace, void* stream);
 
 /* Grouped MoE GEMV, all experts in one launch: out [s, n] row r = x [s, k] row r @ W[expert].T
@@ -113,11 +147,14 @@ KBIT_API int kbit_gemv_run(const void* call, const void* x, void* out, float* wo
  * written. Grouped mode: rows grouped by expert, order [s] and offsets [e + 1] on the device
  * (rows of expert i are order[offsets[i] : offsets[i + 1]]); rows of no expert are not written.
  * With expert_ids given too, a GPU whose shared memory cannot hold the grouped mode's staging
- * falls back to per-row mode. The caller zero-fills out first. x/out float16 or bfloat16. */
+ * falls back to per-row mode. The caller zero-fills out first. x/out float16 or bfloat16. rot_signs:
+ * the experts' shared rotation (they all read the same x), per-row mode only (grouped mode: pass
+ * kbit_rotate's x R instead, one rotation rather than one per unit). */
 KBIT_API int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const int64_t* expert_ids,
                                const int64_t* order, const int64_t* offsets, const int32_t* planes,
                                const uint8_t* block_scales, const float* row_scales, const float* codebook,
-                               int bits, int64_t s, int64_t e, int64_t n, int64_t k, void* out);
+                               int bits, int64_t s, int64_t e, int64_t n, int64_t k, void* out,
+                               const uint32_t* rot_signs);
 
 #if KBIT_TRACE
 /* KBIT_TRACE=1 builds only (a diagnostic: scripts/trace_gemv.py): every later GEMV launch appends

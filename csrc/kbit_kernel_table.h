@@ -82,9 +82,11 @@ constexpr bool in_kernel_table(KernelId kernel, int bits, int dtype) {
   return false;
 }
 
-// One switch label per (bits, dtype, tile); -1 (no label) outside the ranges a key can hold.
-constexpr int launch_key(int bits, int dtype, int tile) {
-  return bits < 0 || bits > 64 || dtype < 0 || dtype > 2 || tile < 0 || tile > 31 ? -1 : (bits * 3 + dtype) * 32 + tile;
+// One switch label per (bits, dtype, tile, rotated); -1 (no label) outside the ranges a key can hold.
+constexpr int launch_key(int bits, int dtype, int tile, bool rotated = false) {
+  return bits < 0 || bits > 64 || dtype < 0 || dtype > 2 || tile < 0 || tile > 31
+             ? -1
+             : ((bits * 3 + dtype) * 32 + tile) * 2 + (rotated ? 1 : 0);
 }
 
 using QuantizeLaunch = cudaError_t (*)(const QuantizeParams&, cudaStream_t);
@@ -128,25 +130,33 @@ inline DequantizeLaunch find_dequantize(int bits, int dtype) {
 }
 
 using GemvLaunch = cudaError_t (*)(const MmParams&, int, cudaStream_t);
-// The gemv launch for (bits, dtype, tile); nullptr where the table has none.
-inline GemvLaunch find_gemv(int bits, int dtype, int tile) {
-  switch (launch_key(bits, dtype, tile)) {
-    case launch_key(2, 1, 1): return &launch_gemv<2, __half, 1>;
-    case launch_key(2, 1, 2): return &launch_gemv<2, __half, 2>;
-    case launch_key(2, 2, 1): return &launch_gemv<2, __nv_bfloat16, 1>;
-    case launch_key(2, 2, 2): return &launch_gemv<2, __nv_bfloat16, 2>;
-    case launch_key(3, 1, 1): return &launch_gemv<3, __half, 1>;
-    case launch_key(3, 1, 2): return &launch_gemv<3, __half, 2>;
-    case launch_key(3, 2, 1): return &launch_gemv<3, __nv_bfloat16, 1>;
-    case launch_key(3, 2, 2): return &launch_gemv<3, __nv_bfloat16, 2>;
-    case launch_key(4, 1, 1): return &launch_gemv<4, __half, 1>;
-    case launch_key(4, 1, 2): return &launch_gemv<4, __half, 2>;
-    case launch_key(4, 2, 1): return &launch_gemv<4, __nv_bfloat16, 1>;
-    case launch_key(4, 2, 2): return &launch_gemv<4, __nv_bfloat16, 2>;
-    case launch_key(5, 1, 1): return &launch_gemv<5, __half, 1>;
-    case launch_key(5, 1, 2): return &launch_gemv<5, __half, 2>;
-    case launch_key(5, 2, 1): return &launch_gemv<5, __nv_bfloat16, 1>;
-    case launch_key(5, 2, 2): return &launch_gemv<5, __nv_bfloat16, 2>;
+// The gemv launch for (bits, dtype, tile, rotated); nullptr where the table has none.
+inline GemvLaunch find_gemv(int bits, int dtype, int tile, bool rotated = false) {
+  switch (launch_key(bits, dtype, tile, rotated)) {
+    case launch_key(2, 1, 1): return &launch_gemv<2, __half, 1, false>;
+    case launch_key(2, 1, 1, true): return &launch_gemv<2, __half, 1, true>;
+    case launch_key(2, 1, 2): return &launch_gemv<2, __half, 2, false>;
+    case launch_key(2, 2, 1): return &launch_gemv<2, __nv_bfloat16, 1, false>;
+    case launch_key(2, 2, 1, true): return &launch_gemv<2, __nv_bfloat16, 1, true>;
+    case launch_key(2, 2, 2): return &launch_gemv<2, __nv_bfloat16, 2, false>;
+    case launch_key(3, 1, 1): return &launch_gemv<3, __half, 1, false>;
+    case launch_key(3, 1, 1, true): return &launch_gemv<3, __half, 1, true>;
+    case launch_key(3, 1, 2): return &launch_gemv<3, __half, 2, false>;
+    case launch_key(3, 2, 1): return &launch_gemv<3, __nv_bfloat16, 1, false>;
+    case launch_key(3, 2, 1, true): return &launch_gemv<3, __nv_bfloat16, 1, true>;
+    case launch_key(3, 2, 2): return &launch_gemv<3, __nv_bfloat16, 2, false>;
+    case launch_key(4, 1, 1): return &launch_gemv<4, __half, 1, false>;
+    case launch_key(4, 1, 1, true): return &launch_gemv<4, __half, 1, true>;
+    case launch_key(4, 1, 2): return &launch_gemv<4, __half, 2, false>;
+    case launch_key(4, 2, 1): return &launch_gemv<4, __nv_bfloat16, 1, false>;
+    case launch_key(4, 2, 1, true): return &launch_gemv<4, __nv_bfloat16, 1, true>;
+    case launch_key(4, 2, 2): return &launch_gemv<4, __nv_bfloat16, 2, false>;
+    case launch_key(5, 1, 1): return &launch_gemv<5, __half, 1, false>;
+    case launch_key(5, 1, 1, true): return &launch_gemv<5, __half, 1, true>;
+    case launch_key(5, 1, 2): return &launch_gemv<5, __half, 2, false>;
+    case launch_key(5, 2, 1): return &launch_gemv<5, __nv_bfloat16, 1, false>;
+    case launch_key(5, 2, 1, true): return &launch_gemv<5, __nv_bfloat16, 1, true>;
+    case launch_key(5, 2, 2): return &launch_gemv<5, __nv_bfloat16, 2, false>;
     default: return nullptr;
   }
 }
@@ -224,25 +234,44 @@ inline WgmmaGemmLaunch find_wgmma_gemm(int bits, int dtype, int tile) {
 }
 
 using GroupedGemvLaunch = cudaError_t (*)(const GroupedParams&, int, cudaStream_t);
-// The grouped_gemv launch for (bits, dtype, tile); nullptr where the table has none.
-inline GroupedGemvLaunch find_grouped_gemv(int bits, int dtype, int tile) {
-  switch (launch_key(bits, dtype, tile)) {
-    case launch_key(2, 1, 1): return &launch_grouped_gemv<2, __half, 1>;
-    case launch_key(2, 1, 4): return &launch_grouped_gemv<2, __half, 4>;
-    case launch_key(2, 2, 1): return &launch_grouped_gemv<2, __nv_bfloat16, 1>;
-    case launch_key(2, 2, 4): return &launch_grouped_gemv<2, __nv_bfloat16, 4>;
-    case launch_key(3, 1, 1): return &launch_grouped_gemv<3, __half, 1>;
-    case launch_key(3, 1, 4): return &launch_grouped_gemv<3, __half, 4>;
-    case launch_key(3, 2, 1): return &launch_grouped_gemv<3, __nv_bfloat16, 1>;
-    case launch_key(3, 2, 4): return &launch_grouped_gemv<3, __nv_bfloat16, 4>;
-    case launch_key(4, 1, 1): return &launch_grouped_gemv<4, __half, 1>;
-    case launch_key(4, 1, 4): return &launch_grouped_gemv<4, __half, 4>;
-    case launch_key(4, 2, 1): return &launch_grouped_gemv<4, __nv_bfloat16, 1>;
-    case launch_key(4, 2, 4): return &launch_grouped_gemv<4, __nv_bfloat16, 4>;
-    case launch_key(5, 1, 1): return &launch_grouped_gemv<5, __half, 1>;
-    case launch_key(5, 1, 4): return &launch_grouped_gemv<5, __half, 4>;
-    case launch_key(5, 2, 1): return &launch_grouped_gemv<5, __nv_bfloat16, 1>;
-    case launch_key(5, 2, 4): return &launch_grouped_gemv<5, __nv_bfloat16, 4>;
+// The grouped_gemv launch for (bits, dtype, tile, rotated); nullptr where the table has none.
+inline GroupedGemvLaunch find_grouped_gemv(int bits, int dtype, int tile, bool rotated = false) {
+  switch (launch_key(bits, dtype, tile, rotated)) {
+    case launch_key(2, 1, 1): return &launch_grouped_gemv<2, __half, 1, false>;
+    case launch_key(2, 1, 1, true): return &launch_grouped_gemv<2, __half, 1, true>;
+    case launch_key(2, 1, 4): return &launch_grouped_gemv<2, __half, 4, false>;
+    case launch_key(2, 2, 1): return &launch_grouped_gemv<2, __nv_bfloat16, 1, false>;
+    case launch_key(2, 2, 1, true): return &launch_grouped_gemv<2, __nv_bfloat16, 1, true>;
+    case launch_key(2, 2, 4): return &launch_grouped_gemv<2, __nv_bfloat16, 4, false>;
+    case launch_key(3, 1, 1): return &launch_grouped_gemv<3, __half, 1, false>;
+    case launch_key(3, 1, 1, true): return &launch_grouped_gemv<3, __half, 1, true>;
+    case launch_key(3, 1, 4): return &launch_grouped_gemv<3, __half, 4, false>;
+    case launch_key(3, 2, 1): return &launch_grouped_gemv<3, __nv_bfloat16, 1, false>;
+    case launch_key(3, 2, 1, true): return &launch_grouped_gemv<3, __nv_bfloat16, 1, true>;
+    case launch_key(3, 2, 4): return &launch_grouped_gemv<3, __nv_bfloat16, 4, false>;
+    case launch_key(4, 1, 1): return &launch_grouped_gemv<4, __half, 1, false>;
+    case launch_key(4, 1, 1, true): return &launch_grouped_gemv<4, __half, 1, true>;
+    case launch_key(4, 1, 4): return &launch_grouped_gemv<4, __half, 4, false>;
+    case launch_key(4, 2, 1): return &launch_grouped_gemv<4, __nv_bfloat16, 1, false>;
+    case launch_key(4, 2, 1, true): return &launch_grouped_gemv<4, __nv_bfloat16, 1, true>;
+    case launch_key(4, 2, 4): return &launch_grouped_gemv<4, __nv_bfloat16, 4, false>;
+    case launch_key(5, 1, 1): return &launch_grouped_gemv<5, __half, 1, false>;
+    case launch_key(5, 1, 1, true): return &launch_grouped_gemv<5, __half, 1, true>;
+    case launch_key(5, 1, 4): return &launch_grouped_gemv<5, __half, 4, false>;
+    case launch_key(5, 2, 1): return &launch_grouped_gemv<5, __nv_bfloat16, 1, false>;
+    case launch_key(5, 2, 1, true): return &launch_grouped_gemv<5, __nv_bfloat16, 1, true>;
+    case launch_key(5, 2, 4): return &launch_grouped_gemv<5, __nv_bfloat16, 4, false>;
+    default: return nullptr;
+  }
+}
+
+using RotateLaunch = cudaError_t (*)(const RotateParams&, cudaStream_t);
+// The rotate launch for dtype; nullptr outside the table's dtypes.
+inline RotateLaunch find_rotate(int dtype) {
+  switch (dtype) {
+    case 0: return &launch_rotate<float>;
+    case 1: return &launch_rotate<__half>;
+    case 2: return &launch_rotate<__nv_bfloat16>;
     default: return nullptr;
   }
 }

@@ -44,7 +44,8 @@ cudaError_t launch_quantize(const QuantizeParams& p, cudaStream_t stream);
 template <typename T, int BITS>
 cudaError_t launch_dequantize(const DequantizeParams& p, cudaStream_t stream);
 
-template <int BITS, typename T, int M>
+// kRotate: a rotated layer's instantiation, which rotates x as it stages it (rotation.cuh).
+template <int BITS, typename T, int M, bool kRotate>
 cudaError_t launch_gemv(const MmParams& p, int grid, cudaStream_t stream);
 
 template <int BITS, typename T, int NT>
@@ -53,7 +54,10 @@ cudaError_t launch_gemm(const MmParams& p, dim3 grid, cudaStream_t stream);
 template <int BITS, typename T, int NB>
 cudaError_t launch_wgmma_gemm(const MmParams& p, dim3 grid, cudaStream_t stream);
 
-template <int BITS, typename T, int NT>
+template <int BITS, typename T, int NT, bool kRotate>
 cudaError_t launch_grouped_gemv(const GroupedParams& p, int grid, cudaStream_t stream);
+
+template <typename T>
+cudaError_t launch_rotate(const RotateParams& p, cudaStream_t stream);
 
 }  // namespace kbit

@@ -16,6 +16,10 @@ constexpr int kE4M4Bias = 11;
 constexpr float kRowScaleMax = 0x1.08420ep+123f;
 static_assert(kRowScaleMax * 31.0f <= 0x1.fffffep+127f, "31 x the largest row scale must be a finite float");
 
+// Rotated layers (rotation.cuh): the Hadamard segment of K (rotation.DEFAULT_BLOCK); their K is a
+// multiple of it.
+constexpr int kRotBlock = 64;
+
 // Activation dtypes the kernels take (values fixed: they cross the C ABI).
 enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
@@ -40,6 +44,19 @@ struct DequantizeParams {
   int64_t codebook_stride;   // 0 when one codebook serves every batch entry
   int bits;
   int dtype;
+  // Rotated layers (rotation.cuh): the sign words [k / 32] of R, and each row comes out unrotated,
+  // W' R^T; nullptr: the stored weight as it is.
+  const uint32_t* rot_signs;
+};
+
+// x R (or, inverse, x R^T) of x [m, k] (rotation.cuh, the standalone rotation): k % 64 == 0.
+struct RotateParams {
+  const void* x;               // [m, k], rows x_stride elements apart, dtype `dtype`
+  void* out;                   // [m, k] contiguous, 16-byte aligned, dtype `dtype`, not overlapping x
+  const uint32_t* rot_signs;   // [k / 32]: bit e % 32 of word e / 32 set <=> s_e = -1
+  int64_t m, k, x_stride;
+  int dtype;
+  int inverse;                 // 0: x R (sign, then the transform); 1: x R^T (the transform, then the sign)
 };
 
 // out[m, n] = sum_k x[m, k] * W[n, k] for the small-M GEMV (gemv_kernel.cuh) and the mid-M
@@ -87,6 +104,9 @@ struct MmParams {
   float eps;
   void* sum_out;
   int64_t x_stride, x2_stride;  // row strides (elements) of x and x2 under a prologue
+  // Rotated layers (rotation.cuh): the sign words [k / 32] of R; the kernels multiply x R (after the
+  // prologue), rounded once to the activation dtype. nullptr: x as it is.
+  const uint32_t* rot_signs;
 #if KBIT_TRACE
   unsigned long long* trace;  // GEMV only: the trace buffer of kbit_trace_set (gemv_kernel.cuh, GemvTrace)
 #endif
@@ -108,6 +128,7 @@ struct GroupedParams {
   int dtype;
   // Plan: warps per row tile along K, and K tiles of activations staged per pass.
   int k_warps, sub_kt;
+  const uint32_t* rot_signs;    // rotated experts: the sign words [k / 32] of R (rotation.cuh), else nullptr
 };
 
 constexpr int kMaxDevices = 64;  // per-device host caches (launch plans, raised shared-memory limits)

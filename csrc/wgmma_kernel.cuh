@@ -14,7 +14,8 @@
 //    unit u of row r at u ^ (r % 8) (the 128-byte swizzle; K-major B, no transpose). The GEMM
 //    copies x with 16-byte cp.async one K tile ahead, in whole K tiles (NB = 1, 3 slots) or
 //    half K tiles (one atom, 4 slots), so that a slot is refilled only after its wgmma groups
-//    retired without a drain at the end of a K tile.
+//    retired without a drain at the end of a K tile. A rotated layer's x is turned into x R in the
+//    same pass (rotate_x_groups), so the GEMM itself does not know about rotation.
 //  * CTA: 2 warpgroups (8 row tiles, 128 rows) x 64 NB tokens; grid (token blocks, row blocks,
 //    K splits), token blocks fastest so that CTAs decoding the same weight run together. Split-K
 //    partials go to the float32 workspace and splitk_reduce_kernel (split order: deterministic).
@@ -28,6 +29,7 @@
 
 #include "gemm_kernel.cuh"
 #include "gemv_kernel.cuh"
+#include "rotation.cuh"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define KBIT_HAS_WGMMA 1
@@ -129,6 +131,45 @@ __device__ __forceinline__ void load_x_groups(const T* x, int64_t m, int64_t k, 
   }
 }
 
+// Rotated layers: the 4 groups (elements 32 t + 8 q + 0..7 of K tile kt, t = 0..3) turned into x R
+// (rotation.cuh). Blocks 0, 1 and 2, 3 are the tile's two 64-segments; a thread holds 16 elements of
+// each, at segment positions 32 (t % 2) + 8 q + e. Strides 1, 2, 4 (e) and 32 (t % 2) are in its
+// registers, 8 and 16 (q: the 4 consecutive lanes of one (token, K tile)) take shuffles. Stages in
+// the reference's order, float32, one rounding.
+template <typename T>
+__device__ __forceinline__ void rotate_x_groups(uint4 (&v)[4], const uint32_t* rot_signs, int64_t k, int kt, int q) {
+  union Group { uint4 u; T e[8]; };
+  const unsigned mask = 0xFu << (threadIdx.x & 28);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {  // segment h: blocks 2h, 2h + 1
+    float f[16];
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const int64_t word = static_cast<int64_t>(kt) * kBlocksPerTile + 2 * h + b;
+      // k % 64 == 0: a segment past k is zero (no sign word to read).
+      const uint32_t bits = word * kBlockSize < k ? __ldg(rot_signs + word) >> (8 * q) : 0u;
+      Group g;
+      g.u = v[2 * h + b];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) f[8 * b + e] = flip_sign(to_float(g.e[e]), (bits >> e) & 1u);
+    }
+    butterfly_regs<1>(f);
+    butterfly_regs<2>(f);
+    butterfly_regs<4>(f);
+    butterfly_lanes<1>(f, mask);
+    butterfly_lanes<2>(f, mask);
+    butterfly_regs<8>(f);
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      uint32_t w[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        w[i] = pack2<T>(__fmul_rn(f[8 * b + 2 * i], kRotScale), __fmul_rn(f[8 * b + 2 * i + 1], kRotScale));
+      v[2 * h + b] = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+}
+
 // Transposes the 4 groups into their 4 stage units (word t from block t) in row r of a stage
 // whose atoms are atom_bytes apart.
 template <int BITS>
@@ -141,10 +182,14 @@ __device__ __forceinline__ void store_x_groups(char* stage, int atom_bytes, int 
     *reinterpret_cast<uint4*>(row + ((x_perm_unit<BITS>(q, j) ^ (r & 7)) * 16)) = make_uint4(w[j][0], w[j][1], w[j][2], w[j][3]);
 }
 
-// One thread per (token, K tile, group q) of every token block.
-template <int BITS, typename T>
+// One thread per (token, K tile, group q) of every token block; kRotate: rot_signs are a rotated
+// layer's sign words and x R is staged (a template flag: the unrotated instantiation is the code it was
+// before rotation existed). The 4 threads of a (token, K tile) are consecutive lanes, and whole warps
+// run the grid-stride loop together (every count is a multiple of 256).
+template <int BITS, typename T, bool kRotate>
 __global__ void __launch_bounds__(256) wgmma_x_kernel(const T* x, int64_t m, int64_t k, int k_tiles, int nb,
-                                                      int64_t tokens_padded, char* x_perm) {
+                                                      int64_t tokens_padded, char* x_perm,
+                                                      const uint32_t* rot_signs) {
   wait_for_primary_grid();  // a programmatic dependent launch (sm_90+): x may be the previous kernel's output
   allow_dependent_launch();
   const int block_tokens = nb * kWgmmaTokens;
@@ -158,6 +203,7 @@ __global__ void __launch_bounds__(256) wgmma_x_kernel(const T* x, int64_t m, int
     const int64_t tok = rest / k_tiles;
     uint4 v[4];
     load_x_groups<T>(x, m, k, vec_ok, tok, kt, q, v);
+    if constexpr (kRotate) rotate_x_groups<T>(v, rot_signs, k, kt, q);
     const int64_t tb = tok / block_tokens;
     const int r = static_cast<int>(tok - tb * block_tokens);
     store_x_groups<BITS>(x_perm + (tb * k_tiles + kt) * 2 * (block_tokens * 128), block_tokens * 128, r, q, v);
@@ -329,8 +375,10 @@ cudaError_t launch_wgmma_gemm(const MmParams& p, dim3 grid, cudaStream_t stream)
   const int64_t threads = tokens_padded * k_tiles * 4;
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((threads + 255) / 256, int64_t{1} << 20));
   const KernelLaunch x_launch(blocks, 256, 0, stream, 1, use_pdl());
-  cudaError_t err = cudaLaunchKernelEx(&x_launch.config, wgmma_x_kernel<BITS, T>, static_cast<const T*>(p.x), p.m, p.k,
-                                       k_tiles, NB, tokens_padded, p.x_perm);
+  cudaError_t err = cudaLaunchKernelEx(&x_launch.config, p.rot_signs ? wgmma_x_kernel<BITS, T, true>
+                                                                      : wgmma_x_kernel<BITS, T, false>,
+                                       static_cast<const T*>(p.x), p.m, p.k, k_tiles, NB, tokens_padded, p.x_perm,
+                                       p.rot_signs);
   if (err != cudaSuccess) return err;
 
   constexpr int kSmem = wgmma_smem_bytes(NB);

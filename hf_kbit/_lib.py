@@ -21,7 +21,7 @@ from pathlib import Path
 LIBRARY_NAME = "libhf_kbit_cuda.so"
 LIBRARY_ENV = "HF_KBIT_LIBRARY"  # an explicit path to the library; no search when set
 _PACKAGE_DIR = Path(__file__).resolve().parent
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
@@ -81,18 +81,29 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kbit_kernel_table_entry.restype = c_int
     lib.kbit_quantize.argtypes = [c_int, c_vp, c_vp, c_int, c_vp, c_int, c_i64, c_i64, c_i64, c_vp, c_vp, c_vp]
     lib.kbit_quantize.restype = c_int
-    lib.kbit_dequantize.argtypes = [c_int, c_vp, c_vp, c_vp, c_vp, c_vp, c_i64, c_int, c_i64, c_i64, c_i64, c_vp, c_int]
+    # rot_signs (the last argument of every entry that computes with a weight): a rotated layer's sign
+    # words (int32 [in_features / 32] on the device), or None (kbit_api.h).
+    lib.kbit_dequantize.argtypes = [c_int, c_vp, c_vp, c_vp, c_vp, c_vp, c_i64, c_int, c_i64, c_i64, c_i64, c_vp, c_int,
+                                    c_vp]
     lib.kbit_dequantize.restype = c_int
-    lib.kbit_gemv_workspace_size.argtypes = [c_int, c_i64, c_i64, c_i64, c_int]
+    lib.kbit_rotate.argtypes = [c_int, c_vp, c_vp, c_i64, c_int, c_i64, c_i64, c_vp, c_int, c_vp]
+    lib.kbit_rotate.restype = c_int
+    lib.kbit_gemv_workspace_size.argtypes = [c_int, c_i64, c_i64, c_i64, c_int, c_int]
     lib.kbit_gemv_workspace_size.restype = c_i64
-    lib.kbit_gemv.argtypes = [c_int, c_vp, c_vp, c_int, c_vp, c_vp, c_vp, c_vp, c_int, c_i64, c_i64, c_i64, c_vp, c_vp, c_i64]
+    lib.kbit_set_gemv_rotate_crossover.argtypes = [c_int, c_int]
+    lib.kbit_set_gemv_rotate_crossover.restype = c_int
+    lib.kbit_gemv_rotate_plan.argtypes = [c_int, c_int, c_i64, c_int, ctypes.POINTER(c_int)]
+    lib.kbit_gemv_rotate_plan.restype = c_int
+    lib.kbit_gemv.argtypes = [c_int, c_vp, c_vp, c_int, c_vp, c_vp, c_vp, c_vp, c_int, c_i64, c_i64, c_i64, c_vp, c_vp,
+                              c_i64, c_vp]
     lib.kbit_gemv.restype = c_int
-    lib.kbit_gemm_workspace_size.argtypes = [c_int, c_i64, c_i64, c_i64, c_int]
+    lib.kbit_gemm_workspace_size.argtypes = [c_int, c_i64, c_i64, c_i64, c_int, c_int]
     lib.kbit_gemm_workspace_size.restype = c_i64
-    lib.kbit_gemm.argtypes = [c_int, c_vp, c_vp, c_int, c_vp, c_vp, c_vp, c_vp, c_int, c_i64, c_i64, c_i64, c_vp, c_vp, c_i64]
+    lib.kbit_gemm.argtypes = [c_int, c_vp, c_vp, c_int, c_vp, c_vp, c_vp, c_vp, c_int, c_i64, c_i64, c_i64, c_vp, c_vp,
+                              c_i64, c_vp]
     lib.kbit_gemm.restype = c_int
     lib.kbit_grouped_gemv.argtypes = [c_int, c_vp, c_vp, c_int, c_vp, c_vp, c_vp, c_vp, c_vp, c_vp, c_vp, c_int,
-                                      c_i64, c_i64, c_i64, c_i64, c_vp]
+                                      c_i64, c_i64, c_i64, c_i64, c_vp, c_vp]
     lib.kbit_grouped_gemv.restype = c_int
     c_ip = ctypes.POINTER(c_int)
     lib.kbit_gemv_plan.argtypes = [c_int, c_i64, c_i64, c_i64, c_ip, c_ip, c_ip, c_ip]
@@ -102,19 +113,20 @@ def _declare(lib: ctypes.CDLL) -> None:
     c_i64p = ctypes.POINTER(c_i64)
     lib.kbit_set_mm_crossovers.argtypes = [c_int, c_int, c_int, c_int, c_i64p, c_i64p]
     lib.kbit_set_mm_crossovers.restype = c_int
-    lib.kbit_mm_plan.argtypes = [c_int, c_i64, c_i64, c_i64, c_int, c_int, c_ip, c_ip, c_i64p]
+    lib.kbit_mm_plan.argtypes = [c_int, c_i64, c_i64, c_i64, c_int, c_int, c_int, c_ip, c_ip, c_i64p]
     lib.kbit_mm_plan.restype = c_int
     # GEMV with an elementwise prologue (optional: without it the fused ops run their references).
     try:
         lib.kbit_gemv_prologue.argtypes = [c_int, c_vp, c_int, c_vp, c_i64, c_vp, c_i64, c_vp, ctypes.c_float, c_vp,
-                                           c_int, c_vp, c_vp, c_vp, c_vp, c_int, c_i64, c_i64, c_i64, c_vp, c_vp, c_i64]
+                                           c_int, c_vp, c_vp, c_vp, c_vp, c_int, c_i64, c_i64, c_i64, c_vp, c_vp, c_i64,
+                                           c_vp]
         lib.kbit_gemv_prologue.restype = c_int
     except AttributeError:
         pass
     # Eager fast path (optional: a library without it still serves every op).
     try:
         lib.kbit_gemv_call_size.restype = c_i64
-        lib.kbit_gemv_prepare.argtypes = [c_int, c_int, c_vp, c_vp, c_vp, c_vp, c_int, c_i64, c_i64, c_i64, c_vp,
+        lib.kbit_gemv_prepare.argtypes = [c_int, c_int, c_vp, c_vp, c_vp, c_vp, c_int, c_i64, c_i64, c_i64, c_vp, c_vp,
                                           ctypes.POINTER(c_i64)]
         lib.kbit_gemv_prepare.restype = c_int
         lib.kbit_gemv_run.argtypes = [c_vp, c_vp, c_vp, c_vp, c_vp]

@@ -12,6 +12,12 @@ device copy bandwidth measured in the same run). Writes JSON and a markdown tabl
     python scripts/bench_kernels.py --paths --write-crossovers
                                                  # ... and rewrite hf_kbit/backends/crossovers.json from them
                                                  # (HF_KBIT_GEMM_KERNEL=mma: the mma.sync GEMM's entries)
+    python scripts/bench_kernels.py --rotation --out benchmarks/results/h100_rotation
+                                                 # each path on a rotated layer (random sign words) vs the
+                                                 # same layer unrotated, Llama-3-8B shapes, M 1..1024
+    python scripts/bench_kernels.py --rotation --write-crossovers
+                                                 # ... and rewrite crossovers.json's rotated_gemv from the
+                                                 # GEMV's two ways of rotating
 """
 
 from __future__ import annotations
@@ -42,6 +48,16 @@ SHAPES = {  # name: (K = in_features, N = out_features)
     "h2048 4096x2048": (4096, 2048),
 }
 MS = (1, 2, 4, 8, 16, 32, 64, 256, 1024)
+# --rotation: Llama-3-8B's projections and the M of issue 34's budget (within 3% of the unrotated
+# kernel at M = 1, 2% at M >= 256).
+ROTATION_SHAPES = {
+    "llama3-8b q/o 4096x4096": (4096, 4096),
+    "llama3-8b gate/up 4096x14336": (4096, 14336),
+    "llama3-8b down 14336x4096": (14336, 4096),
+    "llama3-8b k/v 4096x1024": (4096, 1024),
+}
+ROTATION_MS = (1, 2, 4, 8, 16, 64, 256, 1024)
+ROTATION_ROUNDS = 2  # unrotated and rotated timed alternately, the least of each: clock drift hits both
 BITS = SUPPORTED_BITS
 COLD_BYTES = 400 * 2**20  # weight copies per timed graph: 8x the H100's 50 MB L2
 MIN_CALLS = 24
@@ -214,6 +230,105 @@ def bench_paths(name, k, n, ms, bits_list, results):
         torch.cuda.empty_cache()
 
 
+def bench_rotation(name, k, n, ms, bits_list, results):
+    """Each kernel path of kbit::mm (and the planner's choice) on a rotated layer (random sign words)
+    against the same packed weights unrotated, cold L2, cuBLAS bf16 in the same run. The GEMV both
+    ways, forced through the rotated crossover: "gemv-staged" (x R staged by the GEMV, M <= 8) and
+    "gemv-standalone" (the standalone rotation into the workspace, then the unrotated GEMV as its
+    programmatic dependent); the wgmma GEMM rotates in its x rewrite, the mma.sync GEMM
+    (HF_KBIT_GEMM_KERNEL=mma) runs the standalone rotation first, dequantize + cuBLAS multiplies the
+    stored weight by the standalone rotation's x R (docs/kernels.md)."""
+    from hf_kbit import _lib
+    from hf_kbit.backends import cuda as backend
+
+    xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in ms}
+    ncopy = copies_for(2 * n * k)
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(ncopy)]
+    settle()
+    bf16 = {m: time_calls([lambda w=ws[i % ncopy], x=xs[m]: torch.nn.functional.linear(x, w)
+                           for i in range(max(MIN_CALLS, ncopy))]) for m in ms}
+    del ws
+    signs = torch.randint(-(2**31), 2**31 - 1, (k // 32,), dtype=torch.int32, device="cuda")
+    lib = _lib.load()
+    for bits in bits_list:
+        ncopy = copies_for(packed_bytes(n, k, bits))
+        packs = random_packed(n, k, bits, ncopy)
+        ncalls = max(MIN_CALLS, ncopy)
+        settle()
+        for m in ms:
+            x = xs[m]
+            plan = backend.mm_plan(m, n, k, bits, x.device.index, x.dtype, True)
+            planned = plan[0]
+            if planned == "gemv":
+                planned = f"gemv-{backend.gemv_rotate_plan(m, bits, x.dtype)}"
+            for path in ("gemv-staged", "gemv-standalone", "gemm", "dequant"):
+                # Beyond the GEMV, or beyond its rotated instantiations (where a prologue, which only
+                # the staging can rotate, has no GEMV).
+                if path.startswith("gemv") and (m > backend.GEMV_MAX_M or (
+                        path == "gemv-staged" and backend.gemv_rotate_plan(m, bits, x.dtype, True) is None)):
+                    continue
+                if path == "gemm" and backend.gemm_workspace(x.device.index, m, n, k, bits, True) < 0:
+                    continue
+                if path.startswith("gemv"):  # the crossover forces the GEMV's way of rotating
+                    lib.kbit_set_gemv_rotate_crossover(bits, backend.GEMV_MAX_M if path == "gemv-staged" else 0)
+                calls = {rot: [lambda p=packs[i % ncopy], s=(signs if rot else None), kp=path.split("-")[0]:
+                               backend.run_path(kp, x, *p, k, None, s) for i in range(ncalls)]
+                         for rot in (False, True)}
+                times = {False: [], True: []}
+                for _ in range(ROTATION_ROUNDS):
+                    for rot in (False, True):
+                        times[rot].append(time_calls(calls[rot]))
+                row = {"shape": name, "K": k, "N": n, "M": m, "bits": bits, "path": path, "gemm_kernel": plan[1],
+                       "dispatch": path == planned, "bf16_us": bf16[m], "us": min(times[False]),
+                       "rotated_us": min(times[True])}
+                row["cost_pct"] = 100 * (row["rotated_us"] / row["us"] - 1)
+                results.append(row)
+                print(f"{name:30s} k={bits} M={m:5d} {path:15s}{'*' if row['dispatch'] else ' '} "
+                      f"bf16={row['bf16_us']:7.1f}us  unrotated={row['us']:7.1f}us  "
+                      f"rotated={row['rotated_us']:7.1f}us  cost={row['cost_pct']:+5.1f}%", flush=True)
+        backend.load_crossovers()  # the file's rotated crossover again
+        del packs
+        torch.cuda.empty_cache()
+
+
+def markdown_rotation(results, meta) -> str:
+    lines = [f"# kbit::mm on rotated layers — {meta['device']}", "", f"Command: `{meta['command']}`  ",
+             (f"torch {meta['torch']}, cold L2, CUDA-graph replays, median of 7, the least of {ROTATION_ROUNDS} "
+              "alternating rounds; us per call (bf16 activations). The same packed weights unrotated and rotated "
+              "(random sign words); cost = rotated / unrotated - 1. `*`: the path kbit::mm takes for a rotated layer. "
+              "gemv-staged / gemv-standalone: the GEMV staging x R / after the standalone rotation (both forced; the "
+              f"unrotated GEMV is the same). GEMM kernel: {meta.get('gemm_kernel', 'mma')}."), "",
+             "| shape (K x N) | k | M | path | bf16 us | unrotated us | rotated us | cost |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['shape']} | {r['bits']} | {r['M']} | {r['path']}{' *' if r['dispatch'] else ''} | "
+                     f"{r['bf16_us']:.1f} | {r['us']:.1f} | {r['rotated_us']:.1f} | {r['cost_pct']:+.1f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def derive_rotated_crossover(results: list, current: dict) -> dict:
+    """``rotated_gemv`` (hf_kbit.backends.crossovers.read_rotated's form) from ``--rotation`` rows: per
+    bits, the largest measured M at which the GEMV staging x R was no slower than the standalone
+    rotation + GEMV on every shape, at every M up to it (0: never). A bits without rows keeps
+    ``current``'s value."""
+    out = {}
+    for bits, now in current.items():
+        rows = {(r["shape"], r["M"]): r["rotated_us"] for r in results if r["bits"] == bits and r["path"] == "gemv-staged"}
+        alone = {(r["shape"], r["M"]): r["rotated_us"] for r in results
+                 if r["bits"] == bits and r["path"] == "gemv-standalone"}
+        pairs = [key for key in rows if key in alone]
+        if not pairs:
+            out[bits] = now
+            continue
+        best = 0
+        for m in sorted({m for _, m in pairs}):
+            if not all(rows[key] <= alone[key] for key in pairs if key[1] == m):
+                break
+            best = m
+        out[bits] = best
+    return out
+
+
 def derive_crossovers(results: list, current: dict) -> dict:
     """Crossovers (hf_kbit.backends.crossovers.read's form, for one GEMM kernel) from ``--paths`` rows,
     keeping ``current``'s weight classes: the GEMV serves M up to the largest measured M at which it
@@ -372,7 +487,10 @@ def main() -> None:
     ap.add_argument("--paths", action="store_true",
                     help="time every kernel path (GEMV, GEMM, dequantize + cuBLAS) instead of kbit::mm vs bf16")
     ap.add_argument("--write-crossovers", action="store_true",
-                    help="with --paths: rewrite this GPU's GEMM kernel's entries of hf_kbit/backends/crossovers.json")
+                    help="with --paths: rewrite this GPU's GEMM kernel's entries of hf_kbit/backends/crossovers.json; "
+                         "with --rotation: its rotated_gemv entries")
+    ap.add_argument("--rotation", action="store_true",
+                    help="each path on a rotated layer vs the same layer unrotated (Llama-3-8B shapes, M 1..1024)")
     args = ap.parse_args()
 
     import hf_kbit
@@ -382,10 +500,10 @@ def main() -> None:
         sys.exit("bench_kernels.py needs a CUDA GPU")
     _lib.load()  # clear error if the library is missing
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
-    shapes = SHAPES
-    ms = args.ms or MS
+    shapes = ROTATION_SHAPES if args.rotation else SHAPES
+    ms = args.ms or (ROTATION_MS if args.rotation else MS)
     if args.quick:
-        shapes = {k: v for k, v in SHAPES.items() if k.startswith(("llama3-8b gate", "h2048 2048x5120"))}
+        shapes = {k: v for k, v in shapes.items() if k.startswith(("llama3-8b gate", "h2048 2048x5120"))}
         ms = args.ms or (1, 16, 256)
     if args.shapes:
         shapes = {k: v for k, v in shapes.items() if any(s in k for s in args.shapes)}
@@ -393,7 +511,9 @@ def main() -> None:
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     results = []
     for name, (k, n) in shapes.items():
-        if args.paths:
+        if args.rotation:
+            bench_rotation(name, k, n, ms, args.bits, results)
+        elif args.paths:
             bench_paths(name, k, n, ms, args.bits, results)
         else:
             bench_shape(name, k, n, ms, args.bits, bw, results, int4=not args.no_int4)
@@ -403,7 +523,16 @@ def main() -> None:
         "command": shlex.join(["python", "scripts/bench_kernels.py", *sys.argv[1:]]), "cold_l2_bytes": COLD_BYTES,
         "gemv_max_m": getattr(sys.modules.get("hf_kbit.backends.cuda"), "GEMV_MAX_M", None),
     }
-    if args.paths:
+    if args.rotation:
+        meta["gemm_kernel"] = results[0]["gemm_kernel"] if results else None
+        md = markdown_rotation(results, meta)
+        if args.write_crossovers and results:
+            from hf_kbit.backends import crossovers
+
+            derived = derive_rotated_crossover(results, crossovers.read_rotated())
+            crossovers.write({}, about=crossovers.ABOUT, rotated=derived)
+            print(f"wrote the rotated GEMV crossover to {crossovers.FILE}: {derived}", flush=True)
+    elif args.paths:
         meta["gemm_kernel"] = results[0]["gemm_kernel"] if results else None
         md = markdown_paths(results, meta)
         if args.write_crossovers and results:

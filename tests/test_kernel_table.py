@@ -37,9 +37,26 @@ def test_every_table_entry_is_instantiated_and_dispatched():
     for kernel, bits, dtype in kernel_table.TABLE:
         launch = gen.LAUNCHES[kernel]
         for v in launch.variants or (0,):
-            inst = launch.template.format(bits=bits, T=gen.CPP_TYPES[dtype], v=v)
-            assert f"template cudaError_t {inst}(" in units, (kernel, bits, dtype)
-            assert f"return &{inst};" in header, (kernel, bits, dtype)
+            for rot in ("false", "true") if v in launch.rotated else ("false",):
+                inst = launch.template.format(bits=bits, T=gen.CPP_TYPES[dtype], v=v, rot=rot)
+                assert f"template cudaError_t {inst}(" in units, (kernel, bits, dtype, v, rot)
+                assert f"return &{inst};" in header, (kernel, bits, dtype, v, rot)
+
+
+def test_rotated_instantiations_only_where_listed():
+    # The rotated code is built only for the tiles its launch lists (build time on 2-core CI): the
+    # others rotate x with the standalone kernel first (kbit_api.cu).
+    gen = _generator()
+    units = "".join(text for path, text in gen.render().items() if path != gen.HEADER)
+    for name, launch in gen.LAUNCHES.items():
+        assert set(launch.rotated) <= set(launch.variants), name
+        if not launch.rotated:
+            assert "{rot}" not in launch.template, name
+            continue
+        assert "{rot}" in launch.template, name
+        for v in set(launch.variants) - set(launch.rotated):
+            inst = launch.template.format(bits=2, T="__half", v=v, rot="true")
+            assert inst not in units, inst
 
 
 def test_generator_check_mode_runs_without_torch():
@@ -81,13 +98,14 @@ def test_library_refuses_entries_outside_the_table(call):
     lib = _lib.load()
     bits = max(kernel_table.BITS) + 1
     if call == "dequantize_bits":
-        rc = lib.kbit_dequantize(0, None, None, None, None, None, 0, bits, 1, 1, 1, None, 2)
+        rc = lib.kbit_dequantize(0, None, None, None, None, None, 0, bits, 1, 1, 1, None, 2, None)
         expected = f"kernel=dequantize, bits={bits}, dtype=bfloat16"
     elif call == "gemv_float32":
-        rc = lib.kbit_gemv(0, None, None, 0, None, None, None, None, 4, 1, 1, 1, None, None, 0)
+        rc = lib.kbit_gemv(0, None, None, 0, None, None, None, None, 4, 1, 1, 1, None, None, 0, None)
         expected = "kernel=gemv, bits=4, dtype=float32"
     else:
-        rc = lib.kbit_grouped_gemv(0, None, None, 1, None, None, None, None, None, None, None, bits, 1, 1, 1, 1, None)
+        rc = lib.kbit_grouped_gemv(0, None, None, 1, None, None, None, None, None, None, None, bits, 1, 1, 1, 1, None,
+                                    None)
         expected = f"kernel=grouped_gemv, bits={bits}, dtype=float16"
     with pytest.raises(ValueError, match=f"unsupported {expected}"):
         _lib.check(rc, call)

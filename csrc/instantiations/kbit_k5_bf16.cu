@@ -11,8 +11,9 @@
 namespace kbit {
 template cudaError_t launch_quantize<__nv_bfloat16, 5>(const QuantizeParams&, cudaStream_t);
 template cudaError_t launch_dequantize<__nv_bfloat16, 5>(const DequantizeParams&, cudaStream_t);
-template cudaError_t launch_gemv<5, __nv_bfloat16, 1>(const MmParams&, int, cudaStream_t);
-template cudaError_t launch_gemv<5, __nv_bfloat16, 2>(const MmParams&, int, cudaStream_t);
+template cudaError_t launch_gemv<5, __nv_bfloat16, 1, false>(const MmParams&, int, cudaStream_t);
+template cudaError_t launch_gemv<5, __nv_bfloat16, 1, true>(const MmParams&, int, cudaStream_t);
+template cudaError_t launch_gemv<5, __nv_bfloat16, 2, false>(const MmParams&, int, cudaStream_t);
 template cudaError_t launch_gemm<5, __nv_bfloat16, 2>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_gemm<5, __nv_bfloat16, 4>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_gemm<5, __nv_bfloat16, 8>(const MmParams&, dim3, cudaStream_t);
@@ -20,6 +21,7 @@ template cudaError_t launch_gemm<5, __nv_bfloat16, 16>(const MmParams&, dim3, cu
 template cudaError_t launch_wgmma_gemm<5, __nv_bfloat16, 1>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_wgmma_gemm<5, __nv_bfloat16, 2>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_wgmma_gemm<5, __nv_bfloat16, 4>(const MmParams&, dim3, cudaStream_t);
-template cudaError_t launch_grouped_gemv<5, __nv_bfloat16, 1>(const GroupedParams&, int, cudaStream_t);
-template cudaError_t launch_grouped_gemv<5, __nv_bfloat16, 4>(const GroupedParams&, int, cudaStream_t);
+template cudaError_t launch_grouped_gemv<5, __nv_bfloat16, 1, false>(const GroupedParams&, int, cudaStream_t);
+template cudaError_t launch_grouped_gemv<5, __nv_bfloat16, 1, true>(const GroupedParams&, int, cudaStream_t);
+template cudaError_t launch_grouped_gemv<5, __nv_bfloat16, 4, false>(const GroupedParams&, int, cudaStream_t);
 }  // namespace kbit

@@ -11,8 +11,9 @@
 namespace kbit {
 template cudaError_t launch_quantize<__half, 5>(const QuantizeParams&, cudaStream_t);
 template cudaError_t launch_dequantize<__half, 5>(const DequantizeParams&, cudaStream_t);
-template cudaError_t launch_gemv<5, __half, 1>(const MmParams&, int, cudaStream_t);
-template cudaError_t launch_gemv<5, __half, 2>(const MmParams&, int, cudaStream_t);
+template cudaError_t launch_gemv<5, __half, 1, false>(const MmParams&, int, cudaStream_t);
+template cudaError_t launch_gemv<5, __half, 1, true>(const MmParams&, int, cudaStream_t);
+template cudaError_t launch_gemv<5, __half, 2, false>(const MmParams&, int, cudaStream_t);
 template cudaError_t launch_gemm<5, __half, 2>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_gemm<5, __half, 4>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_gemm<5, __half, 8>(const MmParams&, dim3, cudaStream_t);
@@ -20,6 +21,7 @@ template cudaError_t launch_gemm<5, __half, 16>(const MmParams&, dim3, cudaStrea
 template cudaError_t launch_wgmma_gemm<5, __half, 1>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_wgmma_gemm<5, __half, 2>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_wgmma_gemm<5, __half, 4>(const MmParams&, dim3, cudaStream_t);
-template cudaError_t launch_grouped_gemv<5, __half, 1>(const GroupedParams&, int, cudaStream_t);
-template cudaError_t launch_grouped_gemv<5, __half, 4>(const GroupedParams&, int, cudaStream_t);
+template cudaError_t launch_grouped_gemv<5, __half, 1, false>(const GroupedParams&, int, cudaStream_t);
+template cudaError_t launch_grouped_gemv<5, __half, 1, true>(const GroupedParams&, int, cudaStream_t);
+template cudaError_t launch_grouped_gemv<5, __half, 4, false>(const GroupedParams&, int, cudaStream_t);
 }  // namespace kbit

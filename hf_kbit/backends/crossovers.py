@@ -2,7 +2,10 @@
 
 ``scripts/bench_kernels.py --paths`` measures every path (GEMV, GEMM, dequantize + cuBLAS) per
 shape, M and k and writes the file (``--write-crossovers``); the CUDA backend hands it to the
-library's planner (``kbit_mm_plan``) at load. No crossover is typed anywhere else.
+library's planner (``kbit_mm_plan``) at load. ``rotated_gemv`` holds, per bits, the largest M at
+which a rotated layer's GEMV stages ``x R`` itself rather than running the standalone rotation
+first (``kbit_set_gemv_rotate_crossover``; ``bench_kernels.py --rotation --write-crossovers``). No
+crossover is typed anywhere else.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ ABOUT = ("Path crossovers of kbit::mm, read by the library's planner (kbit_mm_pl
          "GEMV serves M <= gemv_max_m, the GEMM M <= the m of the first [min_weight, m] pair whose min_weight <= N * K, "
          "dequantize + cuBLAS the rest. Measured on an H100, cold L2; the mma.sync entries with "
          "HF_KBIT_GEMM_KERNEL=mma on the same GPU. Rewrite with `python scripts/bench_kernels.py --paths "
-         "--write-crossovers`.")
+         "--write-crossovers`. rotated_gemv: per bits, a rotated layer's GEMV stages x R up to M <= in_staging_max_m "
+         "and runs the standalone rotation first above it (`python scripts/bench_kernels.py --rotation "
+         "--write-crossovers`).")
 GEMM_KERNELS = ("mma", "wgmma")  # the planner's GEMM kernel codes 0 (mma.sync, any sm_80+), 1 (wgmma, sm_90a)
 
 
@@ -43,11 +48,30 @@ def read(path: Path = FILE) -> dict[str, dict[int, tuple[int, tuple[tuple[int, i
     return out
 
 
-def write(crossovers: dict, about: str, path: Path = FILE) -> None:
+def read_rotated(path: Path = FILE) -> dict[int, int]:
+    """``{bits: in_staging_max_m}`` of the rotated GEMV (``rotated_gemv``); raises ValueError naming what
+    is missing or malformed."""
+    section = json.loads(Path(path).read_text()).get("rotated_gemv")
+    if section is None:
+        raise ValueError(f"{path}: no rotated GEMV crossovers (rotated_gemv)")
+    out = {}
+    for bits in SUPPORTED_BITS:
+        value = section.get(str(bits), {}).get("in_staging_max_m")
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"{path}: rotated_gemv.{bits}.in_staging_max_m must be an integer >= 0, got {value!r}")
+        out[bits] = value
+    return out
+
+
+def write(crossovers: dict, about: str, path: Path = FILE, rotated: dict[int, int] | None = None) -> None:
     """Write ``crossovers`` (as :func:`read` returns, for one or both GEMM kernels: the others keep the
-    file's values) to ``path``."""
-    merged = read(path) if Path(path).is_file() else {}
+    file's values) and ``rotated`` (as :func:`read_rotated` returns; None keeps the file's, or the shipped
+    file's for a new one) to ``path``."""
+    exists = Path(path).is_file()
+    merged = read(path) if exists else {}
     merged.update(crossovers)
+    if rotated is None:
+        rotated = read_rotated(path if exists else FILE)
     mm = {kernel: {str(bits): {"gemv_max_m": gemv, "gemm_max_m_by_weight": [list(c) for c in classes]}
                    for bits, (gemv, classes) in sorted(by_bits.items())}
           for kernel, by_bits in merged.items()}
@@ -55,4 +79,6 @@ def write(crossovers: dict, about: str, path: Path = FILE) -> None:
     kernels = ",\n".join(
         f'  "{kernel}": {{\n' + ",\n".join(f'   "{bits}": {json.dumps(entry)}' for bits, entry in by_bits.items())
         + "\n  }" for kernel, by_bits in mm.items())
-    Path(path).write_text(f'{{\n "about": {json.dumps(about)},\n "mm": {{\n{kernels}\n }}\n}}\n')
+    rot = ",\n".join(f'  "{bits}": {json.dumps({"in_staging_max_m": m})}' for bits, m in sorted(rotated.items()))
+    Path(path).write_text(f'{{\n "about": {json.dumps(about)},\n "mm": {{\n{kernels}\n }},\n'
+                          f' "rotated_gemv": {{\n{rot}\n }}\n}}\n')

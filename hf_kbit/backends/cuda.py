@@ -20,6 +20,16 @@ Dispatch of ``mm`` by M (rows of x after flattening the leading dims): the libra
     (csrc/gemm_kernel.cuh);
   * large M, float32 x, or a GPU without the GEMM's shared memory: dequantize into a
     torch-allocated weight in x's dtype, then ``torch.matmul`` (cuBLAS).
+
+Rotated layers (hf_kbit.rotation): every function that computes with a weight takes ``signs``, the
+layer's sign words (int32 ``[in_features // 32]`` on the weight's device, bit ``e % 32`` of word
+``e // 32`` set where ``s_e = -1``; :func:`sign_words` builds them), or None. The kernels then multiply
+``x R`` by the stored ``W'``: the GEMV stages ``x R`` up to its measured crossover (``rotated_gemv`` in
+crossovers.json) and above it runs the standalone rotation into its workspace first, as the mma.sync
+GEMM does; the wgmma GEMM rotates in its x rewrite; dequantize + cuBLAS multiplies the stored weight by
+the standalone rotation's ``x R``, and the gradient ``dX = (dY W') R^T`` is unrotated after the matmul.
+Only ``dequantize`` itself returns the weight unrotated, ``W' R^T``. The eager fast path reads
+``module.rotation_signs``.
 """
 
 from __future__ import annotations
@@ -33,10 +43,14 @@ from .. import _lib
 from .. import _ops
 from .. import format as fmt
 from . import crossovers
+from . import cuda_rotation
+from .cuda_rotation import gemv_rotate_plan, rotate, unrotate
+from .cuda_rotation import signs_ptr as _signs_ptr
 
 _LIB = _lib.load()
 
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+sign_words = cuda_rotation.sign_words  # rotated layers' sign words, as the kernels read them
 
 # The GEMV kernel's own limit on M.
 GEMV_MAX_M = int(_LIB.kbit_gemv_max_m())
@@ -54,38 +68,44 @@ def load_crossovers(path=crossovers.FILE) -> None:
             rc = _LIB.kbit_set_mm_crossovers(crossovers.GEMM_KERNELS.index(kernel), bits, gemv_max_m, len(classes),
                                              weights, gemm_max)
             _lib.check(rc, f"set_mm_crossovers ({kernel}, bits={bits})")
+    for bits, in_staging_max_m in crossovers.read_rotated(path).items():
+        _lib.check(_LIB.kbit_set_gemv_rotate_crossover(bits, in_staging_max_m), f"set_gemv_rotate_crossover ({bits})")
     _mm_plans.clear()
+    gemv_rotate_plan.cache_clear()
 
 
 _mm_plans: dict[tuple, tuple[str, str, int]] = {}
 
 
-def mm_plan(m: int, n: int, k: int, bits: int, device: int, dtype: torch.dtype = torch.bfloat16) -> tuple:
+def mm_plan(m: int, n: int, k: int, bits: int, device: int, dtype: torch.dtype = torch.bfloat16,
+            rotated: bool = False) -> tuple:
     """``(path, gemm kernel, workspace floats)`` of ``kbit::mm`` for ``x [m, k]`` in ``dtype`` and a
-    ``[n, k]`` weight on CUDA device index ``device``, as the library plans it (cached: a layer repeats
-    one problem)."""
-    key = (device, m, n, k, bits, dtype)
+    ``[n, k]`` weight (``rotated``: a rotated layer's) on CUDA device index ``device``, as the library
+    plans it (cached: a layer repeats one problem)."""
+    key = (device, m, n, k, bits, dtype, rotated)
     plan = _mm_plans.get(key)
     if plan is None:
         path, gemm, ws = ctypes.c_int(), ctypes.c_int(), ctypes.c_int64()
-        rc = _LIB.kbit_mm_plan(device, m, n, k, bits, _DTYPE_CODE[dtype], ctypes.byref(path), ctypes.byref(gemm),
-                               ctypes.byref(ws))
+        rc = _LIB.kbit_mm_plan(device, m, n, k, bits, _DTYPE_CODE[dtype], int(rotated), ctypes.byref(path),
+                               ctypes.byref(gemm), ctypes.byref(ws))
         _lib.check(rc, "mm_plan")
         plan = _mm_plans[key] = (PATHS[path.value], crossovers.GEMM_KERNELS[gemm.value], int(ws.value))
     return plan
 
 
-def mm_path(m: int, n: int, k: int, bits: int, device: int, dtype: torch.dtype = torch.bfloat16) -> str:
+def mm_path(m: int, n: int, k: int, bits: int, device: int, dtype: torch.dtype = torch.bfloat16,
+            rotated: bool = False) -> str:
     """The kernel path ``kbit::mm`` takes (:func:`mm_plan`)."""
-    return mm_plan(m, n, k, bits, device, dtype)[0]
+    return mm_plan(m, n, k, bits, device, dtype, rotated)[0]
+
+
+def gemv_wins(m: int, n: int, k: int, bits: int, device: int, dtype: torch.dtype = torch.bfloat16,
+              rotated: bool = False) -> bool:
+    """True when the GEMV serves this problem (the eager fast path covers only the GEMV)."""
+    return mm_plan(m, n, k, bits, device, dtype, rotated)[0] == "gemv"
 
 
 load_crossovers()
-
-
-def gemv_wins(m: int, n: int, k: int, bits: int, device: int, dtype: torch.dtype = torch.bfloat16) -> bool:
-    """True when the GEMV serves this problem (the eager fast path covers only the GEMV)."""
-    return mm_plan(m, n, k, bits, device, dtype)[0] == "gemv"
 
 
 _checked_shapes: set[tuple] = set()
@@ -104,18 +124,19 @@ except AttributeError:  # pragma: no cover - older torch
 
 
 @functools.cache  # a layer repeats one problem
-def gemm_workspace(device: int, m: int, n: int, k: int, bits: int) -> int:
-    """Floats of workspace the GEMM needs on CUDA device index ``device``; -1 where it cannot run."""
-    return int(_LIB.kbit_gemm_workspace_size(device, m, n, k, bits))
+def gemm_workspace(device: int, m: int, n: int, k: int, bits: int, rotated: bool = False) -> int:
+    """Floats of workspace the GEMM needs on CUDA device index ``device`` (``rotated``: for a rotated
+    layer); -1 where it cannot run."""
+    return int(_LIB.kbit_gemm_workspace_size(device, m, n, k, bits, int(rotated)))
 
 
 _gemm_workspace = gemm_workspace  # the name before it was public
 
 
 @functools.cache
-def _gemv_workspace(device: int, m: int, n: int, k: int, bits: int) -> int:
-    """Floats of workspace the GEMV needs on CUDA device index ``device``."""
-    return int(_LIB.kbit_gemv_workspace_size(device, m, n, k, bits))
+def _gemv_workspace(device: int, m: int, n: int, k: int, bits: int, rotated: bool = False) -> int:
+    """Floats of workspace the GEMV needs on CUDA device index ``device`` (``rotated``: a rotated layer's)."""
+    return int(_LIB.kbit_gemv_workspace_size(device, m, n, k, bits, int(rotated)))
 
 
 def _dense(planes, block_scales, row_scales, codebook) -> tuple:
@@ -176,7 +197,9 @@ def _quantize_cuda(weight: torch.Tensor, codebook: torch.Tensor):
 # ---------------------------------------------------------------------------- dequantize
 
 
-def _dequantize_into(planes, block_scales, row_scales, codebook, in_features, out: torch.Tensor) -> torch.Tensor:
+def _dequantize_into(planes, block_scales, row_scales, codebook, in_features, out: torch.Tensor,
+                     signs=None) -> torch.Tensor:
+    sp = _signs_ptr(signs, in_features, planes.device)
     bits = planes.shape[-3]
     n = row_scales.shape[-1]
     batch = row_scales.numel() // n if n else 0
@@ -186,20 +209,21 @@ def _dequantize_into(planes, block_scales, row_scales, codebook, in_features, ou
     rc = _LIB.kbit_dequantize(
         planes.device.index, _stream(planes.device), planes.data_ptr(), block_scales.data_ptr(),
         row_scales.data_ptr(), codebook.data_ptr(), cb_stride, bits, batch, n, in_features,
-        out.data_ptr(), _DTYPE_CODE[out.dtype],
+        out.data_ptr(), _DTYPE_CODE[out.dtype], sp,
     )
     _lib.check(rc, "dequantize")
     return out
 
 
 @torch.library.impl(_ops._lib, "dequantize", "CUDA")
-def _dequantize_cuda(planes, block_scales, row_scales, codebook, in_features, dtype):
+def _dequantize_cuda(planes, block_scales, row_scales, codebook, in_features, dtype, signs=None):
     _check_packed_once(planes, block_scales, row_scales, codebook, in_features)
     _same_device(planes, "planes", block_scales=block_scales, row_scales=row_scales, codebook=codebook)
+    _signs_ptr(signs, in_features, planes.device)
     kernel_dtype = dtype if dtype in _DTYPE_CODE else torch.float32
     out = torch.empty((*row_scales.shape, in_features), dtype=kernel_dtype, device=planes.device)
     if out.numel():
-        _dequantize_into(planes, block_scales, row_scales, codebook, in_features, out)
+        _dequantize_into(planes, block_scales, row_scales, codebook, in_features, out, signs)
     return out if kernel_dtype == dtype else out.to(dtype)
 
 
@@ -207,10 +231,11 @@ def _dequantize_cuda(planes, block_scales, row_scales, codebook, in_features, dt
 
 
 @torch.library.impl(_ops._lib, "mm", "CUDA")
-def _mm_cuda(x, planes, block_scales, row_scales, codebook, in_features):
+def _mm_cuda(x, planes, block_scales, row_scales, codebook, in_features, signs=None):
     _ops._check_mm_input(x, in_features)
     _check_packed_once(planes, block_scales, row_scales, codebook, in_features)
     _same_device(x, planes=planes, block_scales=block_scales, row_scales=row_scales, codebook=codebook)
+    _signs_ptr(signs, in_features, x.device)
     if row_scales.dim() != 1:
         raise ValueError(f"kbit::mm takes one 2-D weight (row_scales [N]), got row_scales of shape {tuple(row_scales.shape)}")
     n, k = row_scales.shape[0], in_features
@@ -219,48 +244,53 @@ def _mm_cuda(x, planes, block_scales, row_scales, codebook, in_features):
     m = x2.shape[0]
     if m == 0 or n == 0 or k == 0:
         return x.new_zeros((*lead, n))
-    path, _, ws_size = mm_plan(m, n, k, planes.shape[-3], x.device.index, x.dtype)
-    return run_path(path, x2, planes, block_scales, row_scales, codebook, k, ws_size).reshape(*lead, n)
+    path, _, ws_size = mm_plan(m, n, k, planes.shape[-3], x.device.index, x.dtype, signs is not None)
+    return run_path(path, x2, planes, block_scales, row_scales, codebook, k, ws_size, signs).reshape(*lead, n)
 
 
 mm_direct = _mm_cuda  # kbit::mm's CUDA implementation without the dispatcher (benchmarks time the dispatcher's share)
 
 
-def _dequant_matmul(x2, planes, block_scales, row_scales, codebook, k: int) -> torch.Tensor:
+def _dequant_matmul(x2, planes, block_scales, row_scales, codebook, k: int, signs=None) -> torch.Tensor:
     # Whole-weight dequantize, then one cuBLAS call: measured faster than working through the
-    # weight in L2-sized row chunks (smaller cuBLAS calls lose more than the L2 saves).
+    # weight in L2-sized row chunks (smaller cuBLAS calls lose more than the L2 saves). A rotated
+    # layer: the stored W' times the standalone rotation's x R (2 M K bytes each way), not the weight
+    # unrotated in the dequantize, which turned that kernel ALU-bound (+15-31% on the H100).
+    if signs is not None:
+        x2 = rotate(x2, signs)
     w = torch.empty((row_scales.shape[0], k), dtype=x2.dtype, device=x2.device)
     _dequantize_into(planes, block_scales, row_scales, codebook, k, w)
     return torch.matmul(x2, w.t())
 
 
 def run_path(path: str, x2, planes, block_scales, row_scales, codebook, k: int,
-             ws_size: int | None = None) -> torch.Tensor:
+             ws_size: int | None = None, signs=None) -> torch.Tensor:
     """``x2 [m, k] @ W.T`` through one kernel path (``PATHS``; ``ws_size``: its workspace floats when
-    known); ``kbit::mm`` takes the planner's (:func:`mm_plan`), benchmarks force each to measure the
-    crossovers."""
+    known; ``signs``: a rotated layer's sign words); ``kbit::mm`` takes the planner's (:func:`mm_plan`),
+    benchmarks force each to measure the crossovers."""
     m, n, bits = x2.shape[0], row_scales.shape[0], planes.shape[-3]
     if path == "dequant":
-        return _dequant_matmul(x2, planes, block_scales, row_scales, codebook, k)
+        return _dequant_matmul(x2, planes, block_scales, row_scales, codebook, k, signs)
     if path not in ("gemv", "gemm"):
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     x2 = x2.contiguous()
     planes, block_scales, row_scales, codebook = _dense(planes, block_scales, row_scales, codebook)
     device = x2.device
+    sp = _signs_ptr(signs, k, device)
     if path == "gemm":
         # The GEMM copies 16-byte units of the packed tiles: realign offset views.
         planes, block_scales = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (planes, block_scales))
-        ws_size = _gemm_workspace(device.index, m, n, k, bits) if ws_size is None else ws_size
+        ws_size = _gemm_workspace(device.index, m, n, k, bits, sp is not None) if ws_size is None else ws_size
         launch = _LIB.kbit_gemm
     else:
-        ws_size = _gemv_workspace(device.index, m, n, k, bits) if ws_size is None else ws_size
+        ws_size = _gemv_workspace(device.index, m, n, k, bits, sp is not None) if ws_size is None else ws_size
         launch = _LIB.kbit_gemv
     out = torch.empty((m, n), dtype=x2.dtype, device=device)
     ws = torch.empty(ws_size, dtype=torch.float32, device=device) if ws_size > 0 else None
     rc = launch(
         device.index, _stream(device), x2.data_ptr(), _DTYPE_CODE[x2.dtype], planes.data_ptr(),
         block_scales.data_ptr(), row_scales.data_ptr(), codebook.data_ptr(), bits, m, n, k, out.data_ptr(),
-        ws.data_ptr() if ws is not None else None, ws_size,
+        ws.data_ptr() if ws is not None else None, ws_size, sp,
     )
     _lib.check(rc, "mm")
     return out
@@ -279,7 +309,7 @@ def _rows(t: torch.Tensor, k: int) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 and (t2.shape[0] <= 1 or t2.stride(0) >= k) else t2.contiguous()
 
 
-def _gemv_prologue(kind, x, x2, norm_weight, eps, planes, block_scales, row_scales, codebook, k):
+def _gemv_prologue(kind, x, x2, norm_weight, eps, planes, block_scales, row_scales, codebook, k, signs=None):
     """``(out, sum)`` from the GEMV with prologue ``kind`` when it serves this call, else None (a norm
     weight of another dtype than x, e.g. kept in float32, takes the reference: its product is float32)."""
     if not _HAS_PROLOGUE or x.dtype not in _GEMV_DTYPES or row_scales.dim() != 1:
@@ -290,15 +320,18 @@ def _gemv_prologue(kind, x, x2, norm_weight, eps, planes, block_scales, row_scal
     lead = x.shape[:-1]
     xr = _rows(x, k)
     m = xr.shape[0]
-    if m == 0 or n == 0 or k == 0 or mm_path(m, n, k, bits, x.device.index, x.dtype) != "gemv":
+    if m == 0 or n == 0 or k == 0 or mm_path(m, n, k, bits, x.device.index, x.dtype, signs is not None) != "gemv":
         return None
+    if signs is not None and gemv_rotate_plan(m, bits, x.dtype, True) is None:
+        return None  # only the staging sees the prologue's output: beyond the rotated GEMV, unfused
     _check_packed_once(planes, block_scales, row_scales, codebook, k)
     _same_device(x, planes=planes, block_scales=block_scales, row_scales=row_scales, codebook=codebook)
+    sp = _signs_ptr(signs, k, x.device)
     x2r = _rows(x2, k) if x2 is not None else None
     weight = norm_weight.contiguous() if norm_weight is not None else None
     planes, block_scales, row_scales, codebook = _dense(planes, block_scales, row_scales, codebook)
     total = torch.empty((m, k), dtype=x.dtype, device=x.device) if kind == "add_rmsnorm" else None
-    ws_size = _gemv_workspace(x.device.index, m, n, k, bits)
+    ws_size = _gemv_workspace(x.device.index, m, n, k, bits, sp is not None)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ws = torch.empty(ws_size, dtype=torch.float32, device=x.device) if ws_size > 0 else None
     rc = _LIB.kbit_gemv_prologue(
@@ -307,41 +340,58 @@ def _gemv_prologue(kind, x, x2, norm_weight, eps, planes, block_scales, row_scal
         weight.data_ptr() if weight is not None else None, float(eps),
         total.data_ptr() if total is not None else None, _DTYPE_CODE[x.dtype], planes.data_ptr(),
         block_scales.data_ptr(), row_scales.data_ptr(), codebook.data_ptr(), bits, m, n, k, out.data_ptr(),
-        ws.data_ptr() if ws is not None else None, ws_size,
+        ws.data_ptr() if ws is not None else None, ws_size, sp,
     )
     _lib.check(rc, f"mm_{kind}")
     return out.reshape(*lead, n), (total.reshape(x.shape) if total is not None else None)
 
 
+# Where the GEMV does not serve, a rotated layer's call runs the unfused prologue (the reference's
+# roundings) and then _mm_cuda with its signs (TODO(merge): the references take signs once the op
+# schemas do; then the fallbacks below can call them with signs).
+
+
 @torch.library.impl(_ops._lib, "mm_silu_mul", "CUDA")
-def _mm_silu_mul_cuda(gate, up, planes, block_scales, row_scales, codebook, in_features):
+def _mm_silu_mul_cuda(gate, up, planes, block_scales, row_scales, codebook, in_features, signs=None):
     _ops._check_prologue("up", gate, up)
-    served = _gemv_prologue("silu_mul", gate, up, None, 0.0, planes, block_scales, row_scales, codebook, in_features)
-    if served is None:
-        return _ops._mm_silu_mul_ref(gate, up, planes, block_scales, row_scales, codebook, in_features)
-    return served[0]
+    served = _gemv_prologue("silu_mul", gate, up, None, 0.0, planes, block_scales, row_scales, codebook, in_features,
+                            signs)
+    if served is not None:
+        return served[0]
+    if signs is not None:
+        return _mm_cuda(_ops.silu_mul(gate, up), planes, block_scales, row_scales, codebook, in_features, signs)
+    return _ops._mm_silu_mul_ref(gate, up, planes, block_scales, row_scales, codebook, in_features)
 
 
 @torch.library.impl(_ops._lib, "mm_rmsnorm", "CUDA")
-def _mm_rmsnorm_cuda(x, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features):
+def _mm_rmsnorm_cuda(x, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features, signs=None):
     _ops._check_norm_weight(norm_weight, in_features)
     served = _gemv_prologue("rmsnorm", x, None, norm_weight, eps, planes, block_scales, row_scales, codebook,
-                            in_features)
-    if served is None:
-        return _ops._mm_rmsnorm_ref(x, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features)
-    return served[0]
+                            in_features, signs)
+    if served is not None:
+        return served[0]
+    if signs is not None:
+        return _mm_cuda(_ops.rms_norm(x, norm_weight, eps), planes, block_scales, row_scales, codebook, in_features,
+                        signs)
+    return _ops._mm_rmsnorm_ref(x, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features)
 
 
 @torch.library.impl(_ops._lib, "mm_add_rmsnorm", "CUDA")
-def _mm_add_rmsnorm_cuda(x, residual, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features):
+def _mm_add_rmsnorm_cuda(x, residual, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features,
+                         signs=None):
     _ops._check_prologue("residual", x, residual)
     _ops._check_norm_weight(norm_weight, in_features)
     served = _gemv_prologue("add_rmsnorm", x, residual, norm_weight, eps, planes, block_scales, row_scales, codebook,
-                            in_features)
-    if served is None:
-        return _ops._mm_add_rmsnorm_ref(x, residual, norm_weight, eps, planes, block_scales, row_scales, codebook,
-                                        in_features)
-    return served
+                            in_features, signs)
+    if served is not None:
+        return served
+    if signs is not None:
+        total = x + residual
+        out = _mm_cuda(_ops.rms_norm(total, norm_weight, eps), planes, block_scales, row_scales, codebook, in_features,
+                       signs)
+        return out, total
+    return _ops._mm_add_rmsnorm_ref(x, residual, norm_weight, eps, planes, block_scales, row_scales, codebook,
+                                    in_features)
 
 
 # ---------------------------------------------------------------------------- eager fast path
@@ -356,29 +406,31 @@ except AttributeError:  # pragma: no cover - older torch
     _raw_stream_of = None
 
 
-def _prepare(module, x, m):
-    """Validate the module's packed tensors once for (device, dtype, M) and build its call record."""
+def _prepare(module, x, m, signs):
+    """Validate the module's packed tensors (and its rotation's sign words, ``signs``) once for (device,
+    dtype, M) and build its call record."""
     b = module._buffers or module.__dict__  # KbitFusedProjections holds its tensors as attributes
     planes, block_scales, row_scales, codebook = b["planes"], b["block_scales"], b["row_scales"], b["codebook"]
     k = module.in_features
     _check_packed_once(planes, block_scales, row_scales, codebook, k)
     _same_device(x, planes=planes, block_scales=block_scales, row_scales=row_scales, codebook=codebook)
+    sp = _signs_ptr(signs, k, x.device)
     tensors = (planes, block_scales, row_scales, codebook)
     n = row_scales.shape[-1]
     if row_scales.dim() != 1 or not all(t.is_contiguous() for t in tensors) or n == 0 \
-            or not gemv_wins(m, n, k, planes.shape[-3], x.device.index, x.dtype):
-        return (*tensors, None, None, 0, n)  # not for the fast path: the op serves it
+            or not gemv_wins(m, n, k, planes.shape[-3], x.device.index, x.dtype, signs is not None):
+        return (*tensors, None, None, 0, n, signs)  # not for the fast path: the op serves it
 
     call = ctypes.create_string_buffer(_CALL_SIZE)
     ws = ctypes.c_int64(0)
     rc = _LIB.kbit_gemv_prepare(
         x.device.index, _GEMV_DTYPES[x.dtype], planes.data_ptr(), block_scales.data_ptr(), row_scales.data_ptr(),
-        codebook.data_ptr(), planes.shape[-3], m, n, k, call, ctypes.byref(ws),
+        codebook.data_ptr(), planes.shape[-3], m, n, k, sp, call, ctypes.byref(ws),
     )
     _lib.check(rc, "mm")
     # The record holds raw pointers: keep the tensors it was built for and re-prepare when a
     # buffer is replaced (module.to(), load_state_dict with assign=True, ...).
-    return (planes, block_scales, row_scales, codebook, ctypes.addressof(call), call, int(ws.value), n)
+    return (planes, block_scales, row_scales, codebook, ctypes.addressof(call), call, int(ws.value), n, signs)
 
 
 # Split-K workspaces of the eager fast path, one per (device, stream), shared by every layer:
@@ -422,9 +474,10 @@ def linear_fast(module, x: torch.Tensor):
     key = (dev, dt, m)
     entry = cache.get(key)
     b = module._buffers or module.__dict__  # as in _prepare
+    signs = getattr(module, "rotation_signs", None)  # a rotated layer's sign words, else None
     if entry is None or entry[0] is not b["planes"] or entry[1] is not b["block_scales"] \
-            or entry[2] is not b["row_scales"] or entry[3] is not b["codebook"]:
-        entry = cache[key] = _prepare(module, x, m)
+            or entry[2] is not b["row_scales"] or entry[3] is not b["codebook"] or entry[8] is not signs:
+        entry = cache[key] = _prepare(module, x, m, signs)
     if entry[4] is None:
         return None
     out = x.new_empty((*shape[:-1], entry[7]))  # cheaper on the host than torch.empty(..., dtype=, device=)
@@ -449,18 +502,25 @@ GROUP_ROWS_ABOVE = 64
 _ops.register_group_rows_above("cuda", GROUP_ROWS_ABOVE)
 
 @torch.library.impl(_ops._lib, "grouped_mm", "CUDA")
-def _grouped_mm_cuda(x, expert_ids, planes, block_scales, row_scales, codebook, in_features, order=None, offsets=None):
+def _grouped_mm_cuda(x, expert_ids, planes, block_scales, row_scales, codebook, in_features, order=None, offsets=None,
+                     signs=None):
     """Rows up to ``GROUP_ROWS_ABOVE``: each row its expert's GEMV (decode, no sort);
     beyond it the rows grouped by expert on the device, so that a weight tile is decoded once
-    for up to 32 rows of its expert (``order``/``offsets`` when given, else sorted here)."""
+    for up to 32 rows of its expert (``order``/``offsets`` when given, else sorted here).
+    ``signs``: the experts' shared rotation (they all read x): staged as x R in per-row mode, the
+    standalone rotation's x R in grouped mode."""
     _ops._check_mm_input(x, in_features)
     _check_packed_once(planes, block_scales, row_scales, codebook, in_features)
     _ops._check_grouped(x, expert_ids, row_scales, codebook)
     _ops._check_routing(expert_ids, order, offsets, row_scales.shape[0])
     _same_device(x, expert_ids=expert_ids, planes=planes, block_scales=block_scales, row_scales=row_scales,
                  codebook=codebook)
+    sp = _signs_ptr(signs, in_features, x.device)
     if codebook.dim() != 1 or x.dtype not in _GEMV_DTYPES:
-        # Per-expert codebooks and float32 activations: the reference (it syncs the host).
+        # Per-expert codebooks and float32 activations: the reference (it syncs the host), on x R
+        # for a rotated layer (the standalone rotation kernel).
+        if signs is not None and x.numel():
+            x = rotate(x, signs)
         return _ops._grouped_mm_ref(x, expert_ids, planes, block_scales, row_scales, codebook, in_features,
                                     order, offsets)
     s = x.shape[0]
@@ -480,10 +540,12 @@ def _grouped_mm_cuda(x, expert_ids, planes, block_scales, row_scales, codebook, 
         order, offsets = order.contiguous(), offsets.contiguous()
         _same_device(x, order=order, offsets=offsets)
         ids_ptr, order_ptr, offsets_ptr = ids.data_ptr(), order.data_ptr(), offsets.data_ptr()
+        if sp is not None:  # grouped mode: x R once (the kernel would rotate a row in every unit)
+            x, sp = rotate(x, signs), None
     rc = _LIB.kbit_grouped_gemv(
         x.device.index, _stream(x.device), x.data_ptr(), _GEMV_DTYPES[x.dtype], ids_ptr, order_ptr, offsets_ptr,
         planes.data_ptr(), block_scales.data_ptr(), row_scales.data_ptr(), codebook.data_ptr(), planes.shape[-3],
-        s, num_experts, n, in_features, out.data_ptr(),
+        s, num_experts, n, in_features, out.data_ptr(), sp,
     )
     _lib.check(rc, "grouped_mm")
     return out
@@ -494,27 +556,37 @@ def _grouped_mm_cuda(x, expert_ids, planes, block_scales, row_scales, codebook, 
 # dX = dY @ W at training shapes (M = batch x sequence, thousands of rows): the weight dequantized
 # into dY's dtype and one cuBLAS call, the path the forward's own table takes past its GEMM
 # crossover (docs/kernels.md); no transposed kbit kernel exists yet. float32 gradients take the
-# reference (dequantize to float32, same cuBLAS).
+# reference (dequantize to float32, same cuBLAS). A rotated layer: dX = (dY W') R^T, the stored W'
+# dequantized as it is and the product unrotated by the standalone kernel (2 M K bytes each way,
+# where unrotating the weight in the dequantize made that kernel ALU-bound).
 
 
 @torch.library.impl(_ops._lib, "mm_grad_x", "CUDA")
-def _mm_grad_x_cuda(grad, planes, block_scales, row_scales, codebook, in_features):
+def _mm_grad_x_cuda(grad, planes, block_scales, row_scales, codebook, in_features, signs=None):
     _ops._check_grad_input(grad, row_scales)
     _check_packed_once(planes, block_scales, row_scales, codebook, in_features)
     _same_device(grad, "grad", planes=planes, block_scales=block_scales, row_scales=row_scales, codebook=codebook)
-    if grad.dtype not in _GEMV_DTYPES:
+    _signs_ptr(signs, in_features, grad.device)
+    if grad.dtype not in _GEMV_DTYPES and signs is None:
         return _ops._mm_grad_x_ref(grad, planes, block_scales, row_scales, codebook, in_features)
-    w = torch.empty((row_scales.shape[0], in_features), dtype=grad.dtype, device=grad.device)
+    compute = grad.dtype if grad.dtype in _GEMV_DTYPES else torch.float32
+    w = torch.empty((row_scales.shape[0], in_features), dtype=compute, device=grad.device)
     if w.numel():
         _dequantize_into(planes, block_scales, row_scales, codebook, in_features, w)
-    return torch.matmul(grad, w)
+    out = torch.matmul(grad.to(compute), w)
+    if signs is not None and out.numel():
+        out = unrotate(out, signs)
+    return out.to(grad.dtype)
 
 
 @torch.library.impl(_ops._lib, "grouped_mm_grad_x", "CUDA")
 def _grouped_mm_grad_x_cuda(grad, expert_ids, planes, block_scales, row_scales, codebook, in_features, order=None,
-                            offsets=None):
+                            offsets=None, signs=None):
     # One expert's weight at a time in grad's dtype (never all E dequantized at once); the group
-    # sizes are read on the host, as in the forward reference.
+    # sizes are read on the host, as in the forward reference. Rotated experts share R (they all
+    # read x): the rows' products with the stored weights, then one unrotation of them all.
+    _signs_ptr(signs, in_features, grad.device)
     compute = grad.dtype if grad.dtype in _GEMV_DTYPES else torch.float32
-    return _ops._grouped_grad_x(grad, expert_ids, planes, block_scales, row_scales, codebook, in_features, order,
-                                offsets, compute)
+    out = _ops._grouped_grad_x(grad, expert_ids, planes, block_scales, row_scales, codebook, in_features, order,
+                               offsets, compute)
+    return unrotate(out, signs) if signs is not None and out.numel() else out

@@ -34,6 +34,25 @@ def test_write_then_read_round_trips(tmp_path):
     changed = {"mma": {b: (8, ((0, 64),)) for b in SUPPORTED_BITS}}
     crossovers.write(changed, "about", path)  # one kernel rewritten, the other kept
     assert crossovers.read(path) == {**data, **changed}
+    assert crossovers.read_rotated(path) == crossovers.read_rotated()  # kept too
+    rotated = {b: 4 for b in SUPPORTED_BITS}
+    crossovers.write({}, "about", path, rotated=rotated)
+    assert crossovers.read_rotated(path) == rotated and crossovers.read(path) == {**data, **changed}
+
+
+def test_rotated_crossover_is_read_and_derived(tmp_path):
+    assert set(crossovers.read_rotated()) == set(SUPPORTED_BITS)
+    raw = json.loads(crossovers.FILE.read_text())
+    raw["rotated_gemv"]["3"]["in_staging_max_m"] = -1
+    path = tmp_path / "crossovers.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="rotated_gemv.3"):
+        crossovers.read_rotated(path)
+    # Staging wins at M = 1 and 2 on both shapes, loses at M = 4 on one: the crossover is 2; bits 5 has no rows.
+    rows = [{"shape": s, "M": m, "bits": 4, "path": p, "rotated_us": t}
+            for s in ("a", "b") for m in (1, 2, 4)
+            for p, t in (("gemv-staged", 1.0 if m < 4 or s == "a" else 3.0), ("gemv-standalone", 2.0))]
+    assert bench_kernels.derive_rotated_crossover(rows, {4: 0, 5: 7}) == {4: 2, 5: 7}
 
 
 def test_malformed_file_names_the_entry(tmp_path):
