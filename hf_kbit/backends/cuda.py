@@ -346,9 +346,8 @@ def _gemv_prologue(kind, x, x2, norm_weight, eps, planes, block_scales, row_scal
     return out.reshape(*lead, n), (total.reshape(x.shape) if total is not None else None)
 
 
-# Where the GEMV does not serve, a rotated layer's call runs the unfused prologue (the reference's
-# roundings) and then _mm_cuda with its signs (TODO(merge): the references take signs once the op
-# schemas do; then the fallbacks below can call them with signs).
+# Where the GEMV does not serve, the references run the unfused prologue (their roundings) and then kbit::mm,
+# with the layer's signs.
 
 
 @torch.library.impl(_ops._lib, "mm_silu_mul", "CUDA")
@@ -358,9 +357,7 @@ def _mm_silu_mul_cuda(gate, up, planes, block_scales, row_scales, codebook, in_f
                             signs)
     if served is not None:
         return served[0]
-    if signs is not None:
-        return _mm_cuda(_ops.silu_mul(gate, up), planes, block_scales, row_scales, codebook, in_features, signs)
-    return _ops._mm_silu_mul_ref(gate, up, planes, block_scales, row_scales, codebook, in_features)
+    return _ops._mm_silu_mul_ref(gate, up, planes, block_scales, row_scales, codebook, in_features, signs)
 
 
 @torch.library.impl(_ops._lib, "mm_rmsnorm", "CUDA")
@@ -370,10 +367,7 @@ def _mm_rmsnorm_cuda(x, norm_weight, eps, planes, block_scales, row_scales, code
                             in_features, signs)
     if served is not None:
         return served[0]
-    if signs is not None:
-        return _mm_cuda(_ops.rms_norm(x, norm_weight, eps), planes, block_scales, row_scales, codebook, in_features,
-                        signs)
-    return _ops._mm_rmsnorm_ref(x, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features)
+    return _ops._mm_rmsnorm_ref(x, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features, signs)
 
 
 @torch.library.impl(_ops._lib, "mm_add_rmsnorm", "CUDA")
@@ -385,13 +379,8 @@ def _mm_add_rmsnorm_cuda(x, residual, norm_weight, eps, planes, block_scales, ro
                             in_features, signs)
     if served is not None:
         return served
-    if signs is not None:
-        total = x + residual
-        out = _mm_cuda(_ops.rms_norm(total, norm_weight, eps), planes, block_scales, row_scales, codebook, in_features,
-                       signs)
-        return out, total
     return _ops._mm_add_rmsnorm_ref(x, residual, norm_weight, eps, planes, block_scales, row_scales, codebook,
-                                    in_features)
+                                    in_features, signs)
 
 
 # ---------------------------------------------------------------------------- eager fast path
@@ -577,6 +566,9 @@ def _mm_grad_x_cuda(grad, planes, block_scales, row_scales, codebook, in_feature
     if signs is not None and out.numel():
         out = unrotate(out, signs)
     return out.to(grad.dtype)
+
+
+_ops.register_eager_train("cuda", _mm_cuda, _mm_grad_x_cuda)
 
 
 @torch.library.impl(_ops._lib, "grouped_mm_grad_x", "CUDA")

@@ -7,11 +7,6 @@ A rotated layer stores the quantized ``rotate(W)`` (``W R``, ``R = diag(s) B``, 
 of a matmul is ``rotate(x).to(dtype) @ W'^T`` with ``W'`` the rotated weight as stored, and that of
 dequantize is ``unrotate(W')``.
 
-TODO(merge): hf_kbit/_ops.py gains the trailing ``signs`` argument of the op schemas in parallel (the
-Python side of issue 34). Until the merge these tests call the CUDA backend's functions
-(``backend._mm_cuda`` and the like, the ops' CUDA implementations) with ``signs=`` directly; each such
-call is marked ``# op:`` with the op it stands for, to be switched to ``torch.ops.kbit.*``.
-
 Run on the GPU machine: ``python3 -m pytest -m gpu tests/gpu -q``.
 """
 
@@ -153,7 +148,7 @@ def test_dequantize_unrotates_bit_exact(bits, dtype, shape):
     n, k = shape
     (planes, scales, rs, cb), wq, signs = rotated_packed(n, k, bits)
     ref = rotation.unrotate(wq, BLOCK, SEED).to(dtype)
-    got = backend()._dequantize_cuda(planes, scales, rs, cb, k, dtype, signs)  # op: kbit::dequantize
+    got = torch.ops.kbit.dequantize(planes, scales, rs, cb, k, dtype, signs)
     assert got.dtype == dtype and got.shape == (n, k)
     assert torch.equal(got, ref)
 
@@ -162,7 +157,7 @@ def test_dequantize_unrotates_experts():
     """A stacked [E, N, K] weight (MoE experts share K and so the rotation)."""
     e, n, k, bits = 3, 40, 320, 4
     (planes, scales, rs, cb), wq, signs = rotated_packed(n, k, bits, experts=e)
-    got = backend()._dequantize_cuda(planes, scales, rs, cb, k, torch.bfloat16, signs)  # op: kbit::dequantize
+    got = torch.ops.kbit.dequantize(planes, scales, rs, cb, k, torch.bfloat16, signs)
     assert torch.equal(got, rotation.unrotate(wq, BLOCK, SEED).to(torch.bfloat16))
 
 
@@ -170,7 +165,7 @@ def test_dequantize_without_signs_is_unchanged():
     """signs=None: the stored weight as it is (today's kernel), bit-exact with the reference."""
     n, k, bits = 100, 640, 3
     (planes, scales, rs, cb), wq, _ = rotated_packed(n, k, bits)
-    got = backend()._dequantize_cuda(planes, scales, rs, cb, k, torch.bfloat16, None)
+    got = torch.ops.kbit.dequantize(planes, scales, rs, cb, k, torch.bfloat16, None)
     assert torch.equal(got, wq.to(torch.bfloat16))
     assert torch.equal(got, torch.ops.kbit.dequantize(planes, scales, rs, cb, k, torch.bfloat16))
 
@@ -242,7 +237,7 @@ def test_rotated_mm_each_path(bits, dtype, shape, m):
             continue
         check_rotated_path(path, x, weights, wq, signs, k)
     # The planner's path (op: kbit::mm), through leading dims.
-    out = be._mm_cuda(x.view(1, m, k), *weights, k, signs)
+    out = torch.ops.kbit.mm(x.view(1, m, k), *weights, k, signs)
     assert out.shape == (1, m, n)
     assert rel_err(out[0], rotate_ref(x).double() @ wq.double().T) < MM_REL_TOL[dtype]
 
@@ -257,7 +252,7 @@ def test_rotated_mm_large_weight_planner(bits, dtype, m):
     weights, wq, signs = rotated_packed(n, k, bits)
     x = torch.randn(m, k, device=DEVICE).to(dtype)
     path = be.mm_plan(m, n, k, bits, x.device.index, dtype, True)[0]
-    out = be._mm_cuda(x, *weights, k, signs)  # op: kbit::mm
+    out = torch.ops.kbit.mm(x, *weights, k, signs)
     assert rel_err(out, rotate_ref(x).double() @ wq.double().T) < MM_REL_TOL[dtype], path
     if path != "dequant":
         assert torch.equal(out, be.run_path(path, rotate_ref(x), *weights, k)), path
@@ -268,7 +263,7 @@ def test_rotated_mm_float32_x_dequantizes():
     n, k = 129, 256
     weights, wq, signs = rotated_packed(n, k, 4)
     x = torch.randn(3, k, device=DEVICE)
-    out = backend()._mm_cuda(x, *weights, k, signs)  # op: kbit::mm
+    out = torch.ops.kbit.mm(x, *weights, k, signs)
     assert out.dtype == torch.float32
     assert rel_err(out, rotate_ref(x).double() @ wq.double().T) < MM_REL_TOL[torch.float32]
 
@@ -359,7 +354,6 @@ def test_rotated_prologue_matches_the_unfused_ops(case, bits, kind, dtype):
     """The fused prologue rotates what it would stage (silu(g) * u, w * (a [+ b])); the norm's per-token
     rsqrt still scales the sums (it commutes with R) and add_rmsnorm's sum stays unrotated. M > 8:
     beyond the rotated instantiations, the unfused ops (the op's fallback)."""
-    be = backend()
     n, k, m = case
     weights, wq, signs = rotated_packed(n, k, bits)
     g = torch.Generator(device=DEVICE).manual_seed(n + k + m)
@@ -367,13 +361,13 @@ def test_rotated_prologue_matches_the_unfused_ops(case, bits, kind, dtype):
     a, b = wide[:, :k], wide[:, k:]
     w = (torch.rand(k, device=DEVICE, generator=g) + 0.5).to(dtype)
     xin = prologue_input(kind, a, b, w)
-    ref = be._mm_cuda(xin, *weights, k, signs)  # op: kbit::mm, unfused
+    ref = torch.ops.kbit.mm(xin, *weights, k, signs)  # unfused
     if kind == "silu_mul":
-        out = be._mm_silu_mul_cuda(a, b, *weights, k, signs)  # op: kbit::mm_silu_mul
+        out = torch.ops.kbit.mm_silu_mul(a, b, *weights, k, signs)
     elif kind == "rmsnorm":
-        out = be._mm_rmsnorm_cuda(a, w, EPS, *weights, k, signs)  # op: kbit::mm_rmsnorm
+        out = torch.ops.kbit.mm_rmsnorm(a, w, EPS, *weights, k, signs)
     else:
-        out, total = be._mm_add_rmsnorm_cuda(a, b, w, EPS, *weights, k, signs)  # op: kbit::mm_add_rmsnorm
+        out, total = torch.ops.kbit.mm_add_rmsnorm(a, b, w, EPS, *weights, k, signs)
         torch.testing.assert_close(total, a + b, rtol=0, atol=0)
     assert out.shape == (m, n) and out.dtype == dtype
     assert rel_err(out, ref) < MM_REL_TOL[dtype], kind
@@ -401,10 +395,10 @@ def test_eager_fast_path_reads_rotation_signs(m):
     with torch.inference_mode():
         out = be.linear_fast(layer, x)
         assert out is not None, "the fast path did not serve"
-        assert torch.equal(out, be._mm_cuda(x, *weights, k, signs))
+        assert torch.equal(out, torch.ops.kbit.mm(x, *weights, k, signs))
         layer.rotation_signs = sign_words(k, SEED + 1)
         other = be.linear_fast(layer, x)
-        assert torch.equal(other, be._mm_cuda(x, *weights, k, layer.rotation_signs))
+        assert torch.equal(other, torch.ops.kbit.mm(x, *weights, k, layer.rotation_signs))
         assert not torch.equal(other, out)
         layer.rotation_signs = None
         assert torch.equal(be.linear_fast(layer, x), torch.ops.kbit.mm(x, *weights, k))
@@ -416,16 +410,15 @@ def test_rotated_mm_cuda_graph_replay(case):
     """A rotated mm captured in a CUDA graph replays on new x like an eager call: GEMV split-K plans at
     small M, the GEMM on the large weight at mid M (sm_90: the wgmma GEMM's x rewrite rotates),
     dequantize + cuBLAS on the small one."""
-    be = backend()
     n, k, m = case
     weights, _, signs = rotated_packed(n, k, 3)
     x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
-    eager = be._mm_cuda(x, *weights, k, signs)  # op: kbit::mm
-    graph, captured = capture_cuda_graph(lambda: be._mm_cuda(x, *weights, k, signs))
+    eager = torch.ops.kbit.mm(x, *weights, k, signs)
+    graph, captured = capture_cuda_graph(lambda: torch.ops.kbit.mm(x, *weights, k, signs))
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(captured, be._mm_cuda(x, *weights, k, signs))
+    assert torch.equal(captured, torch.ops.kbit.mm(x, *weights, k, signs))
     assert not torch.equal(captured, eager)
 
 
@@ -447,37 +440,35 @@ def grouped_reference(x, ids, wq):
 def test_rotated_grouped_mm(bits, dtype, s):
     """Per-row and grouped modes stage x R (the experts' shared rotation), bit for bit as the unrotated
     kernel on the reference's x R; a row of no expert (id -1) stays zero."""
-    be = backend()
     e, n, k = 6, 200, 576
     weights, wq, signs = rotated_packed(n, k, bits, experts=e)
     g = torch.Generator(device=DEVICE).manual_seed(s + bits)
     x = torch.randn(s, k, device=DEVICE, generator=g).to(dtype)
     ids = torch.randint(0, e, (s,), device=DEVICE, generator=g)
     ids[0] = -1
-    out = be._grouped_mm_cuda(x, ids, *weights, k, None, None, signs)  # op: kbit::grouped_mm
+    out = torch.ops.kbit.grouped_mm(x, ids, *weights, k, None, None, signs)
     assert out.shape == (s, n) and out.dtype == dtype
     assert rel_err(out, grouped_reference(x, ids, wq)) < MM_REL_TOL[dtype]
-    assert torch.equal(out, be._grouped_mm_cuda(rotate_ref(x), ids, *weights, k))
+    assert torch.equal(out, torch.ops.kbit.grouped_mm(rotate_ref(x), ids, *weights, k))
     from hf_kbit import _ops
 
     order, offsets = _ops.expert_offsets(ids, e)  # the routing an experts layer hands over
-    assert torch.equal(out, be._grouped_mm_cuda(x, ids, *weights, k, order, offsets, signs))
+    assert torch.equal(out, torch.ops.kbit.grouped_mm(x, ids, *weights, k, order, offsets, signs))
 
 
 def test_rotated_grouped_mm_reference_fallbacks():
     """float32 x and per-expert codebooks take the reference, on x R (the standalone rotation)."""
-    be = backend()
     e, n, k, bits = 3, 64, 320, 4
     weights, wq, signs = rotated_packed(n, k, bits, experts=e)
     ids = torch.tensor([0, 2, 1, 2, -1], device=DEVICE)
     x = torch.randn(5, k, device=DEVICE)
-    out = be._grouped_mm_cuda(x, ids, *weights, k, None, None, signs)  # op: kbit::grouped_mm
+    out = torch.ops.kbit.grouped_mm(x, ids, *weights, k, None, None, signs)
     assert out.dtype == torch.float32
     assert rel_err(out, grouped_reference(x, ids, wq)) < MM_REL_TOL[torch.float32]
     planes, scales, rs, cb = weights
     per_expert = cb.expand(e, -1).contiguous()
     xb = x.to(torch.bfloat16)
-    out = be._grouped_mm_cuda(xb, ids, planes, scales, rs, per_expert, k, None, None, signs)
+    out = torch.ops.kbit.grouped_mm(xb, ids, planes, scales, rs, per_expert, k, None, None, signs)
     assert rel_err(out, grouped_reference(xb, ids, wq)) < MM_REL_TOL[torch.bfloat16]
 
 
@@ -488,24 +479,23 @@ def test_rotated_grouped_mm_reference_fallbacks():
 def test_rotated_grad_x_unrotates_the_product(dtype):
     """dX = dY W = (dY W') R^T: the stored weight's product unrotated by the standalone kernel, the
     gradient of x -> (x R) @ W'^T."""
-    be = backend()
     n, k = 300, 640
     weights, wq, signs = rotated_packed(n, k, 3)
     w = rotation.unrotate(wq, BLOCK, SEED)
     grad = torch.randn(2, 5, n, device=DEVICE).to(dtype)
-    out = be._mm_grad_x_cuda(grad, *weights, k, signs)  # op: kbit::mm_grad_x
+    out = torch.ops.kbit.mm_grad_x(grad, *weights, k, signs)
     assert out.shape == (2, 5, k) and out.dtype == dtype
     assert rel_err(out, grad.double() @ w.double()) < MM_REL_TOL[dtype]
     # (dY W') R^T: the stored weight's product (the unrotated layer's gradient), unrotated once.
-    stored = be._mm_grad_x_cuda(grad, *weights, k)
+    stored = torch.ops.kbit.mm_grad_x(grad, *weights, k)
     assert torch.equal(out, rotation.unrotate(stored, BLOCK, SEED).to(dtype))
     e = 4
     weights, wq, signs = rotated_packed(n, k, 3, experts=e)
     w = rotation.unrotate(wq, BLOCK, SEED)
     ids = torch.tensor([3, 0, 0, 2, -1, 3], device=DEVICE)
     grad = torch.randn(6, n, device=DEVICE).to(dtype)
-    out = be._grouped_mm_grad_x_cuda(grad, ids, *weights, k, None, None, signs)  # op: kbit::grouped_mm_grad_x
-    stored = be._grouped_mm_grad_x_cuda(grad, ids, *weights, k)
+    out = torch.ops.kbit.grouped_mm_grad_x(grad, ids, *weights, k, None, None, signs)
+    stored = torch.ops.kbit.grouped_mm_grad_x(grad, ids, *weights, k)
     assert torch.equal(out, rotation.unrotate(stored, BLOCK, SEED).to(dtype))
     ref = torch.zeros(6, k, dtype=torch.float64, device=DEVICE)
     for r, i in enumerate(ids.tolist()):
