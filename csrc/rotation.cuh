@@ -68,25 +68,24 @@ __device__ __forceinline__ void prefetch_signs(const uint32_t* rot_signs, int64_
 // 8 elements of one 64-segment per thread, element e at segment position 8 (lane % 8) + e: the
 // rotation of x (sign first) or the unrotation of a weight row (sign last), strides 1, 2, 4 in
 // registers and 8, 16, 32 by shuffles among the 8 lanes (`mask` holds them).
-__device__ __forceinline__ void rotate8(float (&v)[8], uint32_t sign_bits, unsigned mask) {
-#pragma unroll
-  for (int e = 0; e < 8; ++e) v[e] = flip_sign(v[e], (sign_bits >> e) & 1u);
+// The unscaled Walsh-Hadamard transform of a segment held as 8 consecutive values in each of 8 lanes.
+__device__ __forceinline__ void hadamard8x8(float (&v)[8], unsigned mask) {
   butterfly_regs<1>(v);
   butterfly_regs<2>(v);
   butterfly_regs<4>(v);
   butterfly_lanes<1>(v, mask);
   butterfly_lanes<2>(v, mask);
   butterfly_lanes<4>(v, mask);
+}
+__device__ __forceinline__ void rotate8(float (&v)[8], uint32_t sign_bits, unsigned mask) {
+#pragma unroll
+  for (int e = 0; e < 8; ++e) v[e] = flip_sign(v[e], (sign_bits >> e) & 1u);
+  hadamard8x8(v, mask);
 #pragma unroll
   for (int e = 0; e < 8; ++e) v[e] = __fmul_rn(v[e], kRotScale);
 }
 __device__ __forceinline__ void unrotate8(float (&v)[8], uint32_t sign_bits, unsigned mask) {
-  butterfly_regs<1>(v);
-  butterfly_regs<2>(v);
-  butterfly_regs<4>(v);
-  butterfly_lanes<1>(v, mask);
-  butterfly_lanes<2>(v, mask);
-  butterfly_lanes<4>(v, mask);
+  hadamard8x8(v, mask);
 #pragma unroll
   for (int e = 0; e < 8; ++e) v[e] = flip_sign(__fmul_rn(v[e], kRotScale), (sign_bits >> e) & 1u);
 }
