@@ -7,7 +7,8 @@ ensure_venv() {
   shift
   local stamp="$venv/.hf_kbit_stamp"
   local want
-  want="$(cat pyproject.toml CMakeLists.txt scripts/_venv.sh python/_hf_kbit_autoload.py python/hf_kbit_autoload.pth) ${TORCH_SPEC:-torch==2.13.0} $*"
+  # The module list too: the editable install maps the modules it saw, so a new module or package needs a reinstall.
+  want="$(cat pyproject.toml CMakeLists.txt scripts/_venv.sh python/_hf_kbit_autoload.py python/hf_kbit_autoload.pth) $(find hf_kbit -name '*.py' | sort) ${TORCH_SPEC:-torch==2.13.0} $*"
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     return 0
   fi
