@@ -36,8 +36,8 @@ const char* kbit_last_error(void) { return ""; }
 int kbit_gemv_max_m(void) { return 0; }  /* no GEMV: training shapes are past it */
 int kbit_kernel_table_size(void) { return 0; }
 int kbit_kernel_table_entry(int i, const char** kernel, int* bits, int* dtype) { return 1; }
-int kbit_mm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int dtype, int* path, int* gemm,
-                 int64_t* workspace) {
+int kbit_mm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int dtype, int rotated, int* path,
+                 int* gemm, int64_t* workspace) {
   *path = 2; *gemm = 0; *workspace = 0;  /* dequantize + matmul */
   return 0;
 }
@@ -55,6 +55,9 @@ int kbit_gemv_prologue(void) { return 0; }
 int kbit_gemv_prepare(void) { return 0; }
 int kbit_gemv_run(void) { return 0; }
 int kbit_grouped_gemv(void) { return 0; }
+int kbit_rotate(void) { return 0; }
+int kbit_set_gemv_rotate_crossover(int bits, int in_staging_max_m) { return 0; }
+int kbit_gemv_rotate_plan(int bits, int dtype, int64_t m, int prologue, int* mode) { *mode = 0; return 0; }
 void kbit_trace_set(void* buffer) {}
 """
 

@@ -23,7 +23,7 @@ Dispatch of ``mm`` by M (rows of x after flattening the leading dims): the libra
 
 Rotated layers (hf_kbit.rotation): every function that computes with a weight takes ``signs``, the
 layer's sign words (int32 ``[in_features // 32]`` on the weight's device, bit ``e % 32`` of word
-``e // 32`` set where ``s_e = -1``; :func:`sign_words` builds them), or None. The kernels then multiply
+``e // 32`` set where ``s_e = -1``; :func:`hf_kbit.rotation.sign_words` builds them), or None. The kernels then multiply
 ``x R`` by the stored ``W'``: the GEMV stages ``x R`` up to its measured crossover (``rotated_gemv`` in
 crossovers.json) and above it runs the standalone rotation into its workspace first, as the mma.sync
 GEMM does; the wgmma GEMM rotates in its x rewrite; dequantize + cuBLAS multiplies the stored weight by
@@ -43,14 +43,14 @@ from .. import _lib
 from .. import _ops
 from .. import format as fmt
 from . import crossovers
-from . import cuda_rotation
+from .cuda_calls import rows as _rows
+from .cuda_calls import stream as _stream
 from .cuda_rotation import gemv_rotate_plan, rotate, unrotate
 from .cuda_rotation import signs_ptr as _signs_ptr
 
 _LIB = _lib.load()
 
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-sign_words = cuda_rotation.sign_words  # rotated layers' sign words, as the kernels read them
 
 # The GEMV kernel's own limit on M.
 GEMV_MAX_M = int(_LIB.kbit_gemv_max_m())
@@ -109,18 +109,6 @@ load_crossovers()
 
 
 _checked_shapes: set[tuple] = set()
-
-
-try:  # the raw pointer without building a Stream object: ~1 us instead of several
-    _raw_stream = torch._C._cuda_getCurrentRawStream
-
-    def _stream(device: torch.device) -> int:
-        return _raw_stream(device.index)
-
-except AttributeError:  # pragma: no cover - older torch
-
-    def _stream(device: torch.device) -> int:
-        return torch.cuda.current_stream(device).cuda_stream
 
 
 @functools.cache  # a layer repeats one problem
@@ -300,13 +288,6 @@ def run_path(path: str, x2, planes, block_scales, row_scales, codebook, k: int,
 
 _PROLOGUES = {"silu_mul": 1, "rmsnorm": 2, "add_rmsnorm": 3}
 _HAS_PROLOGUE = hasattr(_LIB, "kbit_gemv_prologue")
-
-
-def _rows(t: torch.Tensor, k: int) -> torch.Tensor:
-    """``t [..., k]`` as ``[m, k]`` rows with unit element stride (a view where possible, e.g. a slice of a
-    fused gate/up output)."""
-    t2 = t.reshape(-1, k)
-    return t2 if t2.stride(-1) == 1 and (t2.shape[0] <= 1 or t2.stride(0) >= k) else t2.contiguous()
 
 
 def _gemv_prologue(kind, x, x2, norm_weight, eps, planes, block_scales, row_scales, codebook, k, signs=None):

@@ -1,5 +1,5 @@
-"""Rotated layers on the CUDA backend (hf_kbit.rotation; docs/kernels.md, "Rotation"): the sign words
-the kernels read, the standalone rotation kernel (``x R`` and ``y R^T``) and the rotated GEMV's plan.
+"""Rotated layers on the CUDA backend (hf_kbit.rotation; docs/kernels.md, "Rotation"): the standalone
+rotation kernel (``x R`` and ``y R^T``) and the rotated GEMV's plan.
 
 A rotated layer stores the quantized ``W' = W R``; its kernels multiply ``x R``. Where no kernel stages
 ``x R`` itself, :func:`rotate` makes it (dequantize + cuBLAS), and the gradient ``dX = (dY W') R^T``
@@ -14,22 +14,12 @@ import functools
 import torch
 
 from .. import _lib
+from .cuda_calls import rows as _rows
+from .cuda_calls import stream as _stream
 
 _LIB = _lib.load()
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 ROTATE_MODES = {1: "staged", 0: "standalone", -1: None}  # kbit_gemv_rotate_plan's modes
-
-
-def sign_words(k: int, seed: int, device=None) -> torch.Tensor:
-    """The sign words of ``hf_kbit.rotation.signs(k, seed)`` as the kernels read them: int32 ``[k // 32]``,
-    bit ``e % 32`` of word ``e // 32`` set where ``s_e = -1``."""
-    from .. import rotation
-
-    if k % 64:
-        raise ValueError(f"rotated layers need in_features % 64 == 0, got {k}")
-    bits = (rotation.signs(k, seed) < 0).to(torch.int64).view(k // 32, 32)
-    words = (bits << torch.arange(32, dtype=torch.int64)).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).to(device)
 
 
 def signs_ptr(signs, k: int, device: torch.device):
@@ -50,8 +40,6 @@ def signs_ptr(signs, k: int, device: torch.device):
 def rotate(x: torch.Tensor, signs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """``x [..., K] @ R`` (``inverse``: ``@ R^T``) in x's dtype, float32 arithmetic rounded once: the
     standalone rotation kernel, bit-exact with ``rotation.rotate`` (``unrotate``) rounded to x's dtype."""
-    from .cuda import _rows, _stream  # the backend imports this module first
-
     k = x.shape[-1]
     sp = signs_ptr(signs, k, x.device)
     if sp is None:
