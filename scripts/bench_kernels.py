@@ -124,6 +124,15 @@ def copies_for(nbytes: int) -> int:
     return max(2, math.ceil(COLD_BYTES / max(nbytes, 1)))
 
 
+def cold_packs(n: int, k: int, bits: int) -> tuple[list, int]:
+    """Enough random packed copies of an [n, k] weight that a timed graph reads them cold from HBM, and the
+    calls per graph; the GPU idles a moment first (settle)."""
+    ncopy = copies_for(packed_bytes(n, k, bits))
+    packs = random_packed(n, k, bits, ncopy)
+    settle()
+    return packs, max(MIN_CALLS, ncopy)
+
+
 def random_packed(n: int, k: int, bits: int, copies: int):
     from hf_kbit import format as fmt
 
@@ -177,10 +186,8 @@ def bench_shape(name, k, n, ms, bits_list, bw, results, int4=True):
             print(f"  int4pack unavailable: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
     for bits in bits_list:
         kb = packed_bytes(n, k, bits)
-        ncopy = copies_for(kb)
-        packs = random_packed(n, k, bits, ncopy)
-        ncalls = max(MIN_CALLS, ncopy)
-        settle()
+        packs, ncalls = cold_packs(n, k, bits)
+        ncopy = len(packs)
         for m in ms:
             x = xs[m]
             calls = [lambda p=packs[i % ncopy], x=x: torch.ops.kbit.mm(x, *p, k) for i in range(ncalls)]
@@ -204,10 +211,8 @@ def bench_paths(name, k, n, ms, bits_list, results):
     from hf_kbit.backends import cuda as backend
 
     for bits in bits_list:
-        ncopy = copies_for(packed_bytes(n, k, bits))
-        packs = random_packed(n, k, bits, ncopy)
-        ncalls = max(MIN_CALLS, ncopy)
-        settle()
+        packs, ncalls = cold_packs(n, k, bits)
+        ncopy = len(packs)
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             dispatch, gemm_kernel, _ = backend.mm_plan(m, n, k, bits, x.device.index, x.dtype)
@@ -251,10 +256,8 @@ def bench_rotation(name, k, n, ms, bits_list, results):
     signs = torch.randint(-(2**31), 2**31 - 1, (k // 32,), dtype=torch.int32, device="cuda")
     lib = _lib.load()
     for bits in bits_list:
-        ncopy = copies_for(packed_bytes(n, k, bits))
-        packs = random_packed(n, k, bits, ncopy)
-        ncalls = max(MIN_CALLS, ncopy)
-        settle()
+        packs, ncalls = cold_packs(n, k, bits)
+        ncopy = len(packs)
         for m in ms:
             x = xs[m]
             plan = backend.mm_plan(m, n, k, bits, x.device.index, x.dtype, True)
