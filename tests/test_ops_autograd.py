@@ -11,6 +11,7 @@ import torch
 import hf_kbit  # noqa: F401
 from hf_kbit import _ops
 from hf_kbit import format as fmt
+from tolerance import close_rel
 
 BITS = pytest.mark.parametrize("bits", fmt.SUPPORTED_BITS, ids=lambda b: f"k{b}")
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
@@ -27,11 +28,6 @@ def packed(n, k, bits, lead=()):
     w = torch.randn(*lead, n, k)
     cb = fmt.make_codebook(None, bits)
     return (*torch.ops.kbit.quantize(w, cb), cb)
-
-
-def close_rel(actual, expected, atol):
-    scale = expected.abs().max().item() or 1.0
-    torch.testing.assert_close(actual.double(), expected, atol=atol * scale, rtol=0)
 
 
 @BITS

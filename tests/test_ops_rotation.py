@@ -8,6 +8,7 @@ import torch
 from hf_kbit import _ops, rotation
 from hf_kbit import format as fmt
 from test_rotation import dense_rotation
+from tolerance import close_rel
 
 BITS = pytest.mark.parametrize("bits", fmt.SUPPORTED_BITS, ids=lambda b: f"k{b}")
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -32,11 +33,6 @@ def rotated_packed(bits, lead=(), n=N, k=K):
     packed = (*torch.ops.kbit.quantize(rotation.rotate_words(w, words), cb), cb)
     r = dense_rotation(k, fmt.ROTATION_BLOCK, SEED)
     return packed, words, fmt.dequantize(*packed, k, torch.float64) @ r.T
-
-
-def close_rel(actual, expected, atol):
-    scale = expected.abs().max().item() or 1.0
-    torch.testing.assert_close(actual.double(), expected, atol=atol * scale, rtol=0)
 
 
 @BITS
