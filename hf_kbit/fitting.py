@@ -82,6 +82,9 @@ class FitSettings:
         codebook: initial codebook, a :func:`hf_kbit.format.make_codebook` name or ``None`` for
             the format's default for this k.
         max_fit_blocks: blocks per layer (per expert) the codebook is fitted on.
+        balance_members: in a codebook that siblings share (:func:`group_codebook`: q/k/v, gate/up), each
+            member's blocks weigh as much in the Lloyd update as another's, whatever its row count (k and v
+            count as much as a q several times their size). ``False``: every row the same weight.
     """
 
     codes_below: int
@@ -89,6 +92,7 @@ class FitSettings:
     lloyd_iters: int = 0
     codebook: str | None = None
     max_fit_blocks: int = MAX_FIT_BLOCKS
+    balance_members: bool = False
 
     def __post_init__(self):
         for name in ("codes_below", "codes_above", "lloyd_iters"):
@@ -104,11 +108,15 @@ class FitSettings:
 
 # Per k, the levers screened by perplexity on SmolLM2-135M (a Lloyd codebook and codes above the absmax code
 # helped at every k; more codes below than these did not). Measured against the anchors as `kbitfit<k>` in
-# results/perplexity_*.json (docs/results.md).
+# results/perplexity_*.json (docs/results.md). balance_members, against every row weighing alike, paired on the
+# same 32768 Jane Austen tokens (quantize-on-load, kernels): Qwen2.5-Coder-0.5B k = 3 -1.35 +- 0.15, k = 4
+# -0.74 +- 0.04, k = 5 +0.09 +- 0.01 perplexity; SmolLM2-135M k = 3 -3.33 +- 0.22, k = 4 -0.03 +- 0.01, k = 5
+# -0.07 +- 0.01. So on at k = 3 and 4 (k = 2 follows k = 3), off at k = 5 (where the two models disagree).
+# Reproduce: set it False here and compare with eval_perplexity on the same windows.
 DEFAULT_SETTINGS = {
-    2: FitSettings(codes_below=24, codes_above=4, lloyd_iters=4),
-    3: FitSettings(codes_below=12, codes_above=4, lloyd_iters=4),
-    4: FitSettings(codes_below=8, codes_above=2, lloyd_iters=4),
+    2: FitSettings(codes_below=24, codes_above=4, lloyd_iters=4, balance_members=True),
+    3: FitSettings(codes_below=12, codes_above=4, lloyd_iters=4, balance_members=True),
+    4: FitSettings(codes_below=8, codes_above=2, lloyd_iters=4, balance_members=True),
     5: FitSettings(codes_below=6, codes_above=2, lloyd_iters=4),
 }
 
@@ -283,8 +291,9 @@ def search_block_codes(
 # ---------------------------------------------------------------------------- codebook
 
 
-def _lloyd_step(blocks, scales, cb, mask):
-    """One Lloyd update of cb [G, L] from blocks [G, n, B, 32] at block scales [G, n, B]."""
+def _lloyd_step(blocks, scales, cb, mask, row_weights=None):
+    """One Lloyd update of cb [G, L] from blocks [G, n, B, 32] at block scales [G, n, B]; ``row_weights [n]``
+    (or None: all 1) weigh each row's squared errors."""
     s = scales[..., None].expand_as(blocks)
     x = blocks / torch.where(s > 0, s, 1.0)
     idx = _nearest(x, cb).reshape(cb.shape[0], -1)
@@ -292,6 +301,8 @@ def _lloyd_step(blocks, scales, cb, mask):
     # padding carry no weight. Sums per level are plain reductions (deterministic on every
     # device, unlike scatter_add's atomics on CUDA), in float64.
     keep = s if mask is None else s * mask
+    if row_weights is not None:
+        keep = keep * row_weights[:, None, None]
     sw = (keep * blocks).reshape(cb.shape[0], -1).double()
     ss = (keep * s).reshape(cb.shape[0], -1).double()
     num = torch.stack([torch.where(idx == i, sw, 0.0).sum(-1) for i in range(cb.shape[1])], -1)
@@ -328,6 +339,7 @@ def fit_codebook(
     settings: FitSettings | None = None,
     init: str | torch.Tensor | list[float] | None = None,
     column_weights: torch.Tensor | None = None,
+    row_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A codebook for ``weight [..., N, K]`` at ``bits``: ``[2**bits]`` for a 2-D weight, ``[..., 2**bits]``
     (one per expert) for a stacked one.
@@ -340,6 +352,8 @@ def fit_codebook(
     ``column_weights [K]`` (non-negative; calibration passes ``diag(H)``, each input channel's mean square
     activation) weights each element's squared error by its column's entry, in the code search and in the
     Lloyd update alike; all-equal weights give the unweighted codebook, all-zero ones the initial codebook.
+    ``row_weights [N]`` (positive; 2-D weights only) weighs each row's squared errors in the Lloyd update (a
+    block's code does not depend on them): :func:`group_codebook`'s balanced members.
     """
     settings = DEFAULT_SETTINGS[check_bits(bits)] if settings is None else settings
     w, lead = _as_groups(weight)
@@ -352,12 +366,18 @@ def fit_codebook(
     if settings.lloyd_iters == 0 or w.numel() == 0 or (mask is not None and not bool(mask.any())):
         return cb.reshape(*lead, -1) if lead else cb[0]
     rows_sel = slice(None, None, sample_stride(w.shape[1], w.shape[2], settings.max_fit_blocks))
+    if row_weights is not None:
+        row_weights = row_weights.to(device=w.device, dtype=torch.float32)
+        if lead or row_weights.shape != (w.shape[1],) or not bool((row_weights > 0).all()):
+            raise ValueError(f"row_weights must be positive, of shape ({w.shape[1]},), for a 2-D weight; got "
+                             f"{tuple(row_weights.shape)} for a weight of shape {tuple(weight.shape)}")
+        row_weights = row_weights[rows_sel]
     fit_blocks = blocks[:, rows_sel]
     rows = row_scales(w)[:, rows_sel]
     table = fmt.e4m4_table(w.device)
     for _ in range(settings.lloyd_iters):
         codes = search_codes(fit_blocks, rows, cb, settings.codes_below, settings.codes_above, mask)
-        cb = _lloyd_step(fit_blocks, table[codes] * rows[..., None], cb, mask)
+        cb = _lloyd_step(fit_blocks, table[codes] * rows[..., None], cb, mask, row_weights)
     return cb.reshape(*lead, -1) if lead else cb[0]
 
 
@@ -378,18 +398,20 @@ def layer_codebook(
     settings: FitSettings | None,
     codebook: str | torch.Tensor | list[float] | None = None,
     column_weights: torch.Tensor | None = None,
+    row_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The one codebook ``[2**bits]`` of a layer (or of a fused experts projection), fitted on ``sample``.
 
     ``sample`` is ``[R, K]``: the layer's rows ``[::sample_stride(rows, K, settings.max_fit_blocks)]``,
     experts stacked as rows (``[E * N, K]``), so a caller that reads a weight in pieces gathers the
     same rows and gets the same codebook. ``settings`` ``None`` ("absmax") returns the configured
-    ``codebook`` (:func:`hf_kbit.format.make_codebook`) unchanged. ``column_weights``: as :func:`fit_codebook`.
+    ``codebook`` (:func:`hf_kbit.format.make_codebook`) unchanged. ``column_weights``, ``row_weights [R]``: as
+    :func:`fit_codebook`.
     """
     if settings is None or settings.lloyd_iters == 0:
         return fmt.make_codebook(codebook, bits).to(sample.device)
     whole = dataclasses.replace(settings, max_fit_blocks=max(1, sample.shape[0] * math.ceil(sample.shape[1] / fmt.BLOCK_SIZE)))
-    return fit_codebook(sample, bits, whole, init=codebook, column_weights=column_weights)
+    return fit_codebook(sample, bits, whole, init=codebook, column_weights=column_weights, row_weights=row_weights)
 
 
 def group_codebook(
@@ -401,11 +423,24 @@ def group_codebook(
 ) -> torch.Tensor:
     """The one codebook ``[2**bits]`` of layers that share it (siblings run as one weight: q/k/v, gate/up; or a
     single layer), fitted on their rows stacked in the given order as if they were one weight ``[sum(N), K]``
-    (:func:`codebook_sample` of each, :func:`layer_codebook` of all)."""
+    (:func:`codebook_sample` of each, :func:`layer_codebook` of all). Under ``settings.balance_members`` each
+    member's sampled rows weigh ``1 / (members x its sampled rows)`` of the total, so every member counts alike."""
     total = sum(math.prod(w.shape[:-1]) for w in weights)
     starts = itertools.accumulate((math.prod(w.shape[:-1]) for w in weights), initial=0)
     sample = [codebook_sample(w, settings, total, start).float() for w, start in zip(weights, starts)]
-    return layer_codebook(torch.cat(sample), bits, settings, codebook, column_weights)
+    return layer_codebook(torch.cat(sample), bits, settings, codebook, column_weights, _member_weights(sample, settings))
+
+
+def _member_weights(sample: Sequence[torch.Tensor], settings: FitSettings | None) -> torch.Tensor | None:
+    """Row weights ``[sum of rows]`` of siblings' stacked samples under ``settings.balance_members``: each
+    member's rows share an equal part of the total weight (mean 1); ``None`` when it is off or one member has
+    rows."""
+    counts = [s.shape[0] for s in sample]
+    present = [c for c in counts if c]
+    if settings is None or not settings.balance_members or len(present) < 2:
+        return None
+    total = sum(present)
+    return torch.cat([torch.full((c,), total / (len(present) * c), device=s.device) for s, c in zip(sample, counts)])
 
 
 def codebook_sample(

@@ -1,6 +1,7 @@
 """Data-free fitting (hf_kbit.fitting): each step against a slow reference, error never above
 format.quantize's, determinism, experts, edge cases."""
 
+import dataclasses
 import math
 
 import pytest
@@ -81,8 +82,9 @@ def block_error(w, codes, rows, codebook):
     return err
 
 
-def reference_lloyd_step(w, codes, rows, codebook):
-    """Hand-rolled Lloyd update: per level, sum(s * w) / sum(s * s) over the elements nearest to it."""
+def reference_lloyd_step(w, codes, rows, codebook, row_weights=None):
+    """Hand-rolled Lloyd update: per level, sum(r * s * w) / sum(r * s * s) over the elements nearest to it
+    (r: the row's weight, 1 without ``row_weights``)."""
     table = fmt.e4m4_table()
     num = [0.0] * codebook.numel()
     den = [0.0] * codebook.numel()
@@ -95,8 +97,9 @@ def reference_lloyd_step(w, codes, rows, codebook):
             x = float(w[r, col]) / s
             dist = [abs(x - float(c)) for c in codebook]
             i = dist.index(min(dist))  # first of equal distances: the lower level, as format.quantize
-            num[i] += s * float(w[r, col])
-            den[i] += s * s
+            weight = 1.0 if row_weights is None else float(row_weights[r])
+            num[i] += weight * s * float(w[r, col])
+            den[i] += weight * s * s
     values = [num[i] / den[i] if den[i] > 0 else float(codebook[i]) for i in range(codebook.numel())]
     values = sorted(values)
     peak = max(abs(v) for v in values)
@@ -151,6 +154,58 @@ def test_one_lloyd_step_matches_loop(bits):
     codes = fitting.search_block_codes(w, rows, start, 4, 1)
     want = reference_lloyd_step(w, codes, rows, start)
     assert torch.allclose(got, want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4], ids=lambda b: f"k{b}")
+def test_weighted_lloyd_step_matches_loop(bits):
+    w = heavy_tailed((6, 64), seed=bits)
+    row_weights = torch.tensor([0.5, 3.0, 1.0, 0.25, 2.0, 1.5])
+    settings = fitting.FitSettings(codes_below=4, codes_above=1, lloyd_iters=1)
+    got = fitting.fit_codebook(w, bits, settings, row_weights=row_weights)
+    rows = fitting.row_scales(w)
+    start = fmt.make_codebook(None, bits)
+    codes = fitting.search_block_codes(w, rows, start, 4, 1)
+    want = reference_lloyd_step(w, codes, rows, start, row_weights)
+    assert torch.allclose(got, want, rtol=0, atol=1e-6)
+    assert not torch.allclose(got, fitting.fit_codebook(w, bits, settings), rtol=0, atol=1e-6)  # the weights act
+
+
+# Siblings' shapes as in Qwen2.5-0.5B's attention, scaled down: q has 4x the rows of k and of v.
+SIBLINGS = {"q": (64, 128), "k": (16, 128), "v": (16, 128)}
+
+
+def siblings(seed=0):
+    return [heavy_tailed(shape, seed=seed + i) * (1 + i) for i, shape in enumerate(SIBLINGS.values())]
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4], ids=lambda b: f"k{b}")
+def test_balanced_members_weigh_like_repeated_rows(bits):
+    """Balanced members equal the plain fit on the members' rows repeated in inverse proportion to their
+    counts (q once, k and v four times each): every member then has as many rows as the others."""
+    settings = fitting.DEFAULT_SETTINGS[bits]
+    assert settings.balance_members
+    q, k, v = siblings(seed=bits)
+    got = fitting.group_codebook([q, k, v], bits, settings)
+    plain = dataclasses.replace(settings, balance_members=False)
+    want = fitting.group_codebook([q, k.repeat(4, 1), v.repeat(4, 1)], bits, plain)
+    assert torch.allclose(got, want, rtol=0, atol=1e-6)
+    assert not torch.allclose(got, fitting.group_codebook([q, k, v], bits, plain), rtol=0, atol=1e-4)
+
+
+def test_balanced_members_leave_single_layers_and_absmax_alone():
+    settings = fitting.DEFAULT_SETTINGS[3]
+    plain = dataclasses.replace(settings, balance_members=False)
+    q, k, _ = siblings()
+    assert torch.equal(fitting.group_codebook([q], 3, settings), fitting.group_codebook([q], 3, plain))
+    assert torch.equal(fitting.group_codebook([q, k], 3, None), fmt.make_codebook(None, 3))
+    assert not fitting.DEFAULT_SETTINGS[5].balance_members  # k = 5 measured better without (fitting.DEFAULT_SETTINGS)
+
+
+@pytest.mark.parametrize("row_weights", [torch.ones(5), torch.tensor([1.0, 0.0, 1.0, 1.0]), -torch.ones(4)],
+                         ids=["wrong-length", "zero", "negative"])
+def test_row_weights_checked(row_weights):
+    with pytest.raises(ValueError, match="row_weights must be positive"):
+        fitting.fit_codebook(heavy_tailed((4, 64)), 3, row_weights=row_weights)
 
 
 @pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")

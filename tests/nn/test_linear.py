@@ -99,12 +99,16 @@ def test_quantize_layer_refuses_a_bad_fitting():
 
 
 def test_quantize_group_is_one_weight_cut_into_members():
-    """Siblings sharing a codebook are quantized as their rows stacked into one weight."""
+    """Siblings sharing a codebook are quantized as their rows stacked into one weight, with the group's codebook
+    (fitting.group_codebook: the members weigh alike in its fit, not as one weight's rows would)."""
     a, b = _weight(48, 160, seed=1), _weight(32, 160, seed=2)
-    whole = quantize_layer(torch.cat([a, b]), 3)
+    settings = fitting.settings_for(None, 3)
+    codebook = fitting.group_codebook([a, b], 3, settings)
+    assert not torch.equal(codebook, quantize_layer(torch.cat([a, b]), 3)[3])  # balance_members acts at k = 3
+    whole = fitting.quantize_fitted(torch.cat([a, b]), codebook, settings.codes_below, settings.codes_above)
     got = quantize_group([a, b], 3)
     for packed, rows in zip(got, (slice(0, 3), slice(3, 5))):  # row tiles of 16
-        assert torch.equal(packed[3], whole[3])
+        assert torch.equal(packed[3], codebook)
         assert torch.equal(packed[0], whole[0][rows]) and torch.equal(packed[1], whole[1][rows])
     assert torch.equal(torch.cat([got[0][2], got[1][2]]), whole[2])
 
