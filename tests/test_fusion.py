@@ -12,6 +12,27 @@ from tiny_models import tiny_dense_model
 LOGITS_ATOL_BF16 = 2e-2
 
 
+def greedy_eager(model, ids, **kwargs):
+    """Eager greedy tokens and the logits of each step (transformers' own decoding, compile disabled)."""
+    with torch.inference_mode():
+        out = model.generate(ids, disable_compile=True, output_logits=True, return_dict_in_generate=True, **kwargs)
+    return out.sequences, torch.stack(out.logits, 1).float()
+
+
+def assert_same_tokens_until_a_tie(tokens, eager_tokens, eager_logits):
+    """``tokens`` equal the eager ones, or where they first differ the eager logits of both tokens are equal:
+    an exact tie in the bf16 logits, which another op order (inductor's) may break either way. Past that
+    step the two continuations differ legitimately."""
+    prompt = eager_tokens.shape[1] - eager_logits.shape[1]
+    for row, (got, want) in enumerate(zip(tokens.tolist(), eager_tokens.tolist())):
+        diff = next((i for i in range(prompt, len(want)) if got[i] != want[i]), None)
+        if diff is not None:
+            logits = eager_logits[row, diff - prompt]
+            assert logits[got[diff]] == logits[want[diff]] == logits.max(), (
+                f"row {row}, step {diff - prompt}: token {got[diff]} (eager logit {float(logits[got[diff]])}) "
+                f"where eager took {want[diff]} ({float(logits[want[diff]])}), not a tie")
+
+
 def packed(n, k, bits=4):
     torch.manual_seed(0)
     cb = fmt.make_codebook(None, bits)
@@ -123,8 +144,7 @@ def test_compile_config_runs_the_pass_in_generate():
     model = hf_kbit.quantize_model(tiny_dense_model("llama"), hf_kbit.KbitConfig(bits=4))
     ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(2))
     kwargs = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation="static")
-    with torch.inference_mode():
-        eager = model.generate(ids, disable_compile=True, **kwargs)
+    eager, eager_logits = greedy_eager(model, ids, **kwargs)
     torch._dynamo.reset()
     config = fusion.compile_config(fullgraph=True)
     assert config.mode is None and config.options["triton.cudagraphs"] is True
@@ -135,7 +155,7 @@ def test_compile_config_runs_the_pass_in_generate():
         compiled = model.generate(ids, compile_config=config, **kwargs)
     torch._dynamo.reset()
     assert rewrite.rewrites["mm_silu_mul"] > 0 and rewrite.rewrites["mm_add_rmsnorm"] > 0, rewrite.rewrites
-    assert torch.equal(compiled, eager)
+    assert_same_tokens_until_a_tie(compiled, eager, eager_logits)
 
 
 # ---------------------------------------------------------------------------- the default (KbitConfig.fusion_pass)
@@ -144,14 +164,14 @@ def test_compile_config_runs_the_pass_in_generate():
 def test_a_kbit_model_compiles_generate_with_the_pass_by_default():
     """quantize_model (and quantize-on-load, test_quantizer) give the model fusion.compile_config() as its
     generation_config.compile_config: generate() with a static cache compiles so with nothing opted in,
-    and its greedy tokens are the eager ones (the pass keeps each rounding of the unfused ops)."""
+    and its greedy tokens are the eager ones (the pass keeps each rounding of the unfused ops; inductor's own
+    kernels may break an exact tie of the bf16 logits the other way)."""
     model = hf_kbit.quantize_model(tiny_dense_model("llama"), hf_kbit.KbitConfig(bits=4))
     config = model.generation_config.compile_config
     assert fusion.is_kbit_compile_config(config) and config.options["combo_kernels"] is True
     ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(2))
     kwargs = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation="static")
-    with torch.inference_mode():
-        eager = model.generate(ids, disable_compile=True, **kwargs)
+    eager, eager_logits = greedy_eager(model, ids, **kwargs)
     torch._dynamo.reset()
     config.options["fx_graph_cache"] = False
     config._compile_all_devices = True  # transformers compiles on CUDA only unless told
@@ -160,7 +180,7 @@ def test_a_kbit_model_compiles_generate_with_the_pass_by_default():
     torch._dynamo.reset()
     rewrites = config.options["post_grad_custom_post_pass"].rewrites
     assert rewrites["mm_silu_mul"] > 0 and rewrites["mm_add_rmsnorm"] > 0, rewrites
-    assert torch.equal(compiled, eager)
+    assert_same_tokens_until_a_tie(compiled, eager, eager_logits)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
