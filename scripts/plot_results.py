@@ -64,50 +64,73 @@ ANCHOR_STYLES = {"hqq": ("^", "tab:green", "HQQ g64"), "rtn": ("v", "tab:purple"
                  "nf": ("D", "tab:orange", "NF4 bs64")}
 
 
-def plot_perplexity(payloads: list[dict[str, Any]], out: Path) -> Path:
-    """Perplexity vs stored bits/weight per model (log scale): kbit's data-free default and calibrated series, bf16
-    as a dashed line, anchors as markers."""
-    plt = _plt()
-    fig, axes = plt.subplots(1, len(payloads), figsize=(5.5 * len(payloads), 4.2), squeeze=False)
-    for ax, p in zip(axes[0], payloads):
-        # The default's series: variants named kbit<k> (kbit<k>-absmax and other option variants are in the tables).
-        kbit = [r for r in p["results"] if _method(r) == "kbit" and not r.get("lm_head_bits")
-                and r.get("variant", f"kbit{r['bits']}") == f"kbit{r['bits']}"]
-        heads = [r for r in p["results"] if r.get("lm_head_bits")]
-        base = next((r for r in p["results"] if _method(r) == "bf16"), None)
-        if kbit:
-            ax.plot([r["bits_per_weight"] for r in kbit], [r["ppl"] for r in kbit], "o-", label="kbit (LM head bf16)")
-        calibrated = [r for r in p["results"] if _method(r) == "kbitcal"]
-        if calibrated:
-            ax.plot([r["bits_per_weight"] for r in calibrated], [r["ppl"] for r in calibrated], "s--",
-                    color="tab:blue", mfc="none", label="kbit calibrated (LM head bf16)")
-        if heads:
-            ax.plot([r["bits_per_weight"] for r in heads], [r["ppl"] for r in heads], "s", color="tab:red",
-                    label="kbit, LM head quantized too")
-        for method, (marker, color, label) in ANCHOR_STYLES.items():
-            rows = [r for r in p["results"] if _method(r) == method]
-            if rows:
-                ax.plot([r["bits_per_weight"] for r in rows], [r["ppl"] for r in rows], marker, color=color,
-                        label=label)
-        for r in kbit + heads:
-            label = f"k={r['bits']}" + (f", head {r['lm_head_bits']}" if r.get("lm_head_bits") else "")
-            ax.annotate(label, (r["bits_per_weight"], r["ppl"]), textcoords="offset points", xytext=(6, 4))
-        if base:
-            ax.axhline(base["ppl"], color="gray", linestyle="--", label=f"bf16 (16 bits/weight): {base['ppl']:.2f}")
-        ax.set_yscale("log")
-        ppls = [r["ppl"] for r in p["results"]]
-        if max(ppls) < 10 * min(ppls):  # within a decade: plain tick labels, not 3.5 x 10^1
-            from matplotlib.ticker import FormatStrFormatter
+# The series of the perplexity plot besides the anchors: (label, marker style, rows' filter).
+KBIT_SERIES = (
+    ("kbit data-free default", "o-", lambda r: r["variant"] == f"kbit{r['bits']}"),
+    ("kbit rotation=true", "^-", lambda r: r["variant"] == f"kbit{r['bits']}:rotation=true"),
+    ("kbit rotation=auto", "v-", lambda r: r["variant"] == f"kbit{r['bits']}:rotation=auto"),
+    ("kbit calibrated", "s--", lambda r: r["variant"] == f"kbitcal{r['bits']}"),
+)
 
-            ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
-            ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+
+def perplexity_panels(payloads: list[dict[str, Any]]) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
+    """One panel per (model, corpus): ``(payload, rows)``, the rows of the files that scored the most tokens of that
+    corpus on the same windows (a ``_calibrated`` file adds its kbitcal rows to the other file), each variant once
+    (the file without ``_calibrated`` in its name wins), LM-head variants left to the tables."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for p in sorted(payloads, key=lambda p: "_calibrated" in p["_file"]):
+        key = (p["model"]["slug"], p["corpus"]["name"], p["windows"]["windows_sha256"])
+        groups.setdefault(key, []).append(p)
+    most: dict[tuple[str, str], tuple[str, str, str]] = {}
+    for key, group in groups.items():
+        best = most.get(key[:2])
+        if best is None or group[0]["tokenization"]["n_tokens"] > groups[best][0]["tokenization"]["n_tokens"]:
+            most[key[:2]] = key
+    out = []
+    for key in sorted(most.values()):
+        rows: dict[str, dict[str, Any]] = {}
+        for p in groups[key]:
+            for r in p["results"]:
+                if not r.get("lm_head_bits"):
+                    rows.setdefault(r["variant"], r)
+        out.append((groups[key][0], list(rows.values())))
+    return out
+
+
+def plot_perplexity(payloads: list[dict[str, Any]], out: Path) -> Path:
+    """Perplexity above bf16 vs stored bits/weight (log scale), one panel per model and corpus (perplexity_panels):
+    kbit's data-free default, its rotation options and calibration as lines, the anchors as markers."""
+    plt = _plt()
+    panels = perplexity_panels(payloads)
+    cols = min(2, len(panels))
+    nrows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(6.0 * cols, 4.6 * nrows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (p, rows) in zip(axes.flat, panels):
+        shown = [r for r in rows if _method(r) != "bf16" and (r.get("delta_ppl") or 0) > 0]
+        for label, style, keep in KBIT_SERIES:
+            series = sorted((r for r in shown if r["bits"] is not None and keep(r)), key=lambda r: r["bits"])
+            if series:
+                ax.plot([r["bits_per_weight"] for r in series], [r["delta_ppl"] for r in series], style,
+                        mfc="none" if "calibrated" in label else None, label=label)
+        for method, (marker, color, label) in ANCHOR_STYLES.items():
+            anchors = [r for r in shown if _method(r) == method]
+            if anchors:
+                ax.plot([r["bits_per_weight"] for r in anchors], [r["delta_ppl"] for r in anchors], marker,
+                        color=color, label=label)
+        for r in shown:
+            if r["variant"] == f"kbit{r['bits']}":
+                ax.annotate(f"k={r['bits']}", (r["bits_per_weight"], r["delta_ppl"]), textcoords="offset points",
+                            xytext=(6, 4))
+        base = next((f" (bf16 {r['ppl']:.2f})" for r in rows if _method(r) == "bf16"), "")
+        ax.set_yscale("log")
         ax.set_xlabel("stored bits per quantized weight (scales and padding included)")
-        ax.set_ylabel("perplexity (log scale, lower is better)")
-        name = p["model"]["name"] + (", LM head quantized" if heads else "")
-        ax.set_title(f"{name}\n{p['tokenization']['n_tokens']} tokens of {p['corpus']['name'].split(' (')[0]}, "
-                     f"window {p['windows']['window']}", fontsize=10)
+        ax.set_ylabel("perplexity above bf16 (log scale, lower is better)")
+        ax.set_title(f"{p['model']['name']}{base}\n{p['tokenization']['n_tokens']} tokens of "
+                     f"{p['corpus']['name'].split(' (')[0]}, window {p['windows']['window']}, LM head bf16", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(loc="lower left" if heads else "best")  # the head variants' labels sit high
+        ax.legend(loc="best", fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -121,16 +144,18 @@ PERPLEXITY_METHOD = (
     "`BaseQuantizeConfig(nbits, group_size=64)`), asymmetric RTN int with min/max per group of 128, and NF4 "
     "(bitsandbytes' levels) with a float32 absmax per block of 64. `kbit<k>` quantizes with `KbitConfig`'s "
     "default rule, `fitting=\"fit\"` (block codes searched by reconstruction error, a Lloyd-fitted codebook per "
-    "layer, shared by the siblings that fuse: q/k/v, gate/up); `kbit<k>-absmax` with `fitting=\"absmax\"`, the "
-    "rule before it. `kbitfit<k>` is the same fitting per layer (no sharing), fake-quantized like the anchors "
-    "(`-scales`: the code search alone). `kbitcal<k>` is the same format calibrated (`hf_kbit.calibration`, "
+    "layer, shared by the siblings that fuse: q/k/v, gate/up, each member weighing alike in its fit at k <= 4); "
+    "`kbit<k>:rotation=true` and `:rotation=auto` add format v2's rotation (docs/format.md#rotation) on every "
+    "layer, or on the groups whose weight error it lowers; `kbit<k>-absmax` quantizes with "
+    "`fitting=\"absmax\"`, the format's plain rule. `kbitfit<k>` is the same fitting per layer (no sharing), "
+    "fake-quantized like the anchors (`-scales`: the code search alone); against `kbit<k>` it prices the "
+    "siblings' shared codebook. `kbitcal<k>` is the same format calibrated (`hf_kbit.calibration`, "
     "GPTQ-style error feedback, 128 sequences of 2048 tokens taken from the corpus after the scored prefix, so "
-    "no calibration token is scored). The kbitcal rows of the janeausten files give every Linear its own "
-    "codebook; `KbitConfig(calibration_data=...)` and the `kbitcal` variant keep the one data-free codebook that "
-    "fused siblings share (for the data-free default that sharing costs about 1 perplexity at k = 4 on Qwen: "
-    "`kbitfit4` against `kbit4` on the same windows; under calibration it is not measured). The Qwen2.5-Coder "
-    "python-stdlib file was measured before `fit` became the "
-    "default: there `kbit<k>` is the absmax rule and `kbitfit<k>` the fit. Every variant quantizes the same "
+    "no calibration token is scored). The `_calibrated` janeausten files are the calibration runs (H100, the "
+    "same windows): their kbitcal rows give every Linear its own codebook (`KbitConfig(calibration_data=...)` "
+    "and today's `kbitcal` variant keep the data-free codebook that fused siblings share), and their kbit rows "
+    "share a siblings' codebook fitted with every row alike (`FitSettings.balance_members` off); the plot takes "
+    "only their kbitcal rows. Every variant quantizes the same "
     "Linears, those "
     "of the decoder blocks that kbit's quantize-on-load converts (the run refuses variants that differ); the LM "
     "head and embeddings stay full precision except in `-head` variants. Per variant: perplexity; the delta to "
@@ -142,7 +167,8 @@ PERPLEXITY_METHOD = (
     "kinds: `janeausten` (prose) and `python-stdlib` (code: the interpreter's own standard library sources, tests "
     "and generated tables left out, ordered by the hash of each path; the JSON records the Python version and the "
     "file list hash, since another Python has other sources). The token ids and windows are fingerprinted in the "
-    "JSON, so runs can be compared. On CUDA the kbit kernels run and the anchors are quantized on the GPU."
+    "JSON, so runs can be compared. On CUDA the kbit kernels run and the anchors are quantized on the GPU. The "
+    "plot draws perplexity above bf16 against bits/weight, one panel per model and corpus."
 )
 PERPLEXITY_COMMANDS = [
     f"python scripts/eval_perplexity.py --model qwen2.5-coder-0.5b --device cuda --corpus {corpus} "
