@@ -433,8 +433,8 @@ def group_codebook(
 
 def _member_weights(sample: Sequence[torch.Tensor], settings: FitSettings | None) -> torch.Tensor | None:
     """Row weights ``[sum of rows]`` of siblings' stacked samples under ``settings.balance_members``: each
-    member's rows share an equal part of the total weight (mean 1); ``None`` when it is off or one member has
-    rows."""
+    member's rows share an equal part of the total weight (mean 1); ``None`` when it is off or fewer than two
+    members have sampled rows."""
     counts = [s.shape[0] for s in sample]
     present = [c for c in counts if c]
     if settings is None or not settings.balance_members or len(present) < 2:
