@@ -528,9 +528,22 @@ def quantize_group(
     """:func:`quantize_layer` for layers that share one codebook (siblings that
     :func:`hf_kbit.nn.fuse_projections` runs as one weight: q/k/v, gate/up), fitted on their rows
     stacked in the given order, as if they were one weight ``[sum(N), K]``."""
+    _check_members(weights, names)
+    return _quantize_checked_group(weights, bits, codebook, fitting_rule)
+
+
+def _check_members(weights: list[torch.Tensor], names: list[str] | None) -> list[str]:
+    """:func:`check_weight` of each member under its name (default ``weights[i]``); returns the names."""
     names = names or [f"weights[{i}]" for i in range(len(weights))]
     for weight, name in zip(weights, names):
         check_weight(weight, name)
+    return names
+
+
+def _quantize_checked_group(
+    weights: list[torch.Tensor], bits: int, codebook: str | list[float] | torch.Tensor | None, fitting_rule: str | None
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """:func:`quantize_group` of members :func:`check_weight` has already passed."""
     settings = fitting.settings_for(fitting_rule, bits, codebook)
     cb = fitting.group_codebook(weights, bits, settings, codebook)
     # Each member its own copy of the codebook: tensors sharing storage cannot be saved as separate entries.
@@ -552,14 +565,12 @@ def quantize_siblings(
     the group (:mod:`hf_kbit.rotation_policy`): ``[(planes, block_scales, row_scales, codebook, rotation_signs)]``,
     ``rotation_signs`` None where the group stays unrotated (each member its own copy otherwise). The members
     must share in_features (siblings do)."""
-    names = names or [f"weights[{i}]" for i in range(len(weights))]
-    for weight, name in zip(weights, names):
-        check_weight(weight, name)
+    names = _check_members(weights, names)
     if len({w.shape[-1] for w in weights}) > 1:
         raise ValueError(f"quantize_siblings: {names} have different in_features {[w.shape[-1] for w in weights]}")
 
-    def quantize(group: list[torch.Tensor]):
-        return quantize_group(group, bits, codebook, fitting_rule, names)
+    def quantize(group: list[torch.Tensor]):  # the members, or their rotations (finite as they are)
+        return _quantize_checked_group(group, bits, codebook, fitting_rule)
 
     packed, words = rotation_policy.choose(weights, rotation, rotation_seed, quantize)
     return [(*p, None if words is None else words.clone()) for p in packed]
