@@ -8,7 +8,8 @@ Every variant is the model of ``--preset`` (hf_kbit.eval.presets' published conf
 with LoRA of rank ``--rank`` (alpha 2 x rank, no dropout) on every linear layer of the decoder (q, k, v, o,
 gate, up, down; the LM head and embeddings stay frozen bf16), gradient checkpointing on every layer
 (non-reentrant), AdamW on the adapters (float32, peft's default), one sequence of ``--seq-len`` tokens per
-step (hf_kbit.eval.finetune). ``bf16``: LoRA on the bf16 weights. ``kbit<k>``: the decoder's linear layers
+step, the loss computed by hf_kbit.loss.causal_lm_loss (``--loss transformers``: the model's own; the same
+value, with float32 logits held) (hf_kbit.eval.finetune). ``bf16``: LoRA on the bf16 weights. ``kbit<k>``: the decoder's linear layers
 quantized with hf_kbit.quantize_model (q/k/v and gate/up fused, as on load), LoRA through hf_kbit.lora.
 ``nf4``: bitsandbytes' ``Linear4bit`` (NF4, blocks of 64, bf16 compute, no double quantization) with peft's own
 bitsandbytes LoRA layer; skipped with the reason recorded when bitsandbytes does not import.
@@ -42,7 +43,7 @@ from typing import Any
 from hf_kbit.eval import finetune as _finetune, models as _models, report as _report  # the eval harness
 from hf_kbit.eval.presets import PRESETS, make_config
 
-SCHEMA = "hf_kbit.bench_finetune/2"
+SCHEMA = "hf_kbit.bench_finetune/3"
 
 
 def parse_args(argv: list[str] | None):
@@ -59,6 +60,9 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--rounds", type=int, default=2,
                         help="rounds of every variant in turn (default 2; see the module doc)")
     parser.add_argument("--no-gradient-checkpointing", action="store_true")
+    parser.add_argument("--loss", choices=_finetune.LOSSES, default="chunked",
+                        help="chunked (default): hf_kbit.loss.causal_lm_loss, no float32 logits held; transformers: "
+                             "the model's own loss (every variant computes the same one)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
     parser.add_argument("--out", default=None, help="JSON path (default results/bench_finetune_<preset>_<gpu>.json)")
     args = parser.parse_args(argv)
@@ -81,7 +85,7 @@ def measure(variant: str, args, config, device: str) -> dict[str, Any]:
     if cuda:
         torch.cuda.empty_cache()
     model, opt, ids = _finetune.training_setup(config, variant, device, args.rank, not args.no_gradient_checkpointing,
-                                               args.batch_size, args.seq_len)
+                                               args.batch_size, args.seq_len, args.loss)
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
@@ -183,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         "layers": config.num_hidden_layers,
         "settings": {"seq_len": args.seq_len, "batch_size": args.batch_size, "rank": args.rank,
                      "lora_targets": list(_finetune.LINEARS),
-                     "gradient_checkpointing": not args.no_gradient_checkpointing,
+                     "gradient_checkpointing": not args.no_gradient_checkpointing, "loss": args.loss,
                      "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "device": device,
                      "optimizer": "AdamW (adapters)"},
         "results": results,

@@ -72,14 +72,25 @@ def add_lora(model, variant: str, rank: int):
     return peft.get_peft_model(model, config)
 
 
+LOSSES = ("chunked", "transformers")  # the loss the step computes: hf_kbit.loss.causal_lm_loss or transformers' own
+
+
 def training_setup(config, variant: str, device: str, rank: int = 16, gradient_checkpointing: bool = True,
-                   batch_size: int = 1, seq_len: int = 2048):
+                   batch_size: int = 1, seq_len: int = 2048, loss: str = "chunked"):
     """``(model, optimizer, input_ids)`` of one variant: :func:`build_variant` with :func:`add_lora`, gradient
     checkpointing on every layer (non-reentrant) unless turned off, in train mode; AdamW on the adapters (float32,
-    peft's default); one batch of random token ids (seeded)."""
+    peft's default); one batch of random token ids (seeded). ``loss``: ``"chunked"`` computes the loss with
+    :func:`hf_kbit.loss.causal_lm_loss` (same value, no float32 logits held), ``"transformers"`` with the model's
+    own."""
     import torch
 
+    from .. import loss as _loss
+
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
     model = add_lora(build_variant(config, variant, device), variant, rank)
+    if loss == "chunked":
+        _loss.use_chunked_loss(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()

@@ -38,6 +38,7 @@ def test_cpu_run_writes_every_round(tmp_path):
                        "--seq-len", "16", "--steps", "1", "--warmup", "1", "--rounds", "2", "--out", str(out)]) == 0
     payload = json.loads(out.read_text())
     assert payload["schema"] == bench.SCHEMA and payload["settings"]["rounds"] == 2
+    assert payload["settings"]["loss"] == "chunked"  # hf_kbit.loss for every variant, by default
     assert [r["variant"] for r in payload["results"]] == ["bf16", "kbit4"]
     for r in payload["results"]:
         assert len(r["step_s_all"]) == 2 and len(r["step_s_round_medians"]) == 2 and 0 < r["host_share"] <= 1
