@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 IGNORE_INDEX = -100  # transformers' label for tokens that carry no loss
-CHUNK_BYTES = 128 << 20  # float32 bytes of logits one chunk upcasts
+CHUNK_BYTES = 64 << 20  # float32 bytes of logits one chunk upcasts (its only temporary of that size)
 
 
 def chunk_rows_for(vocab_size: int) -> int:
@@ -39,14 +39,16 @@ class _CrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=compute, device=logits.device)
         for start in range(0, logits.shape[0], chunk_rows):
             stop = min(start + chunk_rows, logits.shape[0])
-            x = logits[start:stop].to(compute, copy=True)
+            x = logits[start:stop].to(compute, copy=True)  # the chunk's one temporary: exp and softmax in place
             target = targets[start:stop]
             valid = target != ignore_index
             index = torch.where(valid, target, 0).unsqueeze(1)
-            lse = torch.logsumexp(x, dim=1)
-            total += ((lse - x.gather(1, index).squeeze(1)) * valid).sum()
+            picked = x.gather(1, index).squeeze(1)
+            top = x.amax(dim=1, keepdim=True)
+            sums = x.sub_(top).exp_().sum(dim=1, keepdim=True)
+            total += ((top + sums.log()).squeeze(1) - picked).mul_(valid).sum()
             if needs_grad:
-                p = x.sub_(lse.unsqueeze(1)).exp_()  # softmax, in x's storage
+                p = x.div_(sums)  # softmax
                 p.scatter_add_(1, index, -valid.to(p.dtype).unsqueeze(1))
                 grad[start:stop] = p.mul_((valid.to(p.dtype) * scale).unsqueeze(1))
         ctx.save_for_backward(grad)

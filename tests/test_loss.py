@@ -121,7 +121,7 @@ def test_bad_arguments_are_named():
         causal_lm_loss(logits, None, VOCAB, shift_labels=labels[0, 1:])
     with pytest.raises(ValueError, match="chunk_rows must be a positive int, got 0"):
         causal_lm_loss(logits, labels, VOCAB, chunk_rows=0)
-    assert chunk_rows_for(128256) == 261 and chunk_rows_for(1 << 40) == 1
+    assert chunk_rows_for(128256) == 130 and chunk_rows_for(1 << 40) == 1
 
 
 def test_no_gradient_without_grad():
