@@ -21,7 +21,7 @@ end of the timed steps (weights + adapters + optimizer state + activations). Rat
 
 At batch 1 a LoRA step issues thousands of small launches, and on an H100 its host time is close to its step
 time (``host_share`` near 1): the GPU then waits on Python, and the step time follows the host's speed, which
-drifts (results/bench_finetune_llama3-8b_h100.json, one round: kbit4's five steps took 517 to 764 ms). So the
+drifts (results/bench_finetune_llama3-8b_h200.json: one variant's round medians differ by up to 70%). So the
 variants are measured in ``--rounds`` rounds, each round building and timing every variant once in turn, so that
 a slow phase of the machine falls on one round of one variant rather than on a whole variant: ``step_s_median``
 is the median over every timed step of every round, ``step_s_best_round`` the fastest round's median (the
