@@ -21,6 +21,8 @@ F64_ATOL = 1e-12
 # an element may land one bf16 step (2^-8 relative) apart; the loss is float32 either way.
 BF16_GRAD_RTOL = 2**-7
 F32_LOSS_ATOL = 1e-5
+# float32 logits: gradients of magnitude <= 1 / rows (~0.014 here), float32 rounding in another order.
+F32_GRAD_ATOL = 1e-8
 # A LoRA model's loss and adapter gradients, float32, the two losses: float32 reduction order.
 MODEL_ATOL = 1e-5
 
@@ -164,3 +166,12 @@ def test_use_chunked_loss_refuses_a_model_with_another_loss():
     with pytest.raises(ValueError, match="not transformers' ForCausalLMLoss"):
         use_chunked_loss(classifier)
     assert use_chunked_loss(use_chunked_loss(model)).loss_function is causal_lm_loss  # idempotent
+
+
+def test_under_torch_compile():
+    logits, labels = logits_and_labels(torch.float32)
+    want, want_grad = loss_and_grad(ForCausalLMLoss, logits, labels=labels)
+    compiled = torch.compile(lambda x, y: causal_lm_loss(x, y, VOCAB, chunk_rows=16))
+    got, got_grad = loss_and_grad(lambda x, vocab_size, labels: compiled(x, labels), logits, labels=labels)
+    torch.testing.assert_close(got, want, atol=F32_LOSS_ATOL, rtol=0)
+    torch.testing.assert_close(got_grad, want_grad, atol=F32_GRAD_ATOL, rtol=0)
