@@ -77,9 +77,10 @@ def causal_lm_loss(
 ) -> torch.Tensor:
     """transformers' ``ForCausalLMLoss`` (same arguments, same value): mean next-token cross-entropy over the
     labels that are not ``ignore_index`` (or their sum over ``num_items_in_batch``, as gradient accumulation in
-    transformers' Trainer passes it), in float32 (float64 for float64 logits, which transformers computes in float32), computed ``chunk_rows`` rows at a time (default
-    :func:`chunk_rows_for`). Its gradient is the float32 one rounded once to the logits' dtype (when the loss's
-    own gradient is 1, as in ``loss.backward()``). Its backward may run once (no ``retain_graph`` reuse)."""
+    transformers' Trainer passes it), in float32 (float64 for float64 logits, which transformers computes in
+    float32), computed ``chunk_rows`` rows at a time (default :func:`chunk_rows_for`). Its gradient is the float32
+    one rounded once to the logits' dtype (when the loss's own gradient is 1, as in ``loss.backward()``). Its
+    backward may run once (no ``retain_graph`` reuse)."""
     if logits.shape[-1] != vocab_size:
         raise ValueError(f"causal_lm_loss: logits' last dim is {logits.shape[-1]}, vocab_size is {vocab_size}")
     if shift_labels is None:

@@ -9,10 +9,10 @@ with LoRA of rank ``--rank`` (alpha 2 x rank, no dropout) on every linear layer 
 gate, up, down; the LM head and embeddings stay frozen bf16), gradient checkpointing on every layer
 (non-reentrant), AdamW on the adapters (float32, peft's default), one sequence of ``--seq-len`` tokens per
 step, the loss computed by hf_kbit.loss.causal_lm_loss (``--loss transformers``: the model's own; the same
-value, with float32 logits held) (hf_kbit.eval.finetune). ``bf16``: LoRA on the bf16 weights. ``kbit<k>``: the decoder's linear layers
-quantized with hf_kbit.quantize_model (q/k/v and gate/up fused, as on load), LoRA through hf_kbit.lora.
-``nf4``: bitsandbytes' ``Linear4bit`` (NF4, blocks of 64, bf16 compute, no double quantization) with peft's own
-bitsandbytes LoRA layer; skipped with the reason recorded when bitsandbytes does not import.
+value, with float32 logits held) (hf_kbit.eval.finetune). ``bf16``: LoRA on the bf16 weights. ``kbit<k>``: the
+decoder's linear layers quantized with hf_kbit.quantize_model (q/k/v and gate/up fused, as on load), LoRA through
+hf_kbit.lora. ``nf4``: bitsandbytes' ``Linear4bit`` (NF4, blocks of 64, bf16 compute, no double quantization)
+with peft's own bitsandbytes LoRA layer; skipped with the reason recorded when bitsandbytes does not import.
 
 Per variant: the step time (forward, backward, optimizer step, synchronized) over ``--steps`` timed steps after
 ``--warmup``, split into the host's share (until the step's Python returns, before the synchronize) and the

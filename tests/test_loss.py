@@ -72,7 +72,8 @@ def test_shift_labels_and_a_custom_ignore_index():
     shifted = torch.nn.functional.pad(labels, (0, 1), value=7)[..., 1:].clone()
     shifted[shifted == -100] = 7
     want, want_grad = loss_and_grad(reference_loss, logits, shift_labels=shifted, ignore_index=7)
-    got, got_grad = loss_and_grad(causal_lm_loss, logits, labels=None, shift_labels=shifted, ignore_index=7, chunk_rows=5)
+    got, got_grad = loss_and_grad(causal_lm_loss, logits, labels=None, shift_labels=shifted, ignore_index=7,
+                                  chunk_rows=5)
     torch.testing.assert_close(got, want, atol=F64_ATOL, rtol=0)
     torch.testing.assert_close(got_grad, want_grad, atol=F64_ATOL, rtol=0)
 
