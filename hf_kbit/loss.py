@@ -27,9 +27,8 @@ def chunk_rows_for(vocab_size: int) -> int:
 
 class _CrossEntropy(torch.autograd.Function):
     """``sum_i nll_i x scale`` over the rows of ``logits [R, V]`` whose target is not ``ignore_index``, in float32
-    (float64 for float64 logits);
-    the gradient with respect to ``logits`` (``(softmax - onehot) x scale`` on those rows, zero elsewhere) is
-    computed in the forward, chunk by chunk, and stored in the logits' dtype."""
+    (float64 for float64 logits); the gradient with respect to ``logits`` (``(softmax - onehot) x scale`` on those
+    rows, zero elsewhere) is computed in the forward, chunk by chunk, and stored in the logits' dtype."""
 
     @staticmethod
     def forward(ctx, logits, targets, scale, ignore_index: int, chunk_rows: int):
