@@ -2,10 +2,10 @@
 
 transformers' loss upcasts the whole ``[tokens, vocab]`` logits to float32, and its cross-entropy keeps the
 float32 log-softmax for backward, whose gradients are two more float32 tensors of that size. At 2048 tokens and a
-128256-token vocabulary that is about 3.4 GiB at once, more than a 4-bit 8B model's decoder weights take
-(docs/finetuning.md#memory). :func:`causal_lm_loss` returns the same loss, and its backward the same gradient,
-holding instead one gradient in the logits' dtype, filled chunk by chunk during the forward (float32 inside a
-chunk of ``chunk_rows`` rows), and nothing of float32 size ``[tokens, vocab]``.
+128256-token vocabulary that is about 3.4 GiB at once, as much as a 4-bit 8B model's decoder weights take
+(docs/finetuning.md#memory-the-loss). :func:`causal_lm_loss` returns the same loss, and its backward the same
+gradient, holding instead one gradient in the logits' dtype, filled chunk by chunk during the forward (float32
+inside a chunk of ``chunk_rows`` rows), and nothing of float32 size ``[tokens, vocab]``.
 
 :func:`use_chunked_loss` makes a causal LM compute its loss with it (``model.loss_function``, which the model's
 own forward and transformers' Trainer call); the logits the model returns are unchanged.
@@ -47,9 +47,9 @@ class _CrossEntropy(torch.autograd.Function):
             sums = x.sub_(top).exp_().sum(dim=1, keepdim=True)
             total += ((top + sums.log()).squeeze(1) - picked).mul_(valid).sum()
             if needs_grad:
+                keep = valid.to(x.dtype).unsqueeze(1)
                 p = x.div_(sums)  # softmax
-                p.scatter_add_(1, index, -valid.to(p.dtype).unsqueeze(1))
-                grad[start:stop] = p.mul_((valid.to(p.dtype) * scale).unsqueeze(1))
+                grad[start:stop] = p.scatter_add_(1, index, -keep).mul_(keep * scale)
         ctx.save_for_backward(grad)
         ctx.backward_done = False
         return total * scale
