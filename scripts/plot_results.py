@@ -364,7 +364,9 @@ def bench_markdown(p: dict[str, Any]) -> str:
         + f"; k = {', '.join(str(b) for b in sorted({r['bits'] for r in p['results'] if r['bits']}))}"
         + f"; batch {', '.join(str(b) for b in sorted({r['batch'] for r in p['results']}))}",
         "",
-        f"{p['environment'].get('gpu', p['device'])}, {p['compute_dtype']}, {how}; prompt {p['setup']['prompt_len']} "
+        f"{p['environment'].get('gpu', p['device'])}, {p['compute_dtype']}, {how}, torch "
+        f"{p['environment'].get('torch', '?')}, transformers {p['environment'].get('transformers', '?')}; "
+        f"prompt {p['setup']['prompt_len']} "
         f"tokens, {p['setup']['new_tokens']} new tokens, median of {p['setup']['repeats']}. From `results/{p['_file']}`.",
         "",
         format_table(headers, rows),
