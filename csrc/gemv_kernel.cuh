@@ -147,7 +147,9 @@ template <int BITS> __device__ __forceinline__ float codebook_lane(const float* 
 
 // Every warp of the block takes part (the levels come by shuffle from `levels`, the lane's
 // codebook_lane); a warp's trip count is uniform because the table is a multiple of 32 x 16 bytes.
-template <int BITS, typename T>
+// kQuads: k = 2 as quads (the GEMV's decode); false: k = 2 as pairs in the k = 3, 4 layout, index
+// nibbles 0..3 (the wgmma GEMM's decode, wgmma_kernel.cuh).
+template <int BITS, typename T, bool kQuads = (BITS == 2)>
 __device__ __forceinline__ void build_table(char* table, float levels) {
   constexpr int kLevels = 1 << BITS;
   const auto level = [&](int i) { return __shfl_sync(0xffffffffu, levels, i & (kLevels - 1)); };
@@ -160,7 +162,7 @@ __device__ __forceinline__ void build_table(char* table, float levels) {
   for (int i = threadIdx.x; i < 256 * kUnits; i += blockDim.x) {
     const int slot = i / kUnits, within = (i % kUnits) * 16;
     uint4 v;
-    if (BITS == 2) {
+    if (BITS == 2 && kQuads) {
       // quad index bits: [1:0] element A.lo, [3:2] B.lo, [5:4] A.hi, [7:6] B.hi
       const uint32_t a = pack2<T>(level(slot), level(slot >> 4));
       const uint32_t b = pack2<T>(level(slot >> 2), level(slot >> 6));
@@ -255,22 +257,29 @@ __device__ __forceinline__ void index_words(const TileWords<BITS>& tw, const cha
   }
 }
 
-// k >= 3: elements (8b+2s, 8b+2s+1) of row r (0: g, 1: g + 8), scaled: one byte permute, one
-// table load, one packed multiply.
+// The pair in byte b of index word w (k = 5: its high bits in byte b of hb, with the lane copy
+// offset), scaled by the block-scale pair s2: one byte permute, one table load, one packed multiply.
 template <int BITS, typename T, bool kAbs = false>
-__device__ __forceinline__ uint32_t decode_pair(const TileIndex<BITS>& ti, int r, int s, int b, const char* table,
-                                                uint32_t lane_word) {
+__device__ __forceinline__ uint32_t decode_pair_word(uint32_t w, uint32_t hb, uint32_t s2, int b, const char* table,
+                                                     uint32_t lane_word) {
   // Permute: byte 0 from the lane word (copy offset), byte 1 = the index byte, bytes 2-3 zero
   // (absolute mode: byte 2 = the window byte of the lane word).
   uint32_t off;
   if constexpr (BITS <= 4) {
-    off = __byte_perm(lane_word, ti.w[r][s], (kAbs ? 0x3200u : 0x1100u) | ((4u + b) << 4));
+    off = __byte_perm(lane_word, w, (kAbs ? 0x3200u : 0x1100u) | ((4u + b) << 4));
   } else {
     // byte 0 = this pair's high bits and copy offset, byte 1 = low nibbles
-    const uint32_t hsrc = ((b < 2) ? (ti.hb[r][s] & 0xFFFFu) : (ti.hb[r][s] >> 16)) | (kAbs ? kTableWindow : 0u);
-    off = __byte_perm(hsrc, ti.w[r][s], (kAbs ? 0x3200u : 0x2200u) | ((4u + b) << 4) | (b & 1));
+    const uint32_t hsrc = ((b < 2) ? (hb & 0xFFFFu) : (hb >> 16)) | (kAbs ? kTableWindow : 0u);
+    off = __byte_perm(hsrc, w, (kAbs ? 0x3200u : 0x2200u) | ((4u + b) << 4) | (b & 1));
   }
-  return mul2<T>(lds32(table_address<kAbs>(table, off)), ti.s2[r]);
+  return mul2<T>(lds32(table_address<kAbs>(table, off)), s2);
+}
+
+// k >= 3: elements (8b+2s, 8b+2s+1) of row r (0: g, 1: g + 8), scaled.
+template <int BITS, typename T, bool kAbs = false>
+__device__ __forceinline__ uint32_t decode_pair(const TileIndex<BITS>& ti, int r, int s, int b, const char* table,
+                                                uint32_t lane_word) {
+  return decode_pair_word<BITS, T, kAbs>(ti.w[r][s], BITS == 5 ? ti.hb[r][s] : 0u, ti.s2[r], b, table, lane_word);
 }
 
 // k = 2: the quad in byte b of word q of row r, scaled: pairs (8b + 2q, +1) and (8b + 2q + 4, +1).
