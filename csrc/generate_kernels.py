@@ -58,6 +58,12 @@ LAUNCHES = {
     "gemm": Launch("gemm_kernel.cuh", "launch_gemm<{bits}, {T}, {v}>", ", dim3", "MmParams", (2, 4, 8, 16)),
     # 64-token wgmma blocks per CTA (wgmma_nb).
     "wgmma_gemm": Launch("wgmma_kernel.cuh", "launch_wgmma_gemm<{bits}, {T}, {v}>", ", dim3", "MmParams", (1, 2, 4)),
+    # 64-token wgmma blocks per tile (plan_wgmma_ws in kbit_api.cu, kWsNbs); the grid is persistent CTAs.
+    "wgmma_ws_gemm": Launch("wgmma_ws_kernel.cuh", "launch_wgmma_ws_gemm<{bits}, {T}, {v}>", ", dim3", "MmParams",
+                            (1, 2, 4)),
+    # The same kernel's grouped calls (MoE experts, rows sorted by expert), tiles of 64-token blocks as above.
+    "wgmma_ws_grouped": Launch("wgmma_ws_kernel.cuh", "launch_wgmma_ws_grouped<{bits}, {T}, {v}>", ", int",
+                               "GroupedParams", (1, 2, 4)),
     # Token tiles per unit: 1 in per-row mode, kGroupedNt in grouped mode. Rotated: per-row mode (decode);
     # grouped mode rotates x once first instead of in every unit of a row's expert.
     "grouped_gemv": Launch("grouped_gemv_kernel.cuh", "launch_grouped_gemv<{bits}, {T}, {v}, {rot}>", ", int",

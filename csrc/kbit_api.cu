@@ -19,7 +19,7 @@ namespace {
 
 using namespace kbit;
 
-constexpr int kAbiVersion = 8;
+constexpr int kAbiVersion = 9;
 
 thread_local char g_error[512] = "";
 
@@ -294,19 +294,27 @@ GemvPlan device_gemv_plan(int device, int64_t m, int64_t n, int64_t k) {
 // mma token tiles of the GEMV: one serves 8 tokens.
 int gemv_tiles(int64_t m) { return m <= 8 ? 1 : 2; }
 
-// GEMM plans: the wgmma GEMM (wgmma_kernel.cuh: 64 NB tokens x 128 rows per CTA) on sm_90
-// where the library holds sm_90a code, else the mma.sync GEMM (gemm_kernel.cuh: 8 NT tokens x
-// 256 rows); grid (token blocks, row blocks, K splits). Splits are added only while the CTAs
-// do not fill the GPU: the split whose waves are fullest wins, and a split-K plan (a workspace
-// write, read and a second kernel) must be 3% better. Every split keeps >= 4 K tiles so that
-// the pipelines fill.
+// The GEMM kernels, by the planner's codes (crossovers.json's "mm" keys, hf_kbit.backends.crossovers):
+// the mma.sync GEMM (any sm_80+), the wgmma GEMM (sm_90a: the default there) and the warp-specialized
+// wgmma GEMM (sm_90a, HF_KBIT_GEMM_KERNEL=wgmma_ws).
+enum GemmKernel : int { kGemmMma = 0, kGemmWgmma = 1, kGemmWgmmaWs = 2, kNumGemmKernels = 3 };
+constexpr const char* kGemmKernelNames[] = {"mma.sync", "wgmma", "wgmma_ws"};
+constexpr KernelId kGemmKernelIds[] = {kGemm, kWgmmaGemm, kWgmmaWsGemm};
+
+// GEMM plans: the wgmma GEMM (wgmma_kernel.cuh: 64 NB tokens x 128 rows per CTA) and the
+// mma.sync GEMM (gemm_kernel.cuh: 8 NT tokens x 256 rows); grid (token blocks, row blocks, K
+// splits). Splits are added only while the CTAs do not fill the GPU: the split whose waves are
+// fullest wins, and a split-K plan (a workspace write, read and a second kernel) must be 3%
+// better. Every split keeps >= 4 K tiles so that the pipelines fill. The warp-specialized GEMM
+// (wgmma_ws_kernel.cuh) has a plan of its own (plan_wgmma_ws).
 struct GemmPlan {
-  bool wgmma;
-  int tile;  // NT (mma.sync GEMM) or NB (wgmma GEMM)
+  int kernel;  // GemmKernel
+  int tile;    // NT (mma.sync GEMM) or NB (wgmma GEMMs)
   int splits, chunk_kt, smem;
   dim3 grid;
-  // wgmma: x rewritten into the stage layout; mma.sync with a rotated weight: x R (rotation.cuh,
-  // the standalone rotation) for the GEMM to read. At the head of the workspace.
+  // wgmma: x rewritten into the stage layout; wgmma_ws: x at a 16-byte row pitch (K % 8 != 0) or a
+  // rotated layer's x R, for its tensor map; mma.sync with a rotated weight: x R (rotation.cuh, the
+  // standalone rotation) for the GEMM to read. At the head of the workspace.
   int64_t x_perm_floats;
 
   int64_t workspace(int64_t m, int64_t n) const { return x_perm_floats + (splits > 1 ? int64_t{splits} * m * n : 0); }
@@ -314,9 +322,54 @@ struct GemmPlan {
 
 int gemm_nt(int64_t m) { return m <= 16 ? 2 : m <= 32 ? 4 : m <= 64 ? 8 : 16; }
 
-GemmPlan plan_gemm(int64_t m, int64_t n, int64_t k, int bits, int sms, bool wgmma, bool rotated) {
+// The warp-specialized GEMM: persistent CTAs over tiles of 128 rows x 64 NB tokens x one of `splits` K
+// ranges; NB and splits by a cost in cycles of the busiest CTA: its tiles (rounds of tiles over the SMs)
+// x (K tiles per tile x a K tile's cycles, the tensor cores' 512 per 64 tokens or the decode's floor,
+// + a tile's fill and epilogue), plus a split-K plan's partials written, reduced and read; the larger
+// token block on a tie (fewer weight reads). The constants are estimates from the kernel's instruction
+// counts (sm_90a SASS), to be fitted to `bench_kernels.py --paths` measurements.
+constexpr double kWsStepPerNb = 512.0;          // 16 m64n64k16 wgmma of 32 cycles per 64 tokens
+constexpr double kWsStepFloor = 672.0;          // 2 consumer warps x ~336 issued instructions per K tile
+constexpr double kWsTileFixed = 1500.0;         // first loads' latency and the epilogue's stores
+constexpr double kSplitBytesPerCycle = 1700.0;  // chip-wide HBM bytes per SM cycle
+constexpr double kSplitFixed = 3000.0;          // the reduce kernel's launch and tail
+
+GemmPlan plan_wgmma_ws(int64_t m, int64_t n, int64_t k, int bits, int sms, bool rotated) {
   GemmPlan plan{};
-  plan.wgmma = wgmma;
+  plan.kernel = kGemmWgmmaWs;
+  const int64_t k_tiles = ceil_div(k, kTileK), row_blocks = ceil_div(n, kWsRows);
+  double best = -1.0;
+  for (const int nb : kWsNbs) {
+    if (nb > 1 && m <= int64_t{nb / 2} * kWgmmaTokens) break;  // a smaller block covers m
+    const int64_t tiles = ceil_div(m, int64_t{nb} * kWgmmaTokens) * row_blocks;
+    const double step = std::max(kWsStepPerNb * nb, kWsStepFloor);
+    for (int64_t splits = 1; splits <= 8; ++splits) {
+      const int64_t chunk = ceil_div(k_tiles, splits);
+      if (ceil_div(k_tiles, chunk) != splits || (splits > 1 && chunk < 4)) continue;
+      const double rounds = static_cast<double>(ceil_div(tiles * splits, sms));
+      double cost = rounds * (static_cast<double>(chunk) * step + kWsTileFixed);
+      if (splits > 1)
+        cost += kSplitFixed + static_cast<double>(splits * m * n * 8 + m * n * 2) / kSplitBytesPerCycle;
+      if (best < 0.0 || cost <= best * (1.0 + 1e-9)) {
+        best = cost;
+        plan.tile = nb;
+        plan.splits = static_cast<int>(splits);
+        plan.chunk_kt = static_cast<int>(chunk);
+        plan.grid = dim3(static_cast<unsigned>(std::min<int64_t>(tiles * splits, sms)));
+      }
+      if (tiles * splits >= sms) break;  // the GPU is full: more splits only add workspace traffic
+    }
+  }
+  plan.smem = ws_smem_bytes(bits, plan.tile);
+  plan.x_perm_floats = rotated || k % 8 != 0 ? ceil_div(m * ceil_div(k, 8) * 8 * 2, 16) * 4 : 0;
+  return plan;
+}
+
+GemmPlan plan_gemm(int64_t m, int64_t n, int64_t k, int bits, int sms, int kernel, bool rotated) {
+  if (kernel == kGemmWgmmaWs) return plan_wgmma_ws(m, n, k, bits, sms, rotated);
+  const bool wgmma = kernel == kGemmWgmma;
+  GemmPlan plan{};
+  plan.kernel = kernel;
   plan.tile = wgmma ? wgmma_nb(m) : gemm_nt(m);
   const int64_t block_m = wgmma ? int64_t{plan.tile} * kWgmmaTokens : gemm_block_m(plan.tile);
   const int64_t token_blocks = ceil_div(m, block_m), row_blocks = ceil_div(n, wgmma ? kWgmmaRows : kGemmRows);
@@ -361,16 +414,26 @@ __global__ void wgmma_probe_kernel(int* out) {
   out[threadIdx.x] = s[(threadIdx.x + 1) % kWords];
 }
 
-// The wgmma GEMM serves `device` when it is an sm_90 GPU, the library holds sm_90a code for it,
-// and HF_KBIT_GEMM_KERNEL is not "mma" (the mma.sync GEMM that GPUs before sm_90 run, so that an
-// H100 can test it and measure its crossovers).
-bool use_wgmma(int device) {
-  static const bool forced_mma = [] {
+// kbit_set_gemm_kernel's choice (GemmKernel), -1 for the environment's.
+int g_gemm_kernel = -1;
+
+// kbit_set_gemm_kernel's choice, else HF_KBIT_GEMM_KERNEL, read once: "mma" (the mma.sync GEMM that GPUs
+// before sm_90 run, so that an H100 can test it and measure its crossovers), "wgmma_ws" (the
+// warp-specialized GEMM on sm_90a), or unset / anything else (the default).
+int requested_gemm_kernel() {
+  if (g_gemm_kernel >= 0) return g_gemm_kernel;
+  static const int requested = [] {
     const char* v = std::getenv("HF_KBIT_GEMM_KERNEL");
-    return v && std::strcmp(v, "mma") == 0;
+    return !v ? kGemmWgmma : std::strcmp(v, "mma") == 0 ? kGemmMma : std::strcmp(v, "wgmma_ws") == 0 ? kGemmWgmmaWs
+                                                                                                      : kGemmWgmma;
   }();
+  return requested;
+}
+
+// Whether `device` is an sm_90 GPU the library holds sm_90a code for (the wgmma GEMMs).
+bool has_wgmma(int device) {
   static int cache[kMaxDevices] = {0};  // 0: not asked yet, 1: no, 2: yes
-  if (forced_mma || device < 0 || device >= kMaxDevices) return false;
+  if (device < 0 || device >= kMaxDevices) return false;
   if (cache[device] == 0) {
     int major = 0, minor = -1;
     bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
@@ -387,13 +450,22 @@ bool use_wgmma(int device) {
   return cache[device] == 2;
 }
 
-GemmPlan device_gemm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, bool rotated) {
-  // The wgmma GEMM indexes tiles in 32 bits (as the GEMV): larger weights take the mma.sync GEMM.
-  const bool small_index = ceil_div(n, kTileN) * ceil_div(k, kTileK) * bits * 64 < (int64_t{1} << 31);
-  return plan_gemm(m, n, k, bits, sm_count(device), small_index && use_wgmma(device), rotated);
+// The GEMM kernel of `device`: on sm_90a the wgmma GEMM, or the one HF_KBIT_GEMM_KERNEL asks for; the
+// mma.sync GEMM elsewhere.
+int gemm_kernel(int device) {
+  const int requested = requested_gemm_kernel();
+  return requested == kGemmMma || !has_wgmma(device) ? kGemmMma : requested;
 }
 
-// Measured path crossovers (kbit_set_mm_crossovers), by GEMM kernel (0 mma.sync, 1 wgmma) and bits.
+GemmPlan device_gemm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, bool rotated) {
+  int kernel = gemm_kernel(device);
+  // The wgmma GEMM indexes tiles in 32 bits (as the GEMV): larger weights take the mma.sync GEMM.
+  if (kernel == kGemmWgmma && ceil_div(n, kTileN) * ceil_div(k, kTileK) * bits * 64 >= (int64_t{1} << 31))
+    kernel = kGemmMma;
+  return plan_gemm(m, n, k, bits, sm_count(device), kernel, rotated);
+}
+
+// Measured path crossovers (kbit_set_mm_crossovers), by GEMM kernel (GemmKernel) and bits.
 constexpr int kMaxPlanBits = 8;
 constexpr int kMaxWeightClasses = 8;
 enum MmPath : int { kPathGemv = 0, kPathGemm = 1, kPathDequant = 2 };
@@ -401,7 +473,7 @@ struct MmCrossovers {
   int gemv_max_m, classes;  // classes == 0: not set
   int64_t min_weight[kMaxWeightClasses], gemm_max_m[kMaxWeightClasses];
 };
-MmCrossovers g_crossovers[2][kMaxPlanBits + 1] = {};
+MmCrossovers g_crossovers[kNumGemmKernels][kMaxPlanBits + 1] = {};
 
 // The GEMM plans (no dtype yet) take the bit widths the GEMM has for some dtype.
 bool gemm_has_bits(int bits) { return in_kernel_table(kGemm, bits, kFloat16) || in_kernel_table(kGemm, bits, kBFloat16); }
@@ -826,6 +898,64 @@ int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const 
   return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_grouped_gemv launch");
 }
 
+int64_t kbit_grouped_gemm_workspace_size(int64_t s, int64_t e) {
+  return s < 0 || e < 1 ? -1 : ws_group_tiles_words(s, e);
+}
+
+int kbit_grouped_gemm(int device, void* stream, const void* x, int64_t x_stride, int dtype, const int64_t* order,
+                      const int64_t* offsets, const int32_t* planes, const uint8_t* block_scales,
+                      const float* row_scales, const float* codebook, int bits, int64_t s, int64_t e, int64_t n,
+                      int64_t k, void* out, float* workspace, int64_t workspace_size) {
+  if (int rc = check_common(kWgmmaWsGrouped, bits, dtype, n, k)) return rc;
+  if (s < 0 || s >= (int64_t{1} << 31) || e < 1 || e > (1 << 20))
+    return fail("need 0 <= s < 2^31 and 1 <= e <= 2^20, got s=%lld e=%lld", static_cast<long long>(s),
+                static_cast<long long>(e));
+  if (k == 0) return fail("in_features must be positive");
+  if (s == 0 || n == 0) return KBIT_OK;
+  if (!has_wgmma(device))
+    return fail("the warp-specialized grouped GEMM needs an sm_90 GPU and the library's sm_90a code");
+  if (!x || !out || !order || !offsets || !planes || !block_scales || !row_scales || !codebook)
+    return fail("x, out, order, offsets, planes, block_scales, row_scales and codebook must be device pointers");
+  if (!aligned(x, 16) || x_stride < k || (x_stride * 2) % 16 != 0)
+    return fail("x (sorted by expert) must be 16-byte aligned at a row pitch x_stride >= in_features of whole 16-byte "
+                "units, got x_stride=%lld for in_features=%lld", static_cast<long long>(x_stride),
+                static_cast<long long>(k));
+  if (!aligned(planes, 16) || !aligned(block_scales, 16)) return fail("planes and block_scales must be 16-byte aligned");
+  const int64_t need = ws_group_tiles_words(s, e);
+  if (workspace_size < need || !workspace || !aligned(workspace, 16))
+    return fail("workspace has %lld 16-byte aligned words, this call needs %lld (kbit_grouped_gemm_workspace_size)",
+                static_cast<long long>(workspace ? workspace_size : 0), static_cast<long long>(need));
+  // Token blocks of 64 NB rows of one expert: by the mean rows per expert, since the counts are on the
+  // device (a block's rows past its expert's are computed and not stored).
+  const int64_t mean = s / e;
+  const int nb = mean >= 192 ? 4 : mean >= 96 ? 2 : 1;
+  const WgmmaWsGroupedLaunch launch = find_wgmma_ws_grouped(bits, dtype, nb);
+  if (!launch) return unsupported(kWgmmaWsGrouped, bits, dtype);
+  if ((s / 64 + e + 1) * ceil_div(n, kWsRows) >= (int64_t{1} << 31))
+    return fail("out_features %lld is too large for the grouped GEMM's tiles", static_cast<long long>(n));
+  DeviceGuard guard(device);
+  if (guard.error() != cudaSuccess) return cuda_fail(guard.error(), "selecting the device");
+  GroupedParams p{};
+  p.x = x;
+  p.order = order;
+  p.offsets = offsets;
+  p.planes = planes;
+  p.block_scales = block_scales;
+  p.row_scales = row_scales;
+  p.codebook = codebook;
+  p.out = out;
+  p.s = s;
+  p.e = e;
+  p.n = n;
+  p.k = k;
+  p.bits = bits;
+  p.dtype = dtype;
+  p.x_stride = x_stride;
+  p.tile_list = reinterpret_cast<int32_t*>(workspace);
+  cudaError_t err = launch(p, sm_count(device), static_cast<cudaStream_t>(stream));
+  return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_grouped_gemm launch");
+}
+
 int64_t kbit_gemm_workspace_size(int device, int64_t m, int64_t n, int64_t k, int bits, int rotated) {
   if (!gemm_has_bits(bits)) return -1;
   if (m <= 0 || n <= 0 || k <= 0) return 0;
@@ -842,16 +972,24 @@ int kbit_gemm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int* w
     return fail("need m, n and k >= 1, got m=%lld n=%lld k=%lld", static_cast<long long>(m), static_cast<long long>(n),
                 static_cast<long long>(k));
   const GemmPlan plan = device_gemm_plan(device, m, n, k, bits, false);
-  *wgmma = plan.wgmma ? 1 : 0;
-  *block_m = plan.wgmma ? plan.tile * kWgmmaTokens : gemm_block_m(plan.tile);
+  *wgmma = plan.kernel;
+  *block_m = plan.kernel == kGemmMma ? gemm_block_m(plan.tile) : plan.tile * kWgmmaTokens;
   *splits = plan.splits;
   *ctas = static_cast<int>(plan.grid.x * plan.grid.y * plan.grid.z);
   return KBIT_OK;
 }
 
+int kbit_set_gemm_kernel(int gemm) {
+  if (gemm < -1 || gemm >= kNumGemmKernels)
+    return fail("gemm must be -1 (HF_KBIT_GEMM_KERNEL's), 0 (mma.sync), 1 (wgmma) or 2 (wgmma_ws), got %d", gemm);
+  g_gemm_kernel = gemm;
+  return KBIT_OK;
+}
+
 int kbit_set_mm_crossovers(int gemm, int bits, int gemv_max_m, int classes, const int64_t* min_weight,
                            const int64_t* gemm_max_m) {
-  if (gemm != 0 && gemm != 1) return fail("gemm must be 0 (mma.sync) or 1 (wgmma), got %d", gemm);
+  if (gemm < 0 || gemm >= kNumGemmKernels)
+    return fail("gemm must be 0 (mma.sync), 1 (wgmma) or 2 (wgmma_ws), got %d", gemm);
   if (bits < 0 || bits > kMaxPlanBits) return fail("bits must be in 0..%d, got %d", kMaxPlanBits, bits);
   if (classes < 1 || classes > kMaxWeightClasses || !min_weight || !gemm_max_m)
     return fail("need 1..%d weight classes (min_weight and gemm_max_m host arrays), got %d", kMaxWeightClasses,
@@ -877,14 +1015,13 @@ int kbit_mm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int dtyp
     return fail("need m, n and k >= 1, got m=%lld n=%lld k=%lld", static_cast<long long>(m), static_cast<long long>(n),
                 static_cast<long long>(k));
   if (dtype < kFloat32 || dtype > kBFloat16) return fail("dtype code must be 0, 1 or 2, got %d", dtype);
-  const bool wgmma = use_wgmma(device);
-  *gemm = wgmma ? 1 : 0;
+  *gemm = gemm_kernel(device);
   *path = kPathDequant;
   *workspace = 0;
   const MmCrossovers* c = bits >= 0 && bits <= kMaxPlanBits ? &g_crossovers[*gemm][bits] : nullptr;
   if (!c || c->classes == 0)
     return fail("no crossovers for the %s GEMM at bits=%d (kbit_set_mm_crossovers; hf_kbit/backends/crossovers.json)",
-                wgmma ? "wgmma" : "mma.sync", bits);
+                kGemmKernelNames[*gemm], bits);
   if (m <= std::min(c->gemv_max_m, kGemvMaxM) && in_kernel_table(kGemv, bits, dtype)) {
     *path = kPathGemv;
     *workspace = device_gemv_plan(device, m, n, k).workspace(m, n) + (rotated ? rotated_x_floats(m, k) : 0);
@@ -893,7 +1030,7 @@ int kbit_mm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int dtyp
   int cls = 0;
   while (cls + 1 < c->classes && n * k < c->min_weight[cls]) ++cls;
   if (m <= c->gemm_max_m[cls] && in_kernel_table(kGemm, bits, dtype) &&
-      (!wgmma || in_kernel_table(kWgmmaGemm, bits, dtype))) {
+      in_kernel_table(kGemmKernelIds[*gemm], bits, dtype)) {
     const GemmPlan plan = device_gemm_plan(device, m, n, k, bits, rotated != 0);
     if (plan.smem <= smem_limits(device).per_block) {  // else this GPU lacks the GEMM's shared memory
       *path = kPathGemm;
@@ -915,10 +1052,16 @@ int kbit_gemm(int device, void* stream, const void* x, int dtype, const int32_t*
     return fail("x, out, planes, block_scales, row_scales and codebook must be device pointers");
   if (!aligned(planes, 16) || !aligned(block_scales, 16)) return fail("planes and block_scales must be 16-byte aligned");
   const GemmPlan plan = device_gemm_plan(device, m, n, k, bits, rot_signs != nullptr);
-  const GemmLaunch launch = plan.wgmma ? find_wgmma_gemm(bits, dtype, plan.tile) : find_gemm(bits, dtype, plan.tile);
-  if (!launch) return unsupported(plan.wgmma ? kWgmmaGemm : kGemm, bits, dtype);
-  if (ceil_div(n, plan.wgmma ? kWgmmaRows : kGemmRows) > 65535)
+  const GemmLaunch launch = plan.kernel == kGemmWgmmaWs ? find_wgmma_ws_gemm(bits, dtype, plan.tile)
+                            : plan.kernel == kGemmWgmma ? find_wgmma_gemm(bits, dtype, plan.tile)
+                                                        : find_gemm(bits, dtype, plan.tile);
+  if (!launch) return unsupported(kGemmKernelIds[plan.kernel], bits, dtype);
+  if (plan.kernel == kGemmWgmmaWs
+          ? ceil_div(m, kWgmmaTokens) * ceil_div(n, kWsRows) * plan.splits >= (int64_t{1} << 31)
+          : ceil_div(n, plan.kernel == kGemmWgmma ? kWgmmaRows : kGemmRows) > 65535)
     return fail("out_features %lld is too large for the GEMM grid", static_cast<long long>(n));
+  if (plan.kernel == kGemmWgmmaWs && !aligned(x, 16))
+    return fail("x must be 16-byte aligned for the warp-specialized GEMM (its tensor map reads x as stored)");
   if (plan.smem > smem_limits(device).per_block)
     return fail("the GEMM needs %d bytes of shared memory per block, this GPU allows %d (kbit_gemm_workspace_size "
                 "returns -1 here: dequantize + matmul instead)", plan.smem, smem_limits(device).per_block);

@@ -73,20 +73,41 @@ KBIT_API int kbit_gemv(int device, void* stream, const void* x, int dtype, const
                        int64_t m, int64_t n, int64_t k, void* out, float* workspace, int64_t workspace_size,
                        const uint32_t* rot_signs);
 
+/* 4-byte words of workspace (16-byte aligned) kbit_grouped_gemm needs for s rows and e experts. */
+KBIT_API int64_t kbit_grouped_gemm_workspace_size(int64_t s, int64_t e);
+
+/* MoE prefill on sm_90a (the warp-specialized GEMM's grouped calls): out[order[r]] = x[r] @ W[e].T for the
+ * rows offsets[e] <= r < offsets[e + 1] of each expert e, x [s, k] sorted by expert (x[r] the call's row
+ * order[r]) at a row pitch of x_stride elements (16-byte aligned, whole 16-byte units), planes [e, nt, kt,
+ * bits, 16, 4], row_scales [e, n], one codebook; rows outside every expert's range keep out's values. The
+ * tiles are listed on the device (no host sync: graph-safe). Fails on GPUs without sm_90a code. */
+KBIT_API int kbit_grouped_gemm(int device, void* stream, const void* x, int64_t x_stride, int dtype,
+                               const int64_t* order, const int64_t* offsets, const int32_t* planes,
+                               const uint8_t* block_scales, const float* row_scales, const float* codebook, int bits,
+                               int64_t s, int64_t e, int64_t n, int64_t k, void* out, float* workspace,
+                               int64_t workspace_size);
+
 /* Floats of float32 workspace kbit_gemm needs for this problem (0: none): split-K partials and,
- * for the wgmma kernel, x rewritten into its stage layout (for the mma.sync kernel with a rotated
- * weight, `rotated` != 0: x R); -1 when the GEMM cannot run on this GPU (too little shared memory
- * per block: use dequantize + matmul). */
+ * for the wgmma kernel, x rewritten into its stage layout (for the warp-specialized kernel, x at a
+ * 16-byte row pitch where k % 8 != 0; for it and the mma.sync kernel with a rotated weight,
+ * `rotated` != 0: x R); -1 when the GEMM cannot run on this GPU (too little shared memory per block:
+ * use dequantize + matmul). */
 KBIT_API int64_t kbit_gemm_workspace_size(int device, int64_t m, int64_t n, int64_t k, int bits, int rotated);
 
-/* The GEMM's launch plan for this problem on `device` (for tests and benchmarks): whether it
- * runs the wgmma kernel (sm_90a) or the mma.sync one, tokens per CTA, K splits and CTAs. */
+/* The GEMM's launch plan for this problem on `device` (for tests and benchmarks): *wgmma the GEMM
+ * kernel (0 mma.sync, 1 wgmma, 2 warp-specialized wgmma; both wgmma kernels sm_90a), tokens per tile,
+ * K splits and CTAs (the warp-specialized kernel's are persistent). */
 KBIT_API int kbit_gemm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int* wgmma, int* block_m,
                             int* splits, int* ctas);
 
+/* The GEMM kernel the planner takes from now on, process-wide (for tests and benchmarks): 0 mma.sync,
+ * 1 wgmma, 2 warp-specialized wgmma, -1 HF_KBIT_GEMM_KERNEL's choice (the default). A GPU without sm_90a
+ * code runs the mma.sync GEMM whatever is asked. */
+KBIT_API int kbit_set_gemm_kernel(int gemm);
+
 /* The path planner's data: measured crossovers (hf_kbit/backends/crossovers.json, written by
  * scripts/bench_kernels.py --paths, handed over once by the Python backend at load). For the GEMM
- * kernel `gemm` (0 mma.sync, 1 wgmma) at `bits`: the GEMV serves m <= gemv_max_m, the GEMM
+ * kernel `gemm` (0 mma.sync, 1 wgmma, 2 warp-specialized wgmma) at `bits`: the GEMV serves m <= gemv_max_m, the GEMM
  * m <= gemm_max_m[i] of the first weight class i with n * k >= min_weight[i] (min_weight descending
  * to 0), dequantize + matmul the rest. */
 KBIT_API int kbit_set_mm_crossovers(int gemm, int bits, int gemv_max_m, int classes, const int64_t* min_weight,
@@ -94,14 +115,16 @@ KBIT_API int kbit_set_mm_crossovers(int gemm, int bits, int gemv_max_m, int clas
 
 /* The one path planner of out [m, n] = x [m, k] @ W.T, x in dtype: *path 0 the GEMV (kbit_gemv), 1 the
  * GEMM (kbit_gemm), 2 dequantize + the caller's matmul (float32 x, large m, or a GPU without the GEMM's
- * shared memory); *gemm the GEMM kernel of this device (0 mma.sync, 1 wgmma); *workspace the floats of
+ * shared memory); *gemm the GEMM kernel of this device (as kbit_gemm_plan's); *workspace the floats of
  * workspace the path's kernel needs (`rotated` != 0: for a rotated weight). Tiles and splits are planned
  * by the kernel calls themselves. */
 KBIT_API int kbit_mm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int dtype, int rotated, int* path,
                           int* gemm, int64_t* workspace);
 
 /* Mid-M tensor-core GEMM: out [m, n] = x [m, k] @ W.T, any m >= 1, x/out float16 or bfloat16,
- * planes and block_scales 16-byte aligned. */
+ * planes and block_scales 16-byte aligned (and x, for the warp-specialized kernel). The kernel is the
+ * device's (kbit_gemm_plan): on sm_90a the wgmma GEMM, unless HF_KBIT_GEMM_KERNEL (read once per
+ * process) is "mma" (the mma.sync GEMM of GPUs before sm_90) or "wgmma_ws" (the warp-specialized one). */
 KBIT_API int kbit_gemm(int device, void* stream, const void* x, int dtype, const int32_t* planes,
                        const uint8_t* block_scales, const float* row_scales, const float* codebook, int bits,
                        int64_t m, int64_t n, int64_t k, void* out, float* workspace, int64_t workspace_size,

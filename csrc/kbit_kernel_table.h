@@ -9,8 +9,8 @@
 
 namespace kbit {
 
-enum KernelId : int { kQuantize, kDequantize, kGemv, kGemm, kWgmmaGemm, kGroupedGemv, kNumKernels };
-inline constexpr const char* kKernelNames[] = {"quantize", "dequantize", "gemv", "gemm", "wgmma_gemm", "grouped_gemv"};
+enum KernelId : int { kQuantize, kDequantize, kGemv, kGemm, kWgmmaGemm, kWgmmaWsGemm, kWgmmaWsGrouped, kGroupedGemv, kNumKernels };
+inline constexpr const char* kKernelNames[] = {"quantize", "dequantize", "gemv", "gemm", "wgmma_gemm", "wgmma_ws_gemm", "wgmma_ws_grouped", "grouped_gemv"};
 inline constexpr const char* kDTypeNames[] = {"float32", "float16", "bfloat16"};
 
 struct KernelEntry {
@@ -66,6 +66,22 @@ inline constexpr KernelEntry kKernelTable[] = {
     {kWgmmaGemm, 4, 2},
     {kWgmmaGemm, 5, 1},
     {kWgmmaGemm, 5, 2},
+    {kWgmmaWsGemm, 2, 1},
+    {kWgmmaWsGemm, 2, 2},
+    {kWgmmaWsGemm, 3, 1},
+    {kWgmmaWsGemm, 3, 2},
+    {kWgmmaWsGemm, 4, 1},
+    {kWgmmaWsGemm, 4, 2},
+    {kWgmmaWsGemm, 5, 1},
+    {kWgmmaWsGemm, 5, 2},
+    {kWgmmaWsGrouped, 2, 1},
+    {kWgmmaWsGrouped, 2, 2},
+    {kWgmmaWsGrouped, 3, 1},
+    {kWgmmaWsGrouped, 3, 2},
+    {kWgmmaWsGrouped, 4, 1},
+    {kWgmmaWsGrouped, 4, 2},
+    {kWgmmaWsGrouped, 5, 1},
+    {kWgmmaWsGrouped, 5, 2},
     {kGroupedGemv, 2, 1},
     {kGroupedGemv, 2, 2},
     {kGroupedGemv, 3, 1},
@@ -229,6 +245,70 @@ inline WgmmaGemmLaunch find_wgmma_gemm(int bits, int dtype, int tile) {
     case launch_key(5, 2, 1): return &launch_wgmma_gemm<5, __nv_bfloat16, 1>;
     case launch_key(5, 2, 2): return &launch_wgmma_gemm<5, __nv_bfloat16, 2>;
     case launch_key(5, 2, 4): return &launch_wgmma_gemm<5, __nv_bfloat16, 4>;
+    default: return nullptr;
+  }
+}
+
+using WgmmaWsGemmLaunch = cudaError_t (*)(const MmParams&, dim3, cudaStream_t);
+// The wgmma_ws_gemm launch for (bits, dtype, tile); nullptr where the table has none.
+inline WgmmaWsGemmLaunch find_wgmma_ws_gemm(int bits, int dtype, int tile) {
+  switch (launch_key(bits, dtype, tile)) {
+    case launch_key(2, 1, 1): return &launch_wgmma_ws_gemm<2, __half, 1>;
+    case launch_key(2, 1, 2): return &launch_wgmma_ws_gemm<2, __half, 2>;
+    case launch_key(2, 1, 4): return &launch_wgmma_ws_gemm<2, __half, 4>;
+    case launch_key(2, 2, 1): return &launch_wgmma_ws_gemm<2, __nv_bfloat16, 1>;
+    case launch_key(2, 2, 2): return &launch_wgmma_ws_gemm<2, __nv_bfloat16, 2>;
+    case launch_key(2, 2, 4): return &launch_wgmma_ws_gemm<2, __nv_bfloat16, 4>;
+    case launch_key(3, 1, 1): return &launch_wgmma_ws_gemm<3, __half, 1>;
+    case launch_key(3, 1, 2): return &launch_wgmma_ws_gemm<3, __half, 2>;
+    case launch_key(3, 1, 4): return &launch_wgmma_ws_gemm<3, __half, 4>;
+    case launch_key(3, 2, 1): return &launch_wgmma_ws_gemm<3, __nv_bfloat16, 1>;
+    case launch_key(3, 2, 2): return &launch_wgmma_ws_gemm<3, __nv_bfloat16, 2>;
+    case launch_key(3, 2, 4): return &launch_wgmma_ws_gemm<3, __nv_bfloat16, 4>;
+    case launch_key(4, 1, 1): return &launch_wgmma_ws_gemm<4, __half, 1>;
+    case launch_key(4, 1, 2): return &launch_wgmma_ws_gemm<4, __half, 2>;
+    case launch_key(4, 1, 4): return &launch_wgmma_ws_gemm<4, __half, 4>;
+    case launch_key(4, 2, 1): return &launch_wgmma_ws_gemm<4, __nv_bfloat16, 1>;
+    case launch_key(4, 2, 2): return &launch_wgmma_ws_gemm<4, __nv_bfloat16, 2>;
+    case launch_key(4, 2, 4): return &launch_wgmma_ws_gemm<4, __nv_bfloat16, 4>;
+    case launch_key(5, 1, 1): return &launch_wgmma_ws_gemm<5, __half, 1>;
+    case launch_key(5, 1, 2): return &launch_wgmma_ws_gemm<5, __half, 2>;
+    case launch_key(5, 1, 4): return &launch_wgmma_ws_gemm<5, __half, 4>;
+    case launch_key(5, 2, 1): return &launch_wgmma_ws_gemm<5, __nv_bfloat16, 1>;
+    case launch_key(5, 2, 2): return &launch_wgmma_ws_gemm<5, __nv_bfloat16, 2>;
+    case launch_key(5, 2, 4): return &launch_wgmma_ws_gemm<5, __nv_bfloat16, 4>;
+    default: return nullptr;
+  }
+}
+
+using WgmmaWsGroupedLaunch = cudaError_t (*)(const GroupedParams&, int, cudaStream_t);
+// The wgmma_ws_grouped launch for (bits, dtype, tile); nullptr where the table has none.
+inline WgmmaWsGroupedLaunch find_wgmma_ws_grouped(int bits, int dtype, int tile) {
+  switch (launch_key(bits, dtype, tile)) {
+    case launch_key(2, 1, 1): return &launch_wgmma_ws_grouped<2, __half, 1>;
+    case launch_key(2, 1, 2): return &launch_wgmma_ws_grouped<2, __half, 2>;
+    case launch_key(2, 1, 4): return &launch_wgmma_ws_grouped<2, __half, 4>;
+    case launch_key(2, 2, 1): return &launch_wgmma_ws_grouped<2, __nv_bfloat16, 1>;
+    case launch_key(2, 2, 2): return &launch_wgmma_ws_grouped<2, __nv_bfloat16, 2>;
+    case launch_key(2, 2, 4): return &launch_wgmma_ws_grouped<2, __nv_bfloat16, 4>;
+    case launch_key(3, 1, 1): return &launch_wgmma_ws_grouped<3, __half, 1>;
+    case launch_key(3, 1, 2): return &launch_wgmma_ws_grouped<3, __half, 2>;
+    case launch_key(3, 1, 4): return &launch_wgmma_ws_grouped<3, __half, 4>;
+    case launch_key(3, 2, 1): return &launch_wgmma_ws_grouped<3, __nv_bfloat16, 1>;
+    case launch_key(3, 2, 2): return &launch_wgmma_ws_grouped<3, __nv_bfloat16, 2>;
+    case launch_key(3, 2, 4): return &launch_wgmma_ws_grouped<3, __nv_bfloat16, 4>;
+    case launch_key(4, 1, 1): return &launch_wgmma_ws_grouped<4, __half, 1>;
+    case launch_key(4, 1, 2): return &launch_wgmma_ws_grouped<4, __half, 2>;
+    case launch_key(4, 1, 4): return &launch_wgmma_ws_grouped<4, __half, 4>;
+    case launch_key(4, 2, 1): return &launch_wgmma_ws_grouped<4, __nv_bfloat16, 1>;
+    case launch_key(4, 2, 2): return &launch_wgmma_ws_grouped<4, __nv_bfloat16, 2>;
+    case launch_key(4, 2, 4): return &launch_wgmma_ws_grouped<4, __nv_bfloat16, 4>;
+    case launch_key(5, 1, 1): return &launch_wgmma_ws_grouped<5, __half, 1>;
+    case launch_key(5, 1, 2): return &launch_wgmma_ws_grouped<5, __half, 2>;
+    case launch_key(5, 1, 4): return &launch_wgmma_ws_grouped<5, __half, 4>;
+    case launch_key(5, 2, 1): return &launch_wgmma_ws_grouped<5, __nv_bfloat16, 1>;
+    case launch_key(5, 2, 2): return &launch_wgmma_ws_grouped<5, __nv_bfloat16, 2>;
+    case launch_key(5, 2, 4): return &launch_wgmma_ws_grouped<5, __nv_bfloat16, 4>;
     default: return nullptr;
   }
 }

@@ -54,6 +54,12 @@ cudaError_t launch_gemm(const MmParams& p, dim3 grid, cudaStream_t stream);
 template <int BITS, typename T, int NB>
 cudaError_t launch_wgmma_gemm(const MmParams& p, dim3 grid, cudaStream_t stream);
 
+template <int BITS, typename T, int NB>
+cudaError_t launch_wgmma_ws_gemm(const MmParams& p, dim3 grid, cudaStream_t stream);
+
+template <int BITS, typename T, int NB>
+cudaError_t launch_wgmma_ws_grouped(const GroupedParams& p, int grid, cudaStream_t stream);
+
 template <int BITS, typename T, int NT, bool kRotate>
 cudaError_t launch_grouped_gemv(const GroupedParams& p, int grid, cudaStream_t stream);
 

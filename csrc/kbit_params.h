@@ -129,7 +129,15 @@ struct GroupedParams {
   // Plan: warps per row tile along K, and K tiles of activations staged per pass.
   int k_warps, sub_kt;
   const uint32_t* rot_signs;    // rotated experts: the sign words [k / 32] of R (rotation.cuh), else nullptr
+  // Warp-specialized grouped GEMM only (wgmma_ws_kernel.cuh): x is sorted by expert (row r of x is
+  // row order[r] of the call's x, out row order[r]) at a row pitch of x_stride elements, and
+  // tile_list (ws_group_tiles_words(s, e) words of workspace) receives its tiles.
+  int64_t x_stride;
+  int32_t* tile_list;
 };
+// The tile list of a warp-specialized grouped call: a count, padded to 16 bytes, then at most
+// s / 64 + e token blocks of 4 words.
+constexpr int64_t ws_group_tiles_words(int64_t s, int64_t e) { return 4 + 4 * (s / 64 + e + 1); }
 
 constexpr int kMaxDevices = 64;  // per-device host caches (launch plans, raised shared-memory limits)
 
@@ -207,6 +215,32 @@ constexpr int wgmma_smem_bytes(int nb) {
   return kGemvTableBytes + kGemvScaleBytes + wgmma_slots(nb) * wgmma_stage_bytes(nb) / wgmma_parts(nb);
 }
 constexpr int wgmma_ctas_per_sm(int nb) { return nb == 1 ? 2 : 1; }
+// ---- warp-specialized wgmma GEMM geometry (sm_90a, wgmma_ws_kernel.cuh) ----
+// A CTA is 3 warpgroups: 2 consumers (8 warps, one 16-row tile each: 128 weight rows) and a
+// producer. A tile is those 128 rows x NB sub-blocks of 64 tokens (the wgmma N); x streams in
+// slots of half a K tile (64 K: one 128-byte swizzle row per token), the packed weight in slots of
+// whole K tiles (8 row tiles' planes, then their scale codes). One persistent CTA per SM.
+constexpr int kWsThreads = 384;
+constexpr int kWsConsumerWarps = 8;
+constexpr int kWsRows = kWsConsumerWarps * kTileN;
+constexpr int kWsXHalfK = 64;
+constexpr int kWsTableBytes = kGemvTableBytes + kGemvScaleBytes;  // the GEMV's pair table and scale pairs
+constexpr int kWsNbs[] = {1, 2, 4};  // the instantiated token blocks (generate_kernels.py)
+constexpr int ws_x_slot_bytes(int nb) { return nb * kWgmmaTokens * kWsXHalfK * 2; }
+constexpr int ws_w_slot_bytes(int bits) { return kWsConsumerWarps * (bits * 256 + 64); }
+// Slots: about 4 K tiles of x in flight where a K tile is short (HBM latency at NB = 1), fewer at
+// NB = 4, whose slots are 32 KB; weight tiles 3-4 deep.
+constexpr int ws_x_slots(int nb) { return nb == 1 ? 8 : nb == 2 ? 6 : 4; }
+constexpr int ws_w_slots(int nb) { return nb == 4 ? 3 : 4; }
+constexpr int ws_barrier_bytes(int nb) { return 16 * (ws_x_slots(nb) + ws_w_slots(nb)); }  // full + empty
+constexpr int ws_smem_bytes(int bits, int nb) {
+  return kWsTableBytes + ws_x_slots(nb) * ws_x_slot_bytes(nb) + ws_w_slots(nb) * ws_w_slot_bytes(bits) +
+         ws_barrier_bytes(nb);
+}
+static_assert(kWsTableBytes % 1024 == 0, "x slots after the table stay on 1 KB swizzle atoms");
+static_assert(ws_smem_bytes(5, 1) <= 227 * 1024 && ws_smem_bytes(5, 2) <= 227 * 1024 &&
+                  ws_smem_bytes(5, 4) <= 227 * 1024,
+              "every (bits, NB) fits sm_90's 227 KB of dynamic shared memory per block");
 constexpr int kGroupedNt = 4;  // grouped mode: an expert's rows in chunks of up to 32 (4 mma token tiles)
 // Grouped GEMV: table, `sub_kt` K tiles of x for 8 * nt rows, the k_warps reduction, the
 // unit's row indices and the per-expert chunk prefix sum (grouped mode).

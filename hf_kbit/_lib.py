@@ -21,7 +21,7 @@ from pathlib import Path
 LIBRARY_NAME = "libhf_kbit_cuda.so"
 LIBRARY_ENV = "HF_KBIT_LIBRARY"  # an explicit path to the library; no search when set
 _PACKAGE_DIR = Path(__file__).resolve().parent
-ABI_VERSION = 8
+ABI_VERSION = 9
 
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
@@ -105,12 +105,19 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kbit_grouped_gemv.argtypes = [c_int, c_vp, c_vp, c_int, c_vp, c_vp, c_vp, c_vp, c_vp, c_vp, c_vp, c_int,
                                       c_i64, c_i64, c_i64, c_i64, c_vp, c_vp]
     lib.kbit_grouped_gemv.restype = c_int
+    lib.kbit_grouped_gemm_workspace_size.argtypes = [c_i64, c_i64]
+    lib.kbit_grouped_gemm_workspace_size.restype = c_i64
+    lib.kbit_grouped_gemm.argtypes = [c_int, c_vp, c_vp, c_i64, c_int, c_vp, c_vp, c_vp, c_vp, c_vp, c_vp, c_int, c_i64,
+                                      c_i64, c_i64, c_i64, c_vp, c_vp, c_i64]
+    lib.kbit_grouped_gemm.restype = c_int
     c_ip = ctypes.POINTER(c_int)
     lib.kbit_gemv_plan.argtypes = [c_int, c_i64, c_i64, c_i64, c_ip, c_ip, c_ip, c_ip]
     lib.kbit_gemv_plan.restype = c_int
     lib.kbit_gemm_plan.argtypes = [c_int, c_i64, c_i64, c_i64, c_int, c_ip, c_ip, c_ip, c_ip]
     lib.kbit_gemm_plan.restype = c_int
     c_i64p = ctypes.POINTER(c_i64)
+    lib.kbit_set_gemm_kernel.argtypes = [c_int]
+    lib.kbit_set_gemm_kernel.restype = c_int
     lib.kbit_set_mm_crossovers.argtypes = [c_int, c_int, c_int, c_int, c_i64p, c_i64p]
     lib.kbit_set_mm_crossovers.restype = c_int
     lib.kbit_mm_plan.argtypes = [c_int, c_i64, c_i64, c_i64, c_int, c_int, c_int, c_ip, c_ip, c_i64p]

@@ -26,6 +26,8 @@ KERNEL_DTYPES = {
     "gemv": HALF_DTYPES,  # small M (csrc/gemv_kernel.cuh)
     "gemm": HALF_DTYPES,  # mid M, mma.sync (csrc/gemm_kernel.cuh)
     "wgmma_gemm": HALF_DTYPES,  # mid M on sm_90a (csrc/wgmma_kernel.cuh)
+    "wgmma_ws_gemm": HALF_DTYPES,  # mid and large M on sm_90a, warp-specialized (csrc/wgmma_ws_kernel.cuh)
+    "wgmma_ws_grouped": HALF_DTYPES,  # MoE prefill on sm_90a: its grouped calls (csrc/wgmma_ws_kernel.cuh)
     "grouped_gemv": HALF_DTYPES,  # MoE, all experts in one launch (csrc/grouped_gemv_kernel.cuh)
 }
 KERNELS = tuple(KERNEL_DTYPES)

@@ -11,7 +11,9 @@ device copy bandwidth measured in the same run). Writes JSON and a markdown tabl
                                                  # every kernel path per (shape, M, k): the crossovers
     python scripts/bench_kernels.py --paths --write-crossovers
                                                  # ... and rewrite hf_kbit/backends/crossovers.json from them
-                                                 # (HF_KBIT_GEMM_KERNEL=mma: the mma.sync GEMM's entries)
+                                                 # (--gemm-kernel mma / wgmma_ws: that GEMM's entries)
+    python scripts/bench_kernels.py --gemm-kernel wgmma_ws --ms 32 64 128 256 1024 4096 --out benchmarks/results/h200_ws
+                                                 # the table with the warp-specialized GEMM above the GEMV
     python scripts/bench_kernels.py --rotation --out benchmarks/results/h100_rotation
                                                  # each path on a rotated layer (random sign words) vs the
                                                  # same layer unrotated, Llama-3-8B shapes, M 1..1024
@@ -40,6 +42,8 @@ SHAPES = {  # name: (K = in_features, N = out_features)
     "llama3-8b gate/up 4096x14336": (4096, 14336),
     "llama3-8b down 14336x4096": (14336, 4096),
     "llama3-8b qkv 4096x6144": (4096, 6144),
+    "llama3-8b q/o 4096x4096": (4096, 4096),
+    "llama3-8b fused gate_up 4096x28672": (4096, 28672),
     "llama3-70b gate/up 8192x28672": (8192, 28672),
     "h2048 2048x5120": (2048, 5120),
     "h2048 5120x2048": (5120, 2048),
@@ -337,7 +341,8 @@ def derive_crossovers(results: list, current: dict) -> dict:
     keeping ``current``'s weight classes: the GEMV serves M up to the largest measured M at which it
     was fastest on every shape at every M up to it; the GEMM, per weight class, up to the largest
     measured M at which it beat dequantize + cuBLAS on every shape of the class at every M from the
-    GEMV's crossover up to it. A bits or class without rows keeps ``current``'s value."""
+    GEMV's crossover up to it, or ``current``'s larger value where it won at every measured M (no
+    measurement says where it stops winning). A bits or class without rows keeps ``current``'s value."""
     out = {}
     for bits, (gemv_now, classes) in current.items():
         rows = [r for r in results if r["bits"] == bits]
@@ -357,12 +362,13 @@ def derive_crossovers(results: list, current: dict) -> dict:
             if not in_class:
                 derived.append((min_weight, gemm_now))
                 continue
-            gemm = gemv
+            gemm, lost = gemv, False
             for m in (m for m in ms if m > gemv):
                 if not all("gemm_us" in r and r["gemm_us"] <= r["dequant_us"] for r in in_class if r["M"] == m):
+                    lost = True
                     break
                 gemm = m
-            derived.append((min_weight, gemm))
+            derived.append((min_weight, gemm if lost else max(gemm, gemm_now)))
         out[bits] = (gemv, tuple(derived))
     return out
 
@@ -494,6 +500,9 @@ def main() -> None:
                          "with --rotation: its rotated_gemv entries")
     ap.add_argument("--rotation", action="store_true",
                     help="each path on a rotated layer vs the same layer unrotated (Llama-3-8B shapes, M 1..1024)")
+    ap.add_argument("--gemm-kernel", default=None, choices=("mma", "wgmma", "wgmma_ws"),
+                    help="the GEMM kernel the planner takes (hf_kbit.backends.cuda.set_gemm_kernel; default: the "
+                         "device's, or HF_KBIT_GEMM_KERNEL's)")
     args = ap.parse_args()
 
     import hf_kbit
@@ -502,6 +511,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU")
     _lib.load()  # clear error if the library is missing
+    if args.gemm_kernel:
+        from hf_kbit.backends import cuda as backend
+
+        backend.set_gemm_kernel(args.gemm_kernel)
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
     shapes = ROTATION_SHAPES if args.rotation else SHAPES
     ms = args.ms or (ROTATION_MS if args.rotation else MS)

@@ -32,6 +32,8 @@ routing offsets on the host) CUDA events over eager calls, recorded per cell. Ra
     python scripts/bench_moe.py --out benchmarks/results/h100_moe              # H100, bits 4
     python scripts/bench_moe.py --bits 2 3 4 5 --out benchmarks/results/h100_moe_k2-5
     python scripts/bench_moe.py --smoke --device cpu --out /tmp/moe_smoke     # CPU smoke run
+    python scripts/bench_moe.py --tokens 512 1024 4096 8192 --gemm-kernel wgmma_ws --out benchmarks/results/h200_moe_ws
+                                       # prefill on the warp-specialized GEMM's grouped calls
 """
 
 from __future__ import annotations
@@ -473,6 +475,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-graph", action="store_true", help="time eager calls with CUDA events, no CUDA graph")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="seconds per cell for eager timing (default 3, smoke 0.2)")
+    ap.add_argument("--gemm-kernel", default=None, choices=("mma", "wgmma", "wgmma_ws"),
+                    help="CUDA: the GEMM kernel the planner takes (hf_kbit.backends.cuda.set_gemm_kernel); wgmma_ws "
+                         "also serves the experts' grouped calls above the per-row threshold")
     args = ap.parse_args(argv)
     bad = [b for b in args.bits if b not in BITS]
     if bad:
@@ -481,6 +486,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--tokens must be >= 1, got {args.tokens}")
     if args.smoke and args.presets:
         ap.error("--smoke runs the tiny preset only; drop --presets")
+    if args.gemm_kernel and args.device == "cpu":
+        ap.error("--gemm-kernel needs a CUDA device (the CPU runs the reference)")
     return args
 
 
@@ -499,6 +506,10 @@ def run(args: argparse.Namespace, argv: list[str], log: Callable[[str], None] = 
     if device == "cpu" and not args.smoke:
         raise ValueError("the real presets need a CUDA GPU (1.2-3.2 GB per bf16 layer copy); on CPU use --smoke")
     transformers.utils.logging.set_verbosity_error()
+    if args.gemm_kernel:
+        from hf_kbit.backends import cuda as backend
+
+        backend.set_gemm_kernel(args.gemm_kernel)
     presets = [SMOKE_PRESET] if args.smoke else (args.presets or list(REAL_PRESETS))
     tokens = args.tokens or list(SMOKE_TOKENS if args.smoke else TOKENS)
     cold = not args.hot_l2
@@ -535,7 +546,8 @@ def run(args: argparse.Namespace, argv: list[str], log: Callable[[str], None] = 
         "device": device_name, "device_type": device, "torch": torch.__version__,
         "transformers": transformers.__version__, "hf_kbit": hf_kbit.__version__, "python": platform.python_version(),
         "cuda": torch.version.cuda if device == "cuda" else None, "kbit_library": _lib.available(),
-        "kbit_grouped_mm_cuda_kernel": kbit_has_cuda_kernel(), "bits": args.bits, "tokens": tokens,
+        "kbit_grouped_mm_cuda_kernel": kbit_has_cuda_kernel(), "gemm_kernel": args.gemm_kernel, "bits": args.bits,
+        "tokens": tokens,
         "cold_l2": cold_text, "cold_l2_bytes": COLD_BYTES if cold and not args.smoke else None,
         "l2_bytes": l2, "copy_mem_budget_bytes": mem_budget or None, "hot_l2": not cold, "seed": SEED,
         "routing": "random router logits N(0,1) -> softmax -> top-k (renormalised when norm_topk_prob), "

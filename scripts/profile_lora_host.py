@@ -50,11 +50,14 @@ int kbit_gemv(void) { return 0; }
 int kbit_gemm(void) { return 0; }
 int kbit_gemm_plan(void) { return 0; }
 int kbit_gemv_plan(void) { return 0; }
+int kbit_set_gemm_kernel(int gemm) { return 0; }
 int kbit_set_mm_crossovers(void) { return 0; }
 int kbit_gemv_prologue(void) { return 0; }
 int kbit_gemv_prepare(void) { return 0; }
 int kbit_gemv_run(void) { return 0; }
 int kbit_grouped_gemv(void) { return 0; }
+int64_t kbit_grouped_gemm_workspace_size(void) { return 0; }
+int kbit_grouped_gemm(void) { return 0; }
 int kbit_rotate(void) { return 0; }
 int kbit_set_gemv_rotate_crossover(int bits, int in_staging_max_m) { return 0; }
 int kbit_gemv_rotate_plan(int bits, int dtype, int64_t m, int prologue, int* mode) { *mode = 0; return 0; }

@@ -7,6 +7,7 @@
 #include "../grouped_gemv_kernel.cuh"
 #include "../quantize_kernel.cuh"
 #include "../wgmma_kernel.cuh"
+#include "../wgmma_ws_kernel.cuh"
 
 namespace kbit {
 template cudaError_t launch_quantize<__half, 2>(const QuantizeParams&, cudaStream_t);
@@ -21,6 +22,12 @@ template cudaError_t launch_gemm<2, __half, 16>(const MmParams&, dim3, cudaStrea
 template cudaError_t launch_wgmma_gemm<2, __half, 1>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_wgmma_gemm<2, __half, 2>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_wgmma_gemm<2, __half, 4>(const MmParams&, dim3, cudaStream_t);
+template cudaError_t launch_wgmma_ws_gemm<2, __half, 1>(const MmParams&, dim3, cudaStream_t);
+template cudaError_t launch_wgmma_ws_gemm<2, __half, 2>(const MmParams&, dim3, cudaStream_t);
+template cudaError_t launch_wgmma_ws_gemm<2, __half, 4>(const MmParams&, dim3, cudaStream_t);
+template cudaError_t launch_wgmma_ws_grouped<2, __half, 1>(const GroupedParams&, int, cudaStream_t);
+template cudaError_t launch_wgmma_ws_grouped<2, __half, 2>(const GroupedParams&, int, cudaStream_t);
+template cudaError_t launch_wgmma_ws_grouped<2, __half, 4>(const GroupedParams&, int, cudaStream_t);
 template cudaError_t launch_grouped_gemv<2, __half, 1, false>(const GroupedParams&, int, cudaStream_t);
 template cudaError_t launch_grouped_gemv<2, __half, 1, true>(const GroupedParams&, int, cudaStream_t);
 template cudaError_t launch_grouped_gemv<2, __half, 4, false>(const GroupedParams&, int, cudaStream_t);

@@ -7,6 +7,7 @@
 #include "../grouped_gemv_kernel.cuh"
 #include "../quantize_kernel.cuh"
 #include "../wgmma_kernel.cuh"
+#include "../wgmma_ws_kernel.cuh"
 
 namespace kbit {
 template cudaError_t launch_quantize<__nv_bfloat16, 4>(const QuantizeParams&, cudaStream_t);
@@ -21,6 +22,12 @@ template cudaError_t launch_gemm<4, __nv_bfloat16, 16>(const MmParams&, dim3, cu
 template cudaError_t launch_wgmma_gemm<4, __nv_bfloat16, 1>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_wgmma_gemm<4, __nv_bfloat16, 2>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_wgmma_gemm<4, __nv_bfloat16, 4>(const MmParams&, dim3, cudaStream_t);
+template cudaError_t launch_wgmma_ws_gemm<4, __nv_bfloat16, 1>(const MmParams&, dim3, cudaStream_t);
+template cudaError_t launch_wgmma_ws_gemm<4, __nv_bfloat16, 2>(const MmParams&, dim3, cudaStream_t);
+template cudaError_t launch_wgmma_ws_gemm<4, __nv_bfloat16, 4>(const MmParams&, dim3, cudaStream_t);
+template cudaError_t launch_wgmma_ws_grouped<4, __nv_bfloat16, 1>(const GroupedParams&, int, cudaStream_t);
+template cudaError_t launch_wgmma_ws_grouped<4, __nv_bfloat16, 2>(const GroupedParams&, int, cudaStream_t);
+template cudaError_t launch_wgmma_ws_grouped<4, __nv_bfloat16, 4>(const GroupedParams&, int, cudaStream_t);
 template cudaError_t launch_grouped_gemv<4, __nv_bfloat16, 1, false>(const GroupedParams&, int, cudaStream_t);
 template cudaError_t launch_grouped_gemv<4, __nv_bfloat16, 1, true>(const GroupedParams&, int, cudaStream_t);
 template cudaError_t launch_grouped_gemv<4, __nv_bfloat16, 4, false>(const GroupedParams&, int, cudaStream_t);

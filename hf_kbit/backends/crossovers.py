@@ -19,11 +19,14 @@ FILE = Path(__file__).with_name("crossovers.json")
 ABOUT = ("Path crossovers of kbit::mm, read by the library's planner (kbit_mm_plan): per GEMM kernel and bits, the "
          "GEMV serves M <= gemv_max_m, the GEMM M <= the m of the first [min_weight, m] pair whose min_weight <= N * K, "
          "dequantize + cuBLAS the rest. Measured on an H100, cold L2; the mma.sync entries with "
-         "HF_KBIT_GEMM_KERNEL=mma on the same GPU. Rewrite with `python scripts/bench_kernels.py --paths "
-         "--write-crossovers`. rotated_gemv: per bits, a rotated layer's GEMV stages x R up to M <= in_staging_max_m "
-         "and runs the standalone rotation first above it (`python scripts/bench_kernels.py --rotation "
-         "--write-crossovers`).")
-GEMM_KERNELS = ("mma", "wgmma")  # the planner's GEMM kernel codes 0 (mma.sync, any sm_80+), 1 (wgmma, sm_90a)
+         "HF_KBIT_GEMM_KERNEL=mma on the same GPU; the wgmma_ws entries (HF_KBIT_GEMM_KERNEL=wgmma_ws) are not "
+         "measured yet and send every M above the GEMV to the GEMM. Rewrite with "
+         "`python scripts/bench_kernels.py --paths --write-crossovers`. rotated_gemv: per bits, a rotated layer's "
+         "GEMV stages x R up to M <= in_staging_max_m and runs the standalone rotation first above it "
+         "(`python scripts/bench_kernels.py --rotation --write-crossovers`).")
+# The planner's GEMM kernel codes: 0 mma.sync (any sm_80+), 1 wgmma (sm_90a, the default there), 2 the
+# warp-specialized wgmma GEMM (sm_90a, HF_KBIT_GEMM_KERNEL=wgmma_ws).
+GEMM_KERNELS = ("mma", "wgmma", "wgmma_ws")
 
 
 def read(path: Path = FILE) -> dict[str, dict[int, tuple[int, tuple[tuple[int, int], ...]]]]:

@@ -17,7 +17,8 @@ Dispatch of ``mm`` by M (rows of x after flattening the leading dims): the libra
     on the tensor cores, all of x staged once);
   * mid M: a GEMM kernel (the weight is decoded into tensor-core operands, never written out):
     on sm_90 the wgmma GEMM (csrc/wgmma_kernel.cuh), elsewhere the mma.sync GEMM
-    (csrc/gemm_kernel.cuh);
+    (csrc/gemm_kernel.cuh); :func:`set_gemm_kernel` (or ``HF_KBIT_GEMM_KERNEL``) picks another, such
+    as the warp-specialized wgmma GEMM (csrc/wgmma_ws_kernel.cuh);
   * large M, float32 x, or a GPU without the GEMM's shared memory: dequantize into a
     torch-allocated weight in x's dtype, then ``torch.matmul`` (cuBLAS).
 
@@ -91,6 +92,19 @@ def mm_plan(m: int, n: int, k: int, bits: int, device: int, dtype: torch.dtype =
         _lib.check(rc, "mm_plan")
         plan = _mm_plans[key] = (PATHS[path.value], crossovers.GEMM_KERNELS[gemm.value], int(ws.value))
     return plan
+
+
+def set_gemm_kernel(name: str | None) -> None:
+    """Plan every later ``kbit::mm`` with the GEMM kernel ``name``, process-wide (tests and benchmarks):
+    ``"mma"`` (mma.sync, any sm_80+), ``"wgmma"`` (sm_90a, the default there) or ``"wgmma_ws"`` (the
+    warp-specialized GEMM, sm_90a); ``None`` returns to ``HF_KBIT_GEMM_KERNEL``'s choice. A GPU without
+    sm_90a code runs the mma.sync GEMM whatever is asked. Each kernel keeps its own crossovers."""
+    if name is not None and name not in crossovers.GEMM_KERNELS:
+        raise ValueError(f"set_gemm_kernel: name must be one of {crossovers.GEMM_KERNELS} or None, got {name!r}")
+    code = -1 if name is None else crossovers.GEMM_KERNELS.index(name)
+    _lib.check(_LIB.kbit_set_gemm_kernel(code), "set_gemm_kernel")
+    _mm_plans.clear()
+    gemm_workspace.cache_clear()
 
 
 def mm_path(m: int, n: int, k: int, bits: int, device: int, dtype: torch.dtype = torch.bfloat16,
@@ -266,8 +280,9 @@ def run_path(path: str, x2, planes, block_scales, row_scales, codebook, k: int,
     device = x2.device
     sp = _signs_ptr(signs, k, device)
     if path == "gemm":
-        # The GEMM copies 16-byte units of the packed tiles: realign offset views.
-        planes, block_scales = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (planes, block_scales))
+        # The GEMM copies 16-byte units of the packed tiles and (wgmma) reads x through a tensor map:
+        # realign offset views.
+        x2, planes, block_scales = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (x2, planes, block_scales))
         ws_size = _gemm_workspace(device.index, m, n, k, bits, sp is not None) if ws_size is None else ws_size
         launch = _LIB.kbit_gemm
     else:
@@ -512,6 +527,9 @@ def _grouped_mm_cuda(x, expert_ids, planes, block_scales, row_scales, codebook, 
         ids_ptr, order_ptr, offsets_ptr = ids.data_ptr(), order.data_ptr(), offsets.data_ptr()
         if sp is not None:  # grouped mode: x R once (the kernel would rotate a row in every unit)
             x, sp = rotate(x, signs), None
+        if mm_plan(s, n, in_features, planes.shape[-3], x.device.index, x.dtype)[1] == "wgmma_ws":
+            _grouped_gemm_ws(x, order, offsets, planes, block_scales, row_scales, codebook, in_features, out)
+            return out
     rc = _LIB.kbit_grouped_gemv(
         x.device.index, _stream(x.device), x.data_ptr(), _GEMV_DTYPES[x.dtype], ids_ptr, order_ptr, offsets_ptr,
         planes.data_ptr(), block_scales.data_ptr(), row_scales.data_ptr(), codebook.data_ptr(), planes.shape[-3],
@@ -519,6 +537,25 @@ def _grouped_mm_cuda(x, expert_ids, planes, block_scales, row_scales, codebook, 
     )
     _lib.check(rc, "grouped_mm")
     return out
+
+
+def _grouped_gemm_ws(x, order, offsets, planes, block_scales, row_scales, codebook, in_features, out) -> None:
+    """Grouped mode on the warp-specialized GEMM (set_gemm_kernel("wgmma_ws")): x's rows sorted by expert
+    into a buffer at a 16-byte row pitch, which its tensor map reads; the kernel stores row r at out row
+    order[r]."""
+    s, num_experts = x.shape[0], row_scales.shape[0]
+    pitch = -(-in_features // 8) * 8
+    xs = x.index_select(0, order)
+    if pitch != in_features:
+        xs = torch.nn.functional.pad(xs, (0, pitch - in_features))
+    words = int(_LIB.kbit_grouped_gemm_workspace_size(s, num_experts))
+    ws = torch.empty(words, dtype=torch.float32, device=x.device)
+    rc = _LIB.kbit_grouped_gemm(
+        x.device.index, _stream(x.device), xs.data_ptr(), pitch, _GEMV_DTYPES[x.dtype], order.data_ptr(),
+        offsets.data_ptr(), planes.data_ptr(), block_scales.data_ptr(), row_scales.data_ptr(), codebook.data_ptr(),
+        planes.shape[-3], s, num_experts, row_scales.shape[1], in_features, out.data_ptr(), ws.data_ptr(), words,
+    )
+    _lib.check(rc, "grouped_mm")
 
 
 # ---------------------------------------------------------------------------- gradients (training)

@@ -93,3 +93,7 @@ def test_bench_derives_crossovers_from_measured_paths():
     derived = bench_kernels.derive_crossovers(rows, current)
     # No 2-16 Mi weight was measured: that class keeps its value; bits=5 had no rows at all.
     assert derived == {4: (16, ((16 * 2**20, 256), (2 * 2**20, 128), (0, 16))), 5: current[5]}
+    # A GEMM that wins at every measured M keeps the larger current value (nothing measured says where it stops).
+    wins = [_row(*large, m, 4, 1.0 if m <= 16 else None, 2.0, 3.0) for m in (1, 16, 64, 1024)]
+    assert bench_kernels.derive_crossovers(wins, {4: (16, ((0, 2**31),))}) == {4: (16, ((0, 2**31),))}
+    assert bench_kernels.derive_crossovers(wins, {4: (16, ((0, 512),))}) == {4: (16, ((0, 1024),))}
