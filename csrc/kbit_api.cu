@@ -638,6 +638,28 @@ MmParams mm_params(int dtype, const int32_t* planes, const uint8_t* block_scales
   return p;
 }
 
+// The fields every grouped call fills (kbit_grouped_gemv, kbit_grouped_gemm).
+GroupedParams grouped_params(const void* x, int dtype, const int64_t* order, const int64_t* offsets,
+                             const int32_t* planes, const uint8_t* block_scales, const float* row_scales,
+                             const float* codebook, int bits, int64_t s, int64_t e, int64_t n, int64_t k, void* out) {
+  GroupedParams p{};
+  p.x = x;
+  p.order = order;
+  p.offsets = offsets;
+  p.planes = planes;
+  p.block_scales = block_scales;
+  p.row_scales = row_scales;
+  p.codebook = codebook;
+  p.out = out;
+  p.s = s;
+  p.e = e;
+  p.n = n;
+  p.k = k;
+  p.bits = bits;
+  p.dtype = dtype;
+  return p;
+}
+
 #if KBIT_TRACE
 unsigned long long* g_trace = nullptr;  // kbit_trace_set: every GEMV launch records into it
 #endif
@@ -840,22 +862,9 @@ int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const 
   DeviceGuard guard(device);
   if (guard.error() != cudaSuccess) return cuda_fail(guard.error(), "selecting the device");
 
-  GroupedParams p{};
-  p.x = x;
+  GroupedParams p = grouped_params(x, dtype, order, offsets, planes, block_scales, row_scales, codebook, bits, s, e, n,
+                                   k, out);
   p.expert_ids = expert_ids;
-  p.order = order;
-  p.offsets = offsets;
-  p.planes = planes;
-  p.block_scales = block_scales;
-  p.row_scales = row_scales;
-  p.codebook = codebook;
-  p.out = out;
-  p.s = s;
-  p.e = e;
-  p.n = n;
-  p.k = k;
-  p.bits = bits;
-  p.dtype = dtype;
   p.rot_signs = rot_signs;
   const int64_t k_tiles = ceil_div(k, kTileK);
   const SmemLimits lim = smem_limits(device);
@@ -935,21 +944,8 @@ int kbit_grouped_gemm(int device, void* stream, const void* x, int64_t x_stride,
     return fail("out_features %lld is too large for the grouped GEMM's tiles", static_cast<long long>(n));
   DeviceGuard guard(device);
   if (guard.error() != cudaSuccess) return cuda_fail(guard.error(), "selecting the device");
-  GroupedParams p{};
-  p.x = x;
-  p.order = order;
-  p.offsets = offsets;
-  p.planes = planes;
-  p.block_scales = block_scales;
-  p.row_scales = row_scales;
-  p.codebook = codebook;
-  p.out = out;
-  p.s = s;
-  p.e = e;
-  p.n = n;
-  p.k = k;
-  p.bits = bits;
-  p.dtype = dtype;
+  GroupedParams p = grouped_params(x, dtype, order, offsets, planes, block_scales, row_scales, codebook, bits, s, e, n,
+                                   k, out);
   p.x_stride = x_stride;
   p.tile_list = reinterpret_cast<int32_t*>(workspace);
   cudaError_t err = launch(p, sm_count(device), static_cast<cudaStream_t>(stream));
