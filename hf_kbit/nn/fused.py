@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .. import format as fmt
-from .linear import ROTATION_SIGNS, ROW_TENSORS, KbitLinear, KbitModule, format_layout, fused_group, packed_matmul
+from .linear import ROTATION_SIGNS, ROW_TENSORS, KbitLinear, KbitModule, format_layout, group_id, packed_matmul
 
 # Fused module name -> the sibling projections it serves (they must share their input).
 FUSED_GROUPS: dict[str, tuple[str, ...]] = {
@@ -80,7 +80,7 @@ class KbitFusedProjections(KbitModule):
             self.__dict__[ROTATION_SIGNS] = first.rotation_signs.clone() if self.rotated else None
         self.__dict__["members"] = tuple(members)
         for index, member in enumerate(members):
-            member.__dict__["fused_into"] = (self, index, fused_group(self))
+            member.__dict__.update(fused_into=self, fused_index=index, fused_group=group_id(self))
             # a view into the member's own storage would keep all of it alive once the rows move here
             member._buffers["codebook"] = member.codebook.clone()
             if member.rotated:

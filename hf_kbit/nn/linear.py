@@ -222,21 +222,28 @@ class KbitLinear(KbitModule):
     While a model is quantized on load, a ``weight`` placeholder (meta) receives the
     checkpoint's full-precision weight, which the quantize op packs and then removes.
 
-    ``fused_into``: ``(KbitFusedProjections, index, group)`` once :func:`hf_kbit.nn.fuse_projections`
-    has joined this layer with its siblings (its row tensors are then views into the fused ones);
-    ``group`` is an int that names the fused module in the pending slot (:func:`fused_output`).
+    ``fused_into``: the ``KbitFusedProjections`` once :func:`hf_kbit.nn.fuse_projections` has joined this
+    layer with its siblings (its row tensors are then views into the fused ones), ``fused_index`` its slice
+    there and ``fused_group`` the int that names the fused module in the pending slot (:func:`fused_output`).
+    Three plain attributes, not one tuple: under torch.compile a module whose attributes are all modules,
+    tensors and constants keeps dynamo's guards on it skippable while its ``__dict__`` is unchanged, and a
+    tuple attribute made each member's (and so each decoder layer's) guards run in full at every call.
     """
 
     fused_into = None
+    fused_index = 0
+    fused_group = -1
     rotated = False
 
     def __setstate__(self, state):
         # deepcopy and unpickling make a new fused module: its members' group follows it
         super().__setstate__(state)
+        link = self.__dict__.get("fused_into")
+        if isinstance(link, tuple):  # pickles from before: fused_into = (fused, index[, group])
+            self.__dict__["fused_into"], self.__dict__["fused_index"] = link[:2]
         if self.fused_into is not None:
-            fused, index = self.fused_into[:2]  # pickles from before the group have (fused, index)
-            self.__dict__["fused_into"] = (fused, index, fused_group(fused))
-            fused.link_when_ready()
+            self.__dict__["fused_group"] = group_id(self.fused_into)
+            self.fused_into.link_when_ready()
 
     def __init__(
         self,
@@ -342,7 +349,7 @@ class KbitLinear(KbitModule):
         """Take packed tensors (from :func:`quantize_siblings` or a checkpoint); ``rotation_signs`` None: unrotated."""
         if self.fused_into is not None:
             raise RuntimeError(
-                f"load_packed: this KbitLinear is fused into {self.fused_into[0].names}; "
+                f"load_packed: this KbitLinear is fused into {self.fused_into.names}; "
                 "call hf_kbit.unfuse_projections(model) first"
             )
         if rotation_signs is not None and not fmt.rotatable(self.in_features):
@@ -356,7 +363,7 @@ class KbitLinear(KbitModule):
         self.pack_storage()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = packed_matmul(self, x) if self.fused_into is None else fused_output(self.fused_into, x)
+        out = packed_matmul(self, x) if self.fused_into is None else fused_output(self, x)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out
@@ -432,36 +439,37 @@ def packed_matmul(module: KbitModule, x: torch.Tensor) -> torch.Tensor:
 
 # The fused launch whose sibling outputs are not all taken yet: [group, x, outputs (None where taken)].
 # One slot for all fused modules, which every member reaches by the same name: under torch.compile, a
-# stash reached through each member's own path (q_proj.fused_into[0]..., k_proj.fused_into[0]...) cost
+# stash reached through each member's own path (q_proj.fused_into..., k_proj.fused_into...) cost
 # guards on every path and alias guards between them, evaluated at every call.
 _PENDING: list = [None, None, None]
 _GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _NEXT_GROUP = itertools.count()
 
 
-def fused_group(fused: nn.Module) -> int:
+def group_id(fused: nn.Module) -> int:
     """The int that names ``fused`` in the pending slot: one per fused module object, never reused."""
     if fused not in _GROUPS:
         _GROUPS[fused] = next(_NEXT_GROUP)
     return _GROUPS[fused]
 
 
-def fused_output(link: tuple, x: torch.Tensor) -> torch.Tensor:
-    """Member ``link[1]``'s output of the fused module ``link[0]`` on ``x`` (see hf_kbit.nn.fused).
+def fused_output(member: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A fused member's output (its slice ``fused_index`` of the fused module ``fused_into``) on ``x`` (see
+    hf_kbit.nn.fused).
 
     A sibling's launch on this same ``x`` (identity) left it in the pending slot: taken without a
     launch, and without touching the fused module. Otherwise the fused weight runs and the other
     members' slices wait in the slot, replacing whatever was there (a member that then misses its
     slice launches again: only launches depend on the call pattern, never results).
     """
-    index, group = link[1], link[2]
+    index, group = member.fused_index, member.fused_group
     pending_group, pending_x, outputs = _PENDING  # one unpack: another thread's store cannot split it
     if pending_group == group and pending_x is x and outputs[index] is not None:
         out, outputs[index] = outputs[index], None
         if all(o is None for o in outputs) and _PENDING[2] is outputs:
             _PENDING[:] = [None, None, None]
         return out
-    fused = link[0]
+    fused = member.fused_into
     outputs = list(fused(x).split(fused.sizes, dim=-1))
     out, outputs[index] = outputs[index], None
     _PENDING[:] = [group, x, outputs]
