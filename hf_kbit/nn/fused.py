@@ -195,6 +195,8 @@ def unfuse_projections(model: nn.Module) -> list[str]:
                 for tensor_name in ROW_TENSORS:
                     member._buffers[tensor_name] = member._buffers[tensor_name].clone()
                 member.__dict__["fused_into"] = None
+                for attr in ("fused_index", "fused_group"):
+                    member.__dict__.pop(attr, None)
                 member.pack_storage()
         parent_name, _, child = name.rpartition(".")
         delattr(model.get_submodule(parent_name) if parent_name else model, child)
