@@ -334,18 +334,23 @@ constexpr double kWsTileFixed = 1500.0;         // first loads' latency and the 
 constexpr double kSplitBytesPerCycle = 1700.0;  // chip-wide HBM bytes per SM cycle
 constexpr double kSplitFixed = 3000.0;          // the reduce kernel's launch and tail
 
+// kbit_set_wgmma_ws_plan's token block (NB) and splits, 0 for the cost's choice (tests and benchmarks).
+int g_ws_nb = 0, g_ws_splits = 0;
+
 GemmPlan plan_wgmma_ws(int64_t m, int64_t n, int64_t k, int bits, int sms, bool rotated) {
   GemmPlan plan{};
   plan.kernel = kGemmWgmmaWs;
   const int64_t k_tiles = ceil_div(k, kTileK), row_blocks = ceil_div(n, kWsRows);
   double best = -1.0;
   for (const int nb : kWsNbs) {
-    if (nb > 1 && m <= int64_t{nb / 2} * kWgmmaTokens) break;  // a smaller block covers m
+    if (g_ws_nb ? nb != g_ws_nb : nb > 1 && m <= int64_t{nb / 2} * kWgmmaTokens) continue;  // a smaller block covers m
     const int64_t tiles = ceil_div(m, int64_t{nb} * kWgmmaTokens) * row_blocks;
     const double step = std::max(kWsStepPerNb * nb, kWsStepFloor);
     for (int64_t splits = 1; splits <= 8; ++splits) {
       const int64_t chunk = ceil_div(k_tiles, splits);
-      if (ceil_div(k_tiles, chunk) != splits || (splits > 1 && chunk < 4)) continue;
+      if (g_ws_splits ? splits != std::min<int64_t>(g_ws_splits, k_tiles)
+                      : ceil_div(k_tiles, chunk) != splits || (splits > 1 && chunk < 4))
+        continue;
       const double rounds = static_cast<double>(ceil_div(tiles * splits, sms));
       double cost = rounds * (static_cast<double>(chunk) * step + kWsTileFixed);
       if (splits > 1)
@@ -357,7 +362,7 @@ GemmPlan plan_wgmma_ws(int64_t m, int64_t n, int64_t k, int bits, int sms, bool 
         plan.chunk_kt = static_cast<int>(chunk);
         plan.grid = dim3(static_cast<unsigned>(std::min<int64_t>(tiles * splits, sms)));
       }
-      if (tiles * splits >= sms) break;  // the GPU is full: more splits only add workspace traffic
+      if (!g_ws_splits && tiles * splits >= sms) break;  // the GPU is full: more splits only add traffic
     }
   }
   plan.smem = ws_smem_bytes(bits, plan.tile);
@@ -972,6 +977,14 @@ int kbit_gemm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int* w
   *block_m = plan.kernel == kGemmMma ? gemm_block_m(plan.tile) : plan.tile * kWgmmaTokens;
   *splits = plan.splits;
   *ctas = static_cast<int>(plan.grid.x * plan.grid.y * plan.grid.z);
+  return KBIT_OK;
+}
+
+int kbit_set_wgmma_ws_plan(int nb, int splits) {
+  if (nb != 0 && nb != 1 && nb != 2 && nb != 4) return fail("nb must be 0 (the planner's), 1, 2 or 4, got %d", nb);
+  if (splits < 0 || splits > 8) return fail("splits must be 0 (the planner's) or 1..8, got %d", splits);
+  g_ws_nb = nb;
+  g_ws_splits = splits;
   return KBIT_OK;
 }
 

@@ -105,6 +105,12 @@ KBIT_API int kbit_gemm_plan(int device, int64_t m, int64_t n, int64_t k, int bit
  * code runs the mma.sync GEMM whatever is asked. */
 KBIT_API int kbit_set_gemm_kernel(int gemm);
 
+/* The warp-specialized GEMM's token block (nb 64-token blocks: 1, 2 or 4) and K splits (1..8; at most the K
+ * tiles) from now on, process-wide, instead of its cost model's (0: the model's): tests cover every tile with
+ * it, and benchmarks time each plan to fit the model. A split takes ceil(k_tiles / splits) K tiles; one left
+ * without K tiles adds zeros. */
+KBIT_API int kbit_set_wgmma_ws_plan(int nb, int splits);
+
 /* The path planner's data: measured crossovers (hf_kbit/backends/crossovers.json, written by
  * scripts/bench_kernels.py --paths, handed over once by the Python backend at load). For the GEMM
  * kernel `gemm` (0 mma.sync, 1 wgmma, 2 warp-specialized wgmma) at `bits`: the GEMV serves m <= gemv_max_m, the GEMM

@@ -107,6 +107,15 @@ def set_gemm_kernel(name: str | None) -> None:
     gemm_workspace.cache_clear()
 
 
+def set_wgmma_ws_plan(nb: int | None = None, splits: int | None = None) -> None:
+    """Plan the warp-specialized GEMM with token blocks of ``64 * nb`` tokens (1, 2 or 4) and ``splits`` K splits
+    (1..8) from now on, process-wide, instead of its cost model's choice (``None``: the model's): tests cover
+    every tile with it, benchmarks time each plan to fit the model."""
+    _lib.check(_LIB.kbit_set_wgmma_ws_plan(nb or 0, splits or 0), "set_wgmma_ws_plan")
+    _mm_plans.clear()
+    gemm_workspace.cache_clear()
+
+
 def mm_path(m: int, n: int, k: int, bits: int, device: int, dtype: torch.dtype = torch.bfloat16,
             rotated: bool = False) -> str:
     """The kernel path ``kbit::mm`` takes (:func:`mm_plan`)."""

@@ -69,3 +69,14 @@ def test_grouped_gemm_refusals_name_the_argument():
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
         with pytest.raises(ValueError, match="needs an sm_90 GPU"):
             _lib.check(_grouped(lib), "grouped_gemm")
+
+
+def test_set_wgmma_ws_plan_names_bad_values():
+    from hf_kbit.backends import cuda
+
+    cuda.set_wgmma_ws_plan(4, 3)
+    cuda.set_wgmma_ws_plan(None, None)
+    with pytest.raises(ValueError, match="nb must be 0 .*got 3"):
+        cuda.set_wgmma_ws_plan(3)
+    with pytest.raises(ValueError, match="splits must be 0 .*got 9"):
+        cuda.set_wgmma_ws_plan(1, 9)
