@@ -988,6 +988,8 @@ int kbit_set_wgmma_ws_plan(int nb, int splits) {
   return KBIT_OK;
 }
 
+int kbit_gemm_kernel(int device) { return gemm_kernel(device); }
+
 int kbit_set_gemm_kernel(int gemm) {
   if (gemm < -1 || gemm >= kNumGemmKernels)
     return fail("gemm must be -1 (HF_KBIT_GEMM_KERNEL's), 0 (mma.sync), 1 (wgmma) or 2 (wgmma_ws), got %d", gemm);

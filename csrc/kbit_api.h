@@ -105,6 +105,9 @@ KBIT_API int kbit_gemm_plan(int device, int64_t m, int64_t n, int64_t k, int bit
  * code runs the mma.sync GEMM whatever is asked. */
 KBIT_API int kbit_set_gemm_kernel(int gemm);
 
+/* The GEMM kernel the planner takes on `device` now (the codes of kbit_set_gemm_kernel, without -1). */
+KBIT_API int kbit_gemm_kernel(int device);
+
 /* The warp-specialized GEMM's token block (nb 64-token blocks: 1, 2 or 4) and K splits (1..8; at most the K
  * tiles) from now on, process-wide, instead of its cost model's (0: the model's): tests cover every tile with
  * it, and benchmarks time each plan to fit the model. A split takes ceil(k_tiles / splits) K tiles; one left

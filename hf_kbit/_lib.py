@@ -118,6 +118,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     c_i64p = ctypes.POINTER(c_i64)
     lib.kbit_set_gemm_kernel.argtypes = [c_int]
     lib.kbit_set_gemm_kernel.restype = c_int
+    lib.kbit_gemm_kernel.argtypes = [c_int]
+    lib.kbit_gemm_kernel.restype = c_int
     lib.kbit_set_wgmma_ws_plan.argtypes = [c_int, c_int]
     lib.kbit_set_wgmma_ws_plan.restype = c_int
     lib.kbit_set_mm_crossovers.argtypes = [c_int, c_int, c_int, c_int, c_i64p, c_i64p]

@@ -105,6 +105,13 @@ def set_gemm_kernel(name: str | None) -> None:
     _lib.check(_LIB.kbit_set_gemm_kernel(code), "set_gemm_kernel")
     _mm_plans.clear()
     gemm_workspace.cache_clear()
+    gemm_kernel.cache_clear()
+
+
+@functools.cache
+def gemm_kernel(device: int) -> str:
+    """The GEMM kernel the planner takes on CUDA device index ``device`` (a name of crossovers.GEMM_KERNELS)."""
+    return crossovers.GEMM_KERNELS[_LIB.kbit_gemm_kernel(device)]
 
 
 def set_wgmma_ws_plan(nb: int | None = None, splits: int | None = None) -> None:
@@ -536,7 +543,7 @@ def _grouped_mm_cuda(x, expert_ids, planes, block_scales, row_scales, codebook, 
         ids_ptr, order_ptr, offsets_ptr = ids.data_ptr(), order.data_ptr(), offsets.data_ptr()
         if sp is not None:  # grouped mode: x R once (the kernel would rotate a row in every unit)
             x, sp = rotate(x, signs), None
-        if mm_plan(s, n, in_features, planes.shape[-3], x.device.index, x.dtype)[1] == "wgmma_ws":
+        if gemm_kernel(x.device.index) == "wgmma_ws":
             _grouped_gemm_ws(x, order, offsets, planes, block_scales, row_scales, codebook, in_features, out)
             return out
     rc = _LIB.kbit_grouped_gemv(

@@ -80,3 +80,18 @@ def test_set_wgmma_ws_plan_names_bad_values():
         cuda.set_wgmma_ws_plan(3)
     with pytest.raises(ValueError, match="splits must be 0 .*got 9"):
         cuda.set_wgmma_ws_plan(1, 9)
+
+
+def test_gemm_kernel_follows_the_choice_where_the_gpu_has_sm90a_code():
+    import torch
+
+    from hf_kbit.backends import cuda
+
+    sm90a = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    try:
+        cuda.set_gemm_kernel("wgmma_ws")
+        assert cuda.gemm_kernel(0) == ("wgmma_ws" if sm90a else "mma")
+        cuda.set_gemm_kernel("mma")
+        assert cuda.gemm_kernel(0) == "mma"
+    finally:
+        cuda.set_gemm_kernel(None)
