@@ -36,6 +36,7 @@ import time
 import torch
 
 from hf_kbit.eval.timing import capture_cuda_graph
+from hf_kbit.backends.crossovers import GEMM_KERNELS
 from hf_kbit.kernel_table import SUPPORTED_BITS
 
 SHAPES = {  # name: (K = in_features, N = out_features)
@@ -500,7 +501,7 @@ def main() -> None:
                          "with --rotation: its rotated_gemv entries")
     ap.add_argument("--rotation", action="store_true",
                     help="each path on a rotated layer vs the same layer unrotated (Llama-3-8B shapes, M 1..1024)")
-    ap.add_argument("--gemm-kernel", default=None, choices=("mma", "wgmma", "wgmma_ws"),
+    ap.add_argument("--gemm-kernel", default=None, choices=GEMM_KERNELS,
                     help="the GEMM kernel the planner takes (hf_kbit.backends.cuda.set_gemm_kernel; default: the "
                          "device's, or HF_KBIT_GEMM_KERNEL's)")
     args = ap.parse_args()

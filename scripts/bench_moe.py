@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import time_calls as graph_us  # noqa: E402  (the kernel benchmark's CUDA-graph timing)
 
 from hf_kbit.eval import presets  # noqa: E402  (model presets)
+from hf_kbit.backends.crossovers import GEMM_KERNELS  # noqa: E402
 from hf_kbit.kernel_table import SUPPORTED_BITS  # noqa: E402
 
 SCHEMA = "hf_kbit.bench_moe/1"
@@ -475,7 +476,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-graph", action="store_true", help="time eager calls with CUDA events, no CUDA graph")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="seconds per cell for eager timing (default 3, smoke 0.2)")
-    ap.add_argument("--gemm-kernel", default=None, choices=("mma", "wgmma", "wgmma_ws"),
+    ap.add_argument("--gemm-kernel", default=None, choices=GEMM_KERNELS,
                     help="CUDA: the GEMM kernel the planner takes (hf_kbit.backends.cuda.set_gemm_kernel); wgmma_ws "
                          "also serves the experts' grouped calls above the per-row threshold")
     args = ap.parse_args(argv)
