@@ -5,8 +5,8 @@
 //  * A producer warp (warpgroup 2, one elected thread) streams operands into shared memory,
 //    completing on mbarriers: x by the tensor copy engine (a 2-D tensor map over x [m, k], boxes
 //    of 64 K x 64 NB tokens in the 128-byte swizzle that wgmma reads, zero past m and k), the
-//    packed weight of 8 row tiles per K tile by bulk copies (the tiles are stored as-is: no
-//    repack). x comes in half K tiles, the weight in whole K tiles (kbit_params.h: ws_x_slots, ws_w_slots).
+//    packed weight of 8 row tiles per K tile by two more tensor copies (3-D maps over the tiles as
+//    stored, planes and scales: no repack). x comes in half K tiles, the weight in whole K tiles (kbit_params.h: ws_x_slots, ws_w_slots).
 //  * Two consumer warpgroups, 64 weight rows each (128 per CTA). The weight is the wgmma A
 //    operand straight from registers: each warp decodes its 16-row tile with per-pair lookups in
 //    the GEMV's table of codebook pairs (gemv_kernel.cuh; 64 KB, lane-private copies, no bank
@@ -82,19 +82,21 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   } while (!done);
 #endif
 }
-__device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-#if KBIT_HAS_WGMMA
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
-#endif
-}
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
 #if KBIT_HAS_WGMMA
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
           dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+#endif
+}
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, uint32_t bar) {
+#if KBIT_HAS_WGMMA
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];" ::
+          "r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
       : "memory");
 #endif
 }
@@ -244,7 +246,8 @@ __global__ void __launch_bounds__(1024) ws_group_tiles_kernel(const int64_t* off
 // kGrouped: a grouped call (WsGroups); else a dense one (grp unused).
 template <int BITS, typename T, int NB, bool kGrouped>
 __global__ void __launch_bounds__(kWsThreads, 1)
-    wgmma_ws_kernel(const __grid_constant__ CUtensorMap x_map, const MmParams p, const WsGroups grp) {
+    wgmma_ws_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
+                    const __grid_constant__ CUtensorMap s_map, const MmParams p, const WsGroups grp) {
 #if KBIT_HAS_WGMMA
   constexpr int kXSlots = ws_x_slots(NB), kWSlots = ws_w_slots(NB);
   constexpr int kXSlotBytes = ws_x_slot_bytes(NB), kWSlotBytes = ws_w_slot_bytes(BITS);
@@ -277,7 +280,11 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     }
     mbar_init_fence();
   }
-  if (threadIdx.x == kWsProducerThread) prefetch_tensor_map(&x_map);
+  if (threadIdx.x == kWsProducerThread) {
+    prefetch_tensor_map(&x_map);
+    prefetch_tensor_map(&w_map);
+    prefetch_tensor_map(&s_map);
+  }
   // The pair table (k = 2 in pairs too: the decode's slots) and the scale pairs, from the codebook
   // only, so before the wait.
   build_table<BITS, T, false>(table, codebook_lane<BITS>(p.codebook, lane));
@@ -315,27 +322,19 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   if (warp >= kWsConsumerWarps) {  // ---- producer warpgroup ----
     regs_dealloc<40>();
     if (threadIdx.x != kWsProducerThread) return;
-    const char* planes = reinterpret_cast<const char*>(p.planes);
-    const char* scales = reinterpret_cast<const char*>(p.block_scales);
     int xs = 0, ws = 0;
     uint32_t x_phase = 0, w_phase = 0;
     for (int i = blockIdx.x; i < tiles; i += gridDim.x) {
       const Coords c = tile_coords(i);
       const int kt0 = c.split * p.chunk_kt, kt1 = min(k_tiles, kt0 + p.chunk_kt);
-      const int64_t expert_tiles = static_cast<int64_t>(c.expert) * n_tiles * k_tiles;  // its tiles' offset
+      // The CTA's 8 row tiles of the expert (past its n: the next expert's or zeros, never stored).
+      const int tile_row0 = c.expert * n_tiles + c.rb * kWsConsumerWarps;
       for (int kt = kt0; kt < kt1; ++kt) {
         mbar_wait(w_empty(ws), w_phase ^ 1);
         mbar_expect_tx(w_full(ws), kWSlotBytes);
         const uint32_t w_dst = w_slots + ws * kWSlotBytes;
-#pragma unroll
-        for (int r = 0; r < kWsConsumerWarps; ++r) {
-          // A row tile past n loads the last one (finite values in rows that are never stored).
-          const int64_t tile =
-              expert_tiles + static_cast<int64_t>(min(c.rb * kWsConsumerWarps + r, n_tiles - 1)) * k_tiles + kt;
-          bulk_copy_g2s(w_dst + r * kPlaneBytes, planes + tile * kPlaneBytes, kPlaneBytes, w_full(ws));
-          bulk_copy_g2s(w_dst + kWsConsumerWarps * kPlaneBytes + r * kScaleBytes, scales + tile * kScaleBytes,
-                        kScaleBytes, w_full(ws));
-        }
+        tma_load_3d(w_dst, &w_map, 0, kt, tile_row0, w_full(ws));
+        tma_load_3d(w_dst + kWsConsumerWarps * kPlaneBytes, &s_map, 0, kt, tile_row0, w_full(ws));
         if (++ws == kWSlots) {
           ws = 0;
           w_phase ^= 1;
@@ -482,16 +481,38 @@ cudaError_t encode_x_map(CUtensorMap* map, const void* x, int64_t m, int64_t k, 
   return rc == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-// The GEMM on x through `map` (grid.x persistent CTAs), as a programmatic dependent launch.
+// The packed tiles of `experts` [n, k] weights as [experts * n_tiles, k_tiles] arrays of tiles of
+// `tile_bytes` (format.py's tile order), in boxes of one K tile of 8 row tiles: one copy per K tile
+// for the planes and one for the scales of a CTA's 128 rows.
+inline cudaError_t encode_tile_map(CUtensorMap* map, const void* base, int64_t rows, int64_t k_tiles, int tile_bytes) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (!encode) return cudaErrorNotSupported;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(tile_bytes / 8), static_cast<cuuint64_t>(k_tiles),
+                              static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(tile_bytes), static_cast<cuuint64_t>(k_tiles * tile_bytes)};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(tile_bytes / 8), 1, static_cast<cuuint32_t>(kWsConsumerWarps)};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult rc = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT64, 3, const_cast<void*>(base), dims, strides, box,
+                             elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return rc == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// The GEMM on x through `map` and on `experts` weights (grid.x persistent CTAs), as a programmatic
+// dependent launch.
 template <int BITS, typename T, int NB, bool kGrouped>
-cudaError_t launch_ws_kernel(const CUtensorMap& map, const MmParams& p, const WsGroups& grp, dim3 grid,
-                             cudaStream_t stream) {
+cudaError_t launch_ws_kernel(const CUtensorMap& map, const MmParams& p, int64_t experts, const WsGroups& grp,
+                             dim3 grid, cudaStream_t stream) {
   constexpr auto kernel = wgmma_ws_kernel<BITS, T, NB, kGrouped>;
   constexpr int kSmem = ws_smem_bytes(BITS, NB);
-  cudaError_t err = raise_smem_limit<kernel>(kSmem);
+  const int64_t rows = experts * ((p.n + kTileN - 1) / kTileN), k_tiles = (p.k + kTileK - 1) / kTileK;
+  CUtensorMap w_map, s_map;
+  cudaError_t err = encode_tile_map(&w_map, p.planes, rows, k_tiles, BITS * 256);
+  if (err == cudaSuccess) err = encode_tile_map(&s_map, p.block_scales, rows, k_tiles, 64);
+  if (err == cudaSuccess) err = raise_smem_limit<kernel>(kSmem);
   if (err != cudaSuccess) return err;
   const KernelLaunch launch(grid, kWsThreads, kSmem, stream, 1, true);  // sm_90 only: always PDL
-  return cudaLaunchKernelEx(&launch.config, kernel, map, p, grp);
+  return cudaLaunchKernelEx(&launch.config, kernel, map, w_map, s_map, p, grp);
 }
 
 // x as the tensor map may read it (a rotated layer's x R, or x at a 16-byte row pitch, into the
@@ -515,7 +536,7 @@ cudaError_t launch_wgmma_ws_gemm(const MmParams& p, dim3 grid, cudaStream_t stre
   CUtensorMap map;
   err = encode_x_map<T>(&map, x, p.m, p.k, pitch, NB * kWgmmaTokens);
   if (err != cudaSuccess) return err;
-  err = launch_ws_kernel<BITS, T, NB, false>(map, p, WsGroups{}, grid, stream);
+  err = launch_ws_kernel<BITS, T, NB, false>(map, p, 1, WsGroups{}, grid, stream);
   if (err != cudaSuccess || p.splits == 1) return err;
   return launch_splitk_reduce<T>(p.workspace, p.out, p.m * p.n, p.splits, stream);
 }
@@ -546,7 +567,7 @@ cudaError_t launch_wgmma_ws_grouped(const GroupedParams& gp, int grid, cudaStrea
   p.dtype = gp.dtype;
   p.splits = 1;
   p.chunk_kt = static_cast<int>((gp.k + kTileK - 1) / kTileK);
-  return launch_ws_kernel<BITS, T, NB, true>(map, p, WsGroups{tiles, count, gp.order}, dim3(grid), stream);
+  return launch_ws_kernel<BITS, T, NB, true>(map, p, gp.e, WsGroups{tiles, count, gp.order}, dim3(grid), stream);
 }
 
 }  // namespace kbit
