@@ -6,7 +6,8 @@
 //    completing on mbarriers: x by the tensor copy engine (a 2-D tensor map over x [m, k], boxes
 //    of 64 K x 64 NB tokens in the 128-byte swizzle that wgmma reads, zero past m and k), the
 //    packed weight of 8 row tiles per K tile by two more tensor copies (3-D maps over the tiles as
-//    stored, planes and scales: no repack). x comes in half K tiles, the weight in whole K tiles (kbit_params.h: ws_x_slots, ws_w_slots).
+//    stored, planes and scales: no repack). x comes in half K tiles, the weight in whole K tiles
+//    (kbit_params.h: ws_x_slots, ws_w_slots).
 //  * Two consumer warpgroups, 64 weight rows each (128 per CTA). The weight is the wgmma A
 //    operand straight from registers: each warp decodes its 16-row tile with per-pair lookups in
 //    the GEMV's table of codebook pairs (gemv_kernel.cuh; 64 KB, lane-private copies, no bank
