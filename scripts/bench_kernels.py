@@ -14,6 +14,8 @@ device copy bandwidth measured in the same run). Writes JSON and a markdown tabl
                                                  # (--gemm-kernel mma / wgmma_ws: that GEMM's entries)
     python scripts/bench_kernels.py --gemm-kernel wgmma_ws --ms 32 64 128 256 1024 4096 --out benchmarks/results/h200_ws
                                                  # the table with the warp-specialized GEMM above the GEMV
+    python scripts/bench_kernels.py --gemm-kernels wgmma,wgmma_ws --shapes llama3 --ms 32 64 128 256 1024 4096 --bits 4
+                                                 # each GEMM kernel's GEMM path against cuBLAS bf16, one process
     python scripts/bench_kernels.py --rotation --out benchmarks/results/h100_rotation
                                                  # each path on a rotated layer (random sign words) vs the
                                                  # same layer unrotated, Llama-3-8B shapes, M 1..1024
@@ -238,6 +240,50 @@ def bench_paths(name, k, n, ms, bits_list, results):
             print(f"{name:34s} k={bits} M={m:5d} {cells}  fastest={best} dispatch={row['dispatch']}", flush=True)
         del packs
         torch.cuda.empty_cache()
+
+
+def bench_gemm_kernels(name, k, n, ms, bits_list, kernels, results):
+    """The GEMM path of each of ``kernels`` (crossovers.GEMM_KERNELS names, each with its planner's plan) and
+    cuBLAS bf16 on the same x, cold L2, for every M and k: the A/B of two GEMM kernels in one process."""
+    from hf_kbit.backends import cuda as backend
+
+    xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in ms}
+    ncopy = copies_for(2 * n * k)
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(ncopy)]
+    settle()
+    bf16 = {m: time_calls([lambda w=ws[i % ncopy], x=xs[m]: torch.nn.functional.linear(x, w)
+                           for i in range(max(MIN_CALLS, ncopy))]) for m in ms}
+    del ws
+    try:
+        for bits in bits_list:
+            packs, ncalls = cold_packs(n, k, bits)
+            for m in ms:
+                row = {"shape": name, "K": k, "N": n, "M": m, "bits": bits, "bf16_us": bf16[m]}
+                for kernel in kernels:
+                    backend.set_gemm_kernel(kernel)
+                    calls = [lambda p=packs[i % len(packs)], x=xs[m]: backend.run_path("gemm", x, *p, k)
+                             for i in range(ncalls)]
+                    row[f"{kernel}_us"] = time_calls(calls)
+                results.append(row)
+                print(f"{name:34s} k={bits} M={m:5d} bf16={bf16[m]:7.1f}us  " +
+                      "  ".join(f"{kn}={row[f'{kn}_us']:7.1f}us {bf16[m] / row[f'{kn}_us']:4.2f}x" for kn in kernels),
+                      flush=True)
+            del packs
+    finally:
+        backend.set_gemm_kernel(None)
+    torch.cuda.empty_cache()
+
+
+def markdown_gemm_kernels(results, kernels, meta) -> str:
+    lines = [f"# kbit GEMM kernels against cuBLAS bf16 — {meta['device']}", "", f"Command: `{meta['command']}`  ",
+             (f"torch {meta['torch']}, cold L2, CUDA-graph replays, median of 7; us per call (x cuBLAS bf16 in the "
+              "same run), bf16 activations; each kernel's GEMM path with its own plan."), "",
+             "| shape (K x N) | k | M | bf16 us | " + " | ".join(f"{kn} us (x)" for kn in kernels) + " |",
+             "|---|---|---|---|" + "---|" * len(kernels)]
+    for r in results:
+        cells = [f"{r[f'{kn}_us']:.1f} ({r['bf16_us'] / r[f'{kn}_us']:.2f}x)" for kn in kernels]
+        lines.append(f"| {r['shape']} | {r['bits']} | {r['M']} | {r['bf16_us']:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def bench_rotation(name, k, n, ms, bits_list, results):
@@ -504,7 +550,13 @@ def main() -> None:
     ap.add_argument("--gemm-kernel", default=None, choices=GEMM_KERNELS,
                     help="the GEMM kernel the planner takes (hf_kbit.backends.cuda.set_gemm_kernel; default: the "
                          "device's, or HF_KBIT_GEMM_KERNEL's)")
+    ap.add_argument("--gemm-kernels", default=None,
+                    help=f"comma-separated among {', '.join(GEMM_KERNELS)}: time each kernel's GEMM path against "
+                         "cuBLAS bf16 in one process instead of kbit::mm's table")
     args = ap.parse_args()
+    kernels = args.gemm_kernels.split(",") if args.gemm_kernels else []
+    if any(kn not in GEMM_KERNELS for kn in kernels):
+        ap.error(f"--gemm-kernels: each must be one of {', '.join(GEMM_KERNELS)}, got {args.gemm_kernels!r}")
 
     import hf_kbit
     from hf_kbit import _lib
@@ -530,6 +582,8 @@ def main() -> None:
     for name, (k, n) in shapes.items():
         if args.rotation:
             bench_rotation(name, k, n, ms, args.bits, results)
+        elif kernels:
+            bench_gemm_kernels(name, k, n, ms, args.bits, kernels, results)
         elif args.paths:
             bench_paths(name, k, n, ms, args.bits, results)
         else:
@@ -549,6 +603,8 @@ def main() -> None:
             derived = derive_rotated_crossover(results, crossovers.read_rotated())
             crossovers.write({}, about=crossovers.ABOUT, rotated=derived)
             print(f"wrote the rotated GEMV crossover to {crossovers.FILE}: {derived}", flush=True)
+    elif kernels:
+        md = markdown_gemm_kernels(results, kernels, meta)
     elif args.paths:
         meta["gemm_kernel"] = results[0]["gemm_kernel"] if results else None
         md = markdown_paths(results, meta)
