@@ -242,18 +242,22 @@ def bench_paths(name, k, n, ms, bits_list, results):
         torch.cuda.empty_cache()
 
 
+def bf16_times(xs: dict, n: int, k: int) -> dict:
+    """cuBLAS bf16 microseconds per call of x [m, k] @ W.T for each ``xs[m]``, cold L2 (random [n, k] copies)."""
+    ncopy = copies_for(2 * n * k)
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(ncopy)]
+    settle()
+    return {m: time_calls([lambda w=ws[i % ncopy], x=x: torch.nn.functional.linear(x, w)
+                           for i in range(max(MIN_CALLS, ncopy))]) for m, x in xs.items()}
+
+
 def bench_gemm_kernels(name, k, n, ms, bits_list, kernels, results):
     """The GEMM path of each of ``kernels`` (crossovers.GEMM_KERNELS names, each with its planner's plan) and
     cuBLAS bf16 on the same x, cold L2, for every M and k: the A/B of two GEMM kernels in one process."""
     from hf_kbit.backends import cuda as backend
 
     xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in ms}
-    ncopy = copies_for(2 * n * k)
-    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(ncopy)]
-    settle()
-    bf16 = {m: time_calls([lambda w=ws[i % ncopy], x=xs[m]: torch.nn.functional.linear(x, w)
-                           for i in range(max(MIN_CALLS, ncopy))]) for m in ms}
-    del ws
+    bf16 = bf16_times(xs, n, k)
     try:
         for bits in bits_list:
             packs, ncalls = cold_packs(n, k, bits)
@@ -298,12 +302,7 @@ def bench_rotation(name, k, n, ms, bits_list, results):
     from hf_kbit.backends import cuda as backend
 
     xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in ms}
-    ncopy = copies_for(2 * n * k)
-    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(ncopy)]
-    settle()
-    bf16 = {m: time_calls([lambda w=ws[i % ncopy], x=xs[m]: torch.nn.functional.linear(x, w)
-                           for i in range(max(MIN_CALLS, ncopy))]) for m in ms}
-    del ws
+    bf16 = bf16_times(xs, n, k)
     signs = torch.randint(-(2**31), 2**31 - 1, (k // 32,), dtype=torch.int32, device="cuda")
     lib = _lib.load()
     for bits in bits_list:
