@@ -328,8 +328,8 @@ int gemm_nt(int64_t m) { return m <= 16 ? 2 : m <= 32 ? 4 : m <= 64 ? 8 : 16; }
 // written, reduced and read; the larger token block on a tie (fewer weight reads). A K tile's cycles are
 // a fixed part (the operand feed and the decode, whatever NB) and a part per 64 tokens, fitted to H200
 // timings of every plan (set_wgmma_ws_plan) on the Llama-3-8B/70B shapes at M = 32..4096, k = 4: the
-// model's plan is the fastest measured in 29 of 30 cells and 2% off in the other (measured with the feed of
-// bulk copies; the tensor-map feed took about 10% off NB = 1's K tile: refit when the feed changes).
+// model's plan is the fastest measured in 29 of 30 cells and 2% off in the other. Refit after a change to
+// the feed or the decode (time every plan with set_wgmma_ws_plan).
 constexpr double kWsStepPerNb = 460.0;
 constexpr double kWsStepFixed = 1150.0;
 constexpr double kWsTileFixed = 1500.0;         // first loads' latency and the epilogue's stores

@@ -94,6 +94,13 @@ def mm_plan(m: int, n: int, k: int, bits: int, device: int, dtype: torch.dtype =
     return plan
 
 
+def _forget_plans() -> None:
+    """Drop the cached plans, workspaces and kernel choices: the planner's overrides changed."""
+    _mm_plans.clear()
+    gemm_workspace.cache_clear()
+    gemm_kernel.cache_clear()
+
+
 def set_gemm_kernel(name: str | None) -> None:
     """Plan every later ``kbit::mm`` with the GEMM kernel ``name``, process-wide (tests and benchmarks):
     ``"mma"`` (mma.sync, any sm_80+), ``"wgmma"`` (sm_90a, the default there) or ``"wgmma_ws"`` (the
@@ -103,9 +110,7 @@ def set_gemm_kernel(name: str | None) -> None:
         raise ValueError(f"set_gemm_kernel: name must be one of {crossovers.GEMM_KERNELS} or None, got {name!r}")
     code = -1 if name is None else crossovers.GEMM_KERNELS.index(name)
     _lib.check(_LIB.kbit_set_gemm_kernel(code), "set_gemm_kernel")
-    _mm_plans.clear()
-    gemm_workspace.cache_clear()
-    gemm_kernel.cache_clear()
+    _forget_plans()
 
 
 @functools.cache
@@ -119,8 +124,7 @@ def set_wgmma_ws_plan(nb: int | None = None, splits: int | None = None) -> None:
     (1..8) from now on, process-wide, instead of its cost model's choice (``None``: the model's): tests cover
     every tile with it, benchmarks time each plan to fit the model."""
     _lib.check(_LIB.kbit_set_wgmma_ws_plan(nb or 0, splits or 0), "set_wgmma_ws_plan")
-    _mm_plans.clear()
-    gemm_workspace.cache_clear()
+    _forget_plans()
 
 
 def mm_path(m: int, n: int, k: int, bits: int, device: int, dtype: torch.dtype = torch.bfloat16,
