@@ -1,5 +1,6 @@
 """Planning a conversion: the model's skeleton on the meta device with the quantizer applied, the checkpoint's
-safetensors headers, and transformers' conversion mapping turned into :class:`~hf_kbit.convert.plan.TensorPlan`\ s."""
+safetensors headers, and transformers' conversion mapping turned into one
+:class:`~hf_kbit.convert.plan.TensorPlan` per tensor."""
 
 from __future__ import annotations
 
