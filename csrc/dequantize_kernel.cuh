@@ -9,11 +9,9 @@
 // k = 2..5 (2.5-2.7 TB/s read + written; a device copy reaches 2.9), float32 92-99 us.
 //
 // Rotated layers (kRotate, rot_signs, rotation.cuh): each row comes out unrotated, W' R^T (the public
-// dequantize; the matmul paths multiply the stored W' by x R instead). A thread's 8
-// elements are one eighth of a 64-segment (columns 8c .. 8c + 7, c % 8 the lane within its group
-// of 8), so the transform of the segment takes strides 1, 2, 4 in registers and 8, 16, 32 by
-// shuffles among those 8 lanes, in float32, before the one rounding: bit-exact with
-// rotation.unrotate of format.dequantize's float32 weight, rounded to the output dtype.
+// dequantize; the matmul paths multiply the stored W' by x R instead). A thread's 8 elements
+// (columns 8c .. 8c + 7) are one segment, unrotated in registers in float32 before the one rounding:
+// bit-exact with rotation.unrotate of format.dequantize's float32 weight, rounded to the output dtype.
 #pragma once
 
 #include "kbit_common.cuh"
@@ -130,9 +128,7 @@ __global__ void __launch_bounds__(kDequantizeThreads) dequantize_kernel(Dequanti
       v[2 * e] = __fmul_rn(cb[(idx_even >> (8 * e)) & 0xFFu], scale);
       v[2 * e + 1] = __fmul_rn(cb[(idx_odd >> (8 * e)) & 0xFFu], scale);
     }
-    // The 8 lanes of this segment (same row, same half of the K tile) are here together: rows
-    // and the break above are uniform over them.
-    if constexpr (kRotate) unrotate8(v, sign_word[i] >> (8 * byte), 0xFFu << (threadIdx.x & 24));
+    if constexpr (kRotate) unrotate8(v, sign_word[i] >> (8 * byte));  // v: one 8-element segment
 
     // __stwb is st.global.wb.v4 (default caching): a plain uint4/float4 assignment here was
     // split into 32-bit stores by the compiler (float32 then took 1.5x as long).

@@ -492,14 +492,12 @@ template <typename T> struct RowSquares {
   }
 };
 
-// Rotated layers: x R of one staging run (8 elements of a token, rotation.cuh). The 8 threads of a
-// 64-segment (q, t % 2: the segment is blocks 2 (t / 2), + 1 of the K tile) are 8 consecutive lanes of
-// the 16 that stage a record, so the transform's strides map to registers and to the lane bits of q
-// and t: k = 2, run 8q .. 8q + 7 of block t: strides 1, 2, 4 in registers, 8 and 16 across q, 32
-// across t; k >= 3, runs o .. o + 3 and o + 8 .. o + 11 (o = 16 (q / 2) + 4 (q % 2)): strides 1, 2 and
-// 8 in registers, 4 and 16 across q, 32 across t. Stages in the reference's order (1, 2, ..., 32), in
-// float32, one rounding. `sign_bits`: the sign word of the run's block shifted to its first element;
-// `mask`: the 16 lanes of the record.
+// Rotated layers: x R of one staging run (8 elements of a token, rotation.cuh). k = 2: the run is
+// elements 8q .. 8q + 7 of block t, one whole segment: strides 1, 2, 4 in registers. k >= 3: the runs
+// o .. o + 3 and o + 8 .. o + 11 (o = 16 (q / 2) + 4 (q % 2)), the halves of two segments whose other
+// halves sit in lane q ^ 1 (the next lane): strides 1, 2 in registers, 4 by one shuffle. Stages in the
+// reference's order (1, 2, 4), float32, one rounding. `sign_bits`: the sign word of the run's block
+// shifted to its first element; `mask`: the 16 lanes of the record.
 // The signs flip the 16-bit sign bits before the conversion (exact, as the reference's multiply by
 // +-1): pair i of the run (elements 2i, 2i + 1: sign bits a and a + 1) XORs its word with
 // t * (2^(15 - a) + 2^(30 - a)) & 0x80008000, t the run's sign bits alone, which moves bit a to 15 and
@@ -533,15 +531,8 @@ __device__ __forceinline__ uint4 rotate_run(uint4 u, uint32_t sign_bits, unsigne
   }
   butterfly_regs<1>(v);
   butterfly_regs<2>(v);
-  if constexpr (BITS == 2) {
-    butterfly_regs<4>(v);
-    butterfly_lanes<1>(v, mask);
-  } else {
-    butterfly_lanes<1>(v, mask);
-    butterfly_regs<4>(v);
-  }
-  butterfly_lanes<2>(v, mask);
-  butterfly_lanes<4>(v, mask);
+  if constexpr (BITS == 2) butterfly_regs<4>(v);
+  else butterfly_lanes<1>(v, mask);
   Run out;
 #pragma unroll
   for (int i = 0; i < 4; ++i) out.w[i] = pack2<T>(__fmul_rn(v[2 * i], kRotScale), __fmul_rn(v[2 * i + 1], kRotScale));

@@ -485,12 +485,12 @@ MmCrossovers g_crossovers[kNumGemmKernels][kMaxPlanBits + 1] = {};
 // The GEMM plans (no dtype yet) take the bit widths the GEMM has for some dtype.
 bool gemm_has_bits(int bits) { return in_kernel_table(kGemm, bits, kFloat16) || in_kernel_table(kGemm, bits, kBFloat16); }
 
-// Rotated layers (rot_signs given): whole 64-element Hadamard segments along K (rotation.cuh).
+// Rotated layers (rot_signs given): K a multiple of kRotMultiple (kbit_params.h, rotation.cuh).
 int check_rotation(const uint32_t* rot_signs, int64_t k) {
   if (!rot_signs) return KBIT_OK;
-  if (k % kRotBlock != 0)
+  if (k % kRotMultiple != 0)
     return fail("rot_signs given for in_features=%lld: rotated layers need in_features %% %d == 0",
-                static_cast<long long>(k), kRotBlock);
+                static_cast<long long>(k), kRotMultiple);
   if (!aligned(rot_signs, 4)) return fail("rot_signs must be 4-byte aligned (int32 words)");
   return KBIT_OK;
 }

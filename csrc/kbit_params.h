@@ -16,9 +16,12 @@ constexpr int kE4M4Bias = 11;
 constexpr float kRowScaleMax = 0x1.08420ep+123f;
 static_assert(kRowScaleMax * 31.0f <= 0x1.fffffep+127f, "31 x the largest row scale must be a finite float");
 
-// Rotated layers (rotation.cuh): the Hadamard segment of K (rotation.DEFAULT_BLOCK); their K is a
-// multiple of it.
-constexpr int kRotBlock = 64;
+// Rotated layers (rotation.cuh): the Hadamard segment of K (rotation.DEFAULT_BLOCK), 8 consecutive
+// elements, which a thread holds in its registers wherever the kernels stage x; and the multiple of K a
+// rotated layer has (format.ROTATION_MULTIPLE): whole 64-element halves of a K tile, so a partial last
+// tile's rotated half is all in K or all past it (zeros, no sign word read).
+constexpr int kRotBlock = 8;
+constexpr int kRotMultiple = 64;
 
 // Activation dtypes the kernels take (values fixed: they cross the C ABI).
 enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };

@@ -1,17 +1,23 @@
 // Block-Hadamard rotation of the activations along K (hf_kbit/rotation.py, issue 34): a rotated
-// layer stores the quantized W R, with R = diag(s) B and B = H64 / 8 on consecutive 64-element
+// layer stores the quantized W R, with R = diag(s) B and B = H8 / sqrt(8) on consecutive 8-element
 // segments of K, so the kernels multiply x R instead of x (and dequantize unrotates: W' R^T).
 //
 // The signs reach the kernels as bit words (MmParams::rot_signs, ...): [k / 32] uint32, bit
 // e % 32 of word e / 32 set <=> s_e = -1; nullptr = no rotation. Rotated layers have K % 64 == 0
-// (the host API refuses others), so a segment never straddles a K tile's halves and never
-// crosses K: the tail of a partial K tile is a whole zero segment, which rotates to zeros.
+// (kRotMultiple; the host API refuses others), so the half of a partial last K tile is all inside K
+// or all past it, where x is zero and rotates to zeros.
+//
+// Why segments of 8: wherever the kernels stage x a thread holds 8 consecutive elements (the GEMM's
+// x rewrite, dequantize, the standalone rotation, the GEMV at k = 2) or two runs of 4 whose partners
+// sit in the neighbouring lane (the GEMV at k >= 3), so the transform is 3 butterfly stages in
+// registers (one of them a shuffle in the k >= 3 GEMV staging), where 64-element segments took 3
+// shuffle stages everywhere; and by perplexity it buys what 64 did (docs/format.md#rotation).
 //
 // Arithmetic: float32, in the reference's order (rotation.rotate: sign, the butterfly stages of
-// strides 1, 2, 4, 8, 16, 32, each a + b / a - b of the lower and upper element, then * 1/8,
-// exact), rounded once to the activation dtype: the rounded x R is bit-identical with
-// rotate(x).to(dtype). Per element ~10 instructions (6 adds, up to 3 shuffles, a sign flip, a
-// multiply, the conversions), paid once per element of x, never per weight element.
+// strides 1, 2, 4, each a + b / a - b of the lower and upper element, then * float32(1 / sqrt(8))),
+// rounded once to the activation dtype: the rounded x R is bit-identical with rotate(x).to(dtype).
+// Per element ~5 instructions (3 adds, a sign flip, a multiply) beside the conversions, paid once per
+// element of x, never per weight element.
 #pragma once
 
 #include <algorithm>
@@ -21,8 +27,11 @@
 
 namespace kbit {
 
-constexpr float kRotScale = 0.125f;  // 1 / sqrt(kRotBlock): a power of two, so the product is exact
-static_assert(kTileK % kRotBlock == 0, "a K tile holds whole segments: K splits rotate their own range");
+// 1 / sqrt(kRotBlock) rounded to float32, the constant rotation.fwht_segments multiplies by.
+constexpr float kRotScale = 0.35355339059327373f;
+static_assert(kRotBlock == 8, "the register transforms below are of 8-element segments");
+static_assert(kTileK % kRotMultiple == 0 && kRotMultiple % kRotBlock == 0,
+              "a K tile holds whole segments: K splits rotate their own range");
 
 // v with its sign flipped where `bit` (0 or 1) is set: exact, and no multiply for the compiler to
 // contract with the butterflies' adds.
@@ -65,27 +74,22 @@ __device__ __forceinline__ void prefetch_signs(const uint32_t* rot_signs, int64_
     asm volatile("prefetch.global.L1 [%0];" ::"l"(rot_signs + w));
 }
 
-// 8 elements of one 64-segment per thread, element e at segment position 8 (lane % 8) + e: the
-// rotation of x (sign first) or the unrotation of a weight row (sign last), strides 1, 2, 4 in
-// registers and 8, 16, 32 by shuffles among the 8 lanes (`mask` holds them).
-// The unscaled Walsh-Hadamard transform of a segment held as 8 consecutive values in each of 8 lanes.
-__device__ __forceinline__ void hadamard8x8(float (&v)[8], unsigned mask) {
+// One 8-element segment in a thread's registers: the rotation of x (sign first) or the unrotation of
+// a weight row (sign last); `sign_bits`: the segment's signs at bits 0..7.
+__device__ __forceinline__ void hadamard8(float (&v)[8]) {
   butterfly_regs<1>(v);
   butterfly_regs<2>(v);
   butterfly_regs<4>(v);
-  butterfly_lanes<1>(v, mask);
-  butterfly_lanes<2>(v, mask);
-  butterfly_lanes<4>(v, mask);
 }
-__device__ __forceinline__ void rotate8(float (&v)[8], uint32_t sign_bits, unsigned mask) {
+__device__ __forceinline__ void rotate8(float (&v)[8], uint32_t sign_bits) {
 #pragma unroll
   for (int e = 0; e < 8; ++e) v[e] = flip_sign(v[e], (sign_bits >> e) & 1u);
-  hadamard8x8(v, mask);
+  hadamard8(v);
 #pragma unroll
   for (int e = 0; e < 8; ++e) v[e] = __fmul_rn(v[e], kRotScale);
 }
-__device__ __forceinline__ void unrotate8(float (&v)[8], uint32_t sign_bits, unsigned mask) {
-  hadamard8x8(v, mask);
+__device__ __forceinline__ void unrotate8(float (&v)[8], uint32_t sign_bits) {
+  hadamard8(v);
 #pragma unroll
   for (int e = 0; e < 8; ++e) v[e] = flip_sign(__fmul_rn(v[e], kRotScale), (sign_bits >> e) & 1u);
 }
@@ -94,7 +98,7 @@ __device__ __forceinline__ void unrotate8(float (&v)[8], uint32_t sign_bits, uns
 // Where no kernel fuses it: the GEMV above its in-staging crossover and the mma.sync GEMM (x R into
 // their workspace), dequantize + cuBLAS (x R), and the gradients (dX = (dY W') R^T: the unrotation of
 // dY W'); also the tests' reference point. A thread transforms 8 consecutive elements (one 16-byte
-// load of 16-bit x), 8 lanes a segment (rotate8 / unrotate8); grid-stride over the 8-element vectors.
+// load of 16-bit x), one segment (rotate8 / unrotate8); grid-stride over the 8-element vectors.
 // It launches its dependents right after its own wait (kbit_common.cuh): the GEMV that reads its
 // output then loads its first weight tiles and builds its table while the rotation runs.
 
@@ -110,9 +114,6 @@ __global__ void __launch_bounds__(kRotateThreads) rotate_kernel(RotateParams p) 
   const int64_t per_row = p.k / 8, total = p.m * per_row;
   // 16-byte loads where every row start is aligned (out is contiguous and 16-byte aligned).
   const bool vec = p.x_stride % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-  // k % 64 == 0, so a group of 8 lanes (8-aligned thread indices) is one segment and its lanes
-  // leave the loop together.
-  const unsigned mask = 0xFFu << (threadIdx.x & 24);
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t row = i / per_row, col = (i - row * per_row) * 8;
@@ -130,8 +131,8 @@ __global__ void __launch_bounds__(kRotateThreads) rotate_kernel(RotateParams p) 
     float v[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) v[e] = to_float(in.e[e]);
-    if constexpr (kInverse) unrotate8(v, bits, mask);
-    else rotate8(v, bits, mask);
+    if constexpr (kInverse) unrotate8(v, bits);
+    else rotate8(v, bits);
     Vec o;
 #pragma unroll
     for (int e = 0; e < 8; ++e) o.e[e] = from_float<T>(v[e]);

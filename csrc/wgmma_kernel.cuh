@@ -132,41 +132,26 @@ __device__ __forceinline__ void load_x_groups(const T* x, int64_t m, int64_t k, 
 }
 
 // Rotated layers: the 4 groups (elements 32 t + 8 q + 0..7 of K tile kt, t = 0..3) turned into x R
-// (rotation.cuh). Blocks 0, 1 and 2, 3 are the tile's two 64-segments; a thread holds 16 elements of
-// each, at segment positions 32 (t % 2) + 8 q + e. Strides 1, 2, 4 (e) and 32 (t % 2) are in its
-// registers, 8 and 16 (q: the 4 consecutive lanes of one (token, K tile)) take shuffles. Stages in
-// the reference's order, float32, one rounding.
+// (rotation.cuh): each group is one 8-element segment, rotated in registers. Float32, the reference's
+// order, one rounding.
 template <typename T>
 __device__ __forceinline__ void rotate_x_groups(uint4 (&v)[4], const uint32_t* rot_signs, int64_t k, int kt, int q) {
   union Group { uint4 u; T e[8]; };
-  const unsigned mask = 0xFu << (threadIdx.x & 28);
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {  // segment h: blocks 2h, 2h + 1
-    float f[16];
+  for (int t = 0; t < 4; ++t) {
+    const int64_t word = static_cast<int64_t>(kt) * kBlocksPerTile + t;
+    // k % 64 == 0: a group past k is zero (no sign word to read).
+    const uint32_t bits = word * kBlockSize < k ? __ldg(rot_signs + word) >> (8 * q) : 0u;
+    Group g;
+    g.u = v[t];
+    float f[8];
 #pragma unroll
-    for (int b = 0; b < 2; ++b) {
-      const int64_t word = static_cast<int64_t>(kt) * kBlocksPerTile + 2 * h + b;
-      // k % 64 == 0: a segment past k is zero (no sign word to read).
-      const uint32_t bits = word * kBlockSize < k ? __ldg(rot_signs + word) >> (8 * q) : 0u;
-      Group g;
-      g.u = v[2 * h + b];
+    for (int e = 0; e < 8; ++e) f[e] = to_float(g.e[e]);
+    rotate8(f, bits);
+    uint32_t w[4];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) f[8 * b + e] = flip_sign(to_float(g.e[e]), (bits >> e) & 1u);
-    }
-    butterfly_regs<1>(f);
-    butterfly_regs<2>(f);
-    butterfly_regs<4>(f);
-    butterfly_lanes<1>(f, mask);
-    butterfly_lanes<2>(f, mask);
-    butterfly_regs<8>(f);
-#pragma unroll
-    for (int b = 0; b < 2; ++b) {
-      uint32_t w[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        w[i] = pack2<T>(__fmul_rn(f[8 * b + 2 * i], kRotScale), __fmul_rn(f[8 * b + 2 * i + 1], kRotScale));
-      v[2 * h + b] = make_uint4(w[0], w[1], w[2], w[3]);
-    }
+    for (int i = 0; i < 4; ++i) w[i] = pack2<T>(f[2 * i], f[2 * i + 1]);
+    v[t] = make_uint4(w[0], w[1], w[2], w[3]);
   }
 }
 

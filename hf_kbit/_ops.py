@@ -3,7 +3,7 @@
 The default implementation (``CompositeExplicitAutograd``, any device) is the pure-PyTorch
 reference (:mod:`hf_kbit.format` for the weight ops); it is what the tests trust.
 
-Rotation (format v2): every op that reads a packed weight takes ``signs`` last (``Tensor? signs=None``):
+Rotation (format v3): every op that reads a packed weight takes ``signs`` last (``Tensor? signs=None``):
 the layer's sign words (int32 ``[in_features / 32]``, :func:`hf_kbit.rotation.sign_words`) when its packed
 weight holds ``W R`` rather than ``W``. The ops then still compute in the original basis: the mm-like ops
 rotate their staged activation (after the prologue, for the prologue ops) in float32 and round it once to
@@ -88,13 +88,13 @@ def _check_packed(planes, block_scales, row_scales, codebook, in_features) -> No
 
 def _check_signs(signs, in_features, planes) -> None:
     """A rotated layer's sign words: int32 ``[in_features / 32]`` on the packed weight's device, in_features a
-    multiple of :data:`hf_kbit.format.ROTATION_BLOCK`."""
+    multiple of :data:`hf_kbit.format.ROTATION_MULTIPLE`."""
     if signs is None:
         return
     torch._check(signs.dtype == torch.int32, lambda: f"signs must be int32 sign words, got {signs.dtype}")
     torch._check(
-        in_features % fmt.ROTATION_BLOCK == 0,
-        lambda: f"signs: a rotated layer needs in_features a multiple of {fmt.ROTATION_BLOCK}, got {in_features}",
+        in_features % fmt.ROTATION_MULTIPLE == 0,
+        lambda: f"signs: a rotated layer needs in_features a multiple of {fmt.ROTATION_MULTIPLE}, got {in_features}",
     )
     torch._check(
         tuple(signs.shape) == fmt.rotation_signs_shape(in_features),

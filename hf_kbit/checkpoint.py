@@ -67,7 +67,7 @@ def rotation_signs_keys(
     files: Iterable[str | os.PathLike], rename: Callable[[str], str] | None = None
 ) -> list[str]:
     """The sign-word keys (:func:`is_rotation_signs`) the safetensors ``files`` hold, in the model's naming
-    (``rename``, as :func:`validate_files`): the layers the checkpoint stores rotated (format v2)."""
+    (``rename``, as :func:`validate_files`): the layers the checkpoint stores rotated (format v3)."""
     keys = []
     for path in files:
         if not str(path).endswith(".safetensors"):

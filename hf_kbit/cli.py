@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--rotation",
         default="off",
         choices=tuple(ROTATION_CHOICES),
-        help="store weights rotated along K by a seeded block Hadamard (format v2; the kernels turn the activations "
+        help="store weights rotated along K by a seeded block Hadamard (format v3; the kernels turn the activations "
         "to match): 'on' every weight whose in_features is a multiple of 64, 'auto' where it lowers the weight "
         "error (decided per group of weights reading one input), 'off' never (default)",
     )

@@ -71,8 +71,8 @@ class KbitConfig(QuantizationConfigMixin):
             of values is kept as given); ``"absmax"`` rounds each block's absmax up and uses
             ``codebook`` as is. ``None`` takes the measured default of each k
             (:data:`hf_kbit.fitting.DEFAULT_FITTING`). Inference costs the same either way.
-        rotation: store weights rotated along K (format v2): ``W R`` with ``R`` the seeded block Hadamard of
-            :mod:`hf_kbit.rotation` (segments of 64), quantized as above, and the kernels turn the activations
+        rotation: store weights rotated along K (format v3): ``W R`` with ``R`` the seeded block Hadamard of
+            :mod:`hf_kbit.rotation` (segments of 8), quantized as above, and the kernels turn the activations
             to match (``x R``), so outputs are unchanged up to quantization. ``False`` (default): never; ``True``:
             every quantized weight whose in_features is a multiple of 64 (the others stay unrotated); ``"auto"``:
             per group of weights that read one input (q/k/v, gate/up, all experts of a projection) where it
@@ -213,6 +213,12 @@ class KbitConfig(QuantizationConfigMixin):
                              "rotation=True or 'auto' (or drop rotation_seed)")
         if not isinstance(self.format_version, int) or isinstance(self.format_version, bool) or self.format_version < 1:
             raise ValueError(f"KbitConfig.format_version must be a positive int, got {self.format_version!r}")
+        if self.format_version in fmt.UNREADABLE_VERSIONS:
+            raise ValueError(
+                f"This checkpoint uses kbit format v{self.format_version} "
+                f"({fmt.UNREADABLE_VERSIONS[self.format_version]}); this hf-kbit writes and reads v{fmt.FORMAT_VERSION}. "
+                "Convert the source model again (`kbit-convert ... --rotation on`, or KbitConfig(rotation=True) on load)."
+            )
         if self.format_version > fmt.FORMAT_VERSION:
             raise ValueError(
                 f"This checkpoint uses kbit format v{self.format_version}; this hf-kbit reads up to "

@@ -1,4 +1,4 @@
-"""The kbit weight format, version 2, as executable pure-PyTorch reference.
+"""The kbit weight format, version 3, as executable pure-PyTorch reference.
 
 This module is the specification: every kernel is tested against it (bit-exactly for the
 packed tensors, within named tolerances for matmuls). ``docs/format.md`` explains it for
@@ -18,14 +18,15 @@ experts) is stored as four tensors:
 
 ``W[n, k] ~= codebook[index] * e4m4(block_scales[block]) * row_scales[n]``.
 
-Version 2 adds rotation: a layer may store ``W R`` instead of ``W`` (``R``: the seeded block Hadamard of
-:mod:`hf_kbit.rotation`, block :data:`ROTATION_BLOCK`, along K), quantized as above, with a fifth tensor
+Version 3 adds rotation: a layer may store ``W R`` instead of ``W`` (``R``: the seeded block Hadamard of
+:mod:`hf_kbit.rotation`, segments of :data:`ROTATION_BLOCK` = 8 along K), quantized as above, with a fifth tensor
 
 - ``rotation_signs``: int32 ``[K / 32]``, the signs of ``R`` (:func:`hf_kbit.rotation.sign_words`).
 
-Only layers with K a multiple of :data:`ROTATION_BLOCK` rotate (:func:`rotatable`). ``x W^T = (x R) (W R)^T``,
+Only layers with K a multiple of :data:`ROTATION_MULTIPLE` rotate (:func:`rotatable`). ``x W^T = (x R) (W R)^T``,
 so the ops rotate the activations; :func:`hf_kbit.rotation.unrotate_words` of the reconstruction is ``W``
-again. A checkpoint with no rotated layer is version 1, unchanged.
+again. A checkpoint with no rotated layer is version 1, unchanged. Version 2 rotated in segments of 64; it is
+refused on read (:data:`UNREADABLE_VERSIONS`).
 """
 
 from __future__ import annotations
@@ -38,10 +39,16 @@ import torch
 from .kernel_table import SUPPORTED_BITS  # noqa: F401  (the bit widths the kernels are built for)
 from .rotation import DEFAULT_BLOCK, WORD_BITS
 
-# 2: rotated layers (rotation_signs). A checkpoint without one is written as version 1, which it is.
-FORMAT_VERSION = 2
-ROTATION_VERSION = 2  # the version of a checkpoint with a rotated layer
-ROTATION_BLOCK = DEFAULT_BLOCK  # Hadamard segment of a rotated layer along K: 64 (6 butterfly stages)
+# 3: rotated layers (rotation_signs), segments of 8. A checkpoint without one is written as version 1, which it is.
+FORMAT_VERSION = 3
+ROTATION_VERSION = 3  # the version of a checkpoint with a rotated layer
+# Versions this library refuses to read, with why. Version 2 stored W R with segments of 64: its layers would
+# compute wrong outputs under version 3's segments of 8.
+UNREADABLE_VERSIONS = {2: "rotated in segments of 64, which this library no longer runs"}
+ROTATION_BLOCK = DEFAULT_BLOCK  # Hadamard segment of a rotated layer along K: 8 (3 butterfly stages)
+# K of a rotated layer is a multiple of this: whole 64-element halves of a 128-column tile, so the kernels' partial
+# last tile rotates all of a half or none of it.
+ROTATION_MULTIPLE = 64
 ROTATION_SIGNS = "rotation_signs"  # the sign words of a rotated layer (KbitExperts: "<projection>_rotation_signs")
 ROTATION_SIGNS_DTYPE = torch.int32
 BLOCK_SIZE = 32  # elements along K sharing one scale; also the bits of one plane word
@@ -111,8 +118,8 @@ ROW_SCALE_MAX = _row_scale_max()
 
 def rotatable(k: int) -> bool:
     """Whether a weight with ``k`` columns (in_features) may be stored rotated: K a positive multiple of
-    :data:`ROTATION_BLOCK`, so that the Hadamard segments tile it (and never cross a 128-column tile)."""
-    return k > 0 and k % ROTATION_BLOCK == 0
+    :data:`ROTATION_MULTIPLE`, so that the Hadamard segments tile it (and the kernels' tiles hold whole halves)."""
+    return k > 0 and k % ROTATION_MULTIPLE == 0
 
 
 def rotation_signs_shape(k: int) -> tuple[int]:

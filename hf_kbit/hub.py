@@ -172,7 +172,7 @@ def _rotation_summary(cfg, stats: dict) -> str:
     rotated = stats.get("rotated_tensors", 0)
     how = "every quantized tensor whose" if cfg.rotation is True else "chosen per weight group (auto) among tensors whose"
     return (f"seeded block Hadamard along K (block {fmt.ROTATION_BLOCK}, seed {cfg.rotation_seed}), {how} in_features "
-            f"is a multiple of {fmt.ROTATION_BLOCK}: {rotated} of {stats['quantized_tensors']} tensors are stored "
+            f"is a multiple of {fmt.ROTATION_MULTIPLE}: {rotated} of {stats['quantized_tensors']} tensors are stored "
             "rotated (the kernels turn the activations to match)")
 
 

@@ -24,9 +24,9 @@ The rotation
   of a projection) turns ``x`` the same way.
 - ``B``: block diagonal, normalised Sylvester Hadamard matrices ``H_b / sqrt(b)`` on consecutive
   segments of K (``H_1 = [1]``, ``H_2n = [[H_n, H_n], [H_n, -H_n]]``; symmetric, so ``B = B^T =
-  B^-1``). Segments are ``block`` long (a power of two, :data:`DEFAULT_BLOCK` = 64). **Tail**:
-  when ``block`` does not divide K, the remaining ``r = K mod block`` elements are split by the
-  binary digits of ``r`` into power-of-two segments, largest first (K = 200, block 64: 64, 64,
+  B^-1``). Segments are ``block`` long (a power of two, :data:`DEFAULT_BLOCK` = 8, the format's).
+  **Tail**: when ``block`` does not divide K, the remaining ``r = K mod block`` elements are split by
+  the binary digits of ``r`` into power-of-two segments, largest first (K = 200, block 64: 64, 64,
   64, 8). Every element is rotated, ``R`` stays orthonormal and square in K (no padding, so the
   format's rule "columns past K are zero and never read" still holds), and a segment never
   straddles a format block of 32 unless it is larger than one. The real models of interest have
@@ -37,76 +37,31 @@ The rotation
 ``1/sqrt(b)``); ``y R^T`` (:func:`unrotate`) is the transform followed by ``* s``. Weights
 ``[..., N, K]`` rotate exactly like activations ``[..., K]``: row by row along the last dim.
 
-What the kernels must do (design note for the kernel work)
------------------------------------------------------------
+What the kernels do
+-------------------
 A rotated weight is an ordinary format tensor: decode, planes, scales and tiling do not change.
-Only the activation operand does, from ``x`` to ``x R``, on every path, and it must be turned
-before it meets the decoded weights. Shared facts:
+Only the activation operand does, from ``x`` to ``x R``, on every path, turned before it meets the
+decoded weights (``csrc/rotation.cuh``; costs measured in docs/kernels.md#rotation):
 
-- **Work per activation element**, segment ``b = 64``: 6 butterfly stages (one add or subtract
-  each) and one multiply by ``s[i] / sqrt(b)`` (``1/8``, exact; at odd ``log2 b`` the factor is
-  not a power of two, so the reference rounds where the kernel does). With 8 lanes per segment
-  of 64 (one 16-byte load of 8 bf16 each), strides 1, 2, 4 stay in registers and strides 8, 16,
-  32 take one ``__shfl_xor_sync`` each: ~10 instructions, ~20 fp32 lane-op slots per element
-  with shuffles at a quarter rate. Per element of x, never per weight element. ``b = 32``, one
-  format block, takes 5 stages (4 lanes of 8: 3 in registers, 2 shuffles).
+- **Work per activation element**, segment ``b = 8`` (the format's): 3 butterfly stages (one add or
+  subtract each), a sign flip and one multiply by ``1/sqrt(8)`` rounded to float32 (the reference
+  multiplies by the same float32 constant, so both round alike). A thread that loads 8 consecutive
+  16-bit values (one 16-byte load) holds a whole segment: no shuffles, ~5 instructions per element,
+  per element of x, never per weight element.
 - **Signs**: the kernels read ``s`` as sign words (:func:`sign_words`: int32 ``[K / 32]``, bit ``e & 31``
   of word ``e >> 5`` set where ``s[e] = -1``), a buffer of the module that checkpoints carry
-  (``<module>.rotation_signs``). Hashing SplitMix64 per element in the kernel would cost ~20
-  integer ops (64-bit multiplies).
-- **Segments stay inside a K tile** whenever ``b`` divides 128 (tail segments are smaller still),
-  so K splits, which cut at 128-column tiles, rotate their own range and nothing more.
-- **Rounding**: the mma operand is ``x R`` rounded to the activation dtype (bf16/fp16), one
-  rounding per element as for ``x`` today; the CPU reference must rotate in float32 and round
-  the same way to keep the named tolerances.
+  (``<module>.rotation_signs``).
+- **Where**: the GEMV and the grouped GEMV rotate as they stage x (and after a fused prologue); the
+  wgmma GEMM in its x rewrite; the mma.sync GEMM, dequantize + cuBLAS and the GEMV above its
+  measured crossover after a standalone rotation (``kbit_rotate``); dequantize and the gradients
+  unrotate.
+- **Rounding**: the mma operand is ``x R`` rounded to the activation dtype (bf16/fp16), one rounding
+  per element as for ``x``; the CPU reference rotates in float32 and rounds the same way.
 
-Per path (H100: ~33 T fp32 lane-ops/s, 2.9 TB/s; costs for M tokens, weight [N, K]):
-
-- **GEMV** (M <= 16, gemv_kernel.cuh). Each persistent CTA stages its K range of x once
-  (``stage_x``, permuted into B-fragment order) and walks many row tiles with it. Rotating there
-  means fetching whole segments (8 lanes per segment of one token) instead of the current
-  8-element runs, butterflies in registers/shuffles, then the same permuted, swizzled stores.
-  Throughput cost ``20 M K_range`` lane-ops per CTA, i.e. ``20 M / rows_per_CTA`` per weight
-  element (4096 x 14336 on 132 SMs: ~109 rows per CTA, 0.2 slots at M = 1, 0.7 at M = 4, out of
-  the ~5-6 a k = 4 weight may take). The real cost is latency: the staging precedes the K loop,
-  and one pass adds the 6 dependent stages (~0.1-0.2 us). Against 10.7 us for that k = 4 weight
-  that is 1-2 %; against a 512 x 2048 weight (~0.2 us of bytes) it can be 50 %+. Alternative:
-  a tiny rotate kernel writing ``x R`` (``2 M K`` bytes each way, a few KB) as a programmatic
-  dependent launch in front of the GEMV, whose staging then stays as it is. Measure both.
-- **wgmma GEMM** (sm_90a, 16 < M <= 512). ``wgmma_x_kernel`` already rewrites x once per call
-  into ``x_perm``, byte for byte the shared-memory stage, as a PDL ahead of the GEMM. Rotate
-  inside that rewrite: ``20 M K`` lane-ops once per call. At M = 512, K = 4096 that is ~42 M
-  lane-ops, ~1.3 us of the whole GPU's CUDA cores, against ~24 us for a 512 x 4096 x 4096 GEMM
-  at 700 TFLOP/s: up to ~5 % where not overlapped (less at larger N). Cheaper still for large M:
-  the butterflies of a 64-segment are a product with the 64 x 64 matrix ``H_64 / 8`` (entries
-  +-1/8, exact in bf16), i.e. ``128 M K`` tensor-core flops, ``64 / N`` of the GEMM's.
-- **mma.sync GEMM** (gemm_kernel.cuh; pre-Hopper). x arrives per K tile by cp.async in natural
-  order into every CTA of a row block. Rotating the tile in shared memory would repeat the work
-  in every row block and, at 64 tokens, add ~640 lane-op slots per thread per K tile against
-  ~770 for decoding 256 x 128 weights: nearly doubling the CUDA-core work. Instead give it the
-  same x prologue as the wgmma path (rotate once into a workspace; ``2 M K`` bytes extra).
-- **Dequantize + cuBLAS** (large M). ``kbit::dequantize`` writes ``W R`` as today; rotate x
-  (``M K log2 b``) or unrotate the dequantized weight (``N K log2 b``), whichever is smaller;
-  either is < 1 % of ``2 M N K``. The public ``dequantize()`` always unrotates.
-- **Grouped MoE** (grouped_gemv_kernel.cuh). A token row is staged once per unit (row, row
-  group) or chunk, so in-staging rotation repeats per unit. All experts of a projection share K
-  and the rotation: rotate the ``[T, K]`` hidden states once before the grouped launch (``T K``,
-  not ``T top_k K``). ``down_proj``'s input ``act(gate) * up`` is per (token, expert) and is
-  rotated after that product: in its fused prologue or in one pass over ``[T top_k, I]``.
-- **Fused prologues** (``XPrologue``: RMSNorm ``w * (a [+ b])`` with the per-token
-  ``rsqrt(mean + eps)`` applied in the epilogue; ``silu(g) * u``). ``R`` mixes channels, so it
-  cannot fold into the norm's per-channel weight; it follows the elementwise op. It is linear,
-  so the per-token rsqrt, a scalar, still goes to the epilogue, and ``||x R|| = ||x||``, so the
-  sum of squares may be taken before or after. As in the GEMV staging, the prologue must then
-  produce whole segments rather than 8-element runs.
-- **CPU reference**: ``rotate(x)`` rounded to x's dtype, times the rotated stored weight; the
-  public ``dequantize()`` (``model.dequantize()``, LoRA merges) returns ``unrotate(W_hat)``, an
-  ordinary weight in the original basis.
-
-Format (``docs/format.md``, version 2): a rotated layer stores its quantized ``W R`` with ``block`` 64
+Format (``docs/format.md``, version 3): a rotated layer stores its quantized ``W R`` with ``block`` 8
 (:data:`hf_kbit.format.ROTATION_BLOCK`) and its sign words; only layers with K a multiple of 64
-rotate. :func:`rotate_words` and :func:`unrotate_words` are the rotation the format and the ops'
-references read from those words.
+(:data:`hf_kbit.format.ROTATION_MULTIPLE`) rotate. :func:`rotate_words` and :func:`unrotate_words` are the
+rotation the format and the ops' references read from those words.
 """
 
 from __future__ import annotations
@@ -133,7 +88,7 @@ __all__ = [
     "word_signs",
 ]
 
-DEFAULT_BLOCK = 64  # the block of issue 34's first measurements, and the format's (hf_kbit.format.ROTATION_BLOCK)
+DEFAULT_BLOCK = 8  # the format's segment (hf_kbit.format.ROTATION_BLOCK): 3 butterfly stages in a thread's registers
 WORD_BITS = 32  # signs per sign word
 DEFAULT_SEED = 0
 _GOLDEN = 0x9E3779B97F4A7C15  # SplitMix64's increment (2**64 / golden ratio, odd)

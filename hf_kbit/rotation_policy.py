@@ -1,6 +1,6 @@
 """Which layers a quantization rotates (``KbitConfig.rotation``), and the basis ``"auto"`` keeps.
 
-The format (v2, :mod:`hf_kbit.format`) lets a layer store ``W R`` (:mod:`hf_kbit.rotation`, block 64 along K)
+The format (v3, :mod:`hf_kbit.format`) lets a layer store ``W R`` (:mod:`hf_kbit.rotation`, segments of 8 along K)
 with its sign words. The quantizers decide per group of weights that read the same input and so must turn
 it the same way: siblings fused into one launch (q/k/v, gate/up; :func:`hf_kbit.nn.fused.codebook_siblings`)
 and all experts of one fused MoE projection. Whatever the choice, each group's weights are quantized by the

@@ -8,7 +8,7 @@ before the timed loads, so every load reads it from the page cache alike. ``--ca
 load with ``KbitConfig(bits, calibration_data=..., calibration_samples=S, calibration_seq_len=L)``
 (the default fitting): the model has no tokenizer, so the calibration text is S x L tokens drawn at
 random from the vocabulary (seeded), which costs what real text of that length costs. ``--rotation on,auto``
-adds a load per value with ``KbitConfig(bits, rotation=...)`` (format v2; "auto" quantizes every group both
+adds a load per value with ``KbitConfig(bits, rotation=...)`` (format v3; "auto" quantizes every group both
 ways), counting the weights it stored rotated. Each entry records the peak GPU memory on CUDA. Results go to
 ``--out`` as JSON with the exact command.
 

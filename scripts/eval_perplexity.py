@@ -10,7 +10,7 @@ to bf16 with a paired standard error over windows, bits/weight with every byte o
 
 ``--variants``: comma-separated specs ``METHOD[BITS][:KEY=VALUE]...`` (hf_kbit.eval.variants): ``bf16``;
 ``kbit<k>`` with any KbitConfig field as an option (``kbit3:codebook=nf``, ``kbit4:lm_head_bits=5``,
-``kbit3:rotation=auto``: the shipped rotation, format v2); anchors
+``kbit3:rotation=auto``: the shipped rotation, format v3); anchors
 ``hqq<b>`` (HQQ, group 64), ``rtn<b>`` (asymmetric int, group 128), ``nf4`` (NF4, blocks of 64), each with
 ``:group_size=N``; ``kbitfit<k>`` (the kbit format fitted by hf_kbit.fitting, fake-quantized, with
 ``:codes_below=``, ``:codes_above=``, ``:lloyd_iters=``); ``kbitcal<k>`` (the same format calibrated by

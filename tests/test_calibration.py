@@ -431,7 +431,7 @@ def test_weighted_options_reduce_to_the_unweighted_ones_under_equal_weights(bits
         fitting.fit_codebook(weight, bits, settings, column_weights=-torch.ones(200))
 
 
-# ---------------------------------------------------------------------------- rotation (format v2)
+# ---------------------------------------------------------------------------- rotation (format v3)
 
 # Relative weight error of a calibrated k = 3 weight (N(0, 0.1) weights; data-free k = 3 is ~0.2).
 MAX_REL_ERROR_K3 = 0.5

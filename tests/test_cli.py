@@ -51,16 +51,16 @@ def test_listed_choices_are_the_librarys():
 
 
 def test_convert_with_rotation(capsys, llama_fp32, tmp_path):
-    """--rotation on --rotation-seed S: config.json records both and format v2 (every Linear but down_proj has
+    """--rotation on --rotation-seed S: config.json records both and format v3 (every Linear but down_proj has
     in_features 64), the card says how many tensors are rotated."""
     out = tmp_path / "out"
     code, stdout, _ = run(capsys, llama_fp32, "--bits", "3", "--out", out, "--no-progress", "--rotation", "on",
                           "--rotation-seed", "5")
     assert code == 0, stdout
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert qc["rotation"] is True and qc["rotation_seed"] == 5 and qc["format_version"] == 2
+    assert qc["rotation"] is True and qc["rotation_seed"] == 5 and qc["format_version"] == 3
     card = (out / "README.md").read_text()
-    assert "| Rotation | seeded block Hadamard along K (block 64, seed 5)" in card and "--rotation on" in card
+    assert "| Rotation | seeded block Hadamard along K (block 8, seed 5)" in card and "--rotation on" in card
 
 
 def test_convert_end_to_end(capsys, llama_fp32, tmp_path):

@@ -125,12 +125,17 @@ def test_rotation_fields_round_trip_and_are_written_only_when_set(rotation):
     cfg = KbitConfig(bits=3, rotation=rotation, rotation_seed=7)
     d = json.loads(cfg.to_json_string())
     assert d["rotation"] == rotation and d["rotation_seed"] == 7
-    assert d["format_version"] == 1  # raised to 2 by quantization once a layer is stored rotated
+    assert d["format_version"] == 1  # raised to 3 by quantization once a layer is stored rotated
     again = KbitConfig.from_dict(d)
     assert again == cfg and again.rotation == rotation and again.rotation_seed == 7
     assert "rotation_seed" not in KbitConfig(rotation=rotation).to_dict()
     assert KbitConfig.from_dict({"bits": 4}).rotation is False  # configs from before the field: unrotated
-    assert KbitConfig(format_version=FORMAT_VERSION).format_version == 2 == FORMAT_VERSION
+    assert KbitConfig(format_version=FORMAT_VERSION).format_version == 3 == FORMAT_VERSION
+
+
+def test_version_2_is_refused_naming_why_and_what_to_do():
+    with pytest.raises(ValueError, match=r"format v2 \(rotated in segments of 64.*Convert the source model again"):
+        KbitConfig.from_dict({"bits": 4, "format_version": 2, "rotation": True})
 
 
 def test_newer_format_version_is_refused_with_upgrade_hint():

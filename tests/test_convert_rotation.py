@@ -1,4 +1,4 @@
-"""kbit-convert with KbitConfig.rotation (format v2): the same tensors as quantize-on-load (dense and MoE, streamed
+"""kbit-convert with KbitConfig.rotation (format v3): the same tensors as quantize-on-load (dense and MoE, streamed
 experts included, with calibration too), config.json and the card say what was rotated, the plan predicts sizes."""
 
 from __future__ import annotations
@@ -44,12 +44,12 @@ def test_dense_convert_matches_quantize_on_load(llama_fp32, tmp_path, rotation):
     assert len(rotated) == result.stats["rotated_tensors"]
     qc = json.loads((result.out / "config.json").read_text())["quantization_config"]
     assert qc["rotation"] == rotation and qc["rotation_seed"] == 11
-    assert qc["format_version"] == (2 if rotated else 1) == reference.config.quantization_config.format_version
+    assert qc["format_version"] == (3 if rotated else 1) == reference.config.quantization_config.format_version
     if rotation is True:  # every q, k, v, o, gate, up of both layers; the plan knew it
         assert len(rotated) == 2 * 6 and plan.stats()["size_after_bytes"] == result.stats["size_after_bytes"]
-        assert "rotation:      block Hadamard (block 64, seed 11), every one of 12 tensors" in plan.describe()
+        assert "rotation:      block Hadamard (block 8, seed 11), every one of 12 tensors" in plan.describe()
     card = (result.out / "README.md").read_text()
-    assert "| Rotation | seeded block Hadamard along K (block 64, seed 11)" in card
+    assert "| Rotation | seeded block Hadamard along K (block 8, seed 11)" in card
     assert f"{len(rotated)} of {result.stats['quantized_tensors']} tensors are stored rotated" in card
     ids = torch.tensor([[1, 5, 9, 40, 7]])
     torch.testing.assert_close(converted(ids).logits, reference(ids).logits, rtol=0, atol=0)
@@ -81,4 +81,4 @@ def test_calibrated_convert_with_rotation_matches_calibrated_quantize_on_load(ll
     result = convert(llama_fp32, tmp_path / "out", config, dtype="float32", progress=False)
     reference = quantize_on_load(llama_fp32, config, dtype=torch.float32)
     assert_same_state(load(result.out, dtype=torch.float32), reference)
-    assert result.stats["rotated_tensors"] == 2 * 6 and result.stats["format_version"] == 2
+    assert result.stats["rotated_tensors"] == 2 * 6 and result.stats["format_version"] == 3

@@ -1,4 +1,4 @@
-"""The kbit ops with ``signs`` (format v2, a rotated layer) against a slow, obviously correct reference: the packed
+"""The kbit ops with ``signs`` (format v3, a rotated layer) against a slow, obviously correct reference: the packed
 weight dequantized in its rotated basis, turned back by the dense rotation matrix of tests/test_rotation.py (built
 element by element in float64), and an explicit float64 matmul in the original basis."""
 

@@ -1,4 +1,4 @@
-"""Quantize-on-load with KbitConfig.rotation, through transformers: what is rotated, saving (format v2, the sign words
+"""Quantize-on-load with KbitConfig.rotation, through transformers: what is rotated, saving (format v3, the sign words
 in the checkpoint), reloading to the same logits, and checkpoints whose config and tensors disagree."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def test_save_and_reload_round_trip_the_logits(sources, tmp_path, family, rotati
     model.save_pretrained(tmp_path / "kbit")
     qc = json.loads((tmp_path / "kbit" / "config.json").read_text())["quantization_config"]
     assert qc["rotation"] == rotation and qc["rotation_seed"] == 4
-    assert qc["format_version"] == (2 if rotated else 1)
+    assert qc["format_version"] == (3 if rotated else 1)
     with safe_open(tmp_path / "kbit" / "model.safetensors", "pt") as f:
         signs = sorted(k for k in f.keys() if k.endswith("rotation_signs"))
     assert len(signs) == len(rotated)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_kbit import format as fmt
 from hf_kbit import rotation
 
 # float64 butterflies against a float64 matrix product: both are sums of a handful of terms.
@@ -153,7 +154,7 @@ def test_integer_tensors_are_refused():
         rotation.rotate(torch.ones(2, 64, dtype=torch.int32))
 
 
-# ---------------------------------------------------------------------------- sign words (format v2)
+# ---------------------------------------------------------------------------- sign words (format v3)
 
 
 @pytest.mark.parametrize("seed", [0, 5, 2**64 - 1])
@@ -178,7 +179,7 @@ def test_rotate_words_is_the_dense_product(k):
     k = k // 32 * 32
     x = torch.randn(3, 2, k, dtype=torch.float64, generator=torch.Generator().manual_seed(k))
     words = rotation.sign_words(k, 9)
-    r = dense_rotation(k, 64, 9)
+    r = dense_rotation(k, fmt.ROTATION_BLOCK, 9)
     torch.testing.assert_close(rotation.rotate_words(x, words), x @ r, **FLOAT64)
     torch.testing.assert_close(rotation.unrotate_words(x, words), x @ r.T, **FLOAT64)
 
@@ -189,8 +190,9 @@ def test_rotate_words_rounds_once_to_the_input_dtype(dtype):
     words = rotation.sign_words(128, 0)
     out = rotation.rotate_words(x, words)
     assert out.dtype == dtype
-    assert torch.equal(out, rotation.rotate(x.float(), 64, 0).to(dtype))  # float32 math, one rounding
-    assert torch.equal(rotation.unrotate_words(out, words), rotation.unrotate(out.float(), 64, 0).to(dtype))
+    block = fmt.ROTATION_BLOCK
+    assert torch.equal(out, rotation.rotate(x.float(), block, 0).to(dtype))  # float32 math, one rounding
+    assert torch.equal(rotation.unrotate_words(out, words), rotation.unrotate(out.float(), block, 0).to(dtype))
 
 
 def test_rotate_words_checks_the_word_count():
@@ -201,9 +203,7 @@ def test_rotate_words_checks_the_word_count():
 
 
 def test_format_rotation_block_and_eligibility():
-    from hf_kbit import format as fmt
-
-    assert fmt.ROTATION_BLOCK == rotation.DEFAULT_BLOCK == 64
+    assert fmt.ROTATION_BLOCK == rotation.DEFAULT_BLOCK == 8 and fmt.ROTATION_MULTIPLE == 64
     assert [fmt.rotatable(k) for k in (0, 32, 64, 96, 128, 4096)] == [False, False, True, False, True, True]
     assert fmt.rotation_signs_shape(4096) == (128,)
     assert fmt.bits_per_weight(16, 128, 4, rotated=True) - fmt.bits_per_weight(16, 128, 4) == 32 * (128 // 32) / (16 * 128)

@@ -24,11 +24,12 @@ def on_the_grid(n: int, k: int, bits: int = 4, seed: int = 0) -> torch.Tensor:
 
 
 def with_outliers(n: int, k: int, seed: int = 0) -> torch.Tensor:
-    """Gaussian weights with one outlier of 40 sigma in every 64 columns of each row: unrotated, each outlier's
-    block scale crushes its 31 neighbours to the codebook's smallest levels; rotated, it spreads over its 64."""
+    """Gaussian weights with one outlier of 40 sigma in every block of 32 columns of each row: unrotated, each
+    outlier's block scale crushes its 31 neighbours to the codebook's smallest levels; rotated, it spreads over
+    its segment of 8."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g)
-    cols = torch.randint(0, 64, (n, k // 64), generator=g) + torch.arange(0, k, 64)
+    cols = torch.randint(0, 32, (n, k // 32), generator=g) + torch.arange(0, k, 32)
     w.scatter_(1, cols, 40.0)
     return w
 
@@ -65,7 +66,7 @@ def test_rotation_true_is_quantize_group_of_the_rotated_weights():
     weights = [torch.randn(24, 192), torch.randn(8, 192)]
     words = rotation.sign_words(192, 0)
     got = quantize_siblings(weights, 3, None, None, None, True)
-    want = quantize_group([rotation.rotate(w, 64, 0) for w in weights], 3)
+    want = quantize_group([rotation.rotate(w, fmt.ROTATION_BLOCK, 0) for w in weights], 3)
     assert all(torch.equal(a, b) for g, w in zip(got, want) for a, b in zip(g, w))
     assert all(torch.equal(g[4], words) for g in got)
 
@@ -103,7 +104,7 @@ def test_error_sums_are_per_weight_whatever_the_chunk():
 def test_rotated_hessian_is_the_hessian_of_the_rotated_inputs():
     x = torch.randn(300, 128, dtype=torch.float64)
     words = rotation.sign_words(128, 2)
-    r = dense_rotation(128, 64, 2)
+    r = dense_rotation(128, fmt.ROTATION_BLOCK, 2)
     h = (x.T @ x / 300).float()
     want = r.T @ h.double() @ r  # (x R)^T (x R) / n
     got = rotation_policy.rotate_hessian(h, words)

@@ -189,7 +189,7 @@ class ConversionPlan:
             how = "every one" if rotation is True else "where it lowers the weight error (auto)"
             lines.append(f"rotation:      block Hadamard (block {fmt.ROTATION_BLOCK}, seed "
                          f"{self.kbit_config.rotation_seed}), {how} of {len(eligible)} tensors with in_features a "
-                         f"multiple of {fmt.ROTATION_BLOCK}")
+                         f"multiple of {fmt.ROTATION_MULTIPLE}")
         record = self.kbit_config.calibration_record() if self.kbit_config.calibrates else None
         if record is not None:
             lines.append(

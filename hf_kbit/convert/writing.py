@@ -264,7 +264,7 @@ def _write_calibrated(plan: ConversionPlan, folder: Path, device: torch.device, 
 def _written_stats(plan: ConversionPlan, writer: _ShardWriter, folder: Path, q_numel: int, q_bytes: int,
                    rotated: int) -> dict:
     """The plan's statistics with the sizes measured on what ``writer`` wrote (its shards finished here), and how
-    many quantized tensors are stored rotated (which makes the checkpoint format v2)."""
+    many quantized tensors are stored rotated (which makes the checkpoint format v3)."""
     shards = writer.finish()
     return {
         **plan.stats(),

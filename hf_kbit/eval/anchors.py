@@ -27,7 +27,7 @@ bits per weight, metadata included:
   what the kbit kernels would compute with, before that quantizer is wired into quantize-on-load. Bits:
   :func:`hf_kbit.format.bits_per_weight`, the same as ``kbit<k>``.
 
-Rotation (format v2) is not an anchor: ``kbit<k>:rotation=true`` (or ``=auto``) quantizes through the shipped
+Rotation (format v3) is not an anchor: ``kbit<k>:rotation=true`` (or ``=auto``) quantizes through the shipped
 path, ``KbitConfig(rotation=...)``, whose modules rotate the activations as the kernels do.
 
 All functions take a 2-D weight ``[N, K]`` of any float dtype on any device and return float32 on that device.

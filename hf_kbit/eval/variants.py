@@ -291,7 +291,7 @@ def kbit_summary(model) -> dict[str, Any]:
         "bits_per_weight": quantized_bits / quantized_elems if quantized_elems else None,
         "quantized_modules": len(names),
         "quantized_modules_sha256": _names_sha256(names),
-        "rotated_weights": rotated,  # KbitLinears and experts projections stored rotated (format v2)
+        "rotated_weights": rotated,  # KbitLinears and experts projections stored rotated (format v3)
     }
 
 

@@ -131,7 +131,7 @@ class KbitExperts(KbitModule):
         gate_up_codebook: float32 ``[2**bits]``.
         down_planes, down_block_scales, down_row_scales, down_codebook: the same for
         ``[E, H, I]``.
-        gate_up_rotation_signs: int32 ``[H/32]``, down_rotation_signs: int32 ``[I/32]`` (format v2), for
+        gate_up_rotation_signs: int32 ``[H/32]``, down_rotation_signs: int32 ``[I/32]`` (format v3), for
         a projection stored rotated (``rotated[projection]``): its experts hold ``W R`` and share these
         sign words (they read the same x), which every op call passes as ``signs``. None (no state-dict
         entry) for an unrotated projection.

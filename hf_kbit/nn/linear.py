@@ -16,7 +16,7 @@ COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 FORMAT_TENSORS = ("planes", "block_scales", "row_scales", "codebook")
 ROW_TENSORS = FORMAT_TENSORS[:3]  # one entry per output row (or row tile); the codebook is the layer's
-ROTATION_SIGNS = fmt.ROTATION_SIGNS  # format v2: a rotated layer's sign words, the last tensor of its storage
+ROTATION_SIGNS = fmt.ROTATION_SIGNS  # format v3: a rotated layer's sign words, the last tensor of its storage
 
 
 # Bytes at which each format tensor of a module's one storage starts (vector loads, any dtype).
@@ -91,7 +91,7 @@ class KbitModule(nn.Module):
         tensor): a module with rotation overrides this."""
 
     def rotation_in_features(self) -> dict[str, int]:
-        """``{sign-words buffer name: in_features of its weight}`` for every weight of the module (format v2)."""
+        """``{sign-words buffer name: in_features of its weight}`` for every weight of the module (format v3)."""
         return {}
 
     def stores_rotated(self) -> bool:
@@ -211,8 +211,8 @@ class KbitLinear(KbitModule):
         block_scales: uint8 ``[ceil(N/16), ceil(K/128), 16, 4]`` E4M4 block scale codes.
         row_scales: float32 ``[N]`` per-row scale.
         codebook: float32 ``[2**bits]`` sorted levels in [-1, 1].
-        rotation_signs: int32 ``[K/32]`` (format v2) when the layer is rotated (``rotated``): the packed
-            tensors then hold ``W R`` (hf_kbit.rotation, block 64 along K; K a multiple of 64) and every op
+        rotation_signs: int32 ``[K/32]`` (format v3) when the layer is rotated (``rotated``): the packed
+            tensors then hold ``W R`` (hf_kbit.rotation, segments of 8 along K; K a multiple of 64) and every op
             call passes these sign words as ``signs``, so that outputs and :meth:`dequantize_weight` are in
             the original basis. ``None`` (no state-dict entry) when not rotated.
     Parameter ``bias`` ``[N]`` (optional) keeps the model's dtype. The forward computes in
@@ -354,7 +354,7 @@ class KbitLinear(KbitModule):
             )
         if rotation_signs is not None and not fmt.rotatable(self.in_features):
             raise ValueError(f"load_packed: rotation_signs given, but in_features={self.in_features} is not a multiple "
-                             f"of {fmt.ROTATION_BLOCK}, so this layer cannot be rotated")
+                             f"of {fmt.ROTATION_MULTIPLE}, so this layer cannot be rotated")
         for name, value in zip(FORMAT_TENSORS, (planes, block_scales, row_scales, codebook)):
             setattr(self, name, value.to(self.planes.device))
         self.rotation_signs = None if rotation_signs is None else rotation_signs.to(self.planes.device)
@@ -410,7 +410,7 @@ def rotation_signs_placeholder(k: int, device, owner: str) -> torch.Tensor:
     """An empty ``rotation_signs`` buffer ``[k / 32]`` (int32) for a loader to fill; ValueError naming ``owner`` when
     ``k`` cannot rotate."""
     if not fmt.rotatable(k):
-        raise ValueError(f"{owner}: in_features={k} is not a multiple of {fmt.ROTATION_BLOCK}, so it cannot be rotated")
+        raise ValueError(f"{owner}: in_features={k} is not a multiple of {fmt.ROTATION_MULTIPLE}, so it cannot be rotated")
     return torch.empty(fmt.rotation_signs_shape(k), dtype=fmt.ROTATION_SIGNS_DTYPE, device=device)
 
 

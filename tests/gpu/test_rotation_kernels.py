@@ -2,8 +2,8 @@
 reference: the standalone rotation kernel both ways, dequantize with the sign words, and every path of
 kbit::mm (the GEMV both ways of rotating), its prologues, grouped_mm and the gradients on a rotated layer.
 
-A rotated layer stores the quantized ``rotate(W)`` (``W R``, ``R = diag(s) B``, ``B`` = H64 / 8 on
-64-element segments of K); the kernels multiply ``x R`` rounded once to x's dtype, so the reference
+A rotated layer stores the quantized ``rotate(W)`` (``W R``, ``R = diag(s) B``, ``B`` = H8 / sqrt(8) on
+8-element segments of K, K a multiple of 64); the kernels multiply ``x R`` rounded once to x's dtype, so the reference
 of a matmul is ``rotate(x).to(dtype) @ W'^T`` with ``W'`` the rotated weight as stored, and that of
 dequantize is ``unrotate(W')``.
 
@@ -30,7 +30,7 @@ pytestmark = [
 ]
 
 DEVICE = "cuda"
-BLOCK = 64  # the kernels' Hadamard segment (rotation.DEFAULT_BLOCK)
+BLOCK = rotation.DEFAULT_BLOCK  # the kernels' Hadamard segment (8)
 SEED = 12345  # not the default seed: the kernels know only the sign words
 # ||out - ref|| / ||ref|| of a matmul against a float64 product of the rounded x R with the
 # reference weight: the output's rounding and the weight's in the activation dtype (as

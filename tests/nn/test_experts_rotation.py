@@ -1,4 +1,4 @@
-"""KbitExperts with rotation (format v2): all experts of a projection share one basis and one set of sign words, the
+"""KbitExperts with rotation (format v3): all experts of a projection share one basis and one set of sign words, the
 grouped op computes in the original basis, "auto" decides per projection, and packing in chunks changes nothing."""
 
 from __future__ import annotations

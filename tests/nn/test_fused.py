@@ -246,7 +246,7 @@ def test_siblings_share_a_codebook_and_fuse_on_load(fitting, tmp_path):
         assert torch.equal(in_memory[key], value), key
 
 
-# ---------------------------------------------------------------------------- rotation (format v2)
+# ---------------------------------------------------------------------------- rotation (format v3)
 
 
 @pytest.mark.parametrize("rotation", [True, "auto"], ids=str)

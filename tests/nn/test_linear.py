@@ -113,7 +113,7 @@ def test_quantize_group_is_one_weight_cut_into_members():
     assert torch.equal(torch.cat([got[0][2], got[1][2]]), whole[2])
 
 
-# ---------------------------------------------------------------------------- rotation (format v2)
+# ---------------------------------------------------------------------------- rotation (format v3)
 
 # The rotated layer's forward against x @ W_hat^T with W_hat its dequantized weight in the original basis: float32
 # butterflies on x and on the reconstruction, float32 accumulation.
