@@ -14,6 +14,11 @@ attention, LM head in bf16. ``--recommended`` adds the one-line choices that the
 and kbit-convert name: ``attn_implementation="kbit_decode"`` (every variant, bf16 too) and the LM head
 quantized. No ``TORCHINDUCTOR_ENABLE_PDL`` in the environment: bf16 then runs without PDL, as its users do.
 
+What rotation costs a decoding model, where each rotated GEMV follows another kernel (its sign words are
+prefetched before the programmatic-dependent wait), against the same run without it (issue 34):
+
+    python scripts/bench_generate.py --preset llama3-8b --bits 3 --batch-sizes 1,8 --rotation on
+
 Host and device time per token are reported apart (``device_ms_per_token``, ``host_ms_per_token``):
 the device time of a decode step is the graph step's (below: the compiled step captured in a CUDA graph,
 timed with CUDA events while the host is out of the way), compiled with the same options as the
@@ -142,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
                              "generate() does)")
     fusion.add_argument("--no-fusion-pass", dest="fusion_pass", action="store_false", default=None,
                         help="compile no variant with hf_kbit.fusion's options (kbit: KbitConfig(fusion_pass=False))")
+    parser.add_argument("--rotation", choices=("off", "on", "auto"), default="off",
+                        help="the kbit variants' KbitConfig.rotation (format v3, docs/format.md#rotation): 'on' "
+                        "every weight whose in_features is a multiple of 64, 'auto' where it lowers the weight error; "
+                        "the random weights make 'auto' a test of the decision, not of a real model (default off)")
     parser.add_argument("--recommended", action="store_true",
                         help="the recommended settings: --attention kbit_decode and --quantize-lm-head")
     parser.add_argument("--attention", default="sdpa", choices=ATTENTIONS,
@@ -171,10 +180,12 @@ def main(argv: list[str] | None = None) -> int:
         decode_loop=not args.no_decode_loop, quantize_lm_head=args.quantize_lm_head,
         kernel_breakdown=args.kernel_breakdown,
         fuse_projections=not args.no_fuse_projections, fusion_pass=args.fusion_pass, attention=args.attention,
+        rotation={"off": False, "on": True, "auto": "auto"}[args.rotation],
     )
     head = "_lmhead" if args.quantize_lm_head else ""
     attention = "" if args.attention == "sdpa" else f"_{args.attention}"
-    suffix = "_recommended" if args.recommended else f"{head}{attention}"
+    suffix = ("_recommended" if args.recommended else f"{head}{attention}") + (
+        "" if args.rotation == "off" else f"_rotation_{args.rotation}")
     out = args.out or f"results/bench_generate_{args.preset}_{device.split(':')[0]}{suffix}.json"
     machine = environment()
     kept = None

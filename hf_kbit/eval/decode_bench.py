@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .graph_step import measure_graph_step
+from ..rotation_policy import check_rotation
 from .models import check_attention, dtype_name
 from .presets import PRESETS, build_model, make_config
 from .report import format_table
@@ -25,11 +26,13 @@ def unquantized_expert_params(model) -> int:
     return sum(p.numel() for name, p in model.named_parameters() if p.dim() == 3 and ".experts." in f".{name}")
 
 
-def quantize(model, bits: int, lm_head: bool = False, fuse_projections: bool = True, fusion_pass: bool = True):
+def quantize(model, bits: int, lm_head: bool = False, fuse_projections: bool = True, fusion_pass: bool = True,
+             rotation: bool | str = False):
     import hf_kbit
 
     skip = [] if lm_head else ["lm_head"]
-    config = hf_kbit.KbitConfig(bits=bits, fuse_projections=fuse_projections, fusion_pass=fusion_pass)
+    config = hf_kbit.KbitConfig(bits=bits, fuse_projections=fuse_projections, fusion_pass=fusion_pass,
+                                rotation=rotation)
     return hf_kbit.quantize_model(model, config, modules_to_not_convert=skip)
 
 
@@ -71,6 +74,7 @@ def settings(
     fuse_projections: bool = True,
     fusion_pass: bool | None = None,
     attention: str = "sdpa",
+    rotation: bool | str = False,
 ) -> dict[str, Any]:
     """What a run measures, and under which settings, as its JSON records it (all but the results): what
     ``run`` measures under and ``--resume`` compares. ValueError for settings that cannot run together."""
@@ -91,6 +95,7 @@ def settings(
                          f"{'on' if graph_step else 'off'}, decode loop {'on' if decode_loop else 'off'}, "
                          f"compile {'on' if static_compile else 'off'}")
     check_attention(attention)
+    check_rotation(rotation, "rotation")
     config = make_config(preset, layers)
     return {
         "schema": SCHEMA,
@@ -111,6 +116,7 @@ def settings(
         # inductor's combo kernels, which hf_kbit.fusion's compile options turn on, where it is used
         "combo_kernels": fusion.compile_options().get("combo_kernels", False) and fusion_pass is not False,
         "attention": attention,  # transformers attention implementation of every variant
+        "rotation": rotation,  # KbitConfig.rotation of the kbit variants (format v3: weights stored rotated along K)
         # TORCHINDUCTOR_ENABLE_PDL=1: inductor's Triton kernels launch as programmatic dependents (None: no such config)
         "inductor_pdl": getattr(inductor_config.triton, "enable_pdl", None),
         "graph_step": None if not graph_step else {
@@ -214,7 +220,7 @@ def run(
             info.update({"bits_per_weight": 16.0, "quantized_fraction": 0.0})
         else:
             model = quantize(model, bits, lm_head=head["lm_head_quantized"], fuse_projections=head["fused_projections"],
-                             fusion_pass=head["fusion_pass"] is not False)
+                             fusion_pass=head["fusion_pass"] is not False, rotation=head["rotation"])
             info.update(kbit_summary(model))
         # as this variant's generate() compiles by default (kbit: KbitConfig.fusion_pass), unless told otherwise
         fusion_pass = head["fusion_pass"] if head["fusion_pass"] is not None else bits is not None

@@ -175,6 +175,17 @@ def test_attention_builds_every_variant_with_it(monkeypatch):
         decode.run("tiny-llama", [4], "cpu", torch.float32, attention="flash", **kwargs)
 
 
+def test_rotation_quantizes_the_kbit_variants_rotated():
+    kwargs = dict(layers=1, batch_sizes=(1,), prompt_len=4, new_tokens=3, repeats=1, log=lambda *_: None)
+    payload = decode.run("tiny-llama", [4], "cpu", torch.float32, rotation=True, **kwargs)
+    rows = {r["variant"]: r for r in payload["results"]}
+    assert payload["rotation"] is True
+    assert rows["kbit4"]["rotated_weights"] == 7  # hidden 256 and intermediate 512: every Linear of the layer
+    assert decode.run("tiny-llama", [4], "cpu", torch.float32, **kwargs)["results"][1]["rotated_weights"] == 0
+    with pytest.raises(ValueError, match="rotation must be one of"):
+        decode.run("tiny-llama", [4], "cpu", torch.float32, rotation="on", **kwargs)
+
+
 def test_a_stopped_run_keeps_its_variants_and_resume_finishes_it(tmp_path, monkeypatch, capsys):
     import plot_results
 
