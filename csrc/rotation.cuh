@@ -10,8 +10,8 @@
 // Why segments of 8: wherever the kernels stage x a thread holds 8 consecutive elements (the GEMM's
 // x rewrite, dequantize, the standalone rotation, the GEMV at k = 2) or two runs of 4 whose partners
 // sit in the neighbouring lane (the GEMV at k >= 3), so the transform is 3 butterfly stages in
-// registers (one of them a shuffle in the k >= 3 GEMV staging), where 64-element segments took 3
-// shuffle stages everywhere; and by perplexity it buys what 64 did (docs/format.md#rotation).
+// registers (one of them a shuffle in the k >= 3 GEMV staging); longer segments need a shuffle per
+// further stage and measured no better by perplexity (docs/format.md#rotation).
 //
 // Arithmetic: float32, in the reference's order (rotation.rotate: sign, the butterfly stages of
 // strides 1, 2, 4, each a + b / a - b of the lower and upper element, then * float32(1 / sqrt(8))),
