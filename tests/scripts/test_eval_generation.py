@@ -159,6 +159,31 @@ def test_bench_markdown_shows_the_kernel_breakdown():
     assert per_call in text
 
 
+def test_bench_markdown_acceptance_lines_and_rotation_label():
+    """The docs state issue 36's three bars from the run's checks (a Qwen3-MoE run has no graph-step bar and
+    no issue 6 keys), and a run whose kbit variants are rotated says so in its heading."""
+    import plot_results
+
+    payload = decode.run("tiny-llama", [4], "cpu", torch.bfloat16, layers=1, batch_sizes=(1,), prompt_len=4,
+                         new_tokens=3, repeats=1, log=lambda *_: None)
+    payload.update({"command": "python scripts/bench_generate.py", "_file": "b.json", "environment": {}})
+    k4 = payload["results"][1]
+    k4.update(decode_speedup_vs_bf16=1.88, graph_decode_speedup_vs_bf16=2.19)
+    payload["checks"] = {"issue36": {"generate_target": 2.0, "host_time_vs_bf16": 1.25, "generate_passed": False,
+                                     "host_passed": False}}
+    text = plot_results.bench_markdown(payload)
+    assert ("Issue 36's acceptance (kbit4 batch 1): generate() 1.88x bf16 (>= 2.0x): NOT met; host time per token "
+            "1.25x bf16's (<= 1.10x): NOT met.") in text
+    assert "Issue 6's bar" not in text and "rotation" not in text
+    payload["checks"]["issue36"].update(generate_target=1.8, generate_passed=True, host_time_vs_bf16=0.77,
+                                        host_passed=True, graph_passed=False)
+    payload["rotation"] = True
+    text = plot_results.bench_markdown(payload)
+    assert ("generate() 1.88x bf16 (>= 1.8x): met; host time per token 0.77x bf16's (<= 1.10x): met; graph step "
+            "2.19x (>= 2.6x, LM head bf16): NOT met.") in text
+    assert "kbit rotation=True" in text.splitlines()[0]
+
+
 def test_bench_plot_one_batch_size_and_names(tmp_path):
     """A file of one batch size plots throughput vs bits only; each result file names its own plot."""
     import plot_results
