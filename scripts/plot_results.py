@@ -438,28 +438,29 @@ def bench_markdown(p: dict[str, Any]) -> str:
     if unq - {None, 0}:
         lines += ["", f"Note: {max(unq - {None})} expert weights stayed bf16 (experts not converted by this build)."]
     c = p.get("checks") or {}
-    verdict = {True: "met", False: "NOT met"}
+
+    def bars(title: str, items: list[tuple[str, bool | None]]) -> None:
+        """One line of an issue's bars: each (what was measured against what, whether it is met)."""
+        parts = [f"{text}: {'met' if ok else 'NOT met'}" for text, ok in items if ok is not None]
+        if parts:
+            lines.extend(["", f"{title}: " + "; ".join(parts) + "."])
+
+    def times(v: float | None, fmt: str) -> str:
+        return fmt.format(v) if v is not None else ""
+
     if i36 := c.get("issue36"):
         k4 = next(r for r in p["results"] if r["bits"] == 4 and r["batch"] == 1)
-        line = (f"Issue 36's acceptance (kbit4 batch 1): generate() {k4['decode_speedup_vs_bf16']:.2f}x bf16 "
-                f"(>= {i36['generate_target']}x): {verdict[i36['generate_passed']]}")
-        if i36.get("host_passed") is not None:
-            line += (f"; host time per token {i36['host_time_vs_bf16']:.2f}x bf16's (<= 1.10x): "
-                     f"{verdict[i36['host_passed']]}")
-        if i36.get("graph_passed") is not None:
-            line += (f"; graph step {k4['graph_decode_speedup_vs_bf16']:.2f}x (>= 2.6x, LM head bf16): "
-                     f"{verdict[i36['graph_passed']]}")
-        lines += ["", line + "."]
+        bars("Issue 36's acceptance (kbit4 batch 1)", [
+            (f"generate() {k4['decode_speedup_vs_bf16']:.2f}x bf16 (>= {i36['generate_target']}x)", i36["generate_passed"]),
+            (times(i36["host_time_vs_bf16"], "host time per token {:.2f}x bf16's (<= 1.10x)"), i36.get("host_passed")),
+            (times(k4.get("graph_decode_speedup_vs_bf16"), "graph step {:.2f}x (>= 2.6x, LM head bf16)"),
+             i36.get("graph_passed"))])
     if "llama3-8b_kbit4_batch1_decode_speedup" in c:
-        line = (f"Issue 6's bar: kbit4 batch-1 decode {c['llama3-8b_kbit4_batch1_decode_speedup']:.2f}x bf16 "
-                f"(target {c['target']}x): {'passed' if c['passed'] else 'NOT passed'}")
-        if c.get("llama3-8b_kbit4_batch1_graph_decode_speedup") is not None:
-            line += (f"; graph step {c['llama3-8b_kbit4_batch1_graph_decode_speedup']:.2f}x: "
-                     f"{'passed' if c['graph_passed'] else 'NOT passed'}")
-        if c.get("llama3-8b_kbit4_batch1_loop_decode_speedup") is not None:
-            line += (f"; decode loop {c['llama3-8b_kbit4_batch1_loop_decode_speedup']:.2f}x: "
-                     f"{'passed' if c['loop_passed'] else 'NOT passed'}")
-        lines += ["", line + "."]
+        bars("Issue 6's bar (kbit4 batch 1)", [
+            (f"decode {c['llama3-8b_kbit4_batch1_decode_speedup']:.2f}x bf16 (>= {c['target']}x)", c["passed"]),
+            (times(c.get("llama3-8b_kbit4_batch1_graph_decode_speedup"), "graph step {:.2f}x") + f" (>= {c['target']}x)", c.get("graph_passed")),
+            (times(c.get("llama3-8b_kbit4_batch1_loop_decode_speedup"), "decode loop {:.2f}x") + f" (>= {c['target']}x)",
+             c.get("loop_passed"))])
     lines += ["", "```bash", p["command"], "```", ""]
     return "\n".join(lines)
 
