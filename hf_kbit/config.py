@@ -105,9 +105,9 @@ class KbitConfig(QuantizationConfigMixin):
         fusion_pass: ``generate()``'s compile of the decode step (static cache, CUDA) runs
             :func:`hf_kbit.fusion.compile_config`: hf_kbit's fusion pass (RMSNorm and SiLU-mul into the
             kbit GEMVs of single-token steps), inductor's combo kernels and, on sm_90+, PDL. Set as the
-            model's ``generation_config.compile_config`` after loading unless it has one; a
-            ``compile_config`` passed to ``generate()`` takes precedence. ``False`` leaves transformers'
-            default. A runtime choice, like ``fuse_projections``.
+            model's default compile config after loading (:func:`hf_kbit.fusion.use_as_default`); a
+            ``compile_config`` passed to ``generate()`` or set in the model's ``generation_config`` takes
+            precedence. ``False`` leaves transformers' default. A runtime choice, like ``fuse_projections``.
     """
 
     def __init__(

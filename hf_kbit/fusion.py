@@ -286,15 +286,19 @@ def _pass_class():
     class KbitFusionPass(str, CustomGraphPass):
         """:func:`fuse` as inductor's ``post_grad_custom_post_pass``; ``rewrites`` counts what it did.
 
-        A str, the call that makes it, because a kbit model carries it in ``generation_config.compile_config``
-        and transformers hashes and prints generation configs through JSON; passes of equal ``max_tokens``
-        compare equal, so ``generate()`` does not compile again for an equal config."""
+        A str, the call that makes it, because its compile config may sit in a generation config (one passed
+        to ``generate()``, or :func:`use_as_default`'s fallback) and transformers hashes and prints generation
+        configs through JSON; passes of equal ``max_tokens`` compare equal, so ``generate()`` does not compile
+        again for an equal config."""
 
         def __new__(cls, max_tokens: int | None):
             return super().__new__(cls, f"hf_kbit.fusion.fusion_pass(max_tokens={max_tokens})")
 
         def __getnewargs__(self):
             return (self.max_tokens,)
+
+        def __reduce__(self):  # pickled as the call that makes it: the class is local to _pass_class
+            return fusion_pass, (self.max_tokens,)
 
         def __init__(self, max_tokens: int | None) -> None:
             self.max_tokens = max_tokens
@@ -354,9 +358,9 @@ def compile_config(max_tokens: int | None = DEFAULT_MAX_TOKENS, combo_kernels: b
     ``combo_kernels`` is False, inductor's combo kernels, and PDL as ``pdl`` says (:func:`compile_options`).
     ``kwargs`` go to ``CompileConfig`` (``fullgraph``, ``dynamic``, ...).
 
-    A kbit model carries this as its ``generation_config.compile_config`` unless ``KbitConfig(fusion_pass=False)``
-    or the generation config had one already (:func:`use_as_default`): ``generate()`` then compiles so by
-    default; a ``compile_config`` passed to ``generate()`` takes precedence."""
+    A kbit model compiles ``generate()``'s decode step with this by default (:func:`use_as_default`) unless
+    ``KbitConfig(fusion_pass=False)``; a ``compile_config`` passed to ``generate()`` or set in its
+    ``generation_config`` takes precedence."""
     from transformers import CompileConfig
 
     if "mode" in kwargs or "options" in kwargs:
@@ -372,12 +376,44 @@ def is_kbit_compile_config(config) -> bool:
     return type(options.get("post_grad_custom_post_pass")).__name__ == "KbitFusionPass"
 
 
+class _DefaultCompileConfig:
+    """A kbit model's ``_default_compile_config`` (:func:`use_as_default`): a callable that returns ``config``,
+    held by the model (so copies and pickles of the model keep it)."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def __call__(self):
+        return self.config
+
+
 def use_as_default(model) -> bool:
-    """Make :func:`compile_config` ``model``'s ``generation_config.compile_config`` unless it has one
-    (the user's choice stays); returns whether the model now compiles with the pass."""
+    """Make :func:`compile_config` what ``generate()`` compiles ``model``'s decode step with when neither the call
+    nor ``generation_config.compile_config`` names one (those stay the user's choice); returns whether the model
+    now compiles with the pass (:func:`generate_compile_config`).
+
+    The config becomes the model's default compile config (transformers' ``PreTrainedModel._default_compile_config``,
+    which ``generate()`` falls back to), not its ``generation_config.compile_config``: transformers reads a set
+    ``compile_config`` as the user's request and warns ("You have set `compile_config`, but we are unable to meet
+    the criteria for compilation") on every generate() that does not compile, the default dynamic cache and the
+    CPU included. A transformers without that hook gets the ``generation_config`` entry instead."""
     generation_config = getattr(model, "generation_config", None)
     if generation_config is None or not hasattr(generation_config, "compile_config"):
         return False
     if generation_config.compile_config is None:
-        generation_config.compile_config = compile_config()
-    return is_kbit_compile_config(generation_config.compile_config)
+        if callable(getattr(model, "_default_compile_config", None)):
+            model._default_compile_config = _DefaultCompileConfig(compile_config())
+        else:
+            generation_config.compile_config = compile_config()
+    return is_kbit_compile_config(generate_compile_config(model))
+
+
+def generate_compile_config(model):
+    """The ``CompileConfig`` ``generate()`` compiles ``model``'s decode step with when the call names none: its
+    ``generation_config.compile_config``, else the model's default (a kbit model's: :func:`use_as_default`); None
+    for a model without either."""
+    generation_config = getattr(model, "generation_config", None)
+    config = getattr(generation_config, "compile_config", None)
+    if config is None and callable(getattr(model, "_default_compile_config", None)):
+        config = model._default_compile_config()
+    return config

@@ -161,20 +161,22 @@ def test_compile_config_runs_the_pass_in_generate():
 # ---------------------------------------------------------------------------- the default (KbitConfig.fusion_pass)
 
 
-def test_a_kbit_model_compiles_generate_with_the_pass_by_default():
-    """quantize_model (and quantize-on-load, test_quantizer) give the model fusion.compile_config() as its
-    generation_config.compile_config: generate() with a static cache compiles so with nothing opted in,
-    and its greedy tokens are the eager ones (the pass keeps each rounding of the unfused ops; inductor's own
-    kernels may break an exact tie of the bf16 logits the other way)."""
+def test_a_kbit_model_compiles_generate_with_the_pass_by_default(monkeypatch):
+    """quantize_model (and quantize-on-load, test_quantizer) give the model fusion.compile_config() as its default
+    compile config: generate() with a static cache compiles so with nothing opted in, and its greedy tokens are the
+    eager ones (the pass keeps each rounding of the unfused ops; inductor's own kernels may break an exact tie of
+    the bf16 logits the other way)."""
     model = hf_kbit.quantize_model(tiny_dense_model("llama"), hf_kbit.KbitConfig(bits=4))
-    config = model.generation_config.compile_config
+    assert model.generation_config.compile_config is None  # a set one is the user's: transformers warns about it
+    config = fusion.generate_compile_config(model)
     assert fusion.is_kbit_compile_config(config) and config.options["combo_kernels"] is True
     ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(2))
     kwargs = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation="static")
     eager, eager_logits = greedy_eager(model, ids, **kwargs)
     torch._dynamo.reset()
     config.options["fx_graph_cache"] = False
-    config._compile_all_devices = True  # transformers compiles on CUDA only unless told
+    # transformers compiles on CUDA only (unless a compile_config of the generation config says otherwise)
+    monkeypatch.setattr(model, "_valid_auto_compile_criteria", lambda *args, **kwargs: True)
     with torch.inference_mode():
         compiled = model.generate(ids, **kwargs)
     torch._dynamo.reset()
@@ -202,7 +204,7 @@ def test_the_default_compile_of_a_moe_decode_step_keeps_its_logits(dtype, batch)
         for layer in cache.layers:
             layer.cumulative_length.fill_(5)
         torch._dynamo.reset()
-        options = {**model.generation_config.compile_config.options, "fx_graph_cache": False}
+        options = {**fusion.generate_compile_config(model).options, "fx_graph_cache": False}
         logits = torch.compile(model, fullgraph=True, options=options)(**step).logits
     torch._dynamo.reset()
     torch.testing.assert_close(logits, eager, atol=LOGITS_ATOL_BF16 * eager.abs().max().item(), rtol=0)
@@ -213,10 +215,52 @@ def test_fusion_pass_off_or_a_users_compile_config_leave_generate_alone():
 
     model = hf_kbit.quantize_model(tiny_dense_model("llama"), hf_kbit.KbitConfig(bits=4, fusion_pass=False))
     assert model.generation_config.compile_config is None
+    assert not fusion.is_kbit_compile_config(fusion.generate_compile_config(model))
     model = tiny_dense_model("llama")
     mine = model.generation_config.compile_config = CompileConfig(fullgraph=True)
     hf_kbit.quantize_model(model, hf_kbit.KbitConfig(bits=4))
-    assert model.generation_config.compile_config is mine
+    assert model.generation_config.compile_config is mine and fusion.generate_compile_config(model) is mine
+
+
+def test_a_transformers_without_the_default_hook_gets_the_generation_config_entry(monkeypatch):
+    from transformers import PreTrainedModel
+
+    monkeypatch.setattr(PreTrainedModel, "_default_compile_config", None)
+    model = hf_kbit.quantize_model(tiny_dense_model("llama"), hf_kbit.KbitConfig(bits=4))
+    assert fusion.is_kbit_compile_config(model.generation_config.compile_config)
+    assert fusion.generate_compile_config(model) is model.generation_config.compile_config
+
+
+def test_a_kbit_model_pickles_and_copies_with_its_compile_config():
+    """torch.save of a whole model (pickle) and copy.deepcopy keep the weights and the default compile config."""
+    import copy
+    import io
+
+    model = hf_kbit.quantize_model(tiny_dense_model("llama"), hf_kbit.KbitConfig(bits=4))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(2))
+    for other in (torch.load(buffer, weights_only=False), copy.deepcopy(model)):
+        assert fusion.is_kbit_compile_config(fusion.generate_compile_config(other))
+        with torch.inference_mode():
+            assert torch.equal(other(ids).logits, model(ids).logits)
+
+
+def test_generate_that_does_not_compile_says_nothing_of_a_compile_config(monkeypatch):
+    """The default compile config is the model's, not its generation config's: transformers would read the latter
+    as the user's and warn that it cannot compile on every generate() that does not (dynamic cache, CPU)."""
+    import transformers.generation.utils as generation_utils
+
+    warned = []
+    monkeypatch.setattr(generation_utils.logger, "warning_once", lambda message, *args, **kwargs: warned.append(message))
+    model = hf_kbit.quantize_model(tiny_dense_model("llama"), hf_kbit.KbitConfig(bits=4))
+    ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        for cache in (None, "static"):  # neither compiles on a CPU
+            model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0, cache_implementation=cache)
+    assert not [m for m in warned if "compile_config" in m], warned
+    assert fusion.is_kbit_compile_config(fusion.generate_compile_config(model))
 
 
 def test_pdl_only_where_inductor_and_the_device_support_it():
