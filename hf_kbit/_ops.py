@@ -313,6 +313,35 @@ def _decode_attention_fake(query, key, value, mask, scale, slices=0):
     return query.new_empty((query.shape[0], 1, query.shape[1], value.shape[-1]))
 
 
+# ---------------------------------------------------------------------------- softmax_topk
+
+_lib.define(
+    "softmax_topk(Tensor logits, int k, bool renormalize, bool cast=False) -> (Tensor weights, Tensor indices)"
+)
+
+
+@torch.library.impl(_lib, "softmax_topk", "CompositeExplicitAutograd")
+def _softmax_topk_ref(logits, k, renormalize, cast=False):
+    """The routing of softmax-top-k MoE routers (hf_kbit.nn.routing): ``logits [T, E]`` -> ``weights [T, k]``
+    (largest first) and int64 ``indices [T, k]``: the float32 softmax over the experts, its ``k`` largest
+    probabilities, divided by their sum when ``renormalize``; float32, or rounded once to the logits' dtype when
+    ``cast``. Equal probabilities may come in either order (torch.topk's)."""
+    if logits.dim() != 2 or not 1 <= k <= logits.shape[-1]:
+        raise ValueError(f"softmax_topk: logits must be [T, E] and 1 <= k <= E, got shape {tuple(logits.shape)}, k={k}")
+    probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
+    weights, indices = torch.topk(probs, k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return (weights.to(logits.dtype) if cast else weights), indices
+
+
+@torch.library.register_fake("kbit::softmax_topk")
+def _softmax_topk_fake(logits, k, renormalize, cast=False):
+    shape = (logits.shape[0], k)
+    dtype = logits.dtype if cast else torch.float32
+    return logits.new_empty(shape, dtype=dtype), logits.new_empty(shape, dtype=torch.int64)
+
+
 # ---------------------------------------------------------------------------- grouped_mm
 
 

@@ -41,7 +41,7 @@ if command -v compute-sanitizer >/dev/null 2>&1; then
   echo "== compute-sanitizer memcheck (representative set)"
   compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
     "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider "$ROOT/tests/gpu" \
-    -k "smoke or (mm_matches and bf16 and N257K515 and (M1 or M5)) or (each_kernel_path and gemm and N257K515 and (M17 or M65)) or (gemv_plan_modes and bf16 and (N4100K2040M3 or N5120K2048M16 or N14336K4096M16 or N40K16400M16 or N1000K16400M16 or N1024K4096M13 or N42240K384M1)) or gemm_offset or (dequantize_bit_exact and 257x515 and bf16) or (quantize_bit_exact and 33x257 and bf16) or (gemm_matches_reference and N257K515 and (M17 or M255)) or (grouped_mm_matches_reference and k3-fp16 and S512 and E5N257K515) or (rotated_gemv_every_plan_mode and staged and (N4100K2048M3 or N1024K4096M13))"
+    -k "smoke or (mm_matches and bf16 and N257K515 and (M1 or M5)) or (each_kernel_path and gemm and N257K515 and (M17 or M65)) or (gemv_plan_modes and bf16 and (N4100K2040M3 or N5120K2048M16 or N14336K4096M16 or N40K16400M16 or N1000K16400M16 or N1024K4096M13 or N42240K384M1)) or gemm_offset or (dequantize_bit_exact and 257x515 and bf16) or (quantize_bit_exact and 33x257 and bf16) or (gemm_matches_reference and N257K515 and (M17 or M255)) or (grouped_mm_matches_reference and k3-fp16 and S512 and E5N257K515) or (rotated_gemv_every_plan_mode and staged and (N4100K2048M3 or N1024K4096M13)) or (softmax_topk_on_cuda and T7 and 60-4)"
 else
   echo "compute-sanitizer not found: memcheck skipped" >&2
   exit 3

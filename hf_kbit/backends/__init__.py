@@ -9,7 +9,7 @@ import importlib.util
 
 def load() -> None:
     """Register every backend this machine can run: the compiled CUDA library (``cuda``) and the Triton
-    decode attention (``triton_kernels``). Without them the ops run their references."""
+    kernels (``triton_kernels``: decode attention, MoE routing). Without them the ops run their references."""
     from .. import _lib
 
     if _lib.available():

@@ -1,10 +1,12 @@
-"""Triton implementation of ``kbit::decode_attention`` for CUDA tensors (hf_kbit/_ops.py defines the op
-and its reference; hf_kbit/attention.py plugs it into transformers as ``attn_implementation="kbit_decode"``).
+"""Triton implementations for CUDA tensors of ``kbit::decode_attention`` and ``kbit::softmax_topk``
+(hf_kbit/_ops.py defines the ops and their references; hf_kbit/attention.py plugs the first into transformers as
+``attn_implementation="kbit_decode"``, hf_kbit/nn/routing.py the second into softmax-top-k MoE routers).
 
-One program per (batch, key/value head, slice of the keys) computes its query group's softmax-weighted
-values with an online softmax in float32 (tensor-core dots), and a second kernel merges the slices, one
-program per query row (deterministic); on sm_90+ both are programmatic dependent launches, as the kbit
-GEMV is. Imported by ``hf_kbit.backends.load()`` only when Triton is installed.
+Decode attention: one program per (batch, key/value head, slice of the keys) computes its query group's
+softmax-weighted values with an online softmax in float32 (tensor-core dots), and a second kernel merges the
+slices, one program per query row (deterministic); on sm_90+ both are programmatic dependent launches, as the
+kbit GEMV is. Routing: one program per token row, the router's softmax, top-k and renormalization in one launch.
+Imported by ``hf_kbit.backends.load()`` only when Triton is installed.
 """
 
 from __future__ import annotations
@@ -173,3 +175,58 @@ def _decode_attention_cuda(query, key, value, mask, scale, slices=0):
                 SLICES_P=triton.next_power_of_2(slices), PDL=pdl, num_warps=4, launch_pdl=pdl,
             )
     return out
+
+
+# ---------------------------------------------------------------------------- softmax_topk
+
+# Experts a program holds in registers (Qwen3-Next has 512); above, the reference.
+SOFTMAX_TOPK_MAX_EXPERTS = 1024
+
+
+@triton.jit
+def _softmax_topk_kernel(logits_ptr, weights_ptr, indices_ptr, stride, experts,
+                         K: tl.constexpr, K_P: tl.constexpr, BLOCK: tl.constexpr, RENORM: tl.constexpr,
+                         PDL: tl.constexpr):
+    # One token row: p = softmax(logits) in float32 (exp(x - max) / sum, as torch's softmax), then k rounds of
+    # (largest p, its lowest index), then p / sum of the k when RENORM, stored in the weights' dtype.
+    _pdl_wait(PDL)
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    live = offs < experts
+    x = tl.load(logits_ptr + row * stride + offs, mask=live, other=float("-inf")).to(tl.float32)
+    e = tl.extra.cuda.libdevice.exp(x - tl.max(x, 0))
+    p = tl.where(live, e / tl.sum(e, 0), -1.0)
+    slot = tl.arange(0, K_P)
+    top = tl.zeros([K_P], dtype=tl.float32)
+    idx = tl.zeros([K_P], dtype=tl.int64)
+    for j in tl.static_range(K):
+        v = tl.max(p, 0)
+        i = tl.argmax(p, 0, tie_break_left=True)
+        top = tl.where(slot == j, v, top)
+        idx = tl.where(slot == j, i.to(tl.int64), idx)
+        p = tl.where(offs == i, -1.0, p)
+    if RENORM:
+        top = top / tl.sum(tl.where(slot < K, top, 0.0), 0)
+    tl.store(weights_ptr + row * K + slot, top.to(weights_ptr.dtype.element_ty), mask=slot < K)
+    tl.store(indices_ptr + row * K + slot, idx, mask=slot < K)
+
+
+@torch.library.impl(_ops._lib, "softmax_topk", "CUDA")
+def _softmax_topk_cuda(logits, k, renormalize, cast=False):
+    """One Triton launch per call (the reference runs a softmax, a sort-based top-k, a sum, a division and a cast):
+    a program per row. Equal probabilities go to the lower expert index first."""
+    if logits.dim() != 2 or not 1 <= k <= logits.shape[-1] or logits.shape[-1] > SOFTMAX_TOPK_MAX_EXPERTS:
+        return _ops._softmax_topk_ref(logits, k, renormalize, cast)
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    rows, experts = logits.shape
+    weights = logits.new_empty((rows, k), dtype=logits.dtype if cast else torch.float32)
+    indices = logits.new_empty((rows, k), dtype=torch.int64)
+    if rows == 0:
+        return weights, indices
+    pdl = _pdl_supported(logits.device.index or 0)
+    with torch.cuda.device(logits.device):
+        _softmax_topk_kernel[(rows,)](
+            logits, weights, indices, logits.stride(0), experts, K=k, K_P=triton.next_power_of_2(k),
+            BLOCK=triton.next_power_of_2(experts), RENORM=renormalize, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        )
+    return weights, indices

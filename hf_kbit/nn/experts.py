@@ -35,6 +35,7 @@ from .linear import (
     quantize_checked,
     rotation_signs_placeholder,
 )
+from .routing import fuse_routers, unfuse_routers
 from .selection import _set_submodule, should_convert, swap_modules
 
 # Fused checkpoint parameter -> prefix of its packed tensors. The packed names must not start
@@ -516,7 +517,9 @@ def replace_experts_with_kbit(
             module, gate_up_bits, down_bits, config.codebook, weight_placeholder=weight_placeholder, name=name
         )
 
-    return swap_modules(model, modules_to_not_convert, make)
+    names = swap_modules(model, modules_to_not_convert, make)
+    fuse_routers(model, names, modules_to_not_convert)
+    return names
 
 
 def quantize_experts_on_load(
@@ -548,6 +551,7 @@ def quantize_experts(
     already quantized (calibrated, :func:`hf_kbit.calibration.calibrate_model`); the others are packed here."""
     config = config or KbitConfig()
     skip = modules_to_not_convert if modules_to_not_convert is not None else (config.modules_to_not_convert or [])
+    names = []
     for name, module in list(model.named_modules()):
         if isinstance(module, KbitExperts) or not should_convert(name, skip):
             continue
@@ -558,12 +562,15 @@ def quantize_experts(
                 module, gate_up_bits, down_bits, config.codebook, name=name, fitting_rule=config.fitting, packed=given,
                 rotation=config.rotation, rotation_seed=config.rotation_seed,
             ))
+            names.append(name)
+    fuse_routers(model, names, skip)
     return model
 
 
 def replace_kbit_experts_with_float(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
-    """Replace every KbitExperts with the model's experts module holding dequantized weights."""
+    """Replace every KbitExperts with the model's experts module holding dequantized weights, and give fused
+    routers their model's class back."""
     for name, module in list(model.named_modules()):
         if isinstance(module, KbitExperts):
             _set_submodule(model, name, module.to_experts(dtype))
-    return model
+    return unfuse_routers(model)

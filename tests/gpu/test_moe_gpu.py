@@ -396,6 +396,76 @@ def test_torch_compile_fullgraph_of_experts_runs(family, mode):
             assert rel_err(out, gpu(x, index, weights)) < EXPERTS_REL_TOL
 
 
+# ---------------------------------------------------------------------------- fused routing (hf_kbit.nn.routing)
+
+
+def test_softmax_topk_has_its_cuda_kernel():
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("kbit::softmax_topk", "CUDA")
+
+
+def _check_topk(logits, weights, indices, k, renormalize, cast):
+    """weights/indices of softmax_topk against the reference on the CPU. Probabilities can tie (bf16 logits often
+    do), and a tie's order is free: each rank's expert must carry the reference's probability at that rank."""
+    ref_weights, ref_indices = torch.ops.kbit.softmax_topk(logits.cpu(), k, renormalize, cast)
+    assert weights.dtype == ref_weights.dtype and indices.dtype == torch.int64 and weights.shape == ref_weights.shape
+    weights, indices = weights.cpu(), indices.cpu()
+    tol = dict(rtol=2 ** -7, atol=1e-6) if cast and logits.dtype != torch.float32 else dict(rtol=4e-6, atol=1e-7)
+    torch.testing.assert_close(weights, ref_weights, **tol)
+    probs = torch.softmax(logits.cpu().float(), dim=-1)
+    torch.testing.assert_close(probs.gather(1, indices), probs.gather(1, ref_indices), rtol=4e-6, atol=1e-7)
+    assert all(len(set(row)) == k for row in indices.tolist()), "an expert chosen twice"
+    if logits.dtype == torch.float32:  # random float32 logits do not tie: the very same experts
+        assert torch.equal(indices, ref_indices)
+
+
+@pytest.mark.parametrize("cast", [False, True], ids=["float32", "cast"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("renormalize", [False, True], ids=["plain", "renormalized"])
+@pytest.mark.parametrize("rows", [1, 7, 64], ids=lambda r: f"T{r}")
+@pytest.mark.parametrize("experts,k", [(8, 2), (60, 4), (128, 8), (512, 10), (3, 3)], ids=lambda v: str(v))
+def test_softmax_topk_on_cuda_equals_reference(experts, k, rows, renormalize, dtype, cast):
+    """The Triton kernel against the op's CPU reference (float32 sums in another order)."""
+    logits = (torch.randn(rows, experts, generator=torch.Generator().manual_seed(rows * experts + k)) * 3).to(dtype)
+    weights, indices = torch.ops.kbit.softmax_topk(logits.to(DEVICE), k, renormalize, cast)
+    _check_topk(logits, weights, indices, k, renormalize, cast)
+
+
+def test_softmax_topk_replays_in_a_cuda_graph():
+    logits = torch.randn(4, 128, device=DEVICE)
+    with torch.no_grad():
+        graph, captured = capture_cuda_graph(lambda: torch.ops.kbit.softmax_topk(logits, 8, True))
+        logits.copy_(torch.randn(4, 128, device=DEVICE))
+        graph.replay()
+        torch.cuda.synchronize()
+    _check_topk(logits, *captured, 8, True, False)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_fused_routers_on_cuda_route_as_the_familys(family):
+    """A quantized model's fused routers on CUDA: the family router's experts and scores (within one rounding of
+    the scores' dtype; a tie of bf16 logits may take either expert, so the model's logits are only checked to be
+    finite: a tie at the k-th place changes an expert)."""
+    from hf_kbit.nn.routing import KbitSoftmaxTopKRouter, unfuse_routers
+
+    model = hf_kbit.quantize_model(copy.deepcopy(_tiny_model(family)), hf_kbit.KbitConfig(bits=4), progress=False)
+    model = model.to(DEVICE)
+    plain = unfuse_routers(copy.deepcopy(model))
+    assert not isinstance(plain.model.layers[0].mlp.gate, KbitSoftmaxTopKRouter)
+    router = model.model.layers[0].mlp.gate
+    assert isinstance(router, KbitSoftmaxTopKRouter)
+    x = torch.randn(9, HIDDEN, device=DEVICE, dtype=torch.bfloat16)
+    ids = torch.randint(0, 128, (2, 6), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(0))
+    with torch.inference_mode():
+        logits, scores, indices = router(x)
+        ref_logits, ref_scores, ref_indices = plain.model.layers[0].mlp.gate(x)
+        out = model(ids).logits
+    assert torch.equal(logits, ref_logits) and scores.dtype == ref_scores.dtype
+    torch.testing.assert_close(scores.float(), ref_scores.float(), rtol=2 ** -7, atol=1e-6)
+    probs = torch.softmax(logits.float(), dim=-1)  # a tie of bf16 logits may take either expert
+    torch.testing.assert_close(probs.gather(1, indices), probs.gather(1, ref_indices), rtol=4e-6, atol=1e-7)
+    assert out.shape == (2, 6, model.config.vocab_size) and bool(out.isfinite().all())
+
+
 # ---------------------------------------------------------------------------- the benchmark script
 
 
