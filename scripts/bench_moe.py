@@ -17,6 +17,12 @@ Both sides are the whole experts layer as a model calls it,
 Routing: random router logits -> softmax -> top-k (renormalised when the config says
 ``norm_topk_prob``), fixed seed per T, the same for both sides.
 
+``--block`` times the family's whole sparse MoE block instead, ``block(hidden_states [1, T, H])``: the router
+(its matmul, softmax, top-k and renormalization) and the experts (and the shared expert where the family has
+one), with N(0, 0.02) router weights routing N(0, 1) hidden states. bf16: the block as transformers builds it.
+kbit: a copy quantized by ``hf_kbit.quantize_model`` (its experts a ``KbitExperts``, its router fused by
+``hf_kbit.nn.routing``, a shared expert's Linears k-bit), as a kbit model holds them.
+
 Cold L2 (DESIGN.md section 6): every timed call reads a different copy of the layer. A call
 reads only its active experts, so the number of copies is chosen from the bytes the smallest T
 reads: copies = max(2, ceil(400 MiB / bytes read per call)), at most 64 and ``--copy-mem-gb``. A
@@ -34,6 +40,8 @@ routing offsets on the host) CUDA events over eager calls, recorded per cell. Ra
     python scripts/bench_moe.py --smoke --device cpu --out /tmp/moe_smoke     # CPU smoke run
     python scripts/bench_moe.py --tokens 512 1024 4096 8192 --gemm-kernel wgmma_ws --out benchmarks/results/h200_moe_ws
                                        # prefill on the warp-specialized GEMM's grouped calls
+    python scripts/bench_moe.py --block --presets qwen3-30b-a3b --tokens 1 4 8 16 --out benchmarks/results/h200_moe_block
+                                       # the whole sparse MoE block (router + experts) at decode
 """
 
 from __future__ import annotations
@@ -151,12 +159,24 @@ def skeleton_experts(config):
     return next((n, m) for n, m in skeleton.named_modules() if n.endswith(".experts"))
 
 
-def build_bf16_experts(config, device: str, seed: int = SEED):
-    """The experts module of :func:`skeleton_experts`, materialized on ``device`` with
-    N(0, WEIGHT_STD) bf16 weights."""
+def skeleton_block(config):
+    """``(name, module)``: the sparse MoE block holding the experts of :func:`skeleton_experts` (its parent)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    experts = next(n for n, _ in skeleton.named_modules() if n.endswith(".experts"))
+    name = experts.rpartition(".")[0]
+    return name, skeleton.get_submodule(name)
+
+
+def build_bf16_experts(config, device: str, seed: int = SEED, block: bool = False):
+    """The experts module of :func:`skeleton_experts` (``block``: the block of :func:`skeleton_block`),
+    materialized on ``device`` with N(0, WEIGHT_STD) bf16 weights."""
     import torch
 
-    name, experts = skeleton_experts(config)
+    name, experts = skeleton_block(config) if block else skeleton_experts(config)
     experts = experts.to_empty(device=device)
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
@@ -179,6 +199,19 @@ def routing(config, num_tokens: int, device: str, seed: int = SEED):
     if getattr(config, "norm_topk_prob", False):
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return x.to(device), index.to(device), weights.to(torch.bfloat16).to(device)
+
+
+def block_input(config, num_tokens: int, device: str, seed: int = SEED):
+    """``(hidden_states [1, T, H] bf16,)``, N(0, 1), the block's call; the same values as :func:`routing`'s."""
+    return (routing(config, num_tokens, device, seed)[0][None],)
+
+
+def make_kbit_block(bf16_block, bits: int):
+    """A copy of ``bf16_block`` quantized as a kbit model holds it (``hf_kbit.quantize_model``, the defaults at
+    ``bits``): its experts a KbitExperts, its router fused, any other Linear (a shared expert) a KbitLinear."""
+    import hf_kbit
+
+    return hf_kbit.quantize_model(copy.deepcopy(bf16_block), hf_kbit.KbitConfig(bits=bits), progress=False).eval()
 
 
 def module_bytes(module) -> int:
@@ -336,13 +369,19 @@ def bench_preset(preset: str, tokens: list[int], bits_list: list[int], device: s
     from hf_kbit.nn.experts import KbitExperts
 
     config = make_config(preset)
-    name, bf16 = build_bf16_experts(config, device)
-    inputs = {t: routing(config, t, device) for t in tokens}
-    active = {t: int(inputs[t][1].unique().numel()) for t in tokens}
+    block = opts.get("block", False)
+    name, bf16 = build_bf16_experts(config, device, block=block)
+    if block:
+        inputs = {t: block_input(config, t, device) for t in tokens}
+        with torch.inference_mode():
+            active = {t: int(bf16.gate(inputs[t][0])[2].unique().numel()) for t in tokens}
+    else:
+        inputs = {t: routing(config, t, device) for t in tokens}
+        active = {t: int(inputs[t][1].unique().numel()) for t in tokens}
     num_experts = config.num_experts
     info: dict[str, Any] = {
         "preset": preset, "title": PRESETS[preset]["title"], "model_type": config.model_type,
-        "module": name, "num_experts": num_experts, "top_k": config.num_experts_per_tok,
+        "module": name, "block": block, "num_experts": num_experts, "top_k": config.num_experts_per_tok,
         "hidden_size": config.hidden_size, "moe_intermediate_size": config.moe_intermediate_size,
         "active_experts": {str(t): active[t] for t in tokens}, "variants": {},
     }
@@ -377,7 +416,7 @@ def bench_preset(preset: str, tokens: list[int], bits_list: list[int], device: s
         return outputs
 
     bf16_out = run_variant("bf16", bf16, graph_ok, "--no-graph")
-    baseline = describe_baseline(bf16, info["variants"]["bf16"]["observed_ops"])
+    baseline = describe_baseline(bf16.experts if block else bf16, info["variants"]["bf16"]["observed_ops"])
     info["bf16_baseline"] = baseline
     if cuda and not baseline["is_grouped_mm_path"]:
         raise RuntimeError(
@@ -389,7 +428,10 @@ def bench_preset(preset: str, tokens: list[int], bits_list: list[int], device: s
     no_graph = "--no-graph" if opts["no_graph"] else (
         "kbit::grouped_mm has no CUDA kernel: the PyTorch reference serves CUDA tensors with a host sync")
     for bits in bits_list:
-        kbit = KbitExperts.from_experts(bf16, gate_up_bits=bits, down_bits=bits, name=name).eval()
+        if block:
+            kbit = make_kbit_block(bf16, bits)
+        else:
+            kbit = KbitExperts.from_experts(bf16, gate_up_bits=bits, down_bits=bits, name=name).eval()
         label = f"k{bits}"
         out = run_variant(label, kbit, graph_ok and kernel, no_graph)
         info["variants"][label]["op_has_cuda_kernel"] = kernel
@@ -422,12 +464,15 @@ def _short(method: str) -> str:
 def markdown(payload: dict) -> str:
     meta, bits_list = payload["meta"], payload["meta"]["bits"]
     lines = [
-        f"# MoE experts layer: KbitExperts vs transformers bf16 — {meta['device']}", "",
+        (f"# MoE block (router + experts): kbit vs transformers bf16 — {meta['device']}" if meta.get("block") else
+         f"# MoE experts layer: KbitExperts vs transformers bf16 — {meta['device']}"), "",
         f"Command: `{meta['command']}`  ",
         f"torch {meta['torch']}, transformers {meta['transformers']}, hf_kbit {meta['hf_kbit']}, "
         f"CUDA {meta['cuda']}, kbit CUDA library loaded: {meta['kbit_library']}, "
         f"`kbit::grouped_mm` CUDA kernel registered: {meta['kbit_grouped_mm_cuda_kernel']}.", "",
-        "Cells: microseconds per call of the whole experts layer (forward with routing given), and "
+        ("Cells: microseconds per call of the whole sparse MoE block (router, experts; kbit: KbitExperts and the "
+         "fused router), and " if meta.get("block") else
+         "Cells: microseconds per call of the whole experts layer (forward with routing given), and ") +
         "bf16 time / kbit time in parentheses (> 1: kbit faster). `rel err`: ||y_kbit - y_bf16|| / "
         "||y_bf16|| of the same call (quantization noise, a sanity check).", "",
     ]
@@ -476,6 +521,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-graph", action="store_true", help="time eager calls with CUDA events, no CUDA graph")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="seconds per cell for eager timing (default 3, smoke 0.2)")
+    ap.add_argument("--block", action="store_true",
+                    help="time the family's whole sparse MoE block (router + experts), kbit's router fused")
     ap.add_argument("--gemm-kernel", default=None, choices=GEMM_KERNELS,
                     help="CUDA: the GEMM kernel the planner takes (hf_kbit.backends.cuda.set_gemm_kernel); wgmma_ws "
                          "also serves the experts' grouped calls above the per-row threshold")
@@ -521,7 +568,7 @@ def run(args: argparse.Namespace, argv: list[str], log: Callable[[str], None] = 
         device_name, l2 = torch.cuda.get_device_name(), getattr(props, "L2_cache_size", None)
     else:
         mem_budget, device_name, l2 = 0, f"CPU ({platform.processor() or platform.machine()})", None
-    opts = {"mem_budget": mem_budget, "cold": cold, "smoke": args.smoke, "no_graph": args.no_graph,
+    opts = {"mem_budget": mem_budget, "cold": cold, "smoke": args.smoke, "no_graph": args.no_graph, "block": args.block,
             "replays": 3 if args.smoke else REPLAYS,
             "budget_s": args.budget_s if args.budget_s is not None else (0.2 if args.smoke else 3.0)}
     if args.smoke:
@@ -548,11 +595,13 @@ def run(args: argparse.Namespace, argv: list[str], log: Callable[[str], None] = 
         "transformers": transformers.__version__, "hf_kbit": hf_kbit.__version__, "python": platform.python_version(),
         "cuda": torch.version.cuda if device == "cuda" else None, "kbit_library": _lib.available(),
         "kbit_grouped_mm_cuda_kernel": kbit_has_cuda_kernel(), "gemm_kernel": args.gemm_kernel, "bits": args.bits,
+        "block": args.block,
         "tokens": tokens,
         "cold_l2": cold_text, "cold_l2_bytes": COLD_BYTES if cold and not args.smoke else None,
         "l2_bytes": l2, "copy_mem_budget_bytes": mem_budget or None, "hot_l2": not cold, "seed": SEED,
-        "routing": "random router logits N(0,1) -> softmax -> top-k (renormalised when norm_topk_prob), "
-                   "hidden_states N(0,1), weights N(0, 0.02), all bf16",
+        "routing": ("the block's router (weights N(0, 0.02)) on hidden_states N(0,1); kbit: fused (hf_kbit.nn.routing)"
+                    if args.block else "random router logits N(0,1) -> softmax -> top-k (renormalised when "
+                    "norm_topk_prob), hidden_states N(0,1), weights N(0, 0.02), all bf16"),
         "ratio": "kN_x_bf16 = bf16_us / kN_us (> 1: kbit faster)",
     }
     payload = {"meta": meta, "presets": infos, "results": results}

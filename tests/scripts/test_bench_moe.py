@@ -120,3 +120,27 @@ def test_bad_arguments_are_refused(argv, message, capsys):
 def test_real_presets_refused_on_cpu():
     with pytest.raises(ValueError, match="--smoke"):
         bench.run(bench.parse_args(["--device", "cpu"]), ["--device", "cpu"])
+
+
+def test_block_smoke_times_the_whole_block(tmp_path):
+    """--block: the family's sparse MoE block (router + experts), the kbit side as quantize_model leaves it."""
+    prefix = tmp_path / "block"
+    bench.main(["--smoke", "--block", "--device", "cpu", "--bits", "4", "--tokens", "1", "3", "--budget-s", "0.02",
+                "--out", str(prefix)])
+    payload = json.loads(prefix.with_suffix(".json").read_text())
+    (info,) = payload["presets"]
+    assert payload["meta"]["block"] and info["block"] and info["module"] == "model.layers.0.mlp"
+    assert prefix.with_suffix(".md").read_text().startswith("# MoE block (router + experts)")
+    ops = info["variants"]["k4"]["observed_ops"]
+    assert bench.KBIT_OP in ops and "aten.linear" in ops  # the router's matmul, then its routing and the experts
+    assert [r["T"] for r in payload["results"]] == [1, 3] and all(r["k4_us"] > 0 for r in payload["results"])
+
+
+def test_make_kbit_block_fuses_the_router():
+    from hf_kbit.nn import KbitExperts
+    from hf_kbit.nn.routing import KbitSoftmaxTopKRouter
+
+    _, block = bench.build_bf16_experts(bench.make_config(bench.SMOKE_PRESET), "cpu", block=True)
+    kbit = bench.make_kbit_block(block, 3)
+    assert isinstance(kbit.experts, KbitExperts) and isinstance(kbit.gate, KbitSoftmaxTopKRouter)
+    assert type(block.gate).__name__ == "Qwen3MoeTopKRouter"  # the bf16 block is left as it was
