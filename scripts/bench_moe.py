@@ -147,36 +147,26 @@ def make_config(preset: str):
     return AutoConfig.for_model(model_type, num_hidden_layers=1, **values)
 
 
-def skeleton_experts(config):
-    """``(name, module)``: the family's experts module of layer 0 on the meta device, from a model
-    skeleton built the way ``from_pretrained`` builds it (so its config carries transformers'
-    default experts implementation)."""
+def skeleton_experts(config, block: bool = False):
+    """``(name, module)``: the family's experts module of layer 0 (``block``: the sparse MoE block holding it, its
+    parent) on the meta device, from a model skeleton built the way ``from_pretrained`` builds it (so its config
+    carries transformers' default experts implementation)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    return next((n, m) for n, m in skeleton.named_modules() if n.endswith(".experts"))
-
-
-def skeleton_block(config):
-    """``(name, module)``: the sparse MoE block holding the experts of :func:`skeleton_experts` (its parent)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    experts = next(n for n, _ in skeleton.named_modules() if n.endswith(".experts"))
-    name = experts.rpartition(".")[0]
+    name = next(n for n, _ in skeleton.named_modules() if n.endswith(".experts"))
+    name = name.rpartition(".")[0] if block else name
     return name, skeleton.get_submodule(name)
 
 
 def build_bf16_experts(config, device: str, seed: int = SEED, block: bool = False):
-    """The experts module of :func:`skeleton_experts` (``block``: the block of :func:`skeleton_block`),
-    materialized on ``device`` with N(0, WEIGHT_STD) bf16 weights."""
+    """The experts module (``block``: the block holding it) of :func:`skeleton_experts`, materialized on
+    ``device`` with N(0, WEIGHT_STD) bf16 weights."""
     import torch
 
-    name, experts = skeleton_block(config) if block else skeleton_experts(config)
+    name, experts = skeleton_experts(config, block)
     experts = experts.to_empty(device=device)
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():

@@ -19,8 +19,7 @@ transformers.utils.logging.set_verbosity_error()
 
 def _router_config(class_name: str, norm_topk_prob: bool):
     """A config the router class of ``class_name`` builds from: 16 experts, top 4, hidden 32."""
-    family = {"Qwen3MoeTopKRouter": "qwen3_moe", "Qwen3NextTopKRouter": "qwen3_next", "Qwen2MoeTopKRouter": "qwen2_moe",
-              "OlmoeTopKRouter": "olmoe", "MixtralTopKRouter": "mixtral"}[class_name]
+    family = RULES[class_name].family
     config_cls = getattr(transformers, transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES[family])
     return family, config_cls(hidden_size=32, num_experts=16, num_local_experts=16, num_experts_per_tok=4,
                               norm_topk_prob=norm_topk_prob)
