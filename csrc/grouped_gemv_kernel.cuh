@@ -3,7 +3,7 @@
 //
 // The decode of a K tile is gemv_kernel.cuh's (pair table, mma_tile); what differs is the work:
 //  * per-row mode (decode, few rows): a unit is (row s, row group); its expert is
-//    expert_ids[s] (ids outside [0, E) leave the caller's zeros);
+//    expert_ids[s] (a row of an id outside [0, E) is written as zeros);
 //  * grouped mode (prefill): the caller groups rows by expert on the device
 //    (_ops.expert_offsets: order, offsets) and a unit is (expert, chunk of <= 8 NT of its rows,
 //    row group), so each weight tile is decoded once for up to 8 NT rows. Every CTA turns the
@@ -97,7 +97,11 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) grouped_gemv_ker
       expert = p.expert_ids[wi];
       first = wi;
       m = 1;
-      if (expert < 0 || expert >= p.e) continue;  // the caller's zeros stand (uniform over the CTA)
+      if (expert < 0 || expert >= p.e) {  // no expert: the unit's outputs are zeros (uniform over the CTA)
+        const int64_t n0 = group * row_tiles * kTileN, n1 = min(p.n, n0 + row_tiles * kTileN);
+        for (int64_t n = n0 + threadIdx.x; n < n1; n += kGemvThreads) out[wi * p.n + n] = from_float<T>(0.f);
+        continue;
+      }
     }
     __syncthreads();  // the previous unit's output writes are done with unit_rows
     if (static_cast<int>(threadIdx.x) < m) unit_rows[threadIdx.x] = grouped ? p.order[first + threadIdx.x] : first;

@@ -342,6 +342,56 @@ def _softmax_topk_fake(logits, k, renormalize, cast=False):
     return logits.new_empty(shape, dtype=dtype), logits.new_empty(shape, dtype=torch.int64)
 
 
+# ---------------------------------------------------------------------------- experts layer
+
+# The elementwise work of an experts layer around its two grouped products (hf_kbit.nn.experts), one op each, so
+# that a backend can serve each in one launch (eager, the torch ops take two to six).
+_lib.define("silu_glu(Tensor gate_up) -> Tensor")
+_lib.define("experts_combine(Tensor y, Tensor expert_ids, Tensor weights, int num_experts) -> Tensor")
+
+
+@torch.library.impl(_lib, "silu_glu", "CompositeExplicitAutograd")
+def _silu_glu_ref(gate_up):
+    """``silu(gate) * up`` of ``gate_up [S, 2I]`` (gate first, then up: the experts' layout) -> ``[S, I]``, as a
+    SiLU ``act_fn`` computes it: the SiLU rounded to the input's dtype, then the product rounded."""
+    if gate_up.dim() != 2 or gate_up.shape[-1] % 2:
+        raise ValueError(f"silu_glu: gate_up must be [S, 2I], got shape {tuple(gate_up.shape)}")
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@torch.library.register_fake("kbit::silu_glu")
+def _silu_glu_fake(gate_up):
+    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[-1] // 2))
+
+
+def _check_combine(y, expert_ids, weights) -> None:
+    torch._check(
+        y.dim() == 2 and weights.dim() == 2 and expert_ids.dim() == 1
+        and expert_ids.shape[0] == y.shape[0] == weights.shape[0] * weights.shape[1],
+        lambda: "experts_combine: need y [T*k, N], expert_ids [T*k] and weights [T, k], got "
+        f"{tuple(y.shape)}, {tuple(expert_ids.shape)} and {tuple(weights.shape)}",
+    )
+
+
+@torch.library.impl(_lib, "experts_combine", "CompositeExplicitAutograd")
+def _experts_combine_ref(y, expert_ids, weights, num_experts):
+    """Each token's weighted sum of its k experts' outputs: ``out[t] = sum_j w[t, j] y[t k + j]`` -> ``[T, N]`` in
+    y's dtype. Pairs whose id lies outside ``[0, num_experts)`` (expert-parallel sentinels) weigh 0; each weight is
+    rounded to y's dtype and the sum accumulates in float32 (a batched matmul)."""
+    _check_combine(y, expert_ids, weights)
+    num_tokens, top_k = weights.shape
+    valid = (expert_ids >= 0) & (expert_ids < num_experts)
+    w = torch.where(valid, weights.reshape(-1), 0).to(y.dtype)
+    return torch.bmm(w.view(num_tokens, 1, top_k), y.view(num_tokens, top_k, -1)).view(num_tokens, -1)
+
+
+@torch.library.register_fake("kbit::experts_combine")
+def _experts_combine_fake(y, expert_ids, weights, num_experts):
+    _check_combine(y, expert_ids, weights)
+    return y.new_empty((weights.shape[0], y.shape[1]))
+
+
 # ---------------------------------------------------------------------------- grouped_mm
 
 

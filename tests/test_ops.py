@@ -130,3 +130,45 @@ def test_decode_attention_reference_and_opcheck(mask):
         q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), attn_mask=m, scale=0.25)
     torch.testing.assert_close(out, ref.transpose(1, 2), atol=1e-5, rtol=0)
     torch.library.opcheck(torch.ops.kbit.decode_attention.default, (q, k, v, m, 0.25))
+
+
+# ---------------------------------------------------------------------------- experts layer ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_silu_glu_reference_is_silu_of_the_first_half_times_the_second(dtype):
+    gate_up = (torch.randn(5, 2 * 24, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    out = torch.ops.kbit.silu_glu(gate_up)
+    assert torch.equal(out, torch.nn.functional.silu(gate_up[:, :24]) * gate_up[:, 24:])
+    torch.library.opcheck(torch.ops.kbit.silu_glu.default, (gate_up,))
+    with pytest.raises(ValueError, match=r"gate_up must be \[S, 2I\], got shape \(5, 7\)"):
+        torch.ops.kbit.silu_glu(torch.randn(5, 7))
+
+
+def _combine_expected(y, ids, weights, num_experts):
+    """float64, one pair at a time: each weight rounded to y's dtype, zero for a sentinel id."""
+    num_tokens, top_k = weights.shape
+    out = torch.zeros(num_tokens, y.shape[1], dtype=torch.float64)
+    for t in range(num_tokens):
+        for j in range(top_k):
+            if 0 <= ids[t * top_k + j] < num_experts:
+                out[t] += weights[t, j].to(y.dtype).double() * y[t * top_k + j].double()
+    return out
+
+
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_experts_combine_reference_weighs_each_tokens_experts(weights_dtype):
+    """out[t] = sum_j w[t, j] y[t k + j]; sentinel ids (outside [0, E)) weigh 0 whatever their weight."""
+    g = torch.Generator().manual_seed(1)
+    num_tokens, top_k, num_experts = 3, 4, 6
+    y = torch.randn(num_tokens * top_k, 40, generator=g).bfloat16()
+    ids = torch.randint(0, num_experts, (num_tokens * top_k,), generator=g)
+    ids[[1, 6, 11]] = torch.tensor([-1, num_experts, num_experts + 9])
+    weights = torch.rand(num_tokens, top_k, generator=g).to(weights_dtype)
+    weights[0, 1], weights[1, 2] = float("nan"), float("inf")  # the sentinels' weights
+    out = torch.ops.kbit.experts_combine(y, ids, weights, num_experts)
+    assert out.dtype == torch.bfloat16 and out.shape == (num_tokens, 40)
+    torch.testing.assert_close(out.double(), _combine_expected(y, ids, weights, num_experts), atol=0, rtol=2**-8)
+    torch.library.opcheck(torch.ops.kbit.experts_combine.default, (y, ids, weights, num_experts))
+    with pytest.raises(RuntimeError, match=r"need y \[T\*k, N\], expert_ids \[T\*k\] and weights \[T, k\]"):
+        torch.ops.kbit.experts_combine(y[:-1], ids[:-1], weights, num_experts)

@@ -530,9 +530,10 @@ def _grouped_mm_cuda(x, expert_ids, planes, block_scales, row_scales, codebook, 
                                     order, offsets)
     s = x.shape[0]
     num_experts, n = row_scales.shape
-    out = torch.zeros((s, n), dtype=x.dtype, device=x.device)
     if s == 0 or n == 0 or in_features == 0:  # an empty product is all zeros
-        return out
+        return torch.zeros((s, n), dtype=x.dtype, device=x.device)
+    # Per-row mode writes every row (zeros for ids outside [0, E)); grouped mode leaves them to these zeros.
+    out = (torch.empty if s <= GROUP_ROWS_ABOVE else torch.zeros)((s, n), dtype=x.dtype, device=x.device)
     x = x.contiguous()
     ids = expert_ids.to(torch.int64).contiguous()
     planes, block_scales = planes.contiguous(), block_scales.contiguous()

@@ -1,11 +1,15 @@
-"""Triton implementations for CUDA tensors of ``kbit::decode_attention`` and ``kbit::softmax_topk``
-(hf_kbit/_ops.py defines the ops and their references; hf_kbit/attention.py plugs the first into transformers as
-``attn_implementation="kbit_decode"``, hf_kbit/nn/routing.py the second into softmax-top-k MoE routers).
+"""Triton implementations for CUDA tensors of ``kbit::decode_attention``, ``kbit::softmax_topk``,
+``kbit::silu_glu`` and ``kbit::experts_combine`` (hf_kbit/_ops.py defines the ops and their references;
+hf_kbit/attention.py plugs the first into transformers as ``attn_implementation="kbit_decode"``,
+hf_kbit/nn/routing.py the second into softmax-top-k MoE routers, hf_kbit/nn/experts.py the last two into
+``KbitExperts``).
 
 Decode attention: one program per (batch, key/value head, slice of the keys) computes its query group's
 softmax-weighted values with an online softmax in float32 (tensor-core dots), and a second kernel merges the
 slices, one program per query row (deterministic); on sm_90+ both are programmatic dependent launches, as the
 kbit GEMV is. Routing: one program per token row, the router's softmax, top-k and renormalization in one launch.
+Experts layer: the SiLU gating between the two grouped products and the weighted sum of each token's experts,
+one launch each (a program per row and block of columns).
 Imported by ``hf_kbit.backends.load()`` only when Triton is installed.
 """
 
@@ -230,3 +234,86 @@ def _softmax_topk_cuda(logits, k, renormalize, cast=False):
             BLOCK=triton.next_power_of_2(experts), RENORM=renormalize, PDL=pdl, num_warps=4, launch_pdl=pdl,
         )
     return weights, indices
+
+
+# ---------------------------------------------------------------------------- experts layer
+
+# Elements a program of the experts layer's elementwise kernels covers (a row may take several programs).
+EXPERTS_BLOCK = 1024
+
+
+@triton.jit
+def _silu_glu_kernel(gate_up_ptr, out_ptr, inter, in_stride, out_stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # One row's block of silu(gate) * up, the roundings of the unfused ops: the SiLU (x / (1 + exp(-x)) in float32,
+    # a correctly rounded division and libdevice's exp, as torch's kernel) rounded to the dtype, then the product.
+    _pdl_wait(PDL)
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < inter
+    src = gate_up_ptr + row.to(tl.int64) * in_stride + offs
+    g = tl.load(src, mask=live, other=0.0).to(tl.float32)
+    u = tl.load(src + inter, mask=live, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    s = tl.div_rn(g, 1.0 + tl.extra.cuda.libdevice.exp(-g)).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row.to(tl.int64) * out_stride + offs, (s * u).to(dtype), mask=live)
+
+
+@torch.library.impl(_ops._lib, "silu_glu", "CUDA")
+def _silu_glu_cuda(gate_up):
+    """One Triton launch (the reference: a SiLU and a product over the two strided halves)."""
+    if gate_up.dim() != 2 or gate_up.shape[-1] % 2 or gate_up.dtype not in (torch.float16, torch.bfloat16):
+        return _ops._silu_glu_ref(gate_up)
+    gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty((rows, inter))
+    if out.numel() == 0:
+        return out
+    pdl = _pdl_supported(gate_up.device.index or 0)
+    with torch.cuda.device(gate_up.device):
+        _silu_glu_kernel[(rows, triton.cdiv(inter, EXPERTS_BLOCK))](
+            gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=EXPERTS_BLOCK, PDL=pdl, num_warps=4,
+            launch_pdl=pdl,
+        )
+    return out
+
+
+@triton.jit
+def _experts_combine_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, n, experts, y_stride, w_stride, out_stride,
+                            K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # One token's block of sum_j w_j y[t k + j]: each weight zero for an id outside [0, experts), rounded to y's
+    # dtype, the products summed in float32 in expert-slot order, rounded once.
+    _pdl_wait(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < n
+    dtype = out_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(K):
+        e = tl.load(ids_ptr + t * K + j)
+        w = tl.load(w_ptr + t * w_stride + j)
+        w = tl.where((e >= 0) & (e < experts), w, 0.0).to(dtype).to(tl.float32)
+        y = tl.load(y_ptr + (t * K + j) * y_stride + offs, mask=live, other=0.0).to(tl.float32)
+        acc += w * y
+    tl.store(out_ptr + t * out_stride + offs, acc.to(dtype), mask=live)
+
+
+@torch.library.impl(_ops._lib, "experts_combine", "CUDA")
+def _experts_combine_cuda(y, expert_ids, weights, num_experts):
+    """One Triton launch (the reference: a validity mask in three ops, a where, a cast and a batched matmul)."""
+    _ops._check_combine(y, expert_ids, weights)
+    if y.dtype not in (torch.float16, torch.bfloat16) or weights.dtype not in (torch.float32, y.dtype):
+        return _ops._experts_combine_ref(y, expert_ids, weights, num_experts)
+    y = y if y.stride(-1) == 1 else y.contiguous()
+    weights = weights if weights.stride(-1) == 1 else weights.contiguous()
+    expert_ids = expert_ids.contiguous()
+    num_tokens, top_k = weights.shape
+    out = y.new_empty((num_tokens, y.shape[1]))
+    if out.numel() == 0:
+        return out
+    pdl = _pdl_supported(y.device.index or 0)
+    with torch.cuda.device(y.device):
+        _experts_combine_kernel[(num_tokens, triton.cdiv(y.shape[1], EXPERTS_BLOCK))](
+            y, expert_ids, weights, out, y.shape[1], num_experts, y.stride(0), weights.stride(0), out.stride(0),
+            K=top_k, BLOCK=EXPERTS_BLOCK, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        )
+    return out

@@ -371,11 +371,12 @@ class KbitExperts(KbitModule):
         out = self._project("down_proj", h, expert_ids, routing)
         if getattr(self, "has_post_expert_norm", False):
             out = self.post_expert_norm(out)
-        valid = (expert_ids >= 0) & (expert_ids < self.num_experts)
-        weights = torch.where(valid, top_k_weights.reshape(-1), 0).to(out.dtype)
-        # Weighted sum over each token's k experts as one batched matmul (float32 accumulation).
-        out = torch.bmm(weights.view(num_tokens, 1, top_k), out.view(num_tokens, top_k, -1))
-        return out.view(num_tokens, -1).to(hidden_states.dtype)
+        # Each token's weighted sum of its k experts (sentinel ids weigh 0), float32 accumulation.
+        if out.requires_grad or top_k_weights.requires_grad:  # the op has no backward: its reference's torch ops
+            out = _ops._experts_combine_ref(out, expert_ids, top_k_weights, self.num_experts)
+        else:
+            out = torch.ops.kbit.experts_combine(out, expert_ids, top_k_weights, self.num_experts)
+        return out.to(hidden_states.dtype)
 
     # ------------------------------------------------------------------ back to floats
 
@@ -483,13 +484,31 @@ def chosen_basis(candidates: list[Basis]) -> Basis:
 def apply_gate(module: nn.Module, gate_up: torch.Tensor, model_apply_gate=None) -> torch.Tensor:
     """The gating of an experts module (the model's own or a :class:`KbitExperts`) on ``gate_up [S, 2I]`` (the
     gate/up projection's output in Linear layout) -> ``[S, I]``: its class's ``_apply_gate`` (gpt_oss's clamped,
-    interleaved GLU; ``model_apply_gate`` for a KbitExperts, which keeps the model's), else ``act_fn(gate) * up``."""
+    interleaved GLU; ``model_apply_gate`` for a KbitExperts, which keeps the model's), else ``act_fn(gate) * up``
+    (transformers' default ``_apply_gate``), which a SiLU ``act_fn`` computes as one op, ``kbit::silu_glu``."""
     if model_apply_gate is None and not isinstance(module, KbitExperts):
         model_apply_gate = getattr(type(module), "_apply_gate", None)
-    if model_apply_gate is not None:
+    if model_apply_gate is not None and not _is_default_gate(model_apply_gate):
         return model_apply_gate(module, gate_up)
+    if _is_silu(module.act_fn) and gate_up.dim() == 2 and not gate_up.requires_grad:
+        return torch.ops.kbit.silu_glu(gate_up)  # one launch on CUDA, the same roundings
     gate, up = gate_up.chunk(2, dim=-1)
     return module.act_fn(gate) * up
+
+
+# By qualified name, not by import: torch.compile traces these checks as constants.
+def _is_default_gate(fn) -> bool:
+    """``fn`` is transformers' ``_default_apply_gate`` (``act_fn(gate) * up``), which its MoE decorator gives the
+    experts classes that define no gating of their own."""
+    return (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)) == (
+        "transformers.integrations.moe", "_default_apply_gate")
+
+
+def _is_silu(act_fn) -> bool:
+    """``act_fn`` computes ``F.silu``: torch's ``nn.SiLU`` or transformers' ``SiLUActivation`` (``ACT2FN["silu"]``)."""
+    cls = type(act_fn)
+    return (cls.__module__, cls.__qualname__) in (
+        ("torch.nn.modules.activation", "SiLU"), ("transformers.activations", "SiLUActivation"))
 
 
 # ---------------------------------------------------------------------- model-level helpers

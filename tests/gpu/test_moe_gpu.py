@@ -26,6 +26,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 import hf_kbit
+from hf_kbit import _ops
 from hf_kbit import format as fmt
 from hf_kbit.eval.timing import capture_cuda_graph
 from hf_kbit.nn import KbitExperts, KbitLinear
@@ -316,8 +317,16 @@ def test_grouped_mm_on_cuda_equals_reference(bits, dtype, shape, rows):
     x = torch.randn(rows, k, generator=g).to(dtype)
     ids = _expert_ids(rows, num_experts, seed=rows + bits)
     expected = torch.ops.kbit.grouped_mm(x, ids, *packed, k)  # CPU: the reference
-    out = torch.ops.kbit.grouped_mm(*_to(DEVICE, x, ids, *packed), k)
+    args = _to(DEVICE, x, ids, *packed)
+    _poison_allocator(rows * n, dtype)  # the op's output block holds NaN until written: sentinel rows must be
+    out = torch.ops.kbit.grouped_mm(*args, k)
     _check_grouped(out, expected, ids, num_experts, dtype)
+
+
+def _poison_allocator(numel: int, dtype: torch.dtype) -> None:
+    """Leave NaN in the caching allocator's next block of ``numel`` elements (the next allocation of that size
+    reuses it), so an output that is not written everywhere shows it."""
+    torch.full((numel,), float("nan"), dtype=dtype, device=DEVICE)
 
 
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
@@ -438,6 +447,71 @@ def test_softmax_topk_replays_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
     _check_topk(logits, *captured, 8, True, False)
+
+
+# ---------------------------------------------------------------------------- the experts layer's elementwise ops
+
+
+@pytest.mark.parametrize("op", ["silu_glu", "experts_combine"])
+def test_experts_layer_ops_have_their_cuda_kernels(op):
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"kbit::{op}", "CUDA")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows,inter", [(1, 768), (8, 1000), (64, 3000), (3, 5)], ids=lambda v: str(v))
+def test_silu_glu_on_cuda_equals_torchs_silu_times_up(rows, inter, dtype):
+    """The Triton kernel against torch's own CUDA ops on the same tensor (silu of the first half, times the second):
+    bit for bit, on a row-strided input (a slice of a wider tensor)."""
+    g = torch.Generator().manual_seed(rows * inter)
+    wide = (torch.randn(rows, 2 * inter + 16, generator=g) * 6).to(dtype).to(DEVICE)
+    gate_up = wide[:, : 2 * inter]
+    out = torch.ops.kbit.silu_glu(gate_up)
+    expected = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    assert out.dtype == dtype and out.shape == (rows, inter)
+    assert torch.equal(out, expected), f"{int((out != expected).sum())} of {out.numel()} elements differ"
+
+
+@pytest.mark.parametrize("weights_dtype", ["float32", "same"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("tokens,top_k,n", [(1, 8, 2048), (7, 2, 33), (64, 10, 2048), (5, 1, 1100)],
+                         ids=lambda v: str(v))
+def test_experts_combine_on_cuda_equals_reference(tokens, top_k, n, dtype, weights_dtype):
+    """The Triton kernel against a float64 sum of the same rounded products (one rounding of a float32 sum of at
+    most 10 products apart), with sentinel ids whose weights are NaN and inf; and against the op's reference (a
+    batched matmul) on the same GPU, within one rounding of the output."""
+    g = torch.Generator().manual_seed(tokens * top_k + n)
+    num_experts = 16
+    y = torch.randn(tokens * top_k, n, generator=g).to(dtype)
+    ids = torch.randint(0, num_experts, (tokens * top_k,), generator=g)
+    weights = torch.rand(tokens, top_k, generator=g).to(torch.float32 if weights_dtype == "float32" else dtype)
+    if tokens * top_k >= 4:
+        ids[0], ids[-1] = -1, num_experts + 3
+        weights.view(-1)[0], weights.view(-1)[-1] = float("nan"), float("inf")
+    valid = (ids >= 0) & (ids < num_experts)
+    w = torch.where(valid, weights.view(-1), 0).to(dtype).double()
+    expected = (w[:, None] * y.double()).view(tokens, top_k, n).sum(1)
+    out = torch.ops.kbit.experts_combine(*_to(DEVICE, y, ids, weights), num_experts)
+    assert out.dtype == dtype and out.shape == (tokens, n)
+    ulp = {torch.bfloat16: 2**-8, torch.float16: 2**-11}[dtype]
+    torch.testing.assert_close(out.cpu().double(), expected, rtol=ulp, atol=1e-5)
+    torch.testing.assert_close(out, _ops._experts_combine_ref(*_to(DEVICE, y, ids, weights), num_experts),
+                               rtol=2 * ulp, atol=1e-5)
+
+
+def test_experts_layer_ops_replay_in_a_cuda_graph():
+    gate_up = torch.randn(8, 2 * 768, device=DEVICE, dtype=torch.bfloat16)
+    y = torch.randn(8, 2048, device=DEVICE, dtype=torch.bfloat16)
+    ids = torch.arange(8, device=DEVICE)
+    weights = torch.rand(1, 8, device=DEVICE, dtype=torch.bfloat16)
+    with torch.no_grad():
+        graph, (h, out) = capture_cuda_graph(
+            lambda: (torch.ops.kbit.silu_glu(gate_up), torch.ops.kbit.experts_combine(y, ids, weights, 8)))
+        for t in (gate_up, y, weights):
+            t.copy_(torch.rand_like(t))
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(h, _ops._silu_glu_ref(gate_up))
+    torch.testing.assert_close(out, _ops._experts_combine_ref(y, ids, weights, 8), rtol=2**-7, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])

@@ -245,6 +245,41 @@ def test_module_equals_models_experts_with_dequantized_weights(family, num_token
     assert _rel(kbit(x, index, weights), expected) < SAME_MATH_REL_ERROR
 
 
+class _RecordOps(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family, silu", [("qwen3_moe", True), ("mixtral", True), ("gpt_oss", False)])
+def test_module_runs_silu_gating_and_the_weighted_sum_as_one_op_each(family, silu):
+    """A SiLU act_fn's gating is kbit::silu_glu (one launch on CUDA); a model's own _apply_gate (gpt_oss's clamped
+    GLU) runs as it is; every family's weighted sum is kbit::experts_combine. With gradients: the torch ops."""
+    from transformers.activations import ACT2FN
+
+    from hf_kbit.nn.experts import _is_silu
+
+    assert _is_silu(ACT2FN["silu"]) and _is_silu(torch.nn.SiLU())
+    assert not _is_silu(ACT2FN["gelu"]) and not _is_silu(ACT2FN["relu"])
+    name, experts = _float_experts(family)
+    kbit = KbitExperts.from_experts(experts, name=name)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, generator=g)
+    index, weights = _routing(3, 8, 2, g)
+    with torch.no_grad(), _RecordOps() as ops:
+        out = kbit(x, index, weights)
+    assert ("kbit.silu_glu" in ops.names) == silu and ops.names.count("kbit.experts_combine") == 1
+    x.requires_grad_(True)
+    with _RecordOps() as ops:
+        trained = kbit(x, index, weights)
+    assert "kbit.silu_glu" not in ops.names and "kbit.experts_combine" not in ops.names
+    assert torch.equal(trained.detach(), out)
+
+
 @pytest.mark.parametrize("num_tokens, sorts", [(20, 0), (40, 1)], ids=["40-rows", "80-rows"])
 def test_module_sorts_rows_once_for_both_projections(num_tokens, sorts, monkeypatch):
     """Above the rows a backend registers (_ops.GROUP_ROWS_ABOVE, by device type) the layer groups them
