@@ -7,7 +7,8 @@
 //  * grouped mode (prefill): the caller groups rows by expert on the device
 //    (_ops.expert_offsets: order, offsets) and a unit is (expert, chunk of <= 8 NT of its rows,
 //    row group), so each weight tile is decoded once for up to 8 NT rows. Every CTA turns the
-//    offsets into a chunk prefix sum in shared memory and finds a unit's expert by binary search.
+//    offsets into a chunk prefix sum in shared memory and finds a unit's expert by binary search;
+//    the grid writes the rows of no expert as zeros.
 // A CTA's kGemvWarps warps cover row_tiles x k_warps (row tile, K lane); activations are staged
 // per unit in K sub-chunks, the k_warps partial sums of a row tile are added in shared memory in
 // warp order (deterministic), and each output row is written once. Rotated experts (kRotate
@@ -64,6 +65,15 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) grouped_gemv_ker
     for (int e = e0; e < e1; ++e) {
       base += static_cast<int>((p.offsets[e + 1] - p.offsets[e] + kMaxTok - 1) / kMaxTok);
       chunk_start[e + 1] = base;
+    }
+    // Rows of no expert (order[0 : offsets[0]] and order[offsets[E] : s], ids outside [0, E)) are zeros,
+    // spread over the grid (usually there are none).
+    T* out = static_cast<T*>(p.out);
+    const int64_t lo = p.offsets[0], hi = p.offsets[num_experts], none = (lo + p.s - hi) * p.n;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * kGemvThreads + threadIdx.x; i < none;
+         i += static_cast<int64_t>(gridDim.x) * kGemvThreads) {
+      const int64_t r = i / p.n, pos = r < lo ? r : hi + (r - lo);
+      out[p.order[pos] * p.n + i % p.n] = from_float<T>(0.f);
     }
   }
   __syncthreads();

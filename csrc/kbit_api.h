@@ -175,10 +175,10 @@ KBIT_API int kbit_gemv_run(const void* call, const void* x, void* out, float* wo
 
 /* Grouped MoE GEMV, all experts in one launch: out [s, n] row r = x [s, k] row r @ W[expert].T
  * with W [e, n, k] packed (leading expert dim) and one shared codebook. Per-row mode
- * (order = NULL): the expert of row r is expert_ids[r]; rows with ids outside [0, e) are written
- * as zeros. Grouped mode: rows grouped by expert, order [s] and offsets [e + 1] on the device
- * (rows of expert i are order[offsets[i] : offsets[i + 1]]); rows of no expert are not written,
- * so the caller zero-fills out first. With expert_ids given too, a GPU whose shared memory cannot
+ * (order = NULL): the expert of row r is expert_ids[r]. Grouped mode: rows grouped by expert,
+ * order [s] and offsets [e + 1] on the device (rows of expert i are order[offsets[i] : offsets[i + 1]],
+ * the others lie before offsets[0] and from offsets[e] on). Either way, every row of out is written:
+ * rows with ids outside [0, e) as zeros. With expert_ids given too, a GPU whose shared memory cannot
  * hold the grouped mode's staging falls back to per-row mode. x/out float16 or bfloat16. rot_signs:
  * the experts' shared rotation (they all read the same x), per-row mode only (grouped mode: pass
  * kbit_rotate's x R instead, one rotation rather than one per unit). */

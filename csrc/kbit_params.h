@@ -125,7 +125,7 @@ struct GroupedParams {
   const uint8_t* block_scales;  // [e, nt, kt, 16, 4]
   const float* row_scales;      // [e, n]
   const float* codebook;        // [2^bits], shared by the experts
-  void* out;                    // [s, n], dtype `dtype`; rows of no expert keep the caller's values
+  void* out;                    // [s, n], dtype `dtype`; grouped GEMV: rows of no expert written as zeros
   int64_t s, e, n, k;
   int bits;
   int dtype;

@@ -395,19 +395,35 @@ def _experts_combine_fake(y, expert_ids, weights, num_experts):
 # ---------------------------------------------------------------------------- grouped_mm
 
 
+_lib.define("expert_offsets(Tensor expert_ids, int num_experts) -> (Tensor order, Tensor offsets)")
+
+
 def expert_offsets(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing on the device, without a host sync: ``(order, offsets)``.
 
     ``order [S]`` (int64) lists the rows grouped by expert (stable); the rows of expert ``e``
     are ``order[offsets[e]:offsets[e + 1]]``, ``offsets [E + 1]`` int64. Ids outside
     ``[0, E)`` (expert-parallel sentinels) sort outside ``[offsets[0], offsets[E])`` and
-    belong to no expert. Sizes depend only on ``S`` and ``E``, so a CUDA kernel can take
-    both as device tensors inside a CUDA graph or a ``fullgraph`` compile.
+    belong to no expert (their order there is the implementation's). Sizes depend only on ``S`` and ``E``,
+    so a CUDA kernel can take both as device tensors inside a CUDA graph or a ``fullgraph`` compile.
+    ``torch.ops.kbit.expert_offsets``: one Triton launch on CUDA for up to ``EXPERT_OFFSETS_MAX_ROWS`` rows.
     """
+    return torch.ops.kbit.expert_offsets(expert_ids, num_experts)
+
+
+@torch.library.impl(_lib, "expert_offsets", "CompositeExplicitAutograd")
+def _expert_offsets_ref(expert_ids, num_experts):
+    """A stable sort of the ids and a search of each expert's first row in it."""
     ids = expert_ids.long()
     sorted_ids, order = torch.sort(ids, stable=True)
     bounds = torch.arange(num_experts + 1, device=ids.device, dtype=torch.int64)
     return order, torch.searchsorted(sorted_ids, bounds)
+
+
+@torch.library.register_fake("kbit::expert_offsets")
+def _expert_offsets_fake(expert_ids, num_experts):
+    return (expert_ids.new_empty(expert_ids.shape, dtype=torch.int64),
+            expert_ids.new_empty((num_experts + 1,), dtype=torch.int64))
 
 
 def _check_grouped(x, expert_ids, row_scales, codebook) -> None:

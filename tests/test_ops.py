@@ -29,6 +29,7 @@ def test_opcheck_all_ops(shape, bits):
     _, (ep, es, er, ecb) = packed(n, k, bits, lead=(3,))
     ids = torch.tensor([2, 0, 2, 1])
     torch.library.opcheck(torch.ops.kbit.grouped_mm.default, (torch.randn(4, k), ids, ep, es, er, ecb, k))
+    torch.library.opcheck(torch.ops.kbit.expert_offsets.default, (torch.tensor([2, -1, 0, 2, 3, 1]), 3))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)

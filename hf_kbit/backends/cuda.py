@@ -532,8 +532,9 @@ def _grouped_mm_cuda(x, expert_ids, planes, block_scales, row_scales, codebook, 
     num_experts, n = row_scales.shape
     if s == 0 or n == 0 or in_features == 0:  # an empty product is all zeros
         return torch.zeros((s, n), dtype=x.dtype, device=x.device)
-    # Per-row mode writes every row (zeros for ids outside [0, E)); grouped mode leaves them to these zeros.
-    out = (torch.empty if s <= GROUP_ROWS_ABOVE else torch.zeros)((s, n), dtype=x.dtype, device=x.device)
+    # The grouped GEMV writes every row (zeros for ids outside [0, E)); the warp-specialized GEMM skips those.
+    ws = s > GROUP_ROWS_ABOVE and gemm_kernel(x.device.index) == "wgmma_ws"
+    out = (torch.zeros if ws else torch.empty)((s, n), dtype=x.dtype, device=x.device)
     x = x.contiguous()
     ids = expert_ids.to(torch.int64).contiguous()
     planes, block_scales = planes.contiguous(), block_scales.contiguous()
@@ -548,7 +549,7 @@ def _grouped_mm_cuda(x, expert_ids, planes, block_scales, row_scales, codebook, 
         ids_ptr, order_ptr, offsets_ptr = ids.data_ptr(), order.data_ptr(), offsets.data_ptr()
         if sp is not None:  # grouped mode: x R once (the kernel would rotate a row in every unit)
             x, sp = rotate(x, signs), None
-        if gemm_kernel(x.device.index) == "wgmma_ws":
+        if ws:
             _grouped_gemm_ws(x, order, offsets, planes, block_scales, row_scales, codebook, in_features, out)
             return out
     rc = _LIB.kbit_grouped_gemv(

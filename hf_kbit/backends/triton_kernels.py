@@ -1,15 +1,16 @@
 """Triton implementations for CUDA tensors of ``kbit::decode_attention``, ``kbit::softmax_topk``,
-``kbit::silu_glu`` and ``kbit::experts_combine`` (hf_kbit/_ops.py defines the ops and their references;
-hf_kbit/attention.py plugs the first into transformers as ``attn_implementation="kbit_decode"``,
-hf_kbit/nn/routing.py the second into softmax-top-k MoE routers, hf_kbit/nn/experts.py the last two into
-``KbitExperts``).
+``kbit::silu_glu``, ``kbit::experts_combine`` and ``kbit::expert_offsets`` (hf_kbit/_ops.py defines the ops
+and their references; hf_kbit/attention.py plugs the first into transformers as
+``attn_implementation="kbit_decode"``, hf_kbit/nn/routing.py the second into softmax-top-k MoE routers,
+hf_kbit/nn/experts.py the others into ``KbitExperts``).
 
 Decode attention: one program per (batch, key/value head, slice of the keys) computes its query group's
 softmax-weighted values with an online softmax in float32 (tensor-core dots), and a second kernel merges the
 slices, one program per query row (deterministic); on sm_90+ both are programmatic dependent launches, as the
 kbit GEMV is. Routing: one program per token row, the router's softmax, top-k and renormalization in one launch.
 Experts layer: the SiLU gating between the two grouped products and the weighted sum of each token's experts,
-one launch each (a program per row and block of columns).
+one launch each (a program per row and block of columns); the grouping of rows by expert, one program (a sort of
+the rows' keys and a histogram in registers).
 Imported by ``hf_kbit.backends.load()`` only when Triton is installed.
 """
 
@@ -317,3 +318,49 @@ def _experts_combine_cuda(y, expert_ids, weights, num_experts):
             K=top_k, BLOCK=EXPERTS_BLOCK, PDL=pdl, num_warps=4, launch_pdl=pdl,
         )
     return out
+
+
+# ---------------------------------------------------------------------------- expert_offsets
+
+# Rows one program sorts in registers, and experts its histogram holds; above (prefill), the reference's sort.
+EXPERT_OFFSETS_MAX_ROWS = 4096
+EXPERT_OFFSETS_MAX_EXPERTS = 1024
+
+
+@triton.jit
+def _expert_offsets_kernel(ids_ptr, order_ptr, offsets_ptr, rows, experts,
+                           BLOCK: tl.constexpr, BINS: tl.constexpr, PDL: tl.constexpr):
+    # Rows fall in groups: 0 (id < 0), 1 + id (an expert), E + 1 (id >= E); padding E + 2. One sort of the keys
+    # group * BLOCK + row orders them by group and, within one, by row (stable); offsets[e] = rows of groups <= e
+    # (the rows of ids < e), a histogram's running sum.
+    _pdl_wait(PDL)
+    row = tl.arange(0, BLOCK)
+    live = row < rows
+    ids = tl.load(ids_ptr + row, mask=live, other=0).to(tl.int64)
+    group = tl.where(live, tl.minimum(tl.maximum(ids, -1), experts) + 1, experts + 2)
+    keys = tl.sort(group * BLOCK + row)
+    tl.store(order_ptr + row, keys % BLOCK, mask=live)
+    ends = tl.cumsum(tl.histogram(group.to(tl.int32), BINS), 0)
+    b = tl.arange(0, BINS)
+    tl.store(offsets_ptr + b, ends.to(tl.int64), mask=b <= experts)
+
+
+@torch.library.impl(_ops._lib, "expert_offsets", "CUDA")
+def _expert_offsets_cuda(expert_ids, num_experts):
+    """One Triton launch (the reference: a copy, an index fill, a sort, an arange and a search). Rows of no expert
+    come out in row order at each end."""
+    rows = expert_ids.shape[0] if expert_ids.dim() == 1 else -1
+    if not 0 < rows <= EXPERT_OFFSETS_MAX_ROWS or not 0 < num_experts <= EXPERT_OFFSETS_MAX_EXPERTS:
+        return _ops._expert_offsets_ref(expert_ids, num_experts)
+    expert_ids = expert_ids.contiguous()
+    order = expert_ids.new_empty((rows,), dtype=torch.int64)
+    offsets = expert_ids.new_empty((num_experts + 1,), dtype=torch.int64)
+    block = max(16, triton.next_power_of_2(rows))
+    pdl = _pdl_supported(expert_ids.device.index or 0)
+    with torch.cuda.device(expert_ids.device):
+        _expert_offsets_kernel[(1,)](
+            expert_ids, order, offsets, rows, num_experts, BLOCK=block,
+            BINS=max(32, triton.next_power_of_2(num_experts + 3)), PDL=pdl, num_warps=8 if block >= 1024 else 4,
+            launch_pdl=pdl,
+        )
+    return order, offsets

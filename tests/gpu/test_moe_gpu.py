@@ -452,7 +452,7 @@ def test_softmax_topk_replays_in_a_cuda_graph():
 # ---------------------------------------------------------------------------- the experts layer's elementwise ops
 
 
-@pytest.mark.parametrize("op", ["silu_glu", "experts_combine"])
+@pytest.mark.parametrize("op", ["silu_glu", "experts_combine", "expert_offsets"])
 def test_experts_layer_ops_have_their_cuda_kernels(op):
     assert torch._C._dispatch_has_kernel_for_dispatch_key(f"kbit::{op}", "CUDA")
 
@@ -496,6 +496,41 @@ def test_experts_combine_on_cuda_equals_reference(tokens, top_k, n, dtype, weigh
     torch.testing.assert_close(out.cpu().double(), expected, rtol=ulp, atol=1e-5)
     torch.testing.assert_close(out, _ops._experts_combine_ref(*_to(DEVICE, y, ids, weights), num_experts),
                                rtol=2 * ulp, atol=1e-5)
+
+
+def _check_offsets(ids, order, offsets, num_experts):
+    """order/offsets of expert_offsets on CUDA against the reference's: the same offsets and the same rows of each
+    expert in the same (row) order; the rows of no expert before offsets[0] (ids < 0) and from offsets[E] on
+    (ids >= E), in any order."""
+    ref_order, ref_offsets = _ops._expert_offsets_ref(ids.cpu(), num_experts)
+    order, offsets = order.cpu(), offsets.cpu()
+    assert order.dtype == offsets.dtype == torch.int64 and order.shape == ids.shape
+    assert torch.equal(offsets, ref_offsets)
+    lo, hi = int(offsets[0]), int(offsets[-1])
+    assert torch.equal(order[lo:hi], ref_order[lo:hi])
+    assert sorted(order[:lo].tolist()) == sorted(ref_order[:lo].tolist())
+    assert sorted(order[hi:].tolist()) == sorted(ref_order[hi:].tolist())
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
+@pytest.mark.parametrize("rows", [1, 65, 128, 1000, 4096, 5000], ids=lambda r: f"S{r}")
+@pytest.mark.parametrize("num_experts", [8, 128, 512, 1024], ids=lambda e: f"E{e}")
+def test_expert_offsets_on_cuda_group_rows_as_the_reference(num_experts, rows, ids_dtype):
+    """The Triton kernel (one program up to 4096 rows; 5000 takes the reference) with sentinel ids on both sides."""
+    g = torch.Generator().manual_seed(rows + num_experts)
+    ids = torch.randint(-3, num_experts + 3, (rows,), generator=g).to(ids_dtype)
+    order, offsets = _ops.expert_offsets(ids.to(DEVICE), num_experts)
+    _check_offsets(ids, order, offsets, num_experts)
+
+
+def test_expert_offsets_replay_in_a_cuda_graph():
+    ids = torch.randint(0, 128, (128,), device=DEVICE)
+    with torch.no_grad():
+        graph, (order, offsets) = capture_cuda_graph(lambda: _ops.expert_offsets(ids, 128))
+        ids.copy_(torch.randint(-1, 129, (128,), device=DEVICE))
+        graph.replay()
+        torch.cuda.synchronize()
+    _check_offsets(ids, order, offsets, 128)
 
 
 def test_experts_layer_ops_replay_in_a_cuda_graph():
