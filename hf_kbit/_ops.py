@@ -342,6 +342,63 @@ def _softmax_topk_fake(logits, k, renormalize, cast=False):
     return logits.new_empty(shape, dtype=dtype), logits.new_empty(shape, dtype=torch.int64)
 
 
+_lib.define(
+    "sigmoid_group_topk(Tensor logits, Tensor bias, int k, int groups, int topk_groups, bool renormalize, "
+    "float scale) -> (Tensor weights, Tensor indices)"
+)
+_lib.define("topk_softmax(Tensor logits, int k) -> (Tensor weights, Tensor indices)")
+
+
+def _check_router_logits(name: str, logits, k: int, groups: int = 1) -> None:
+    if logits.dim() != 2 or not 1 <= k <= logits.shape[-1] or groups < 1 or logits.shape[-1] % groups:
+        raise ValueError(f"{name}: logits must be [T, E] with 1 <= k <= E and E a multiple of groups, got shape "
+                         f"{tuple(logits.shape)}, k={k}, groups={groups}")
+
+
+@torch.library.impl(_lib, "sigmoid_group_topk", "CompositeExplicitAutograd")
+def _sigmoid_group_topk_ref(logits, bias, k, groups, topk_groups, renormalize, scale):
+    """The routing of DeepSeek-V3's and GLM-4 MoE's routers: ``scores = sigmoid(logits)``; experts are chosen by
+    ``scores + bias`` among the ``topk_groups`` groups (of ``E / groups`` consecutive experts) whose two best such
+    scores sum highest; ``weights [T, k]`` are their plain scores, divided by their sum (+ 1e-20) when
+    ``renormalize``, times ``scale``; int64 ``indices [T, k]``. The order of the k pairs, and which of equal scores
+    wins, is the implementation's (torch.topk's unsorted order here)."""
+    _check_router_logits("sigmoid_group_topk", logits, k, groups)
+    num_tokens, experts = logits.shape
+    scores = logits.sigmoid()
+    choice = scores + bias
+    group_scores = choice.view(num_tokens, groups, experts // groups).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_groups, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, groups, experts // groups).reshape(-1, experts)
+    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    indices = torch.topk(choice, k=k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, indices)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, indices
+
+
+@torch.library.register_fake("kbit::sigmoid_group_topk")
+def _sigmoid_group_topk_fake(logits, bias, k, groups, topk_groups, renormalize, scale):
+    shape = (logits.shape[0], k)
+    return logits.new_empty(shape), logits.new_empty(shape, dtype=torch.int64)
+
+
+@torch.library.impl(_lib, "topk_softmax", "CompositeExplicitAutograd")
+def _topk_softmax_ref(logits, k):
+    """GPT-OSS's routing: the ``k`` largest logits (largest first, int64 ``indices``) and the softmax over those
+    k, in the logits' dtype."""
+    _check_router_logits("topk_softmax", logits, k)
+    values, indices = torch.topk(logits, k, dim=-1)
+    return torch.nn.functional.softmax(values, dim=1, dtype=values.dtype), indices
+
+
+@torch.library.register_fake("kbit::topk_softmax")
+def _topk_softmax_fake(logits, k):
+    shape = (logits.shape[0], k)
+    return logits.new_empty(shape), logits.new_empty(shape, dtype=torch.int64)
+
+
 # ---------------------------------------------------------------------------- experts layer
 
 # The elementwise work of an experts layer around its two grouped products (hf_kbit.nn.experts), one op each, so

@@ -1,13 +1,13 @@
-"""Triton implementations for CUDA tensors of ``kbit::decode_attention``, ``kbit::softmax_topk``,
-``kbit::silu_glu``, ``kbit::experts_combine`` and ``kbit::expert_offsets`` (hf_kbit/_ops.py defines the ops
-and their references; hf_kbit/attention.py plugs the first into transformers as
-``attn_implementation="kbit_decode"``, hf_kbit/nn/routing.py the second into softmax-top-k MoE routers,
-hf_kbit/nn/experts.py the others into ``KbitExperts``).
+"""Triton implementations for CUDA tensors of ``kbit::decode_attention``, the MoE routing ops
+``kbit::softmax_topk``, ``kbit::sigmoid_group_topk`` and ``kbit::topk_softmax``, and the experts layer's
+``kbit::silu_glu``, ``kbit::experts_combine`` and ``kbit::expert_offsets`` (hf_kbit/_ops.py defines the ops and
+their references; hf_kbit/attention.py plugs the first into transformers as ``attn_implementation="kbit_decode"``,
+hf_kbit/nn/routing.py the routing ops into the MoE routers, hf_kbit/nn/experts.py the others into ``KbitExperts``).
 
 Decode attention: one program per (batch, key/value head, slice of the keys) computes its query group's
 softmax-weighted values with an online softmax in float32 (tensor-core dots), and a second kernel merges the
 slices, one program per query row (deterministic); on sm_90+ both are programmatic dependent launches, as the
-kbit GEMV is. Routing: one program per token row, the router's softmax, top-k and renormalization in one launch.
+kbit GEMV is. Routing: one program per token row, the family's rule after the router's matmul in one launch.
 Experts layer: the SiLU gating between the two grouped products and the weighted sum of each token's experts,
 one launch each (a program per row and block of columns); the grouping of rows by expert, one program (a sort of
 the rows' keys and a histogram in registers).
@@ -233,6 +233,121 @@ def _softmax_topk_cuda(logits, k, renormalize, cast=False):
         _softmax_topk_kernel[(rows,)](
             logits, weights, indices, logits.stride(0), experts, K=k, K_P=triton.next_power_of_2(k),
             BLOCK=triton.next_power_of_2(experts), RENORM=renormalize, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        )
+    return weights, indices
+
+
+@triton.jit
+def _sigmoid_group_topk_kernel(logits_ptr, bias_ptr, weights_ptr, indices_ptr, stride, groups, group_size, scale,
+                               K: tl.constexpr, K_P: tl.constexpr, TOPK_GROUPS: tl.constexpr, G_P: tl.constexpr,
+                               GS_P: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
+    # One token row as a [group, expert in group] tile: s = sigmoid(logits) (1 / (1 + exp(-x)), correctly rounded),
+    # c = s + bias; a group's score is the sum of its two largest c; TOPK_GROUPS rounds of (best group, lowest
+    # index) keep groups; K rounds of (largest kept c, lowest expert index) pick the experts, whose s are the
+    # weights, divided by their sum + 1e-20 when RENORM, times scale.
+    _pdl_wait(PDL)
+    row = tl.program_id(0)
+    g = tl.arange(0, G_P)
+    j = tl.arange(0, GS_P)
+    live = (g[:, None] < groups) & (j[None, :] < group_size)
+    expert = g[:, None] * group_size + j[None, :]
+    x = tl.load(logits_ptr + row * stride + expert, mask=live, other=0.0).to(tl.float32)
+    s = tl.div_rn(1.0, 1.0 + tl.extra.cuda.libdevice.exp(-x))
+    c = tl.where(live, s + tl.load(bias_ptr + expert, mask=live, other=0.0).to(tl.float32), float("-inf"))
+    best = tl.argmax(c, 1, tie_break_left=True)
+    second = tl.max(tl.where(j[None, :] == best[:, None], float("-inf"), c), 1)
+    group_score = tl.where(g < groups, tl.max(c, 1) + second, float("-inf"))
+    kept = tl.zeros([G_P], dtype=tl.int32)
+    for _ in tl.static_range(TOPK_GROUPS):
+        i = tl.argmax(group_score, 0, tie_break_left=True)
+        kept = tl.where(g == i, 1, kept)
+        group_score = tl.where(g == i, float("-inf"), group_score)
+    c = tl.reshape(tl.where(kept[:, None] == 1, c, float("-inf")), [G_P * GS_P])
+    s = tl.reshape(s, [G_P * GS_P])
+    expert = tl.reshape(expert, [G_P * GS_P])
+    pos = tl.arange(0, G_P * GS_P)
+    slot = tl.arange(0, K_P)
+    top = tl.zeros([K_P], dtype=tl.float32)
+    idx = tl.zeros([K_P], dtype=tl.int64)
+    for r in tl.static_range(K):
+        p = tl.argmax(c, 0, tie_break_left=True)
+        top = tl.where(slot == r, tl.sum(tl.where(pos == p, s, 0.0), 0), top)
+        idx = tl.where(slot == r, tl.sum(tl.where(pos == p, expert, 0), 0).to(tl.int64), idx)
+        c = tl.where(pos == p, float("-inf"), c)
+    if RENORM:
+        top = top / (tl.sum(tl.where(slot < K, top, 0.0), 0) + 1e-20)
+    tl.store(weights_ptr + row * K + slot, top * scale, mask=slot < K)
+    tl.store(indices_ptr + row * K + slot, idx, mask=slot < K)
+
+
+@torch.library.impl(_ops._lib, "sigmoid_group_topk", "CUDA")
+def _sigmoid_group_topk_cuda(logits, bias, k, groups, topk_groups, renormalize, scale):
+    """One Triton launch per call (the reference: a sigmoid, two top-k, a mask built in five ops, a gather and the
+    scaling): a program per row; float32 logits. Equal scores go to the lower group and expert index first."""
+    _ops._check_router_logits("sigmoid_group_topk", logits, k, groups)
+    rows, experts = logits.shape
+    group_size = experts // groups
+    if (logits.dtype != torch.float32 or bias.shape != (experts,) or experts > SOFTMAX_TOPK_MAX_EXPERTS
+            or group_size < 2 or not 1 <= topk_groups <= groups or k > topk_groups * group_size):
+        return _ops._sigmoid_group_topk_ref(logits, bias, k, groups, topk_groups, renormalize, scale)
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    bias = bias.contiguous()
+    weights = logits.new_empty((rows, k))
+    indices = logits.new_empty((rows, k), dtype=torch.int64)
+    if rows == 0:
+        return weights, indices
+    pdl = _pdl_supported(logits.device.index or 0)
+    with torch.cuda.device(logits.device):
+        _sigmoid_group_topk_kernel[(rows,)](
+            logits, bias, weights, indices, logits.stride(0), groups, group_size, float(scale), K=k,
+            K_P=triton.next_power_of_2(k), TOPK_GROUPS=topk_groups, G_P=max(2, triton.next_power_of_2(groups)),
+            GS_P=triton.next_power_of_2(group_size), RENORM=renormalize, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        )
+    return weights, indices
+
+
+@triton.jit
+def _topk_softmax_kernel(logits_ptr, weights_ptr, indices_ptr, stride, experts, K: tl.constexpr, K_P: tl.constexpr,
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # One token row: K rounds of (largest logit, lowest index), then the softmax over those K in float32
+    # (exp(v - max) / sum, as torch's), stored in the logits' dtype.
+    _pdl_wait(PDL)
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(logits_ptr + row * stride + offs, mask=offs < experts, other=float("-inf")).to(tl.float32)
+    slot = tl.arange(0, K_P)
+    top = tl.full([K_P], float("-inf"), dtype=tl.float32)
+    idx = tl.zeros([K_P], dtype=tl.int64)
+    for r in tl.static_range(K):
+        v = tl.max(x, 0)
+        i = tl.argmax(x, 0, tie_break_left=True)
+        top = tl.where(slot == r, v, top)
+        idx = tl.where(slot == r, i.to(tl.int64), idx)
+        x = tl.where(offs == i, float("-inf"), x)
+    e = tl.where(slot < K, tl.extra.cuda.libdevice.exp(top - tl.max(top, 0)), 0.0)
+    w = tl.div_rn(e, tl.zeros([K_P], dtype=tl.float32) + tl.sum(e, 0))
+    tl.store(weights_ptr + row * K + slot, w.to(weights_ptr.dtype.element_ty), mask=slot < K)
+    tl.store(indices_ptr + row * K + slot, idx, mask=slot < K)
+
+
+@torch.library.impl(_ops._lib, "topk_softmax", "CUDA")
+def _topk_softmax_cuda(logits, k):
+    """One Triton launch per call (the reference: a sort-based top-k and a softmax): a program per row. Equal
+    logits go to the lower expert index first."""
+    _ops._check_router_logits("topk_softmax", logits, k)
+    rows, experts = logits.shape
+    if experts > SOFTMAX_TOPK_MAX_EXPERTS or logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return _ops._topk_softmax_ref(logits, k)
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    weights = logits.new_empty((rows, k))
+    indices = logits.new_empty((rows, k), dtype=torch.int64)
+    if rows == 0:
+        return weights, indices
+    pdl = _pdl_supported(logits.device.index or 0)
+    with torch.cuda.device(logits.device):
+        _topk_softmax_kernel[(rows,)](
+            logits, weights, indices, logits.stride(0), experts, K=k, K_P=triton.next_power_of_2(k),
+            BLOCK=triton.next_power_of_2(experts), PDL=pdl, num_warps=4, launch_pdl=pdl,
         )
     return weights, indices
 

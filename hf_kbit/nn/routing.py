@@ -1,17 +1,21 @@
-"""Fused routing for the softmax-top-k MoE routers of a kbit model.
+"""Fused routing for the MoE routers of a kbit model.
 
-transformers' Qwen3-MoE, Qwen3-Next, Qwen2-MoE, OLMoE and Mixtral routers compute ``logits = x W^T``, a float32
-softmax over the experts, its top k and (by the family's rule) their renormalization, in five or six launches; at
-decode the top-k alone (a sort) costs more than the router's matmul. In a kbit model such a router becomes, in
-place, an instance of a subclass of its own class and of :class:`KbitSoftmaxTopKRouter` (:func:`fuse_router`: the
+transformers' routers compute ``logits = x W^T`` and then the family's rule in five to fifteen small launches; at
+decode the top-k alone (a sort) costs more than the router's matmul. In a kbit model a router of :data:`RULES`
+becomes, in place, an instance of a subclass of its own class and of :class:`KbitRouter` (:func:`fuse_router`: the
 same ``weight`` and attributes, so state-dict keys do not change, and transformers' output recorders, which match
-routers by class, still record its logits). That runs the softmax, top-k and renormalization as one op,
-``torch.ops.kbit.softmax_topk`` (a Triton kernel on CUDA). The result is the family's: the same rule, the same
-dtypes; float32 sums may differ in their last bit from torch's reduction order, and equal probabilities go to the
-lower expert index first. On the CPU, and whenever gradients flow, the router runs its family's own forward.
+routers by class, still record its logits). Its rule then runs as one op after the matmul, a Triton kernel on CUDA:
 
-Routers of other rules (DeepSeek-V3 and GLM-4 MoE: sigmoid scores, a correction bias and expert groups; GPT-OSS:
-top-k of the logits, then a softmax) keep their own module.
+- softmax-top-k (Qwen3-MoE, Qwen3-Next, Qwen2-MoE, OLMoE, Mixtral; :class:`KbitSoftmaxTopKRouter`): the float32
+  softmax, its top k, their renormalization by the family's rule, ``torch.ops.kbit.softmax_topk``;
+- grouped sigmoid top-k (DeepSeek-V3, GLM-4 MoE; :class:`KbitGroupedTopKRouter`): sigmoid scores, the correction
+  bias, the best expert groups, the top k within them, renormalization and scaling, ``kbit::sigmoid_group_topk``;
+- top-k softmax (GPT-OSS; :class:`KbitTopKSoftmaxRouter`): the top k logits and their softmax,
+  ``kbit::topk_softmax``.
+
+The result is the family's: the same rule, the same dtypes; float32 sums may differ in their last bit from torch's
+reduction order, and of equal scores the lower expert index goes first. On the CPU, and whenever gradients flow,
+the router runs its family's own forward.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from .selection import should_convert
 
 @dataclass(frozen=True)
 class SoftmaxTopKRule:
-    """How a family's router turns its top-k probabilities into scores.
+    """How a softmax-top-k family's router turns its top-k probabilities into scores.
 
     Args:
         family: the transformers model type whose ``modeling_<family>`` module defines the router class.
@@ -41,24 +45,54 @@ class SoftmaxTopKRule:
     renormalize_attr: str | None
     cast_to_logits_dtype: bool
 
+    @property
+    def mixin(self) -> type:
+        return KbitSoftmaxTopKRouter
+
+
+@dataclass(frozen=True)
+class GroupedTopKRule:
+    """DeepSeek-V3's routing (and GLM-4 MoE's): the router's own ``e_score_correction_bias``, ``num_group``,
+    ``topk_group``, ``norm_topk_prob`` and ``routed_scaling_factor`` say the rest."""
+
+    family: str
+
+    @property
+    def mixin(self) -> type:
+        return KbitGroupedTopKRouter
+
+
+@dataclass(frozen=True)
+class TopKSoftmaxRule:
+    """GPT-OSS's routing: the router's matmul has a bias; the softmax runs over the k largest logits."""
+
+    family: str
+
+    @property
+    def mixin(self) -> type:
+        return KbitTopKSoftmaxRouter
+
 
 # Router class name -> its rule, read from transformers' forwards (5.17 .. 5.24; tests/nn/test_routing.py checks
 # each against the class's own forward).
-RULES: dict[str, SoftmaxTopKRule] = {
+RULES: dict[str, SoftmaxTopKRule | GroupedTopKRule | TopKSoftmaxRule] = {
     "Qwen3MoeTopKRouter": SoftmaxTopKRule("qwen3_moe", "norm_topk_prob", True),
     "Qwen3NextTopKRouter": SoftmaxTopKRule("qwen3_next", "norm_topk_prob", True),
     "Qwen2MoeTopKRouter": SoftmaxTopKRule("qwen2_moe", "norm_topk_prob", True),
     "OlmoeTopKRouter": SoftmaxTopKRule("olmoe", "norm_topk_prob", True),
     "MixtralTopKRouter": SoftmaxTopKRule("mixtral", None, False),
+    "DeepseekV3TopkRouter": GroupedTopKRule("deepseek_v3"),
+    "Glm4MoeTopkRouter": GroupedTopKRule("glm4_moe"),
+    "GptOssTopKRouter": TopKSoftmaxRule("gpt_oss"),
 }
 _PREFIX = "Kbit"  # a fused router's class is "Kbit" + its source class's name, in this module
 _OWN_ATTRS = ("kbit_renormalize", "kbit_cast_scores")
 
 
-class KbitSoftmaxTopKRouter(nn.Module):
-    """The fused routing of a softmax-top-k router of :data:`RULES`, mixed into a subclass of its class
-    (:func:`fused_router_class`); ``forward(hidden_states) -> (router_logits, scores, indices)`` as the family's.
-    :func:`fuse_router` makes a router one, :func:`unfuse_router` gives it its class back."""
+class KbitRouter(nn.Module):
+    """A router of :data:`RULES` with its rule fused, mixed (through the rule's subclass of this) into a subclass of
+    its class (:func:`fused_router_class`); ``forward(hidden_states) -> (router_logits, scores, indices)`` as the
+    family's. :func:`fuse_router` makes a router one, :func:`unfuse_router` gives it its class back."""
 
     source_class: type  # the family's router class (set on each fused class)
 
@@ -70,26 +104,70 @@ class KbitSoftmaxTopKRouter(nn.Module):
 
     def route(self, hidden_states: torch.Tensor):
         """The fused routing on any device (``forward`` takes it for CUDA tensors when no gradient flows)."""
+        raise NotImplementedError
+
+    def _configure(self, rule) -> None:
+        """Set what :meth:`route` reads that the router does not hold itself (at :func:`fuse_router`)."""
+
+
+class KbitSoftmaxTopKRouter(KbitRouter):
+    """The fused routing of a :class:`SoftmaxTopKRule` router."""
+
+    def route(self, hidden_states: torch.Tensor):
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
         logits = torch.nn.functional.linear(hidden_states, self.weight)
         cast = self.kbit_cast_scores
         scores, indices = torch.ops.kbit.softmax_topk(logits, self.top_k, self.kbit_renormalize, cast)
         return logits, scores, indices
 
+    def _configure(self, rule: SoftmaxTopKRule) -> None:
+        self.kbit_renormalize = True if rule.renormalize_attr is None else bool(getattr(self, rule.renormalize_attr))
+        self.kbit_cast_scores = rule.cast_to_logits_dtype
+
     def extra_repr(self) -> str:
         return (f"num_experts={self.weight.shape[0]}, top_k={self.top_k}, renormalize={self.kbit_renormalize}, "
                 f"fused softmax-top-k")
 
 
+class KbitGroupedTopKRouter(KbitRouter):
+    """The fused routing of a :class:`GroupedTopKRule` router (float32 logits, as the family computes them)."""
+
+    def route(self, hidden_states: torch.Tensor):
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        logits = torch.nn.functional.linear(hidden_states.float(), self.weight.float())
+        scores, indices = torch.ops.kbit.sigmoid_group_topk(
+            logits, self.e_score_correction_bias, self.top_k, self.num_group, self.topk_group,
+            bool(self.norm_topk_prob), float(self.routed_scaling_factor))
+        return logits, scores, indices
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.weight.shape[0]}, top_k={self.top_k}, groups={self.num_group}, "
+                f"topk_groups={self.topk_group}, fused grouped sigmoid top-k")
+
+
+class KbitTopKSoftmaxRouter(KbitRouter):
+    """The fused routing of a :class:`TopKSoftmaxRule` router."""
+
+    def route(self, hidden_states: torch.Tensor):
+        if hidden_states.dim() != 2:  # the family takes [T, H] (its softmax runs over dim 1)
+            return self.source_class.forward(self, hidden_states)
+        logits = torch.nn.functional.linear(hidden_states, self.weight, self.bias)
+        scores, indices = torch.ops.kbit.topk_softmax(logits, self.top_k)
+        return logits, scores, indices
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.weight.shape[0]}, top_k={self.top_k}, fused top-k softmax"
+
+
 @functools.cache
 def fused_router_class(source: type) -> type:
-    """``Kbit<source name>``: a subclass of :class:`KbitSoftmaxTopKRouter` and ``source``, kept in this module's
+    """``Kbit<source name>``: a subclass of its rule's :class:`KbitRouter` and of ``source``, kept in this module's
     namespace so that pickles of fused routers find it (:func:`__getattr__` makes it again in a new process)."""
     if source.__name__ not in RULES:
         raise ValueError(f"router must be one of {sorted(RULES)}, got {source.__name__}")
     name = _PREFIX + source.__name__
-    cls = type(name, (KbitSoftmaxTopKRouter, source), {"__module__": __name__, "__qualname__": name,
-                                                       "source_class": source})
+    cls = type(name, (RULES[source.__name__].mixin, source), {"__module__": __name__, "__qualname__": name,
+                                                              "source_class": source})
     globals()[name] = cls
     return cls
 
@@ -106,19 +184,17 @@ def __getattr__(name: str):
 
 def fuse_router(router: nn.Module) -> nn.Module:
     """Make ``router`` (a class of :data:`RULES`) fused, in place; returns it."""
-    if isinstance(router, KbitSoftmaxTopKRouter):
+    if isinstance(router, KbitRouter):
         raise ValueError(f"router is already fused ({type(router).__name__})")
     rule = RULES.get(type(router).__name__)
     if rule is None:
         raise ValueError(f"router must be one of {sorted(RULES)}, got {type(router).__name__}")
-    renormalize = True if rule.renormalize_attr is None else bool(getattr(router, rule.renormalize_attr))
     router.__class__ = fused_router_class(type(router))
-    router.kbit_renormalize = renormalize
-    router.kbit_cast_scores = rule.cast_to_logits_dtype
+    router._configure(rule)
     return router
 
 
-def unfuse_router(router: KbitSoftmaxTopKRouter) -> nn.Module:
+def unfuse_router(router: KbitRouter) -> nn.Module:
     """Give a fused router its family's class back, in place; returns it."""
     router.__class__ = router.source_class
     for key in _OWN_ATTRS:
@@ -135,7 +211,7 @@ def fuse_routers(model: nn.Module, experts_names: list[str], modules_to_not_conv
         block = model.get_submodule(block_name) if block_name else model
         for child_name, child in block.named_children():
             full = f"{block_name}.{child_name}" if block_name else child_name
-            if (type(child).__name__ in RULES and not isinstance(child, KbitSoftmaxTopKRouter)
+            if (type(child).__name__ in RULES and not isinstance(child, KbitRouter)
                     and should_convert(full, modules_to_not_convert)):
                 fuse_router(child)
                 fused.append(full)
@@ -145,6 +221,6 @@ def fuse_routers(model: nn.Module, experts_names: list[str], modules_to_not_conv
 def unfuse_routers(model: nn.Module) -> nn.Module:
     """Give every fused router of ``model`` its family's class back."""
     for module in model.modules():
-        if isinstance(module, KbitSoftmaxTopKRouter):
+        if isinstance(module, KbitRouter):
             unfuse_router(module)
     return model

@@ -452,7 +452,7 @@ def test_softmax_topk_replays_in_a_cuda_graph():
 # ---------------------------------------------------------------------------- the experts layer's elementwise ops
 
 
-@pytest.mark.parametrize("op", ["silu_glu", "experts_combine", "expert_offsets"])
+@pytest.mark.parametrize("op", ["silu_glu", "experts_combine", "expert_offsets", "sigmoid_group_topk", "topk_softmax"])
 def test_experts_layer_ops_have_their_cuda_kernels(op):
     assert torch._C._dispatch_has_kernel_for_dispatch_key(f"kbit::{op}", "CUDA")
 
@@ -572,6 +572,76 @@ def test_fused_routers_on_cuda_route_as_the_familys(family):
     torch.testing.assert_close(scores.float(), ref_scores.float(), rtol=2 ** -7, atol=1e-6)
     probs = torch.softmax(logits.float(), dim=-1)  # a tie of bf16 logits may take either expert
     torch.testing.assert_close(probs.gather(1, indices), probs.gather(1, ref_indices), rtol=4e-6, atol=1e-7)
+    assert out.shape == (2, 6, model.config.vocab_size) and bool(out.isfinite().all())
+
+
+def _same_choices(indices, ref_indices, weights, ref_weights, rtol):
+    """Per row, the same experts with the same weights, in any order (the references' top-k are unsorted)."""
+    order, ref_order = indices.argsort(dim=1), ref_indices.argsort(dim=1)
+    assert torch.equal(indices.gather(1, order), ref_indices.gather(1, ref_order))
+    torch.testing.assert_close(weights.gather(1, order).float(), ref_weights.gather(1, ref_order).float(),
+                               rtol=rtol, atol=1e-6)
+
+
+@pytest.mark.parametrize("renormalize", [False, True], ids=["plain", "renormalized"])
+@pytest.mark.parametrize("rows", [1, 7, 64], ids=lambda r: f"T{r}")
+@pytest.mark.parametrize("experts,groups,topk_groups,k", [(256, 8, 4, 8), (160, 1, 1, 8), (64, 8, 3, 6), (16, 4, 2, 4)],
+                         ids=lambda v: str(v))
+def test_sigmoid_group_topk_on_cuda_equals_reference(experts, groups, topk_groups, k, rows, renormalize):
+    """The Triton kernel against the op's reference on the GPU (DeepSeek-V3's shape, GLM-4.5's one group, others):
+    float32 logits do not tie, so the very same experts, with their weights within float32 sums' rounding."""
+    g = torch.Generator().manual_seed(rows * experts + k)
+    logits = (torch.randn(rows, experts, generator=g) * 2).to(DEVICE)
+    bias = (torch.randn(experts, generator=g) * 0.1).to(DEVICE)
+    args = (logits, bias, k, groups, topk_groups, renormalize, 2.5)
+    weights, indices = torch.ops.kbit.sigmoid_group_topk(*args)
+    ref_weights, ref_indices = _ops._sigmoid_group_topk_ref(*args)
+    assert weights.dtype == torch.float32 and indices.dtype == torch.int64 and weights.shape == (rows, k)
+    _same_choices(indices, ref_indices, weights, ref_weights, rtol=4e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("rows", [1, 7, 64], ids=lambda r: f"T{r}")
+@pytest.mark.parametrize("experts,k", [(32, 4), (128, 4), (16, 1)], ids=lambda v: str(v))
+def test_topk_softmax_on_cuda_equals_reference(experts, k, rows, dtype):
+    """The Triton kernel against the op's reference on the GPU. bf16 logits tie often, and a tie's order is free:
+    each rank's expert must carry the reference's logit at that rank; the weights within one rounding."""
+    logits = (torch.randn(rows, experts, generator=torch.Generator().manual_seed(rows + experts)) * 3).to(dtype)
+    logits = logits.to(DEVICE)
+    weights, indices = torch.ops.kbit.topk_softmax(logits, k)
+    ref_weights, ref_indices = _ops._topk_softmax_ref(logits, k)
+    assert weights.dtype == dtype and indices.dtype == torch.int64 and weights.shape == (rows, k)
+    assert torch.equal(logits.gather(1, indices), logits.gather(1, ref_indices))
+    assert all(len(set(row)) == k for row in indices.tolist()), "an expert chosen twice"
+    rtol = 2**-7 if dtype == torch.bfloat16 else 4e-6
+    torch.testing.assert_close(weights.float(), ref_weights.float(), rtol=rtol, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "gpt_oss"])
+def test_grouped_and_gpt_oss_routers_on_cuda_route_as_the_familys(family):
+    """A quantized model's fused DeepSeek-V3 / GLM-4 MoE / GPT-OSS routers on CUDA: the family router's logits, and
+    its experts and scores as sets per token (float32 logits of the grouped routers do not tie; GPT-OSS's bf16
+    logits may, so there each rank's logit is compared); the model runs and its logits are finite."""
+    from hf_kbit.nn.routing import KbitRouter, unfuse_routers
+
+    model = hf_kbit.quantize_model(copy.deepcopy(_tiny_model(family)), hf_kbit.KbitConfig(bits=4), progress=False)
+    model = model.to(DEVICE)
+    plain = unfuse_routers(copy.deepcopy(model))
+    (name, router), *_ = [(n, m) for n, m in model.named_modules() if isinstance(m, KbitRouter)]
+    ref_router = plain.get_submodule(name)
+    assert not isinstance(ref_router, KbitRouter)
+    x = torch.randn(9, HIDDEN, device=DEVICE, dtype=torch.bfloat16)
+    ids = torch.randint(0, 128, (2, 6), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(0))
+    with torch.inference_mode():
+        logits, scores, indices = router(x)
+        ref_logits, ref_scores, ref_indices = ref_router(x)
+        out = model(ids).logits
+    assert torch.equal(logits, ref_logits) and scores.dtype == ref_scores.dtype
+    if family == "gpt_oss":
+        assert torch.equal(logits.gather(1, indices), logits.gather(1, ref_indices))
+        torch.testing.assert_close(scores.float(), ref_scores.float(), rtol=2**-7, atol=1e-6)
+    else:
+        _same_choices(indices, ref_indices, scores, ref_scores, rtol=4e-6)
     assert out.shape == (2, 6, model.config.vocab_size) and bool(out.isfinite().all())
 
 
