@@ -222,23 +222,28 @@ def _softmax_topk_cuda(logits, k, renormalize, cast=False):
     a program per row. Equal probabilities go to the lower expert index first."""
     if logits.dim() != 2 or not 1 <= k <= logits.shape[-1] or logits.shape[-1] > SOFTMAX_TOPK_MAX_EXPERTS:
         return _ops._softmax_topk_ref(logits, k, renormalize, cast)
+    experts = logits.shape[-1]
+    return _route(_softmax_topk_kernel, logits, k, logits.dtype if cast else torch.float32, experts,
+                  BLOCK=triton.next_power_of_2(experts), RENORM=renormalize)
+
+
+def _route(kernel, logits, k: int, weights_dtype: torch.dtype, *args, **meta):
+    """Launch a routing ``kernel`` (arguments: logits, weights, indices, the logits' row stride, ``args``; ``K``,
+    ``K_P``, ``PDL`` and ``meta``), a program per row of ``logits [T, E]``: ``(weights [T, k], int64 indices)``."""
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-    rows, experts = logits.shape
-    weights = logits.new_empty((rows, k), dtype=logits.dtype if cast else torch.float32)
+    rows = logits.shape[0]
+    weights = logits.new_empty((rows, k), dtype=weights_dtype)
     indices = logits.new_empty((rows, k), dtype=torch.int64)
-    if rows == 0:
-        return weights, indices
-    pdl = _pdl_supported(logits.device.index or 0)
-    with torch.cuda.device(logits.device):
-        _softmax_topk_kernel[(rows,)](
-            logits, weights, indices, logits.stride(0), experts, K=k, K_P=triton.next_power_of_2(k),
-            BLOCK=triton.next_power_of_2(experts), RENORM=renormalize, PDL=pdl, num_warps=4, launch_pdl=pdl,
-        )
+    if rows:
+        pdl = _pdl_supported(logits.device.index or 0)
+        with torch.cuda.device(logits.device):
+            kernel[(rows,)](logits, weights, indices, logits.stride(0), *args, K=k, K_P=triton.next_power_of_2(k),
+                            PDL=pdl, num_warps=4, launch_pdl=pdl, **meta)
     return weights, indices
 
 
 @triton.jit
-def _sigmoid_group_topk_kernel(logits_ptr, bias_ptr, weights_ptr, indices_ptr, stride, groups, group_size, scale,
+def _sigmoid_group_topk_kernel(logits_ptr, weights_ptr, indices_ptr, stride, bias_ptr, groups, group_size, scale,
                                K: tl.constexpr, K_P: tl.constexpr, TOPK_GROUPS: tl.constexpr, G_P: tl.constexpr,
                                GS_P: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
     # One token row as a [group, expert in group] tile: s = sigmoid(logits) (1 / (1 + exp(-x)), correctly rounded),
@@ -285,25 +290,14 @@ def _sigmoid_group_topk_cuda(logits, bias, k, groups, topk_groups, renormalize, 
     """One Triton launch per call (the reference: a sigmoid, two top-k, a mask built in five ops, a gather and the
     scaling): a program per row; float32 logits. Equal scores go to the lower group and expert index first."""
     _ops._check_router_logits("sigmoid_group_topk", logits, k, groups)
-    rows, experts = logits.shape
+    experts = logits.shape[-1]
     group_size = experts // groups
     if (logits.dtype != torch.float32 or bias.shape != (experts,) or experts > SOFTMAX_TOPK_MAX_EXPERTS
             or group_size < 2 or not 1 <= topk_groups <= groups or k > topk_groups * group_size):
         return _ops._sigmoid_group_topk_ref(logits, bias, k, groups, topk_groups, renormalize, scale)
-    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-    bias = bias.contiguous()
-    weights = logits.new_empty((rows, k))
-    indices = logits.new_empty((rows, k), dtype=torch.int64)
-    if rows == 0:
-        return weights, indices
-    pdl = _pdl_supported(logits.device.index or 0)
-    with torch.cuda.device(logits.device):
-        _sigmoid_group_topk_kernel[(rows,)](
-            logits, bias, weights, indices, logits.stride(0), groups, group_size, float(scale), K=k,
-            K_P=triton.next_power_of_2(k), TOPK_GROUPS=topk_groups, G_P=max(2, triton.next_power_of_2(groups)),
-            GS_P=triton.next_power_of_2(group_size), RENORM=renormalize, PDL=pdl, num_warps=4, launch_pdl=pdl,
-        )
-    return weights, indices
+    return _route(_sigmoid_group_topk_kernel, logits, k, torch.float32, bias.contiguous(), groups, group_size,
+                  float(scale), TOPK_GROUPS=topk_groups, G_P=max(2, triton.next_power_of_2(groups)),
+                  GS_P=triton.next_power_of_2(group_size), RENORM=renormalize)
 
 
 @triton.jit
@@ -335,21 +329,10 @@ def _topk_softmax_cuda(logits, k):
     """One Triton launch per call (the reference: a sort-based top-k and a softmax): a program per row. Equal
     logits go to the lower expert index first."""
     _ops._check_router_logits("topk_softmax", logits, k)
-    rows, experts = logits.shape
+    experts = logits.shape[-1]
     if experts > SOFTMAX_TOPK_MAX_EXPERTS or logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return _ops._topk_softmax_ref(logits, k)
-    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-    weights = logits.new_empty((rows, k))
-    indices = logits.new_empty((rows, k), dtype=torch.int64)
-    if rows == 0:
-        return weights, indices
-    pdl = _pdl_supported(logits.device.index or 0)
-    with torch.cuda.device(logits.device):
-        _topk_softmax_kernel[(rows,)](
-            logits, weights, indices, logits.stride(0), experts, K=k, K_P=triton.next_power_of_2(k),
-            BLOCK=triton.next_power_of_2(experts), PDL=pdl, num_warps=4, launch_pdl=pdl,
-        )
-    return weights, indices
+    return _route(_topk_softmax_kernel, logits, k, logits.dtype, experts, BLOCK=triton.next_power_of_2(experts))
 
 
 # ---------------------------------------------------------------------------- experts layer
