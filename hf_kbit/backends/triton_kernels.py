@@ -189,6 +189,21 @@ SOFTMAX_TOPK_MAX_EXPERTS = 1024
 
 
 @triton.jit
+def _top_k(x, offs, K: tl.constexpr, K_P: tl.constexpr):
+    # K rounds of (largest x, its lowest index) over a row x at offs: float32 values and int64 indices [K_P],
+    # slots from K on -inf and 0. Removed entries become -inf, so x needs K entries above -inf.
+    slot = tl.arange(0, K_P)
+    top = tl.full([K_P], float("-inf"), dtype=tl.float32)
+    idx = tl.zeros([K_P], dtype=tl.int64)
+    for r in tl.static_range(K):
+        i = tl.argmax(x, 0, tie_break_left=True)
+        top = tl.where(slot == r, tl.max(x, 0), top)
+        idx = tl.where(slot == r, i.to(tl.int64), idx)
+        x = tl.where(offs == i, float("-inf"), x)
+    return top, idx
+
+
+@triton.jit
 def _softmax_topk_kernel(logits_ptr, weights_ptr, indices_ptr, stride, experts,
                          K: tl.constexpr, K_P: tl.constexpr, BLOCK: tl.constexpr, RENORM: tl.constexpr,
                          PDL: tl.constexpr):
@@ -200,16 +215,8 @@ def _softmax_topk_kernel(logits_ptr, weights_ptr, indices_ptr, stride, experts,
     live = offs < experts
     x = tl.load(logits_ptr + row * stride + offs, mask=live, other=float("-inf")).to(tl.float32)
     e = tl.extra.cuda.libdevice.exp(x - tl.max(x, 0))
-    p = tl.where(live, e / tl.sum(e, 0), -1.0)
+    top, idx = _top_k(tl.where(live, e / tl.sum(e, 0), float("-inf")), offs, K, K_P)
     slot = tl.arange(0, K_P)
-    top = tl.zeros([K_P], dtype=tl.float32)
-    idx = tl.zeros([K_P], dtype=tl.int64)
-    for j in tl.static_range(K):
-        v = tl.max(p, 0)
-        i = tl.argmax(p, 0, tie_break_left=True)
-        top = tl.where(slot == j, v, top)
-        idx = tl.where(slot == j, i.to(tl.int64), idx)
-        p = tl.where(offs == i, -1.0, p)
     if RENORM:
         top = top / tl.sum(tl.where(slot < K, top, 0.0), 0)
     tl.store(weights_ptr + row * K + slot, top.to(weights_ptr.dtype.element_ty), mask=slot < K)
@@ -309,15 +316,8 @@ def _topk_softmax_kernel(logits_ptr, weights_ptr, indices_ptr, stride, experts, 
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     x = tl.load(logits_ptr + row * stride + offs, mask=offs < experts, other=float("-inf")).to(tl.float32)
+    top, idx = _top_k(x, offs, K, K_P)
     slot = tl.arange(0, K_P)
-    top = tl.full([K_P], float("-inf"), dtype=tl.float32)
-    idx = tl.zeros([K_P], dtype=tl.int64)
-    for r in tl.static_range(K):
-        v = tl.max(x, 0)
-        i = tl.argmax(x, 0, tie_break_left=True)
-        top = tl.where(slot == r, v, top)
-        idx = tl.where(slot == r, i.to(tl.int64), idx)
-        x = tl.where(offs == i, float("-inf"), x)
     e = tl.where(slot < K, tl.extra.cuda.libdevice.exp(top - tl.max(top, 0)), 0.0)
     w = tl.div_rn(e, tl.zeros([K_P], dtype=tl.float32) + tl.sum(e, 0))
     tl.store(weights_ptr + row * K + slot, w.to(weights_ptr.dtype.element_ty), mask=slot < K)
