@@ -10,8 +10,8 @@ rotate their staged activation (after the prologue, for the prologue ops) in flo
 its dtype, then multiply by the packed weight; ``dequantize`` and the ``grad_x`` ops turn their result
 back (``@ R^T``, float32, one rounding). ``signs=None`` is the unrotated format, unchanged. A backend
 registers a faster kernel for its dispatch key (``hf_kbit/backends/``: ``cuda.py``, the
-compiled library, and ``triton_kernels.py``, decode attention, for ``CUDA``), which then takes
-precedence on tensors of that device. Ops never know about transformers.
+compiled library, ``triton_kernels.py``, decode attention, and ``triton_moe.py``, the MoE layer's ops, for
+``CUDA``), which then takes precedence on tensors of that device. Ops never know about transformers.
 """
 
 from __future__ import annotations
