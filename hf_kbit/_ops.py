@@ -320,14 +320,19 @@ _lib.define(
 )
 
 
+def _check_router_logits(name: str, logits, k: int, groups: int = 1) -> None:
+    if logits.dim() != 2 or not 1 <= k <= logits.shape[-1] or groups < 1 or logits.shape[-1] % groups:
+        raise ValueError(f"{name}: logits must be [T, E] with 1 <= k <= E and E a multiple of groups, got shape "
+                         f"{tuple(logits.shape)}, k={k}, groups={groups}")
+
+
 @torch.library.impl(_lib, "softmax_topk", "CompositeExplicitAutograd")
 def _softmax_topk_ref(logits, k, renormalize, cast=False):
     """The routing of softmax-top-k MoE routers (hf_kbit.nn.routing): ``logits [T, E]`` -> ``weights [T, k]``
     (largest first) and int64 ``indices [T, k]``: the float32 softmax over the experts, its ``k`` largest
     probabilities, divided by their sum when ``renormalize``; float32, or rounded once to the logits' dtype when
     ``cast``. Equal probabilities may come in either order (torch.topk's)."""
-    if logits.dim() != 2 or not 1 <= k <= logits.shape[-1]:
-        raise ValueError(f"softmax_topk: logits must be [T, E] and 1 <= k <= E, got shape {tuple(logits.shape)}, k={k}")
+    _check_router_logits("softmax_topk", logits, k)
     probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
     weights, indices = torch.topk(probs, k, dim=-1)
     if renormalize:
@@ -347,12 +352,6 @@ _lib.define(
     "float scale) -> (Tensor weights, Tensor indices)"
 )
 _lib.define("topk_softmax(Tensor logits, int k) -> (Tensor weights, Tensor indices)")
-
-
-def _check_router_logits(name: str, logits, k: int, groups: int = 1) -> None:
-    if logits.dim() != 2 or not 1 <= k <= logits.shape[-1] or groups < 1 or logits.shape[-1] % groups:
-        raise ValueError(f"{name}: logits must be [T, E] with 1 <= k <= E and E a multiple of groups, got shape "
-                         f"{tuple(logits.shape)}, k={k}, groups={groups}")
 
 
 @torch.library.impl(_lib, "sigmoid_group_topk", "CompositeExplicitAutograd")

@@ -65,9 +65,10 @@ def _softmax_topk_kernel(logits_ptr, weights_ptr, indices_ptr, stride, experts,
 def _softmax_topk_cuda(logits, k, renormalize, cast=False):
     """One Triton launch per call (the reference runs a softmax, a sort-based top-k, a sum, a division and a cast):
     a program per row. Equal probabilities go to the lower expert index first."""
-    if logits.dim() != 2 or not 1 <= k <= logits.shape[-1] or logits.shape[-1] > SOFTMAX_TOPK_MAX_EXPERTS:
-        return _ops._softmax_topk_ref(logits, k, renormalize, cast)
+    _ops._check_router_logits("softmax_topk", logits, k)
     experts = logits.shape[-1]
+    if experts > SOFTMAX_TOPK_MAX_EXPERTS:
+        return _ops._softmax_topk_ref(logits, k, renormalize, cast)
     return _route(_softmax_topk_kernel, logits, k, logits.dtype if cast else torch.float32, experts,
                   BLOCK=triton.next_power_of_2(experts), RENORM=renormalize)
 

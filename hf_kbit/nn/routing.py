@@ -45,10 +45,6 @@ class SoftmaxTopKRule:
     renormalize_attr: str | None
     cast_to_logits_dtype: bool
 
-    @property
-    def mixin(self) -> type:
-        return KbitSoftmaxTopKRouter
-
 
 @dataclass(frozen=True)
 class GroupedTopKRule:
@@ -57,20 +53,12 @@ class GroupedTopKRule:
 
     family: str
 
-    @property
-    def mixin(self) -> type:
-        return KbitGroupedTopKRouter
-
 
 @dataclass(frozen=True)
 class TopKSoftmaxRule:
     """GPT-OSS's routing: the router's matmul has a bias; the softmax runs over the k largest logits."""
 
     family: str
-
-    @property
-    def mixin(self) -> type:
-        return KbitTopKSoftmaxRouter
 
 
 # Router class name -> its rule, read from transformers' forwards (5.17 .. 5.24; tests/nn/test_routing.py checks
@@ -159,6 +147,14 @@ class KbitTopKSoftmaxRouter(KbitRouter):
         return f"num_experts={self.weight.shape[0]}, top_k={self.top_k}, fused top-k softmax"
 
 
+# Each rule's KbitRouter, mixed into the fused subclass of a router of that rule.
+_MIXINS: dict[type, type] = {
+    SoftmaxTopKRule: KbitSoftmaxTopKRouter,
+    GroupedTopKRule: KbitGroupedTopKRouter,
+    TopKSoftmaxRule: KbitTopKSoftmaxRouter,
+}
+
+
 @functools.cache
 def fused_router_class(source: type) -> type:
     """``Kbit<source name>``: a subclass of its rule's :class:`KbitRouter` and of ``source``, kept in this module's
@@ -166,8 +162,8 @@ def fused_router_class(source: type) -> type:
     if source.__name__ not in RULES:
         raise ValueError(f"router must be one of {sorted(RULES)}, got {source.__name__}")
     name = _PREFIX + source.__name__
-    cls = type(name, (RULES[source.__name__].mixin, source), {"__module__": __name__, "__qualname__": name,
-                                                              "source_class": source})
+    mixin = _MIXINS[type(RULES[source.__name__])]
+    cls = type(name, (mixin, source), {"__module__": __name__, "__qualname__": name, "source_class": source})
     globals()[name] = cls
     return cls
 
