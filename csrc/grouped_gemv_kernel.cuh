@@ -30,7 +30,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) grouped_gemv_ker
   char* table = reinterpret_cast<char*>(smem_f4);
   uint32_t* xs = reinterpret_cast<uint32_t*>(table + kGemvTableBytes + kGemvScaleBytes);
   float* red = reinterpret_cast<float*>(xs + static_cast<int64_t>(p.sub_kt) * gemv_x_tile_bytes(kMaxTok) / 4);
-  int64_t* unit_rows = reinterpret_cast<int64_t*>(red + kGemvWarps * kMaxTok * kTileN);  // [kMaxTok]: x/out rows
+  int64_t* unit_rows = reinterpret_cast<int64_t*>(red + kGemvWarps * kMaxTok * kTileN);  // [kMaxTok]: out rows
   int* chunk_start = reinterpret_cast<int*>(unit_rows + kMaxTok);  // [E + 1], grouped mode
 
   // A programmatic dependent launch (sm_90+): the table build reads only the codebook and
@@ -88,6 +88,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) grouped_gemv_ker
   const int expert_tiles = static_cast<int>(n_tiles * k_tiles);
   const uint32_t lane_word = table_lane_word<BITS, false>(lane, 0);
   const T* x = static_cast<const T*>(p.x);
+  const int64_t x_repeat = p.x_repeat;  // row s reads x row s / x_repeat (an experts layer's token rows, top-k each)
   T* out = static_cast<T*>(p.out);
 
   for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
@@ -116,6 +117,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) grouped_gemv_ker
     __syncthreads();  // the previous unit's output writes are done with unit_rows
     if (static_cast<int>(threadIdx.x) < m) unit_rows[threadIdx.x] = grouped ? p.order[first + threadIdx.x] : first;
     auto row_of = [&](int tok) -> int64_t { return unit_rows[tok]; };
+    auto x_row_of = [&](int tok) -> int64_t { return x_repeat == 1 ? unit_rows[tok] : unit_rows[tok] / x_repeat; };
     const int32_t* planes = p.planes + expert * expert_tiles * (BITS * 64);
     const uint8_t* scales = p.block_scales + expert * expert_tiles * 64;
     const int64_t tile_n = group * row_tiles + rt;
@@ -141,7 +143,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) grouped_gemv_ker
         if (active && ktd < ke) load_tile<BITS>(planes, scales, static_cast<int>(tile_base + ktd), lane, buf[d]);
       }
       __syncthreads();  // the previous pass's / unit's readers are done with xs and red
-      stage_x<BITS, T, 2, kRotate>(x, p.k, m, row_of, xs, ks, ke, PlainX{}, NoWork{}, p.rot_signs);
+      stage_x<BITS, T, 2, kRotate>(x, p.k, m, x_row_of, xs, ks, ke, PlainX{}, NoWork{}, p.rot_signs);
       __syncthreads();
       if (!active) continue;
       for (int64_t kt = kt0; kt < ke; kt += kDepth * k_warps) {

@@ -19,7 +19,7 @@ namespace {
 
 using namespace kbit;
 
-constexpr int kAbiVersion = 9;
+constexpr int kAbiVersion = 10;
 
 thread_local char g_error[512] = "";
 
@@ -664,6 +664,7 @@ GroupedParams grouped_params(const void* x, int dtype, const int64_t* order, con
   p.k = k;
   p.bits = bits;
   p.dtype = dtype;
+  p.x_repeat = 1;
   return p;
 }
 
@@ -846,11 +847,15 @@ int kbit_gemv_run(const void* call, const void* x, void* out, float* workspace, 
 int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const int64_t* expert_ids,
                       const int64_t* order, const int64_t* offsets, const int32_t* planes,
                       const uint8_t* block_scales, const float* row_scales, const float* codebook, int bits,
-                      int64_t s, int64_t e, int64_t n, int64_t k, void* out, const uint32_t* rot_signs) {
+                      int64_t s, int64_t e, int64_t n, int64_t k, void* out, const uint32_t* rot_signs,
+                      int64_t x_repeat) {
   if (int rc = check_common(kGroupedGemv, bits, dtype, n, k)) return rc;
   if (int rc = check_rotation(rot_signs, k)) return rc;
   if (s < 0 || e < 1 || e > (1 << 20)) return fail("need s >= 0 and 1 <= e <= 2^20, got s=%lld e=%lld",
                                                     static_cast<long long>(s), static_cast<long long>(e));
+  if (x_repeat < 1 || s % x_repeat != 0)
+    return fail("x_repeat must be >= 1 and divide s (x holds s / x_repeat rows), got s=%lld x_repeat=%lld",
+                static_cast<long long>(s), static_cast<long long>(x_repeat));
   if (k == 0) return fail("in_features must be positive");
   if (s == 0 || n == 0) return KBIT_OK;
   if (!x || !out || !planes || !block_scales || !row_scales || !codebook)
@@ -873,6 +878,7 @@ int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const 
                                    k, out);
   p.expert_ids = expert_ids;
   p.rot_signs = rot_signs;
+  p.x_repeat = x_repeat;
   const int64_t k_tiles = ceil_div(k, kTileK);
   const SmemLimits lim = smem_limits(device);
   int ctas = 0;

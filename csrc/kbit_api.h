@@ -181,12 +181,14 @@ KBIT_API int kbit_gemv_run(const void* call, const void* x, void* out, float* wo
  * rows with ids outside [0, e) as zeros. With expert_ids given too, a GPU whose shared memory cannot
  * hold the grouped mode's staging falls back to per-row mode. x/out float16 or bfloat16. rot_signs:
  * the experts' shared rotation (they all read the same x), per-row mode only (grouped mode: pass
- * kbit_rotate's x R instead, one rotation rather than one per unit). */
+ * kbit_rotate's x R instead, one rotation rather than one per unit). x_repeat: row r of the problem
+ * reads x row r / x_repeat, so x holds s / x_repeat rows (an experts layer passes its tokens once for
+ * their top-k (token, expert) rows instead of a copy repeated k times); 1: x is [s, k]. */
 KBIT_API int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const int64_t* expert_ids,
                                const int64_t* order, const int64_t* offsets, const int32_t* planes,
                                const uint8_t* block_scales, const float* row_scales, const float* codebook,
                                int bits, int64_t s, int64_t e, int64_t n, int64_t k, void* out,
-                               const uint32_t* rot_signs);
+                               const uint32_t* rot_signs, int64_t x_repeat);
 
 #if KBIT_TRACE
 /* KBIT_TRACE=1 builds only (a diagnostic: scripts/trace_gemv.py): every later GEMV launch appends

@@ -117,7 +117,7 @@ struct MmParams {
 
 // Grouped MoE GEMV: out[s] = x[s] @ W[expert of s].T (grouped_gemv_kernel.cuh).
 struct GroupedParams {
-  const void* x;                // [s, k] row-major, dtype `dtype`
+  const void* x;                // [s / x_repeat, k] row-major, dtype `dtype`: row r of the problem is x row r / x_repeat
   const int64_t* expert_ids;    // [s]: per-row mode (order == nullptr)
   const int64_t* order;         // [s]: rows grouped by expert (grouped mode), or nullptr
   const int64_t* offsets;       // [e + 1]: rows of expert i are order[offsets[i] : offsets[i + 1]]
@@ -127,6 +127,7 @@ struct GroupedParams {
   const float* codebook;        // [2^bits], shared by the experts
   void* out;                    // [s, n], dtype `dtype`; grouped GEMV: rows of no expert written as zeros
   int64_t s, e, n, k;
+  int64_t x_repeat;             // grouped GEMV: rows per x row (an experts layer's top-k), else 1
   int bits;
   int dtype;
   // Plan: warps per row tile along K, and K tiles of activations staged per pass.

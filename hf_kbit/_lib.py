@@ -21,7 +21,7 @@ from pathlib import Path
 LIBRARY_NAME = "libhf_kbit_cuda.so"
 LIBRARY_ENV = "HF_KBIT_LIBRARY"  # an explicit path to the library; no search when set
 _PACKAGE_DIR = Path(__file__).resolve().parent
-ABI_VERSION = 9
+ABI_VERSION = 10
 
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
@@ -103,7 +103,7 @@ def _declare(lib: ctypes.CDLL) -> None:
                               c_i64, c_vp]
     lib.kbit_gemm.restype = c_int
     lib.kbit_grouped_gemv.argtypes = [c_int, c_vp, c_vp, c_int, c_vp, c_vp, c_vp, c_vp, c_vp, c_vp, c_vp, c_int,
-                                      c_i64, c_i64, c_i64, c_i64, c_vp, c_vp]
+                                      c_i64, c_i64, c_i64, c_i64, c_vp, c_vp, c_i64]
     lib.kbit_grouped_gemv.restype = c_int
     lib.kbit_grouped_gemm_workspace_size.argtypes = [c_i64, c_i64]
     lib.kbit_grouped_gemm_workspace_size.restype = c_i64

@@ -34,7 +34,8 @@ _lib.define(
 )
 _lib.define(
     "grouped_mm(Tensor x, Tensor expert_ids, Tensor planes, Tensor block_scales, Tensor row_scales, "
-    "Tensor codebook, SymInt in_features, Tensor? order=None, Tensor? offsets=None, Tensor? signs=None) -> Tensor"
+    "Tensor codebook, SymInt in_features, Tensor? order=None, Tensor? offsets=None, Tensor? signs=None, "
+    "int x_repeat=1) -> Tensor"
 )
 
 # By device type: rows (token, expert pairs) above which an experts layer groups its rows by
@@ -482,11 +483,15 @@ def _expert_offsets_fake(expert_ids, num_experts):
             expert_ids.new_empty((num_experts + 1,), dtype=torch.int64))
 
 
-def _check_grouped(x, expert_ids, row_scales, codebook) -> None:
-    torch._check(x.dim() == 2, lambda: f"x must be [S, K], got shape {tuple(x.shape)}")
+def _check_grouped(x, expert_ids, row_scales, codebook, x_repeat: int = 1) -> None:
+    torch._check(x.dim() == 2, lambda: f"x must be [S / x_repeat, K], got shape {tuple(x.shape)}")
     torch._check(
-        expert_ids.dim() == 1 and expert_ids.shape[0] == x.shape[0],
-        lambda: f"expert_ids must be [S] = [{x.shape[0]}], got shape {tuple(expert_ids.shape)}",
+        isinstance(x_repeat, int) and x_repeat >= 1, lambda: f"x_repeat must be an int >= 1, got {x_repeat!r}"
+    )
+    torch._check(
+        expert_ids.dim() == 1 and expert_ids.shape[0] == x.shape[0] * x_repeat,
+        lambda: f"expert_ids must be [S] = [{x.shape[0]} rows of x * x_repeat {x_repeat}], got shape "
+        f"{tuple(expert_ids.shape)}",
     )
     torch._check(
         expert_ids.dtype in (torch.int32, torch.int64),
@@ -535,7 +540,7 @@ def _expert_groups(expert_ids, order, offsets, planes, block_scales, row_scales,
 
 @torch.library.impl(_lib, "grouped_mm", "CompositeExplicitAutograd")
 def _grouped_mm_ref(x, expert_ids, planes, block_scales, row_scales, codebook, in_features, order=None, offsets=None,
-                    signs=None):
+                    signs=None, x_repeat=1):
     """Row ``s`` of ``x [S, K]`` times expert ``expert_ids[s]``'s weight: ``[S, N]`` in x's dtype.
 
     Packed tensors carry one leading expert dim ``E``; codebook is ``[E, L]`` or ``[L]``.
@@ -543,7 +548,9 @@ def _grouped_mm_ref(x, expert_ids, planes, block_scales, row_scales, codebook, i
 
     ``order``/``offsets``: :func:`expert_offsets` of ``expert_ids``, when the caller already has
     them (an experts layer sorts once for its two projections). ``signs``: the projection's sign words (all its
-    experts share them, as they share x): x is rotated once, before the grouping.
+    experts share them, as they share x): x is rotated once, before the grouping. ``x_repeat``: x holds
+    ``S / x_repeat`` rows and row ``s`` of the problem reads x row ``s // x_repeat``, as if x were
+    ``x.repeat_interleave(x_repeat, 0)`` (an experts layer's tokens, each for its top-k rows), without the copy.
 
     Reference: rows grouped by :func:`expert_offsets`, one expert's weight dequantized at a
     time (never ``[S, N, K]``). Reading the group sizes to slice is a host sync here; a
@@ -551,10 +558,10 @@ def _grouped_mm_ref(x, expert_ids, planes, block_scales, row_scales, codebook, i
     """
     _check_mm_input(x, in_features)
     _check_packed(planes, block_scales, row_scales, codebook, in_features)
-    _check_grouped(x, expert_ids, row_scales, codebook)
+    _check_grouped(x, expert_ids, row_scales, codebook, x_repeat)
     _check_routing(expert_ids, order, offsets, row_scales.shape[0])
     _check_signs(signs, in_features, planes)
-    x = _rotated(x, signs)
+    x = _rotated(x, signs).repeat_interleave(x_repeat, 0)
     out = torch.zeros(x.shape[0], row_scales.shape[-1], dtype=torch.float32, device=x.device)
     for rows, packed in _expert_groups(expert_ids, order, offsets, planes, block_scales, row_scales, codebook):
         w = fmt.dequantize(*packed, in_features, torch.float32)
@@ -564,13 +571,13 @@ def _grouped_mm_ref(x, expert_ids, planes, block_scales, row_scales, codebook, i
 
 @torch.library.register_fake("kbit::grouped_mm")
 def _grouped_mm_fake(x, expert_ids, planes, block_scales, row_scales, codebook, in_features, order=None, offsets=None,
-                     signs=None):
+                     signs=None, x_repeat=1):
     _check_mm_input(x, in_features)
     _check_packed(planes, block_scales, row_scales, codebook, in_features)
-    _check_grouped(x, expert_ids, row_scales, codebook)
+    _check_grouped(x, expert_ids, row_scales, codebook, x_repeat)
     _check_routing(expert_ids, order, offsets, row_scales.shape[0])
     _check_signs(signs, in_features, planes)
-    return x.new_empty((x.shape[0], row_scales.shape[-1]))
+    return x.new_empty((expert_ids.shape[0], row_scales.shape[-1]))
 
 
 # ---------------------------------------------------------------------------- gradients
@@ -672,9 +679,9 @@ def _mm_backward(ctx, grad):
 
 
 def _grouped_mm_setup_context(ctx, inputs, output):
-    _, expert_ids, planes, block_scales, row_scales, codebook, in_features, order, offsets, signs = inputs
+    _, expert_ids, planes, block_scales, row_scales, codebook, in_features, order, offsets, signs, x_repeat = inputs
     ctx.save_for_backward(expert_ids, planes, block_scales, row_scales, codebook, order, offsets, signs)
-    ctx.in_features = in_features
+    ctx.in_features, ctx.x_repeat = in_features, x_repeat
 
 
 def _grouped_mm_backward(ctx, grad):
@@ -684,7 +691,9 @@ def _grouped_mm_backward(ctx, grad):
         grad_x = torch.ops.kbit.grouped_mm_grad_x(
             grad, expert_ids, planes, block_scales, row_scales, codebook, ctx.in_features, order, offsets, signs
         )
-    return grad_x, None, None, None, None, None, None, None, None, None
+        if ctx.x_repeat > 1:  # each x row fed x_repeat rows of the problem
+            grad_x = grad_x.unflatten(0, (-1, ctx.x_repeat)).sum(1)
+    return grad_x, None, None, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("kbit::mm", _mm_backward, setup_context=_mm_setup_context)

@@ -105,7 +105,7 @@ def test_library_refuses_entries_outside_the_table(call):
         expected = "kernel=gemv, bits=4, dtype=float32"
     else:
         rc = lib.kbit_grouped_gemv(0, None, None, 1, None, None, None, None, None, None, None, bits, 1, 1, 1, 1, None,
-                                    None)
+                                    None, 1)
         expected = f"kernel=grouped_gemv, bits={bits}, dtype=float16"
     with pytest.raises(ValueError, match=f"unsupported {expected}"):
         _lib.check(rc, call)

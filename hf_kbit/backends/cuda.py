@@ -508,15 +508,16 @@ _ops.register_group_rows_above("cuda", GROUP_ROWS_ABOVE)
 
 @torch.library.impl(_ops._lib, "grouped_mm", "CUDA")
 def _grouped_mm_cuda(x, expert_ids, planes, block_scales, row_scales, codebook, in_features, order=None, offsets=None,
-                     signs=None):
+                     signs=None, x_repeat=1):
     """Rows up to ``GROUP_ROWS_ABOVE``: each row its expert's GEMV (decode, no sort);
     beyond it the rows grouped by expert on the device, so that a weight tile is decoded once
     for up to 32 rows of its expert (``order``/``offsets`` when given, else sorted here).
     ``signs``: the experts' shared rotation (they all read x): staged as x R in per-row mode, the
-    standalone rotation's x R in grouped mode."""
+    standalone rotation's x R in grouped mode. ``x_repeat``: the GEMV reads row s of the problem from
+    x row s // x_repeat (no copy); the warp-specialized GEMM's sort gathers those rows."""
     _ops._check_mm_input(x, in_features)
     _check_packed_once(planes, block_scales, row_scales, codebook, in_features)
-    _ops._check_grouped(x, expert_ids, row_scales, codebook)
+    _ops._check_grouped(x, expert_ids, row_scales, codebook, x_repeat)
     _ops._check_routing(expert_ids, order, offsets, row_scales.shape[0])
     _same_device(x, expert_ids=expert_ids, planes=planes, block_scales=block_scales, row_scales=row_scales,
                  codebook=codebook)
@@ -527,8 +528,8 @@ def _grouped_mm_cuda(x, expert_ids, planes, block_scales, row_scales, codebook, 
         if signs is not None and x.numel():
             x = rotate(x, signs)
         return _ops._grouped_mm_ref(x, expert_ids, planes, block_scales, row_scales, codebook, in_features,
-                                    order, offsets)
-    s = x.shape[0]
+                                    order, offsets, x_repeat=x_repeat)
+    s = expert_ids.shape[0]
     num_experts, n = row_scales.shape
     if s == 0 or n == 0 or in_features == 0:  # an empty product is all zeros
         return torch.zeros((s, n), dtype=x.dtype, device=x.device)
@@ -550,24 +551,25 @@ def _grouped_mm_cuda(x, expert_ids, planes, block_scales, row_scales, codebook, 
         if sp is not None:  # grouped mode: x R once (the kernel would rotate a row in every unit)
             x, sp = rotate(x, signs), None
         if ws:
-            _grouped_gemm_ws(x, order, offsets, planes, block_scales, row_scales, codebook, in_features, out)
+            _grouped_gemm_ws(x, order, offsets, planes, block_scales, row_scales, codebook, in_features, out, x_repeat)
             return out
     rc = _LIB.kbit_grouped_gemv(
         x.device.index, _stream(x.device), x.data_ptr(), _GEMV_DTYPES[x.dtype], ids_ptr, order_ptr, offsets_ptr,
         planes.data_ptr(), block_scales.data_ptr(), row_scales.data_ptr(), codebook.data_ptr(), planes.shape[-3],
-        s, num_experts, n, in_features, out.data_ptr(), sp,
+        s, num_experts, n, in_features, out.data_ptr(), sp, x_repeat,
     )
     _lib.check(rc, "grouped_mm")
     return out
 
 
-def _grouped_gemm_ws(x, order, offsets, planes, block_scales, row_scales, codebook, in_features, out) -> None:
-    """Grouped mode on the warp-specialized GEMM (set_gemm_kernel("wgmma_ws")): x's rows sorted by expert
-    into a buffer at a 16-byte row pitch, which its tensor map reads; the kernel stores row r at out row
-    order[r]."""
-    s, num_experts = x.shape[0], row_scales.shape[0]
+def _grouped_gemm_ws(x, order, offsets, planes, block_scales, row_scales, codebook, in_features, out,
+                     x_repeat: int = 1) -> None:
+    """Grouped mode on the warp-specialized GEMM (set_gemm_kernel("wgmma_ws")): the problem's rows sorted by
+    expert into a buffer at a 16-byte row pitch (row r from x row order[r] // x_repeat), which its tensor map
+    reads; the kernel stores row r at out row order[r]."""
+    s, num_experts = order.shape[0], row_scales.shape[0]
     pitch = -(-in_features // 8) * 8
-    xs = x.index_select(0, order)
+    xs = x.index_select(0, order if x_repeat == 1 else order // x_repeat)
     if pitch != in_features:
         xs = torch.nn.functional.pad(xs, (0, pitch - in_features))
     words = int(_LIB.kbit_grouped_gemm_workspace_size(s, num_experts))

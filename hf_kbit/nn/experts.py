@@ -333,7 +333,8 @@ class KbitExperts(KbitModule):
         """The model's gating of ``gate_up [S, 2I] -> [S, I]`` (default: ``act_fn(gate) * up``)."""
         return apply_gate(self, gate_up, self._model_apply_gate)
 
-    def _project(self, projection: str, x: torch.Tensor, expert_ids: torch.Tensor, routing) -> torch.Tensor:
+    def _project(self, projection: str, x: torch.Tensor, expert_ids: torch.Tensor, routing,
+                 x_repeat: int = 1) -> torch.Tensor:
         prefix = PROJECTIONS[projection]
         names, signs = tuple(f"{prefix}_{t}" for t in FORMAT_TENSORS), None
         if self.rotated[projection]:  # its experts share x, and so the sign words
@@ -347,6 +348,7 @@ class KbitExperts(KbitModule):
             self.layout.linear_shape(projection)[1],
             *(routing or (None, None)),
             signs,
+            x_repeat,
         )
         bias = getattr(self, f"{projection}_bias")
         if bias is not None:
@@ -366,8 +368,8 @@ class KbitExperts(KbitModule):
         routing = ()
         if expert_ids.shape[0] > _ops.GROUP_ROWS_ABOVE.get(expert_ids.device.type, 0):
             routing = _ops.expert_offsets(expert_ids, self.num_experts)
-        x = hidden_states.repeat_interleave(top_k, dim=0)
-        h = self._apply_gate(self._project("gate_up_proj", x, expert_ids, routing))
+        # gate_up reads token s // k for row s itself (x_repeat): no copy of the tokens k times.
+        h = self._apply_gate(self._project("gate_up_proj", hidden_states, expert_ids, routing, top_k))
         out = self._project("down_proj", h, expert_ids, routing)
         if getattr(self, "has_post_expert_norm", False):
             out = self.post_expert_norm(out)

@@ -323,6 +323,24 @@ def test_grouped_mm_on_cuda_equals_reference(bits, dtype, shape, rows):
     _check_grouped(out, expected, ids, num_experts, dtype)
 
 
+@pytest.mark.parametrize("tokens", (1, 8, 100), ids=lambda t: f"T{t}")  # x 8 rows: per-row mode to 64, grouped above
+@pytest.mark.parametrize("bits,dtype", table_cases("grouped_gemv"))
+def test_grouped_mm_on_cuda_x_repeat_equals_repeated_rows(bits, dtype, tokens):
+    """x_repeat = top-k: the grouped GEMV stages row s from token s // k, bit for bit the product of the tokens
+    repeated k times, with and without the layer's routing."""
+    num_experts, n, k, top_k = 16, 200, 576, 8
+    packed = _to(DEVICE, *_packed_experts(num_experts, n, k, bits))
+    g = torch.Generator().manual_seed(tokens + bits)
+    x = torch.randn(tokens, k, generator=g).to(dtype).to(DEVICE)
+    ids = _expert_ids(tokens * top_k, num_experts, seed=tokens).to(DEVICE)
+    repeated = x.repeat_interleave(top_k, 0)
+    out = torch.ops.kbit.grouped_mm(x, ids, *packed, k, None, None, None, top_k)
+    assert torch.equal(out, torch.ops.kbit.grouped_mm(repeated, ids, *packed, k))
+    order, offsets = _ops.expert_offsets(ids, num_experts)
+    assert torch.equal(torch.ops.kbit.grouped_mm(x, ids, *packed, k, order, offsets, None, top_k),
+                       torch.ops.kbit.grouped_mm(repeated, ids, *packed, k, order, offsets))
+
+
 def _poison_allocator(numel: int, dtype: torch.dtype) -> None:
     """Leave NaN in the caching allocator's next block of ``numel`` elements (the next allocation of that size
     reuses it), so an output that is not written everywhere shows it."""

@@ -325,7 +325,7 @@ def test_rotated_gemv_refusals():
     order, offsets = torch.arange(16, device=DEVICE), torch.tensor([0, 16, 16], device=DEVICE)
     rc = lib.kbit_grouped_gemv(0, None, x.data_ptr(), 2, ids.data_ptr(), order.data_ptr(), offsets.data_ptr(),
                                planes.data_ptr(), scales.data_ptr(), rs.data_ptr(), cb.data_ptr(), 4, 16, e, n, k,
-                               out.data_ptr(), signs.data_ptr())
+                               out.data_ptr(), signs.data_ptr(), 1)
     with pytest.raises(ValueError, match="rot_signs takes per-row mode"):
         _lib.check(rc, "grouped_mm")
 
@@ -454,6 +454,12 @@ def test_rotated_grouped_mm(bits, dtype, s):
 
     order, offsets = _ops.expert_offsets(ids, e)  # the routing an experts layer hands over
     assert torch.equal(out, torch.ops.kbit.grouped_mm(x, ids, *weights, k, order, offsets, signs))
+    if s % 7 == 0:  # the tokens once for their 7 rows each (an experts layer's x_repeat = top-k)
+        tokens = x[::7].contiguous()
+        ids_tokens = ids.clone()
+        repeated = tokens.repeat_interleave(7, 0)
+        expected = torch.ops.kbit.grouped_mm(repeated, ids_tokens, *weights, k, None, None, signs)
+        assert torch.equal(torch.ops.kbit.grouped_mm(tokens, ids_tokens, *weights, k, None, None, signs, 7), expected)
 
 
 def test_rotated_grouped_mm_reference_fallbacks():

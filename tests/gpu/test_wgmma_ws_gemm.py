@@ -248,6 +248,9 @@ def test_grouped_mm_equals_the_grouped_gemv_on_the_same_rows(warp_specialized):
     gemv = torch.ops.kbit.grouped_mm(x, ids, planes, scales, rs, cb, k)
     warp_specialized.set_gemm_kernel("wgmma_ws")
     assert rel_err(ws, gemv) < MM_REL_TOL[torch.bfloat16]
+    tokens = x[::4].contiguous()  # x_repeat: the sort gathers row s from token s // 4
+    assert torch.equal(torch.ops.kbit.grouped_mm(tokens, ids, planes, scales, rs, cb, k, None, None, None, 4),
+                       torch.ops.kbit.grouped_mm(tokens.repeat_interleave(4, 0), ids, planes, scales, rs, cb, k))
     none = torch.full((rows,), -1, dtype=torch.int64, device=DEVICE)
     assert not torch.ops.kbit.grouped_mm(x, none, planes, scales, rs, cb, k).any()
 

@@ -186,6 +186,28 @@ def test_grouped_mm_per_expert_codebook():
     )
 
 
+@pytest.mark.parametrize("routed", [False, True], ids=["per-row", "routed"])
+def test_grouped_mm_x_repeat_equals_repeated_rows(routed):
+    """x_repeat = k reads row s from x row s // k: the product and x's gradient equal those of the tokens
+    repeated k times (repeat_interleave), bit for bit on the reference."""
+    planes, block_scales, row_scales, codebook = _packed_experts(4, 24, 96, 4)
+    g = torch.Generator().manual_seed(2)
+    tokens, top_k = 5, 3
+    x = torch.randn(tokens, 96, generator=g, requires_grad=True)
+    ids = torch.randint(0, 4, (tokens * top_k,), generator=g)
+    ids[4] = -1  # a sentinel row: zero output, no gradient
+    routing = hf_kbit._ops.expert_offsets(ids, 4) if routed else (None, None)
+    packed = (planes, block_scales, row_scales, codebook)
+    out = torch.ops.kbit.grouped_mm(x, ids, *packed, 96, *routing, None, top_k)
+    x_rep = x.detach().clone().requires_grad_(True)
+    expected = torch.ops.kbit.grouped_mm(x_rep.repeat_interleave(top_k, 0), ids, *packed, 96, *routing)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    grad = torch.randn(out.shape, generator=g)
+    out.backward(grad)
+    expected.backward(grad)
+    torch.testing.assert_close(x.grad, x_rep.grad, rtol=0, atol=1e-6)
+
+
 def test_grouped_mm_rejects_bad_inputs():
     planes, block_scales, row_scales, codebook = _packed_experts(2, 16, 64, 4)
     x = torch.randn(5, 64)
@@ -193,6 +215,12 @@ def test_grouped_mm_rejects_bad_inputs():
         torch.ops.kbit.grouped_mm(x, torch.zeros(4, dtype=torch.long), planes, block_scales, row_scales, codebook, 64)
     with pytest.raises(RuntimeError, match="one leading expert dim"):
         torch.ops.kbit.grouped_mm(x, torch.zeros(5, dtype=torch.long), planes[0], block_scales[0], row_scales[0], codebook, 64)
+    with pytest.raises(RuntimeError, match=r"expert_ids must be \[S\] = \[5 rows of x \* x_repeat 2\]"):
+        torch.ops.kbit.grouped_mm(x, torch.zeros(5, dtype=torch.long), planes, block_scales, row_scales, codebook, 64,
+                                  None, None, None, 2)
+    with pytest.raises(RuntimeError, match="x_repeat must be an int >= 1, got 0"):
+        torch.ops.kbit.grouped_mm(x, torch.zeros(5, dtype=torch.long), planes, block_scales, row_scales, codebook, 64,
+                                  None, None, None, 0)
 
 
 def test_grouped_mm_opcheck():
@@ -200,6 +228,10 @@ def test_grouped_mm_opcheck():
     x = torch.randn(7, 64, dtype=torch.bfloat16)
     ids = torch.tensor([2, 0, 0, 1, 2, 2, 0], dtype=torch.int32)
     torch.library.opcheck(torch.ops.kbit.grouped_mm, (x, ids, planes, block_scales, row_scales, codebook, 64))
+    x_tokens = torch.randn(4, 64, dtype=torch.bfloat16)
+    ids = torch.tensor([2, 0, 0, 1, 2, 2, 0, 1], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.kbit.grouped_mm,
+                          (x_tokens, ids, planes, block_scales, row_scales, codebook, 64, None, None, None, 2))
 
 
 def test_expert_offsets_group_rows_without_host_sizes():
