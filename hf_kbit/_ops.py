@@ -561,7 +561,9 @@ def _grouped_mm_ref(x, expert_ids, planes, block_scales, row_scales, codebook, i
     _check_grouped(x, expert_ids, row_scales, codebook, x_repeat)
     _check_routing(expert_ids, order, offsets, row_scales.shape[0])
     _check_signs(signs, in_features, planes)
-    x = _rotated(x, signs).repeat_interleave(x_repeat, 0)
+    x = _rotated(x, signs)
+    if x_repeat > 1:
+        x = x.repeat_interleave(x_repeat, 0)
     out = torch.zeros(x.shape[0], row_scales.shape[-1], dtype=torch.float32, device=x.device)
     for rows, packed in _expert_groups(expert_ids, order, offsets, planes, block_scales, row_scales, codebook):
         w = fmt.dequantize(*packed, in_features, torch.float32)

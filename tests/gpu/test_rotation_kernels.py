@@ -456,10 +456,8 @@ def test_rotated_grouped_mm(bits, dtype, s):
     assert torch.equal(out, torch.ops.kbit.grouped_mm(x, ids, *weights, k, order, offsets, signs))
     if s % 7 == 0:  # the tokens once for their 7 rows each (an experts layer's x_repeat = top-k)
         tokens = x[::7].contiguous()
-        ids_tokens = ids.clone()
-        repeated = tokens.repeat_interleave(7, 0)
-        expected = torch.ops.kbit.grouped_mm(repeated, ids_tokens, *weights, k, None, None, signs)
-        assert torch.equal(torch.ops.kbit.grouped_mm(tokens, ids_tokens, *weights, k, None, None, signs, 7), expected)
+        expected = torch.ops.kbit.grouped_mm(tokens.repeat_interleave(7, 0), ids, *weights, k, None, None, signs)
+        assert torch.equal(torch.ops.kbit.grouped_mm(tokens, ids, *weights, k, None, None, signs, 7), expected)
 
 
 def test_rotated_grouped_mm_reference_fallbacks():
