@@ -32,7 +32,7 @@ The Hub token comes from huggingface_hub's usual sources (HF_TOKEN or `hf auth l
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 FITTING_CHOICES = ("absmax", "fit")  # hf_kbit.fitting.FITTINGS (a test checks), listed so --help needs no torch import
 # --rotation's words for KbitConfig.rotation (hf_kbit.rotation_policy.ROTATIONS; a test checks)
-ROTATION_CHOICES = {"off": False, "on": True, "auto": "auto"}
+ROTATION_CHOICES = {"off": False, "on": True, "auto": "auto", "inputs": "inputs"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,11 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="off",
         choices=tuple(ROTATION_CHOICES),
         help="store weights rotated along K by a seeded block Hadamard (format v3; the kernels turn the activations "
-        "to match): 'on' every weight whose in_features is a multiple of 64, 'auto' where it lowers the weight "
+        "to match): 'on' every weight whose in_features is a multiple of 64, 'inputs' those of the input projections "
+        "(not o_proj/down_proj: the best perplexity for the kernel time at k = 3), 'auto' where it lowers the weight "
         "error (decided per group of weights reading one input), 'off' never (default)",
     )
     q.add_argument("--rotation-seed", type=int, default=None, metavar="SEED",
-                   help="seed of the rotation's signs, an int in [0, 2**64) (default: 0; needs --rotation on or auto)")
+                   help="seed of the rotation's signs, an int in [0, 2**64) (default: 0; needs --rotation other than off)")
     q.add_argument(
         "--module-bits",
         action="append",
@@ -225,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if value is not None and value < 1:
             parser.error(f"{flag} must be a positive number, got {value}")
     if args.rotation_seed is not None and args.rotation == "off":
-        parser.error("--rotation-seed needs --rotation on or auto")
+        parser.error("--rotation-seed needs --rotation on, inputs or auto")
     module_bits = _parse_module_bits(parser, args.module_bits)
     codebook = _parse_codebook(parser, args.codebook)
     if args.push_to_hub:

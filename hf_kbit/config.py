@@ -74,7 +74,10 @@ class KbitConfig(QuantizationConfigMixin):
         rotation: store weights rotated along K (format v3): ``W R`` with ``R`` the seeded block Hadamard of
             :mod:`hf_kbit.rotation` (segments of 8), quantized as above, and the kernels turn the activations
             to match (``x R``), so outputs are unchanged up to quantization. ``False`` (default): never; ``True``:
-            every quantized weight whose in_features is a multiple of 64 (the others stay unrotated); ``"auto"``:
+            every quantized weight whose in_features is a multiple of 64 (the others stay unrotated); ``"inputs"``:
+            those of the input projections only, every layer but the output projections that write the residual
+            stream (``o_proj``, ``down_proj``, the experts' ``down_proj``, ...: ``rotation_policy.OUTPUT_PROJECTIONS``),
+            at k = 3 the measured best perplexity for the kernel time (docs/format.md#rotation); ``"auto"``:
             per group of weights that read one input (q/k/v, gate/up, all experts of a projection) where it
             lowers the group's relative weight error, decided data-free (:mod:`hf_kbit.rotation_policy`). With
             calibration, GPTQ then runs on the rotated weights with the rotated inputs' Hessian. A rotation costs
@@ -210,7 +213,7 @@ class KbitConfig(QuantizationConfigMixin):
         check_seed(self.rotation_seed)
         if self.rotation is False and self.rotation_seed != 0:
             raise ValueError(f"KbitConfig.rotation_seed={self.rotation_seed!r} has no effect with rotation=False; pass "
-                             "rotation=True or 'auto' (or drop rotation_seed)")
+                             "rotation=True, 'inputs' or 'auto' (or drop rotation_seed)")
         if not isinstance(self.format_version, int) or isinstance(self.format_version, bool) or self.format_version < 1:
             raise ValueError(f"KbitConfig.format_version must be a positive int, got {self.format_version!r}")
         if self.format_version in fmt.UNREADABLE_VERSIONS:

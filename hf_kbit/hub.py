@@ -170,7 +170,8 @@ def _rotation_summary(cfg, stats: dict) -> str:
     if cfg.rotation is False:
         return "none"
     rotated = stats.get("rotated_tensors", 0)
-    how = "every quantized tensor whose" if cfg.rotation is True else "chosen per weight group (auto) among tensors whose"
+    how = {True: "every quantized tensor whose", "auto": "chosen per weight group (auto) among tensors whose",
+           "inputs": "every input projection (not the output projections o/down) whose"}[cfg.rotation]
     return (f"seeded block Hadamard along K (block {fmt.ROTATION_BLOCK}, seed {cfg.rotation_seed}), {how} in_features "
             f"is a multiple of {fmt.ROTATION_MULTIPLE}: {rotated} of {stats['quantized_tensors']} tensors are stored "
             "rotated (the kernels turn the activations to match)")

@@ -9,7 +9,7 @@ from transformers.core_model_loading import ConversionOps
 from transformers.quantizers.base import HfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name
 
-from . import checkpoint, fitting, fusion
+from . import checkpoint, fitting, fusion, rotation_policy
 from . import format as fmt
 from .config import KbitConfig
 from .nn.experts import (
@@ -105,10 +105,11 @@ class KbitHfQuantizer(HfQuantizer):
         if not self.pre_quantized:
             config = self.quantization_config
             if config.rotation is not False:  # placeholders for the sign words of whatever may rotate
-                for module in model.modules():
+                for module_name, module in model.named_modules():
                     if isinstance(module, KbitModule):
                         for name, k in module.rotation_in_features().items():
-                            if fmt.rotatable(k):
+                            weight = _signed_weight(module_name, module, name)
+                            if fmt.rotatable(k) and rotation_policy.for_weights(config.rotation, [weight]) is not False:
                                 module.expect_rotation(name)
             # Siblings wait for each other when they share what is decided on all of them: a fitted codebook, or
             # whether to rotate ("auto").
@@ -220,6 +221,14 @@ def _quantize_siblings(model, config: KbitConfig, members: list[tuple[str, torch
         elif model.get_submodule(name).rotated:
             model.get_submodule(name).rotation_signs = None
     return out
+
+
+def _signed_weight(module_name: str, module, signs: str) -> str:
+    """The name of the weight whose sign words are the buffer ``signs`` of ``module``: the module itself, or
+    ``<experts>.<projection>`` for a fused experts module."""
+    if isinstance(module, KbitExperts):
+        return next(f"{module_name}.{p}" for p, prefix in PROJECTIONS.items() if signs == f"{prefix}_{ROTATION_SIGNS}")
+    return module_name
 
 
 def expect_stored_rotation(model, keys: list[str], config: KbitConfig) -> None:

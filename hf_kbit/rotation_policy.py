@@ -12,6 +12,12 @@ same quantizer (fitting, calibration), on ``W R`` instead of ``W``.
   the group's relative weight reconstruction error, summed over its members and measured in the original
   basis: ``sum_i ||W_i - Q_i||^2 / ||W_i||^2`` (``Q_i``: the reconstruction turned back by ``R^T``; a fused
   experts projection is one member, its experts stacked). Ties keep the unrotated weight.
+- ``"inputs"``: the input projections rotate (as ``True``), the output projections do not (as ``False``). An
+  output projection writes the residual stream: its module name ends in one of :data:`OUTPUT_PROJECTIONS`
+  (attention's ``o_proj``, the MLP's and the fused experts' ``down_proj``, ...). Every other layer of a decoder
+  reads a normalised hidden state (q/k/v, gate/up, the experts' gate_up; DeepSeek's q_a/q_b/kv_a/kv_b), which
+  is where rotation lowers perplexity most for the least kernel time (docs/format.md#rotation).
+  :func:`for_weights` resolves it to ``True`` or ``False`` per group before anything is quantized.
 
 The sums are float64, one per weight (one per expert for stacked experts, so that quantizing the experts in
 chunks of any size gives the same sums and the same choice). CPU and CUDA rotate and quantize to the same
@@ -28,7 +34,9 @@ import torch
 from . import format as fmt
 from . import rotation
 
-ROTATIONS = (False, True, "auto")  # KbitConfig.rotation
+ROTATIONS = (False, True, "auto", "inputs")  # KbitConfig.rotation
+# The last name component of the layers that write the residual stream, which rotation="inputs" leaves unrotated.
+OUTPUT_PROJECTIONS = frozenset({"o_proj", "down_proj", "out_proj", "dense", "c_proj", "w2", "wo", "dense_4h_to_h"})
 U64 = 1 << 64
 
 Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # planes, block_scales, row_scales, codebook
@@ -45,10 +53,31 @@ def check_seed(value, field: str = "KbitConfig.rotation_seed") -> None:
         raise ValueError(f"{field} must be an int in [0, 2**64), got {value!r}")
 
 
+def is_output_projection(name: str) -> bool:
+    """Whether the module (or its tensor: ``<module>.weight``, ``<experts>.down_proj``) ``name`` is an output
+    projection (:data:`OUTPUT_PROJECTIONS`)."""
+    parts = name.split(".")
+    if len(parts) > 1 and parts[-1] == "weight":
+        parts = parts[:-1]
+    return parts[-1] in OUTPUT_PROJECTIONS
+
+
+def for_weights(rotation_choice, names: Sequence[str]) -> bool | str:
+    """The rotation a group of weights named ``names`` (siblings; an experts projection) is quantized under:
+    ``rotation_choice`` itself, except ``"inputs"``, which is False when one of them is an output projection
+    (:func:`is_output_projection`; siblings are all or none) and True otherwise."""
+    check_rotation(rotation_choice, "rotation")
+    if not isinstance(rotation_choice, str) or rotation_choice != "inputs":
+        return rotation_choice
+    return not any(is_output_projection(name) for name in names)
+
+
 def layer_words(k: int, rotation_choice, seed: int, device=None) -> torch.Tensor | None:
-    """The sign words a weight with ``k`` columns is tried with under ``rotation_choice`` (True or "auto"): int32
+    """The sign words a weight with ``k`` columns is tried with under ``rotation_choice`` (True or "auto"; "inputs" resolved by :func:`for_weights` first): int32
     ``[k / 32]`` on ``device``; None when ``rotation_choice`` is False or ``k`` is not a multiple of 64."""
     check_rotation(rotation_choice, "rotation")
+    if isinstance(rotation_choice, str) and rotation_choice == "inputs":
+        raise ValueError('rotation="inputs" depends on the layer: resolve it with for_weights(rotation, names) first')
     if rotation_choice is False or not fmt.rotatable(k):
         return None
     return rotation.sign_words(k, seed, device)

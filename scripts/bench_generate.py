@@ -147,9 +147,10 @@ def main(argv: list[str] | None = None) -> int:
                              "generate() does)")
     fusion.add_argument("--no-fusion-pass", dest="fusion_pass", action="store_false", default=None,
                         help="compile no variant with hf_kbit.fusion's options (kbit: KbitConfig(fusion_pass=False))")
-    parser.add_argument("--rotation", choices=("off", "on", "auto"), default="off",
+    parser.add_argument("--rotation", choices=("off", "on", "inputs", "auto"), default="off",
                         help="the kbit variants' KbitConfig.rotation (format v3, docs/format.md#rotation): 'on' "
-                        "every weight whose in_features is a multiple of 64, 'auto' where it lowers the weight error; "
+                        "every weight whose in_features is a multiple of 64, 'inputs' those of the input projections "
+                        "(not o/down), 'auto' where it lowers the weight error; "
                         "the random weights make 'auto' a test of the decision, not of a real model (default off)")
     parser.add_argument("--recommended", action="store_true",
                         help="the recommended settings: --attention kbit_decode and --quantize-lm-head")
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         decode_loop=not args.no_decode_loop, quantize_lm_head=args.quantize_lm_head,
         kernel_breakdown=args.kernel_breakdown,
         fuse_projections=not args.no_fuse_projections, fusion_pass=args.fusion_pass, attention=args.attention,
-        rotation={"off": False, "on": True, "auto": "auto"}[args.rotation],
+        rotation={"off": False, "on": True, "inputs": "inputs", "auto": "auto"}[args.rotation],
     )
     head = "_lmhead" if args.quantize_lm_head else ""
     attention = "" if args.attention == "sdpa" else f"_{args.attention}"

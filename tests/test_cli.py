@@ -160,7 +160,7 @@ def test_moe_dry_run_and_convert(capsys, moe_checkpoint, tmp_path):
         (["--calibration-data", "X", "--out", "X"], "no such file"),
         (["--calibration-data", __file__, "--calibration-seq-len", "0", "--out", "X"], "--calibration-seq-len must"),
         (["--rotation", "yes", "--out", "X"], "invalid choice: 'yes'"),
-        (["--rotation-seed", "3", "--out", "X"], "--rotation-seed needs --rotation on or auto"),
+        (["--rotation-seed", "3", "--out", "X"], "--rotation-seed needs --rotation on, inputs or auto"),
         (["--rotation", "auto", "--rotation-seed", "-1", "--out", "X"], "rotation_seed must be an int in [0, 2**64)"),
     ],
     ids=["bits", "no-out", "module-bits-form", "module-bits-value", "module-bits-regex", "module-bits-backtracking",

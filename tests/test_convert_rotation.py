@@ -14,7 +14,7 @@ from hf_kbit.convert import convert, writing
 from convert_helpers import llama_fp32, make_moe  # noqa: F401
 from test_convert import assert_same_state, calibration_config, load, quantize_on_load
 
-ROTATIONS = pytest.mark.parametrize("rotation", [True, "auto"], ids=["on", "auto"])
+ROTATIONS = pytest.mark.parametrize("rotation", [True, "inputs", "auto"], ids=["on", "inputs", "auto"])
 
 
 def saved_keys(folder) -> set[str]:
@@ -48,6 +48,10 @@ def test_dense_convert_matches_quantize_on_load(llama_fp32, tmp_path, rotation):
     if rotation is True:  # every q, k, v, o, gate, up of both layers; the plan knew it
         assert len(rotated) == 2 * 6 and plan.stats()["size_after_bytes"] == result.stats["size_after_bytes"]
         assert "rotation:      block Hadamard (block 8, seed 11), every one of 12 tensors" in plan.describe()
+    if rotation == "inputs":  # q, k, v, gate, up of both layers (not o); the plan knew it
+        assert len(rotated) == 2 * 5 and not any(".o_proj." in k for k in rotated)
+        assert plan.stats()["size_after_bytes"] == result.stats["size_after_bytes"]
+        assert "the input projections (not o/down) of 12 tensors" in plan.describe()
     card = (result.out / "README.md").read_text()
     assert "| Rotation | seeded block Hadamard along K (block 8, seed 11)" in card
     assert f"{len(rotated)} of {result.stats['quantized_tensors']} tensors are stored rotated" in card
@@ -66,6 +70,8 @@ def test_moe_convert_streaming_experts_matches_quantize_on_load(rotatable_moe, t
     assert experts.rotated == reference.model.layers[0].mlp.experts.rotated
     if rotation is True:
         assert experts.rotated == {"gate_up_proj": True, "down_proj": True}
+    if rotation == "inputs":
+        assert experts.rotated == {"gate_up_proj": True, "down_proj": False}
 
 
 def test_unrotated_convert_is_format_v1_without_rotation_fields(llama_fp32, tmp_path):  # noqa: F811
@@ -76,9 +82,11 @@ def test_unrotated_convert_is_format_v1_without_rotation_fields(llama_fp32, tmp_
     assert "| Rotation | none |" in (result.out / "README.md").read_text()
 
 
-def test_calibrated_convert_with_rotation_matches_calibrated_quantize_on_load(llama_fp32, tmp_path):  # noqa: F811
-    config = calibration_config(bits=3, rotation=True)
+@pytest.mark.parametrize("rotation,rotated", [(True, 2 * 6), ("inputs", 2 * 5)], ids=["on", "inputs"])
+def test_calibrated_convert_with_rotation_matches_calibrated_quantize_on_load(llama_fp32, tmp_path, rotation,  # noqa: F811
+                                                                               rotated):
+    config = calibration_config(bits=3, rotation=rotation)
     result = convert(llama_fp32, tmp_path / "out", config, dtype="float32", progress=False)
     reference = quantize_on_load(llama_fp32, config, dtype=torch.float32)
     assert_same_state(load(result.out, dtype=torch.float32), reference)
-    assert result.stats["rotated_tensors"] == 2 * 6 and result.stats["format_version"] == 3
+    assert result.stats["rotated_tensors"] == rotated and result.stats["format_version"] == 3

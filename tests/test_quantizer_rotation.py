@@ -20,7 +20,7 @@ from tiny_models import tiny_dense_model, tiny_moe_model
 
 transformers.utils.logging.set_verbosity_error()
 IDS = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(0))
-ROTATIONS = pytest.mark.parametrize("rotation", [True, "auto"], ids=["on", "auto"])
+ROTATIONS = pytest.mark.parametrize("rotation", [True, "inputs", "auto"], ids=["on", "inputs", "auto"])
 
 
 def logits(model):
@@ -64,6 +64,10 @@ def test_save_and_reload_round_trip_the_logits(sources, tmp_path, family, rotati
         assert all(m.rotated for m in model.modules() if isinstance(m, KbitFusedProjections))
         # the Llama: q, k, v, o, gate, up; the MoE: q, k, v (o_proj reads 4 heads x 24 = 96) and both expert projections
         assert len(rotated) == (2 * 6 if family == "llama" else 2 * (3 + 2))
+    if rotation == "inputs":  # the input projections: q, k, v, gate, up (the Llama), q, k, v and the experts' gate_up
+        inputs = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "gate_up_proj")
+        assert all(name.rpartition(".")[2] in inputs for name in rotated)
+        assert len(rotated) == (2 * 5 if family == "llama" else 2 * (3 + 1))
     expected = logits(model)
     model.save_pretrained(tmp_path / "kbit")
     qc = json.loads((tmp_path / "kbit" / "config.json").read_text())["quantization_config"]

@@ -80,6 +80,34 @@ def test_in_features_not_a_multiple_of_64_stay_unrotated(rotation_choice):
     assert rotation_policy.layer_words(128, False, 0) is None
 
 
+@pytest.mark.parametrize(("names", "want"), [
+    (["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"], True),
+    (["model.layers.3.mlp.gate_proj.weight", "model.layers.3.mlp.up_proj.weight"], True),
+    (["model.layers.3.mlp.experts.gate_up_proj"], True),
+    (["model.layers.0.self_attn.q_b_proj"], True),
+    (["weight"], True),
+    (["model.layers.0.self_attn.o_proj"], False),
+    (["model.layers.3.mlp.down_proj.weight"], False),
+    (["model.layers.3.mlp.experts.down_proj"], False),
+    (["model.layers.3.linear_attn.out_proj"], False),
+    (["transformer.h.0.mlp.c_proj"], False),
+])
+def test_inputs_rotates_all_but_the_output_projections(names, want):
+    assert rotation_policy.for_weights("inputs", names) is want
+    for other in (False, True, "auto"):
+        assert rotation_policy.for_weights(other, names) is other
+
+
+def test_inputs_is_resolved_per_group_before_quantizing():
+    with pytest.raises(ValueError, match=r'rotation="inputs" depends on the layer: resolve it with for_weights'):
+        rotation_policy.layer_words(128, "inputs", 0)
+    weights = [torch.randn(16, 128)]
+    rotated = quantize_siblings(weights, 3, None, None, ["model.layers.0.mlp.up_proj"], "inputs")
+    assert all(torch.equal(a, b) for a, b in zip(rotated[0], quantize_siblings(weights, 3, None, None, None, True)[0]))
+    plain = quantize_siblings(weights, 3, None, None, ["model.layers.0.mlp.down_proj"], "inputs")
+    assert plain[0][4] is None
+
+
 def test_siblings_of_different_in_features_are_refused():
     with pytest.raises(ValueError, match=r"\['a', 'b'\] have different in_features"):
         quantize_siblings([torch.randn(16, 64), torch.randn(16, 128)], 4, names=["a", "b"], rotation="auto")
@@ -113,13 +141,13 @@ def test_rotated_hessian_is_the_hessian_of_the_rotated_inputs():
     assert torch.equal(stacked[0], got) and torch.equal(stacked[1], rotation_policy.rotate_hessian(2 * h, words))
 
 
-@pytest.mark.parametrize(("value", "ok"), [(False, True), (True, True), ("auto", True), ("on", False), (1, False),
-                                           (0, False), (None, False)], ids=str)
+@pytest.mark.parametrize(("value", "ok"), [(False, True), (True, True), ("auto", True), ("inputs", True), ("on", False),
+                                           (1, False), (0, False), (None, False)], ids=str)
 def test_check_rotation_is_a_closed_set(value, ok):
     if ok:
         rotation_policy.check_rotation(value)
     else:
-        with pytest.raises(ValueError, match=r"KbitConfig.rotation must be one of \(False, True, 'auto'\)"):
+        with pytest.raises(ValueError, match=r"KbitConfig.rotation must be one of \(False, True, 'auto', 'inputs'\)"):
             rotation_policy.check_rotation(value)
 
 

@@ -82,11 +82,12 @@ class CalibrationSettings:
         """``codebook`` as :func:`hf_kbit.format.make_codebook` takes it."""
         return list(self.codebook) if isinstance(self.codebook, tuple) else self.codebook
 
-    def rotation_words(self, weights: Sequence[torch.Tensor], data_free) -> torch.Tensor | None:
-        """The sign words a group of weights ``weights`` is calibrated with (None: unrotated), as
-        :func:`hf_kbit.rotation_policy.decide` picks them; ``data_free`` quantizes a list of weights without data
-        (what ``"auto"`` compares)."""
-        return rotation_policy.decide(weights, self.rotation, self.rotation_seed, data_free)
+    def rotation_words(self, weights: Sequence[torch.Tensor], data_free, names: Sequence[str]) -> torch.Tensor | None:
+        """The sign words a group of weights ``weights`` (named ``names``) is calibrated with (None: unrotated), as
+        :func:`hf_kbit.rotation_policy.decide` picks them under :func:`hf_kbit.rotation_policy.for_weights`;
+        ``data_free`` quantizes a list of weights without data (what ``"auto"`` compares)."""
+        rotation = rotation_policy.for_weights(self.rotation, names)
+        return rotation_policy.decide(weights, rotation, self.rotation_seed, data_free)
 
 
 

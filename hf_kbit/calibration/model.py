@@ -166,7 +166,8 @@ def calibrate_model(
         for projection, param in hessians.parameters(name, module).items():
             weight = param.detach().transpose(-1, -2) if hessians.layouts[name].is_transposed else param.detach()
             bits_here, hessian = bits_of(f"{name}.{projection}"), hessians.hessian(name, projection)
-            words = settings.rotation_words([weight], lambda ws: [data_free_experts(ws[0], bits_here, settings)])
+            words = settings.rotation_words([weight], lambda ws: [data_free_experts(ws[0], bits_here, settings)],
+                                            [f"{name}.{projection}"])
             if words is not None:
                 weight, hessian = rotation_policy.rotate_weight(weight, words), rotation_policy.rotate_hessian(
                     hessian, words)
@@ -179,7 +180,8 @@ def calibrate_model(
     def quantize(unit: tuple[str, ...], hessians: list[torch.Tensor | None]) -> None:
         weights = [linears[name].weight.detach() for name in unit]
         bits_here = bits_of(unit[0])
-        words = settings.rotation_words(weights, lambda ws: calibrate_group(ws, [None] * len(ws), bits_here, settings))
+        words = settings.rotation_words(weights, lambda ws: calibrate_group(ws, [None] * len(ws), bits_here, settings),
+                                        unit)
         if words is not None:  # the group is calibrated as W R, with the Hessian of the rotated inputs x R
             weights = [rotation_policy.rotate_weight(w, words) for w in weights]
             hessians = [None if h is None else rotation_policy.rotate_hessian(h, words) for h in hessians]

@@ -186,7 +186,8 @@ class ConversionPlan:
         rotation = self.kbit_config.rotation
         if rotation is not False:
             eligible = [t for t in self.quantized if fmt.rotatable(t.in_features())]
-            how = "every one" if rotation is True else "where it lowers the weight error (auto)"
+            how = {True: "every one", "auto": "where it lowers the weight error (auto)",
+                   "inputs": "the input projections (not o/down)"}[rotation]
             lines.append(f"rotation:      block Hadamard (block {fmt.ROTATION_BLOCK}, seed "
                          f"{self.kbit_config.rotation_seed}), {how} of {len(eligible)} tensors with in_features a "
                          f"multiple of {fmt.ROTATION_MULTIPLE}")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .. import checkpoint
+from .. import checkpoint, rotation_policy
 from .. import format as fmt
 from .._paths import (
     ConversionError,
@@ -94,7 +94,8 @@ def plan_conversion(
     planner = _DefaultPlanner(model, ctx, unclaimed, ckpt_nbytes, model_cls.__name__, dtype)
     plans += planner.plan()
     for plan in plans:
-        plan.rotated = plan.bits is not None and kbit_config.rotation is True and fmt.rotatable(plan.in_features())
+        plan.rotated = (plan.bits is not None and rotation_policy.for_weights(kbit_config.rotation, [plan.name]) is True
+                        and fmt.rotatable(plan.in_features()))
 
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
     missing = sorted(set(model_tensors) - {p.name for p in plans} - planner.covered - tied)

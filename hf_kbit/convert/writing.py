@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .. import fitting
+from .. import fitting, rotation_policy
 from .. import format as fmt
 from .._paths import (
     ConversionError,
@@ -307,7 +307,8 @@ def _quantize_experts(p: TensorPlan, reader: _SourceReader, config: KbitConfig, 
         del weight
     k = whole.layout.linear_shape(projection)[1]
     sample = torch.cat(sample) if sample else torch.empty(0, k, device=device)
-    candidates = experts_candidates(sample, bits, settings, config.codebook, config.rotation, config.rotation_seed)
+    rotation = rotation_policy.for_weights(config.rotation, [f"{module_name}.{projection}"])
+    candidates = experts_candidates(sample, bits, settings, config.codebook, rotation, config.rotation_seed)
     for start, stop in chunks:
         weight = chunk_weight(start, stop)
         check_weight(weight, f"{module_name}.{projection}")

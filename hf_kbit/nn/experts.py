@@ -302,7 +302,8 @@ class KbitExperts(KbitModule):
         bits = self.bits[projection]
         settings = fitting.settings_for(fitting_rule, bits, codebook)
         sample = fitting.codebook_sample(weight, settings)
-        candidates = experts_candidates(sample, bits, settings, codebook, rotation, rotation_seed)
+        candidates = experts_candidates(sample, bits, settings, codebook,
+                                        rotation_policy.for_weights(rotation, [full_name]), rotation_seed)
         pack_experts_chunk(weight, candidates, settings)
         return chosen_basis(candidates).packed(PROJECTIONS[projection])
 

@@ -580,5 +580,5 @@ def quantize_siblings(
     def quantize(group: list[torch.Tensor]):  # the members, or their rotations (finite as they are)
         return _quantize_checked_group(group, bits, codebook, fitting_rule)
 
-    packed, words = rotation_policy.choose(weights, rotation, rotation_seed, quantize)
+    packed, words = rotation_policy.choose(weights, rotation_policy.for_weights(rotation, names), rotation_seed, quantize)
     return [(*p, None if words is None else words.clone()) for p in packed]
