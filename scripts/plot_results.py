@@ -70,6 +70,7 @@ KBIT_SERIES = (
     ("kbit data-free default", "o-", lambda r: r["variant"] == f"kbit{r['bits']}"),
     ("kbit rotation=true", "^-", lambda r: r["variant"] == f"kbit{r['bits']}:rotation=true"),
     ("kbit rotation=auto", "v-", lambda r: r["variant"] == f"kbit{r['bits']}:rotation=auto"),
+    ("kbit rotation=inputs", ">-", lambda r: r["variant"] == f"kbit{r['bits']}:rotation=inputs"),
     ("kbit calibrated", "s--", lambda r: r["variant"] == f"kbitcal{r['bits']}"),
 )
 
@@ -146,8 +147,9 @@ PERPLEXITY_METHOD = (
     "(bitsandbytes' levels) with a float32 absmax per block of 64. `kbit<k>` quantizes with `KbitConfig`'s "
     "default rule, `fitting=\"fit\"` (block codes searched by reconstruction error, a Lloyd-fitted codebook per "
     "layer, shared by the siblings that fuse: q/k/v, gate/up, each member weighing alike in its fit at k <= 4); "
-    "`kbit<k>:rotation=true` and `:rotation=auto` add rotation (docs/format.md#rotation) on every "
-    "layer, or on the groups whose weight error it lowers (the committed rows: format v2's segments of 64); `kbit<k>-absmax` quantizes with "
+    "`kbit<k>:rotation=true`, `:rotation=inputs` and `:rotation=auto` add rotation (docs/format.md#rotation, "
+    "segments of 8) on every layer, on the input projections only (not o/down), or on the groups whose weight "
+    "error it lowers; `kbit<k>-absmax` quantizes with "
     "`fitting=\"absmax\"`, the format's plain rule. `kbitfit<k>` is the same fitting per layer (no sharing), "
     "fake-quantized like the anchors (`-scales`: the code search alone); against `kbit<k>` it prices the "
     "siblings' shared codebook. `kbitcal<k>` is the same format calibrated (`hf_kbit.calibration`, "
@@ -185,7 +187,7 @@ def bench_labels(p: dict[str, Any]) -> list[str]:
                                        ("fusion_pass", "fusion pass")) if p.get(key)]
     if "fusion_pass" in p and p["fusion_pass"] is None:  # bench_generate's default: kbit compiles with it, bf16 not
         labels.append("kbit default compile")
-    if p.get("rotation"):  # KbitConfig.rotation of the kbit variants (True or "auto")
+    if p.get("rotation"):  # KbitConfig.rotation of the kbit variants (True, "inputs" or "auto")
         labels.append(f"kbit rotation={p['rotation']}")
     return labels + ([f"{p['attention']} attention"] if p.get("attention", "sdpa") != "sdpa" else [])
 
