@@ -309,6 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"fastest decoding: {hub.FAST_DECODING}")
     if args.skip_modules is None:  # the default kept the LM head in full precision
         print(f"LM head: kept in full precision; {hub.FAST_LM_HEAD}")
+    if args.rotation == "off" and any(bits <= 3 for bits in stats["quantized_by_bits"]):
+        print(f"k <= 3, unrotated: {hub.LOW_BIT_ROTATION}")
     if args.push_to_hub:
         return _push(hub, result.out, args)
     return 0

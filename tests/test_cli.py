@@ -61,6 +61,7 @@ def test_convert_with_rotation(capsys, llama_fp32, tmp_path):
     assert qc["rotation"] is True and qc["rotation_seed"] == 5 and qc["format_version"] == 3
     card = (out / "README.md").read_text()
     assert "| Rotation | seeded block Hadamard along K (block 8, seed 5)" in card and "--rotation on" in card
+    assert "k <= 3, unrotated" not in stdout
 
 
 def test_convert_end_to_end(capsys, llama_fp32, tmp_path):
@@ -72,6 +73,7 @@ def test_convert_end_to_end(capsys, llama_fp32, tmp_path):
     # one line each for the user's choices: the decode attention (card too) and the LM head kept in bf16 by default
     assert 'fastest decoding: AutoModelForCausalLM.from_pretrained(repo, attn_implementation="kbit_decode")' in stdout
     assert "LM head: kept in full precision; --skip-modules with no names quantizes" in stdout
+    assert "k <= 3, unrotated: --rotation inputs stores the input projections rotated" in stdout  # the accuracy choice
     assert 'attn_implementation="kbit_decode"' in (out / "README.md").read_text()
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["bits"] == 3 and qc["module_bits"] == {r"mlp\.down_proj": 5} and qc["fitting"] == "absmax"
