@@ -65,13 +65,14 @@ ANCHOR_STYLES = {"hqq": ("^", "tab:green", "HQQ g64"), "rtn": ("v", "tab:purple"
                  "nf": ("D", "tab:orange", "NF4 bs64")}
 
 
-# The series of the perplexity plot besides the anchors: (label, marker style, rows' filter).
+# The series of the perplexity plot besides the anchors: (label, marker style, color (the same in every panel),
+# rows' filter).
 KBIT_SERIES = (
-    ("kbit data-free default", "o-", lambda r: r["variant"] == f"kbit{r['bits']}"),
-    ("kbit rotation=true", "^-", lambda r: r["variant"] == f"kbit{r['bits']}:rotation=true"),
-    ("kbit rotation=auto", "v-", lambda r: r["variant"] == f"kbit{r['bits']}:rotation=auto"),
-    ("kbit rotation=inputs", ">-", lambda r: r["variant"] == f"kbit{r['bits']}:rotation=inputs"),
-    ("kbit calibrated", "s--", lambda r: r["variant"] == f"kbitcal{r['bits']}"),
+    ("kbit data-free default", "o-", "tab:blue", lambda r: r["variant"] == f"kbit{r['bits']}"),
+    ("kbit rotation=true", "^-", "tab:red", lambda r: r["variant"] == f"kbit{r['bits']}:rotation=true"),
+    ("kbit rotation=auto", "v-", "tab:olive", lambda r: r["variant"] == f"kbit{r['bits']}:rotation=auto"),
+    ("kbit rotation=inputs", ">-", "tab:cyan", lambda r: r["variant"] == f"kbit{r['bits']}:rotation=inputs"),
+    ("kbit calibrated", "s--", "tab:pink", lambda r: r["variant"] == f"kbitcal{r['bits']}"),
 )
 
 
@@ -111,10 +112,10 @@ def plot_perplexity(payloads: list[dict[str, Any]], out: Path) -> Path:
         ax.set_visible(False)
     for ax, (p, rows) in zip(axes.flat, panels):
         shown = [r for r in rows if _method(r) != "bf16" and (r.get("delta_ppl") or 0) > 0]
-        for label, style, keep in KBIT_SERIES:
+        for label, style, color, keep in KBIT_SERIES:
             series = sorted((r for r in shown if r["bits"] is not None and keep(r)), key=lambda r: r["bits"])
             if series:
-                ax.plot([r["bits_per_weight"] for r in series], [r["delta_ppl"] for r in series], style,
+                ax.plot([r["bits_per_weight"] for r in series], [r["delta_ppl"] for r in series], style, color=color,
                         mfc="none" if "calibrated" in label else None, label=label)
         for method, (marker, color, label) in ANCHOR_STYLES.items():
             anchors = [r for r in shown if _method(r) == method]
