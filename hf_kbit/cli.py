@@ -69,12 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="off",
         choices=tuple(ROTATION_CHOICES),
         help="store weights rotated along K by a seeded block Hadamard (format v3; the kernels turn the activations "
-        "to match): 'on' every weight whose in_features is a multiple of 64, 'inputs' those of the input projections "
-        "(not o_proj/down_proj: the best perplexity for the kernel time at k = 3), 'auto' where it lowers the weight "
-        "error (decided per group of weights reading one input), 'off' never (default)",
+        "to match): 'on' every weight whose in_features is a multiple of 64, 'inputs' those of the input "
+        "projections (not o_proj/down_proj; at k = 3 measured below HQQ 3-bit on both offline models), 'auto' where "
+        "it lowers the weight error (decided per group of weights reading one input), 'off' never (default)",
     )
     q.add_argument("--rotation-seed", type=int, default=None, metavar="SEED",
-                   help="seed of the rotation's signs, an int in [0, 2**64) (default: 0; needs --rotation other than off)")
+                   help="seed of the rotation's signs, an int in [0, 2**64) (default: 0; needs a --rotation but off)")
     q.add_argument(
         "--module-bits",
         action="append",

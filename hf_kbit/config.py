@@ -77,7 +77,8 @@ class KbitConfig(QuantizationConfigMixin):
             every quantized weight whose in_features is a multiple of 64 (the others stay unrotated); ``"inputs"``:
             those of the input projections only, every layer but the output projections that write the residual
             stream (``o_proj``, ``down_proj``, the experts' ``down_proj``, ...: ``rotation_policy.OUTPUT_PROJECTIONS``),
-            at k = 3 the measured best perplexity for the kernel time (docs/format.md#rotation); ``"auto"``:
+            at k = 3 the setting measured better than HQQ 3-bit on both offline models (docs/format.md#rotation);
+            ``"auto"``:
             per group of weights that read one input (q/k/v, gate/up, all experts of a projection) where it
             lowers the group's relative weight error, decided data-free (:mod:`hf_kbit.rotation_policy`). With
             calibration, GPTQ then runs on the rotated weights with the rotated inputs' Hessian. A rotation costs

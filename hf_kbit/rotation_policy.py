@@ -15,8 +15,8 @@ same quantizer (fitting, calibration), on ``W R`` instead of ``W``.
 - ``"inputs"``: the input projections rotate (as ``True``), the output projections do not (as ``False``). An
   output projection writes the residual stream: its module name ends in one of :data:`OUTPUT_PROJECTIONS`
   (attention's ``o_proj``, the MLP's and the fused experts' ``down_proj``, ...). Every other layer of a decoder
-  reads a normalised hidden state (q/k/v, gate/up, the experts' gate_up; DeepSeek's q_a/q_b/kv_a/kv_b), which
-  is where rotation lowers perplexity most for the least kernel time (docs/format.md#rotation).
+  reads a normalised hidden state (q/k/v, gate/up, the experts' gate_up; DeepSeek's q_a/q_b/kv_a/kv_b). At
+  k = 3 it is the setting measured better than HQQ 3-bit on both offline models (docs/format.md#rotation).
   :func:`for_weights` resolves it to ``True`` or ``False`` per group before anything is quantized.
 
 The sums are float64, one per weight (one per expert for stacked experts, so that quantizing the experts in
@@ -73,7 +73,8 @@ def for_weights(rotation_choice, names: Sequence[str]) -> bool | str:
 
 
 def layer_words(k: int, rotation_choice, seed: int, device=None) -> torch.Tensor | None:
-    """The sign words a weight with ``k`` columns is tried with under ``rotation_choice`` (True or "auto"; "inputs" resolved by :func:`for_weights` first): int32
+    """The sign words a weight with ``k`` columns is tried with under ``rotation_choice`` (True or "auto"; "inputs"
+    is resolved by :func:`for_weights` first): int32
     ``[k / 32]`` on ``device``; None when ``rotation_choice`` is False or ``k`` is not a multiple of 64."""
     check_rotation(rotation_choice, "rotation")
     if isinstance(rotation_choice, str) and rotation_choice == "inputs":

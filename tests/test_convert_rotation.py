@@ -83,8 +83,8 @@ def test_unrotated_convert_is_format_v1_without_rotation_fields(llama_fp32, tmp_
 
 
 @pytest.mark.parametrize("rotation,rotated", [(True, 2 * 6), ("inputs", 2 * 5)], ids=["on", "inputs"])
-def test_calibrated_convert_with_rotation_matches_calibrated_quantize_on_load(llama_fp32, tmp_path, rotation,  # noqa: F811
-                                                                               rotated):
+def test_calibrated_convert_with_rotation_matches_calibrated_quantize_on_load(
+        llama_fp32, tmp_path, rotation, rotated):  # noqa: F811
     config = calibration_config(bits=3, rotation=rotation)
     result = convert(llama_fp32, tmp_path / "out", config, dtype="float32", progress=False)
     reference = quantize_on_load(llama_fp32, config, dtype=torch.float32)
