@@ -18,6 +18,7 @@ from typing import Any
 
 from hf_kbit.eval.breakdown import kbit_module_summary, kernel_breakdown_table
 from hf_kbit.eval.decode_bench import ISSUE36_GRAPH_STEP_MIN, ISSUE36_HOST_TIME_MAX
+from hf_kbit.eval.harness import vs_hqq
 from hf_kbit.eval.report import format_table
 
 GPU_COMMAND = (
@@ -164,7 +165,8 @@ PERPLEXITY_METHOD = (
     "of the decoder blocks that kbit's quantize-on-load converts (the run refuses variants that differ); the LM "
     "head and embeddings stay full precision except in `-head` variants. Per variant: perplexity; the delta to "
     "bf16 with its standard error from the paired per-window NLL differences (delta method, windows as the "
-    "sampling units); bits/weight with every byte of metadata (kbit: bit-planes, E4M4 block scales, row scales, "
+    "sampling units); for the kbit-format rows, the same paired difference from HQQ at their k in the same run "
+    "(negative: below HQQ's perplexity; `hf_kbit.eval.harness.vs_hqq`); bits/weight with every byte of metadata (kbit: bit-planes, E4M4 block scales, row scales, "
     "tile padding; HQQ: b + 32/64 for its fp16 scale and zero, the JSON's `stored_bits_per_weight` also counts its "
     "3-bit packing of 10 codes per int32; RTN: b + 32/128, a row's shorter last group included; NF4: 4 + 32/64, "
     "no double quantization); and the weight SQNR pooled over the quantized Linears. Two corpora of different "
@@ -275,6 +277,7 @@ def _pm(v: float | None, se: float | None) -> str:
 
 def perplexity_markdown(p: dict[str, Any]) -> str:
     paired = any("delta_ppl_se" in r for r in p["results"])  # schema 2: paired SEs, SQNR, anchors
+    against_hqq = vs_hqq(p) if paired else {}
     rows = []
     for r in p["results"]:
         delta, base = r["delta_ppl_pct_vs_bf16"], _method(r) == "bf16"
@@ -284,10 +287,13 @@ def perplexity_markdown(p: dict[str, Any]) -> str:
         ]
         if paired:
             sqnr = r.get("weight_sqnr_db")
-            row += ["-" if base else _pm(r["delta_ppl"], r["delta_ppl_se"]), "-" if sqnr is None else f"{sqnr:.2f}"]
+            hqq = against_hqq.get(r["variant"])
+            row += ["-" if base else _pm(r["delta_ppl"], r["delta_ppl_se"]),
+                    "-" if hqq is None else _pm(hqq["delta_ppl"], hqq["delta_ppl_se"]),
+                    "-" if sqnr is None else f"{sqnr:.2f}"]
         rows.append(row)
     headers = ["variant", "bits/weight", "params quantized", "perplexity", "vs bf16"]
-    headers += ["Δppl (± SE)", "weight SQNR dB"] if paired else []
+    headers += ["Δppl (± SE)", "Δppl vs HQQ same k (± SE)", "weight SQNR dB"] if paired else []
     table = format_table(headers, rows)
     w, t = p["windows"], p["tokenization"]
     heads = sorted({r["lm_head_bits"] for r in p["results"] if r.get("lm_head_bits")})

@@ -132,6 +132,27 @@ def evaluate(
     }
 
 
+# Methods compared with HQQ at their own k (vs_hqq): the kbit format, quantized on load, fitted or calibrated.
+KBIT_METHODS = ("kbit", "kbitfit", "kbitcal")
+
+
+def window_tokens(payload: dict[str, Any]) -> list[int]:
+    """The scored tokens of each window of a payload, as its windows were cut."""
+    w = payload["windows"]
+    return [window.targets for window in make_windows(payload["tokenization"]["n_tokens"], w["window"], w["stride"])]
+
+
+def vs_hqq(payload: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{variant: paired_delta(variant, hqq<k>)}`` for every kbit-format variant (:data:`KBIT_METHODS`) at a k
+    whose HQQ anchor (``hqq<k>``, group 64) the same run scored: how far its perplexity is from HQQ's on the same
+    windows, with the standard error of the paired per-window differences (what issue 34's acceptance compares)."""
+    rows = payload["results"]
+    hqq = {r["bits"]: r for r in rows if r.get("method") == "hqq" and r["variant"] == f"hqq{r['bits']}"}
+    tokens = window_tokens(payload) if hqq else []
+    return {r["variant"]: paired_delta(r["window_nll"], hqq[r["bits"]]["window_nll"], tokens)
+            for r in rows if r.get("method") in KBIT_METHODS and r["bits"] in hqq and r.get("lm_head_bits") is None}
+
+
 def _num(v: float | None, digits: int = 3) -> str:
     if v is None:
         return "-"
@@ -148,14 +169,17 @@ def _pm(v: float | None, se: float | None, digits: int = 3) -> str:
 
 def render_table(payload: dict[str, Any]) -> str:
     """Markdown table of a payload: one row per variant."""
-    headers = ["variant", "bits/weight", "perplexity", "Δppl vs bf16 (± SE)", "Δ% (± SE)", "weight SQNR dB",
-               "load s", "score s"]
+    headers = ["variant", "bits/weight", "perplexity", "Δppl vs bf16 (± SE)", "Δ% (± SE)", "Δppl vs HQQ same k (± SE)",
+               "weight SQNR dB", "load s", "score s"]
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    against_hqq = vs_hqq(payload)
     for r in payload["results"]:
         base = r["method"] == "bf16"
+        hqq = against_hqq.get(r["variant"], {})
         row = [r["variant"], _num(r["bits_per_weight"]), _num(r["ppl"]),
                "-" if base else _pm(r["delta_ppl"], r["delta_ppl_se"]),
                "-" if base else _pm(r["delta_ppl_pct"], r["delta_ppl_pct_se"], 2),
+               _pm(hqq.get("delta_ppl"), hqq.get("delta_ppl_se")),
                _num(r["weight_sqnr_db"], 2), _num(r["load_seconds"], 1), _num(r["seconds"], 1)]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
