@@ -170,6 +170,13 @@ def _calibration_summary(cfg) -> str:
 
 
 def _rotation_summary(cfg, stats: dict) -> str:
+    if not cfg.head_rotation:
+        return _k_rotation_summary(cfg, stats)
+    along_k = "none along K" if cfg.rotation is False else _k_rotation_summary(cfg, stats)
+    return f"{along_k}; v_proj and o_proj turned per attention head (exact, no inference cost)"
+
+
+def _k_rotation_summary(cfg, stats: dict) -> str:
     if cfg.rotation is False:
         return "none"
     rotated = stats.get("rotated_tensors", 0)

@@ -35,6 +35,7 @@ import copy
 import torch
 from torch import nn
 
+from . import head_rotation
 from .nn import KbitExperts, KbitLinear
 from .nn.experts import PROJECTIONS, replace_kbit_experts_with_float
 from .nn.fused import unfuse_projections
@@ -160,7 +161,9 @@ def load_adapter(model: nn.Module, adapter: str, is_trainable: bool = False, **k
 def merge_and_dequantize(peft_model: PeftModel, dtype: torch.dtype | None = None) -> nn.Module:
     """The base model in full precision with the adapters merged: every kbit layer dequantized (to
     ``dtype``, default the model's ``config.dtype``), the LoRA deltas added, peft's wrappers removed and
-    the model's quantization config dropped. ``peft_model`` is consumed (its layers are reused).
+    the model's quantization config dropped; v and o turned back when the model was quantized with
+    ``head_rotation`` (the adapters were trained in the turned basis, so they are merged before). ``peft_model`` is
+    consumed (its layers are reused).
     """
     base = peft_model.get_base_model()
     dtype = dtype or getattr(getattr(base, "config", None), "dtype", None) or torch.float32
@@ -174,6 +177,8 @@ def merge_and_dequantize(peft_model: PeftModel, dtype: torch.dtype | None = None
     replace_kbit_with_linear(merged, dtype)  # layers without adapters
     replace_kbit_experts_with_float(merged, dtype)
     quantizer = getattr(merged, "hf_quantizer", None)
+    if getattr(getattr(quantizer, "quantization_config", None), "head_rotation", False):
+        head_rotation.apply(merged, inverse=True)
     if quantizer is not None:
         quantizer.remove_quantization_config(merged)
     return merged

@@ -9,7 +9,7 @@ from transformers.core_model_loading import ConversionOps
 from transformers.quantizers.base import HfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name
 
-from . import checkpoint, fitting, fusion, rotation_policy
+from . import checkpoint, fitting, fusion, head_rotation, rotation_policy
 from . import format as fmt
 from .config import KbitConfig
 from .nn.experts import (
@@ -45,6 +45,8 @@ class KbitHfQuantizer(HfQuantizer):
         # layer name -> its group, and the weights of groups not yet complete.
         self.codebook_siblings: dict[str, tuple[str, ...]] = {}
         self.pending: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
+        # KbitConfig.head_rotation on load: parameter name -> (role, head dim) of the v/o tensors turned as they load.
+        self.head_turns: dict[str, tuple[str, int]] = {}
 
     def validate_environment(self, *args: Any, **kwargs: Any) -> None:
         device_map = kwargs.get("device_map")
@@ -104,6 +106,8 @@ class KbitHfQuantizer(HfQuantizer):
             checkpoint.validate_files(checkpoint_files, model, rename=rename)
         if not self.pre_quantized:
             config = self.quantization_config
+            if config.head_rotation:
+                self.head_turns = head_rotation.targets(model)
             if config.rotation is not False:  # placeholders for the sign words of whatever may rotate
                 for module_name, module in model.named_modules():
                     if isinstance(module, KbitModule):
@@ -137,6 +141,10 @@ class KbitHfQuantizer(HfQuantizer):
                 module, name = key.rsplit(".", 1)
                 setattr(model.get_submodule(module), name, tensor)
         self.pending.clear()
+        for name, (role, head_dim) in self.head_turns.items():  # the weights were turned as they loaded
+            if role == "v_bias":
+                bias = model.get_parameter(name)
+                bias.data.copy_(head_rotation.turn(bias.data, role, head_dim))
         checkpoint.validate_loaded(model)
         if not self.pre_quantized:  # what was quantized decides the version: 2 once a layer is stored rotated
             self.quantization_config.format_version = format_version_of(model)
@@ -149,7 +157,10 @@ class KbitHfQuantizer(HfQuantizer):
 
     def _dequantize(self, model, dtype=None):
         replace_kbit_experts_with_float(model, dtype)  # fused MoE experts (hf_kbit.nn.experts)
-        return replace_kbit_with_linear(model, dtype)
+        model = replace_kbit_with_linear(model, dtype)
+        if self.quantization_config.head_rotation:  # back to the checkpoint's own v and o
+            head_rotation.apply(model, inverse=True)
+        return model
 
     def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
         return True
@@ -188,6 +199,8 @@ class KbitQuantize(ConversionOps):
                 missing_keys.difference_update((full_layer_name, f"{prefix}.{PROJECTIONS[tensor_name]}_{ROTATION_SIGNS}"))
             return packed
         del module._parameters["weight"]
+        if full_layer_name in self.hf_quantizer.head_turns:
+            value = head_rotation.turn(value, *self.hf_quantizer.head_turns[full_layer_name])
         if missing_keys is not None:
             missing_keys.difference_update((full_layer_name, f"{prefix}.{ROTATION_SIGNS}"))
         group = self.hf_quantizer.codebook_siblings.get(prefix)

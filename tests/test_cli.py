@@ -64,6 +64,15 @@ def test_convert_with_rotation(capsys, llama_fp32, tmp_path):
     assert "k <= 3, unrotated" not in stdout
 
 
+def test_head_rotation_flag(capsys, llama_fp32, tmp_path):
+    out = tmp_path / "out"
+    code, stdout, _ = run(capsys, llama_fp32, "--bits", "4", "--out", out, "--no-progress", "--head-rotation")
+    assert code == 0, stdout
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["head_rotation"] is True
+    card = (out / "README.md").read_text()
+    assert "| Rotation | none along K; v_proj and o_proj turned per attention head" in card and "--head-rotation" in card
+
+
 def test_convert_end_to_end(capsys, llama_fp32, tmp_path):
     out = tmp_path / "out"
     code, stdout, _ = run(capsys, llama_fp32, "--bits", "3", "--module-bits", r"mlp\.down_proj=5", "--out", out,

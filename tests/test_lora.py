@@ -25,6 +25,9 @@ transformers.utils.logging.set_verbosity_error()
 RELOAD_ATOL = 0.0
 # merge_and_dequantize against the kbit model with adapters: W + BA once, against W x + B(A x).
 MERGE_ATOL = 1e-4
+# A merged k = 4 weight against the original, relative Frobenius error: quantization plus two small adapter steps stay
+# well under it in the original basis; a weight left turned is about sqrt(2) away.
+HEAD_ROTATION_MERGED_ERROR_MAX = 0.3
 
 
 def kbit_model(dtype=torch.float32, bits=4, rotation=False, **overrides):
@@ -163,6 +166,27 @@ def test_merge_and_unload_names_the_alternative_and_merge_and_dequantize_merges(
     with torch.no_grad():
         logits = merged(input_ids=ids).logits
     torch.testing.assert_close(logits, expected, atol=MERGE_ATOL, rtol=0)
+
+
+def test_merge_and_dequantize_turns_v_and_o_back_after_head_rotation(tmp_path):
+    """KbitConfig(head_rotation=True): adapters train in the turned basis; the merged model computes what the model
+    with adapters did, and its v/o weights are back in the checkpoint's basis (near the original, not turned)."""
+    original = tiny_dense_model("llama", torch.float32, intermediate_size=192, hidden_size=128)  # heads of 32
+    original.save_pretrained(tmp_path / "full")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "full", quantization_config=KbitConfig(
+        bits=4, head_rotation=True), dtype=torch.float32)
+    pm = lora_model(model)
+    train_steps(pm, steps=2)
+    pm.eval()
+    ids = batch(seed=3)["input_ids"]
+    with torch.no_grad():
+        expected = pm(input_ids=ids).logits
+        merged = lora.merge_and_dequantize(pm)
+        torch.testing.assert_close(merged(input_ids=ids).logits, expected, atol=MERGE_ATOL, rtol=0)
+        for name in ("v_proj", "o_proj"):
+            got = getattr(merged.model.layers[0].self_attn, name).weight
+            want = getattr(original.model.layers[0].self_attn, name).weight
+            assert float((got - want).norm() / want.norm()) < HEAD_ROTATION_MERGED_ERROR_MAX, name
 
 
 def test_weight_based_inits_and_dora_are_refused():

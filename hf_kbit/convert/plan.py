@@ -123,6 +123,8 @@ class ConversionPlan:
     # transformers' renamings that matched the checkpoint, reversed: output keys follow the
     # checkpoint's naming, as save_pretrained does after from_pretrained (Mixtral: .block_sparse_moe.)
     output_renamings: list[Any] = field(default_factory=list)
+    # KbitConfig.head_rotation: parameter name -> (role, head dim) of the v/o tensors turned before writing.
+    head_turns: dict[str, tuple[str, int]] = field(default_factory=dict)
 
     @property
     def quantized(self) -> list[TensorPlan]:

@@ -114,6 +114,7 @@ def plan_conversion(
         dropped=sorted(planner.dropped),
         locations=locations,
         output_renamings=planner.output_renamings(),
+        head_turns=dict(quantizer.head_turns),
     )
 
 

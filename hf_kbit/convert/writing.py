@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .. import fitting, rotation_policy
+from .. import fitting, head_rotation, rotation_policy
 from .. import format as fmt
 from .._paths import (
     ConversionError,
@@ -167,13 +167,13 @@ def _write(plan: ConversionPlan, folder: Path, device: torch.device, shard_bytes
         reader = _SourceReader(plan, stack)
         for p in order:
             if p.bits is None:
-                writer.add(plan.output_key(p.name), reader.tensor(p))
+                writer.add(plan.output_key(p.name), _turned(plan, p.name, reader.tensor(p)))
                 bar.update(1)
                 continue
             try:
                 if p.experts is None:
                     group = siblings.get(p.prefix, (p.prefix,))
-                    tensor = reader.tensor(p).to(device)
+                    tensor = _turned(plan, p.name, reader.tensor(p).to(device))
                     check_weight(tensor, p.name)  # errors name this tensor's sources, before it waits for siblings
                     waiting.setdefault(group, {})[p.prefix] = (p, tensor)
                     del tensor
@@ -215,6 +215,13 @@ def _outputs(p: TensorPlan, packed: tuple) -> dict[str, torch.Tensor]:
     if signs is not None:
         outputs[p.signs_key()] = signs.cpu()
     return outputs
+
+
+def _turned(plan: ConversionPlan, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` turned per attention head when ``head_rotation`` turns the parameter ``name``, as quantize-on-load
+    turns it (:mod:`hf_kbit.head_rotation`)."""
+    turn = plan.head_turns.get(name)
+    return tensor if turn is None else head_rotation.turn(tensor, *turn)
 
 
 @torch.no_grad()

@@ -296,18 +296,27 @@ def kbit_summary(model) -> dict[str, Any]:
 
 
 def kbit_weight_sqnr(model, reference: dict[str, Any]) -> float | None:
-    """Pooled SQNR of every KbitLinear's dequantized weight against ``reference`` (reference_weights)."""
+    """Pooled SQNR of every KbitLinear's dequantized weight against ``reference`` (reference_weights), turned per
+    head as the model's v and o are when it was quantized with ``head_rotation``."""
     import torch
 
+    from hf_kbit import head_rotation
     from hf_kbit.nn import KbitLinear
 
+    config = getattr(model.config, "quantization_config", None)
+    turned = getattr(config, "head_rotation", False) or (isinstance(config, dict) and config.get("head_rotation"))
+    roles = {"v_proj": "v", "o_proj": "o"}
     error = WeightError()
     for name, module in model.named_modules():
         if isinstance(module, KbitLinear):
             if name not in reference:
                 return None
             approx = module.dequantize_weight(torch.float32)
-            error.add(reference[name].to(approx.device), approx)
+            want = reference[name].to(approx.device)
+            attention, _, proj = name.rpartition(".")
+            if turned and proj in roles:
+                want = head_rotation.turn(want.float(), roles[proj], model.get_submodule(attention).head_dim)
+            error.add(want, approx)
     return error.sqnr_db()
 
 

@@ -8,6 +8,10 @@ from tiny_models import save_tiny_text_model
 
 from hf_kbit.eval import variants as V
 
+# Weight SQNR of a k = 4 model quantized with head_rotation against without: the same weights in another basis
+# quantize within about a dB of each other.
+TURNED_SQNR_DB_TOLERANCE = 1.5
+
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
@@ -98,6 +102,11 @@ def test_kbit_variant_reports_sqnr_against_the_checkpoint(tiny_folder):
                              reference=reference)
     assert 15 < k4["weight_sqnr_db"] < k5["weight_sqnr_db"] and head["weight_sqnr_db"] is not None
     assert k4["kbit_forward"] == "dequantized-to-nn.Linear" and head["quantized_modules"] == k4["quantized_modules"] + 1
+    # head_rotation: v and o are compared in the basis they were quantized in (a weight compared turned against
+    # unturned would score near 0 dB)
+    _, turned = V.load_variant(tiny_folder, V.parse_variant("kbit4:head_rotation=true"), "cpu", torch.float32,
+                               reference=reference)
+    assert abs(turned["weight_sqnr_db"] - k4["weight_sqnr_db"]) < TURNED_SQNR_DB_TOLERANCE
 
 
 def test_run_refuses_variants_that_quantize_different_linears():
