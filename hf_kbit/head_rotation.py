@@ -21,8 +21,6 @@ heads; not gated outputs, MLA or value norms).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
@@ -46,11 +44,8 @@ def check_head_dim(head_dim: int) -> int:
 
 def matrix(head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """``Q`` ``[d, d]`` in float64 on ``device`` (module docstring); ValueError unless ``head_dim`` is a power of 2."""
-    check_head_dim(head_dim)
-    h = torch.ones(1, 1, dtype=torch.float64, device=device)
-    while h.shape[0] < head_dim:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return rotation.signs(head_dim, SEED, torch.float64, device)[:, None] * h / math.sqrt(head_dim)
+    check_head_dim(head_dim)  # one segment of hf_kbit.rotation's block Hadamard, applied to the identity
+    return rotation.rotate(torch.eye(head_dim, dtype=torch.float64, device=device), head_dim, SEED)
 
 
 def turn(tensor: torch.Tensor, role: str, head_dim: int, inverse: bool = False) -> torch.Tensor:
