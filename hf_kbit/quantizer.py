@@ -45,8 +45,10 @@ class KbitHfQuantizer(HfQuantizer):
         # layer name -> its group, and the weights of groups not yet complete.
         self.codebook_siblings: dict[str, tuple[str, ...]] = {}
         self.pending: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
-        # KbitConfig.head_rotation on load: parameter name -> (role, head dim) of the v/o tensors turned as they load.
+        # KbitConfig.head_rotation on load: parameter name -> (role, head dim) of the v/o tensors to turn, and those
+        # turned as they were quantized (the others, kept in float, are turned after loading).
         self.head_turns: dict[str, tuple[str, int]] = {}
+        self.head_turned: set[str] = set()
 
     def validate_environment(self, *args: Any, **kwargs: Any) -> None:
         device_map = kwargs.get("device_map")
@@ -90,8 +92,9 @@ class KbitHfQuantizer(HfQuantizer):
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs: Any):
         self.modules_to_not_convert = self.skipped_modules(model)
+        config = self.quantization_config
         if not self.pre_quantized:
-            check_quantizable(self.quantization_config)
+            check_quantizable(config)
         if self.calibrates:  # loaded unquantized; _process_model_after_weight_loading calibrates and quantizes
             return model
         replace_linear_with_kbit(
@@ -105,7 +108,6 @@ class KbitHfQuantizer(HfQuantizer):
             expect_stored_rotation(model, checkpoint.rotation_signs_keys(checkpoint_files, rename), self.quantization_config)
             checkpoint.validate_files(checkpoint_files, model, rename=rename)
         if not self.pre_quantized:
-            config = self.quantization_config
             if config.head_rotation:
                 self.head_turns = head_rotation.targets(model)
             if config.rotation is not False:  # placeholders for the sign words of whatever may rotate
@@ -141,10 +143,9 @@ class KbitHfQuantizer(HfQuantizer):
                 module, name = key.rsplit(".", 1)
                 setattr(model.get_submodule(module), name, tensor)
         self.pending.clear()
-        for name, (role, head_dim) in self.head_turns.items():  # the weights were turned as they loaded
-            if role == "v_bias":
-                bias = model.get_parameter(name)
-                bias.data.copy_(head_rotation.turn(bias.data, role, head_dim))
+        for name, (role, head_dim) in self.head_turns.items():  # what loaded in float: v's bias, skipped v/o weights
+            if name not in self.head_turned and (param := _parameter(model, name)) is not None:
+                param.data.copy_(head_rotation.turn(param.data, role, head_dim))
         checkpoint.validate_loaded(model)
         if not self.pre_quantized:  # what was quantized decides the version: 2 once a layer is stored rotated
             self.quantization_config.format_version = format_version_of(model)
@@ -201,6 +202,7 @@ class KbitQuantize(ConversionOps):
         del module._parameters["weight"]
         if full_layer_name in self.hf_quantizer.head_turns:
             value = head_rotation.turn(value, *self.hf_quantizer.head_turns[full_layer_name])
+            self.hf_quantizer.head_turned.add(full_layer_name)
         if missing_keys is not None:
             missing_keys.difference_update((full_layer_name, f"{prefix}.{ROTATION_SIGNS}"))
         group = self.hf_quantizer.codebook_siblings.get(prefix)
@@ -234,6 +236,14 @@ def _quantize_siblings(model, config: KbitConfig, members: list[tuple[str, torch
         elif model.get_submodule(name).rotated:
             model.get_submodule(name).rotation_signs = None
     return out
+
+
+def _parameter(model, name: str) -> torch.nn.Parameter | None:
+    """``model``'s parameter ``name``, or None where there is none (a quantized weight's placeholder, once packed)."""
+    try:
+        return model.get_parameter(name)
+    except AttributeError:
+        return None
 
 
 def _signed_weight(module_name: str, module, signs: str) -> str:

@@ -138,3 +138,15 @@ def test_checkpoint_reloads_as_saved_and_dequantize_turns_back(qwen2_folder, tmp
         assert float((got - want).norm() / want.norm()) < K5_RELATIVE_ERROR_MAX, name
     bias, want = again.model.layers[0].self_attn.v_proj.bias, original.model.layers[0].self_attn.v_proj.bias
     torch.testing.assert_close(bias, want, rtol=0, atol=1e-6)
+
+
+def test_v_and_o_kept_in_float_are_turned_on_load_too(qwen2_folder):
+    """A skip list that keeps o_proj (or v_proj) in float: quantize-on-load turns it after loading, so the float o
+    undoes the quantized v's turn (as quantize_model and kbit-convert turn it)."""
+    config = hf_kbit.KbitConfig(bits=3, head_rotation=True, modules_to_not_convert=["lm_head", "o_proj"])
+    model = AutoModelForCausalLM.from_pretrained(qwen2_folder, quantization_config=config, dtype=torch.float32)
+    turned = qwen2()
+    head_rotation.apply(turned)
+    o_proj = model.model.layers[0].self_attn.o_proj
+    assert type(o_proj) is torch.nn.Linear
+    torch.testing.assert_close(o_proj.weight, turned.model.layers[0].self_attn.o_proj.weight, rtol=0, atol=0)
