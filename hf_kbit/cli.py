@@ -75,9 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     q.add_argument("--rotation-seed", type=int, default=None, metavar="SEED",
                    help="seed of the rotation's signs, an int in [0, 2**64) (default: 0; needs a --rotation but off)")
-    q.add_argument("--head-rotation", action="store_true",
+    q.add_argument("--head-rotation", nargs="?", const="on", default=None, choices=("on", "off"),
                    help="turn v_proj's output and o_proj's input per attention head before quantizing: the same "
-                   "model, less quantization loss, no inference cost (Llama, Mistral, Mixtral, Qwen2/3 and MoE)")
+                   "model, less quantization loss, no inference cost (Llama, Mistral, Mixtral, Qwen2/3 and MoE). "
+                   "Default: on at k <= 4 without --rotation or --calibration-data where the model allows it; "
+                   "'--head-rotation' alone is 'on'")
     q.add_argument(
         "--module-bits",
         action="append",
@@ -261,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             calibration_tokenizer=args.calibration_tokenizer,
             rotation=ROTATION_CHOICES[args.rotation],
             rotation_seed=args.rotation_seed or 0,
-            head_rotation=args.head_rotation,
+            head_rotation=None if args.head_rotation is None else args.head_rotation == "on",
         )
         parse_size(args.max_shard_size)
         if not args.dry_run:

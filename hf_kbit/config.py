@@ -89,7 +89,10 @@ class KbitConfig(QuantizationConfigMixin):
             quantizing (:mod:`hf_kbit.head_rotation`): the model computes the same function, its v and o weights
             quantize with less loss, and nothing changes at inference (format v1 tensors, the same kernels).
             ``dequantize()`` turns them back. Only for attention classes where it is exact (Llama, Mistral,
-            Mixtral, Qwen2, Qwen3 and their MoE variants); others are refused. Default ``False``.
+            Mixtral, Qwen2, Qwen3 and their MoE variants); ``True`` on others is refused. ``None`` (default): on at
+            k <= 4, data-free and without ``rotation``, where the model's attention allows it, off otherwise
+            (:func:`hf_kbit.head_rotation.resolve`; measured in docs/format.md#head-rotation); quantizing sets the
+            field to what was done, so a saved checkpoint records it.
         format_version: version of the packed format; a checkpoint newer than this library
             is refused. ``None``: 1, which quantization raises to 2 once a layer is stored rotated.
         fuse_projections: after loading, run sibling projections that read the same input
@@ -136,7 +139,7 @@ class KbitConfig(QuantizationConfigMixin):
         fusion_pass: bool = True,
         rotation: bool | str = False,
         rotation_seed: int = 0,
-        head_rotation: bool = False,
+        head_rotation: bool | None = None,
         **kwargs: Any,
     ):
         self.quant_method = QUANT_METHOD
@@ -214,9 +217,11 @@ class KbitConfig(QuantizationConfigMixin):
             )
         if self.fitting is not None and self.fitting not in FITTINGS:
             raise ValueError(f"KbitConfig.fitting must be one of {FITTINGS} or None, got {self.fitting!r}")
-        for field in ("fuse_projections", "fusion_pass", "head_rotation"):
+        for field in ("fuse_projections", "fusion_pass"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"KbitConfig.{field} must be a bool, got {getattr(self, field)!r}")
+        if self.head_rotation is not None and not isinstance(self.head_rotation, bool):
+            raise TypeError(f"KbitConfig.head_rotation must be a bool or None, got {self.head_rotation!r}")
         check_rotation(self.rotation)
         check_seed(self.rotation_seed)
         if self.rotation is False and self.rotation_seed != 0:

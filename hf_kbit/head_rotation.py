@@ -12,6 +12,10 @@ Quantized in the turned basis, each block of o_proj's K (32 channels of one head
 few outlier channels, and v's rows likewise (docs/format.md#head-rotation for what it measured). The checkpoint stores
 the turned weights in format v1; no reader or kernel changes.
 
+``KbitConfig(head_rotation=None)`` (the default) turns where :func:`resolve` says: at k <= :data:`DEFAULT_MAX_BITS`,
+data-free and without rotation along K, on models whose attention it supports: where it measured better on both
+offline models (docs/format.md#head-rotation).
+
 ``Q = diag(s) H_d / sqrt(d)``: ``H_d`` the Sylvester Hadamard matrix of the head dim ``d`` (a power of 2), ``s`` the
 sign vector :func:`hf_kbit.rotation.signs` ``(d, SEED)``. The turn is computed in float64 and rounded once to the
 tensor's dtype, so every quantizer (quantize-on-load, ``quantize_model``, ``kbit-convert``) turns to the same bytes.
@@ -33,6 +37,7 @@ ATTENTION_CLASSES = frozenset({
 })
 ROLES = ("v", "v_bias", "o")  # v_proj's weight rows, v_proj's bias, o_proj's weight columns
 SEED = 7  # the signs' seed: the turn docs/format.md#head-rotation measured (any seed turns exactly)
+DEFAULT_MAX_BITS = 4  # head_rotation=None turns at k <= 4: lower perplexity there, higher at k = 5 (docs/format.md)
 
 
 def check_head_dim(head_dim: int) -> int:
@@ -89,6 +94,23 @@ def targets(model: nn.Module) -> dict[str, tuple[str, int]]:
     if not out:
         raise ValueError("head_rotation: the model has no attention module with v_proj and o_proj")
     return out
+
+
+def resolve(config, model: nn.Module, pre_quantized: bool = False) -> bool:
+    """Whether to turn ``model``'s v and o for the :class:`~hf_kbit.KbitConfig` ``config``. ``head_rotation`` ``True``
+    or ``False`` as given (``True`` on a model :func:`targets` refuses raises its ValueError when quantizing); ``None``:
+    on at ``bits <= DEFAULT_MAX_BITS``, data-free and without rotation along K, for a model :func:`targets` accepts;
+    else off (with rotation along K the turn measured worse in most cells; with calibration it is unmeasured). A
+    pre-quantized checkpoint without the field was not turned: ``None`` is ``False`` there."""
+    if config.head_rotation is not None or pre_quantized:
+        return bool(config.head_rotation)
+    if config.bits > DEFAULT_MAX_BITS or config.rotation is not False or config.calibrates:
+        return False
+    try:
+        targets(model)
+    except ValueError:
+        return False
+    return True
 
 
 @torch.no_grad()

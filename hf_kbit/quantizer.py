@@ -93,6 +93,7 @@ class KbitHfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs: Any):
         self.modules_to_not_convert = self.skipped_modules(model)
         config = self.quantization_config
+        config.head_rotation = head_rotation.resolve(config, model, self.pre_quantized)
         if not self.pre_quantized:
             check_quantizable(config)
         if self.calibrates:  # loaded unquantized; _process_model_after_weight_loading calibrates and quantizes

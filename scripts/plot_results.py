@@ -70,9 +70,12 @@ ANCHOR_STYLES = {"hqq": ("^", "tab:green", "HQQ g64"), "rtn": ("v", "tab:purple"
 # rows' filter).
 KBIT_SERIES = (
     ("kbit data-free default", "o-", "tab:blue", lambda r: r["variant"] == f"kbit{r['bits']}"),
-    ("kbit rotation=true", "^-", "tab:red", lambda r: r["variant"] == f"kbit{r['bits']}:rotation=true"),
-    ("kbit rotation=auto", "v-", "tab:olive", lambda r: r["variant"] == f"kbit{r['bits']}:rotation=auto"),
-    ("kbit rotation=inputs", ">-", "tab:cyan", lambda r: r["variant"] == f"kbit{r['bits']}:rotation=inputs"),
+    ("kbit rotation=true, v/o turned", "^-", "tab:red",
+     lambda r: r["variant"] == f"kbit{r['bits']}:rotation=true:head_rotation=true"),
+    ("kbit rotation=auto, v/o turned", "v-", "tab:olive",
+     lambda r: r["variant"] == f"kbit{r['bits']}:rotation=auto:head_rotation=true"),
+    ("kbit rotation=inputs, v/o turned", ">-", "tab:cyan",
+     lambda r: r["variant"] == f"kbit{r['bits']}:rotation=inputs:head_rotation=true"),
     ("kbit calibrated", "s--", "tab:pink", lambda r: r["variant"] == f"kbitcal{r['bits']}"),
 )
 
@@ -148,19 +151,19 @@ PERPLEXITY_METHOD = (
     "`BaseQuantizeConfig(nbits, group_size=64)`), asymmetric RTN int with min/max per group of 128, and NF4 "
     "(bitsandbytes' levels) with a float32 absmax per block of 64. `kbit<k>` quantizes with `KbitConfig`'s "
     "default rule, `fitting=\"fit\"` (block codes searched by reconstruction error, a Lloyd-fitted codebook per "
-    "layer, shared by the siblings that fuse: q/k/v, gate/up, each member weighing alike in its fit at k <= 4); "
+    "layer, shared by the siblings that fuse: q/k/v, gate/up, each member weighing alike in its fit at k <= 4) "
+    "and, at k <= 4, v_proj and o_proj turned per attention head (docs/format.md#head-rotation; "
+    "`:head_rotation=false` rows without); "
     "`kbit<k>:rotation=true`, `:rotation=inputs` and `:rotation=auto` add rotation (docs/format.md#rotation, "
     "segments of 8) on every layer, on the input projections only (not o/down), or on the groups whose weight "
-    "error it lowers; `kbit<k>-absmax` quantizes with "
+    "error it lowers, with v/o turned as well (`:head_rotation=true`, which the default leaves off with "
+    "rotation; docs/format.md#rotation gives both); `kbit<k>-absmax` quantizes with "
     "`fitting=\"absmax\"`, the format's plain rule. `kbitfit<k>` is the same fitting per layer (no sharing), "
     "fake-quantized like the anchors (`-scales`: the code search alone); against `kbit<k>` it prices the "
     "siblings' shared codebook. `kbitcal<k>` is the same format calibrated (`hf_kbit.calibration`, "
     "GPTQ-style error feedback, 128 sequences of 2048 tokens taken from the corpus after the scored prefix, so "
-    "no calibration token is scored). The `_calibrated` janeausten files are the calibration runs (H100, the "
-    "same windows): their kbitcal rows give every Linear its own codebook (`KbitConfig(calibration_data=...)` "
-    "and today's `kbitcal` variant keep the data-free codebook that fused siblings share), and their kbit rows "
-    "share a siblings' codebook fitted with every row alike (`FitSettings.balance_members` off); the plot takes "
-    "only their kbitcal rows. Every variant quantizes the same "
+    "no calibration token is scored; v and o are not turned). The `_calibrated` janeausten files are the "
+    "calibration runs (the same windows); the plot takes only their kbitcal rows. Every variant quantizes the same "
     "Linears, those "
     "of the decoder blocks that kbit's quantize-on-load converts (the run refuses variants that differ); the LM "
     "head and embeddings stay full precision except in `-head` variants. Per variant: perplexity; the delta to "

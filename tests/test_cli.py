@@ -64,13 +64,20 @@ def test_convert_with_rotation(capsys, llama_fp32, tmp_path):
     assert "k <= 3, unrotated" not in stdout
 
 
-def test_head_rotation_flag(capsys, llama_fp32, tmp_path):
+@pytest.mark.parametrize(("flags", "turned"), [
+    (["--bits", "4", "--head-rotation"], True),
+    (["--bits", "4"], True),  # the default at k <= 4
+    (["--bits", "4", "--head-rotation", "off"], False),
+    (["--bits", "5"], False),
+    (["--bits", "3", "--rotation", "inputs"], False),  # with rotation along K the default leaves v and o
+])
+def test_head_rotation_flag(capsys, llama_fp32, tmp_path, flags, turned):
     out = tmp_path / "out"
-    code, stdout, _ = run(capsys, llama_fp32, "--bits", "4", "--out", out, "--no-progress", "--head-rotation")
+    code, stdout, _ = run(capsys, llama_fp32, *flags, "--out", out, "--no-progress")
     assert code == 0, stdout
-    assert json.loads((out / "config.json").read_text())["quantization_config"]["head_rotation"] is True
+    assert json.loads((out / "config.json").read_text())["quantization_config"].get("head_rotation", False) is turned
     card = (out / "README.md").read_text()
-    assert "| Rotation | none along K; v_proj and o_proj turned per attention head" in card and "--head-rotation" in card
+    assert ("| Rotation | none along K; v_proj and o_proj turned per attention head" in card) is turned
 
 
 def test_convert_end_to_end(capsys, llama_fp32, tmp_path):

@@ -128,7 +128,8 @@ def test_output_layout(llama_fp32, tmp_path):
             sizes = [sf.get_slice(k).get_shape() for k in sf.keys()]
             assert len(sizes) == 1 or (out / shard).stat().st_size <= 40_000 + 8_192
     config = json.loads((out / "config.json").read_text())
-    assert config["quantization_config"] == hf_kbit.KbitConfig(bits=4).to_dict()
+    # the default resolved on the model: this tiny Llama's heads are turned (hf_kbit.head_rotation.resolve)
+    assert config["quantization_config"] == hf_kbit.KbitConfig(bits=4, head_rotation=True).to_dict()
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "README.md"):
         assert name in names, name
     assert not [p for p in out.parent.iterdir() if ".kbit-" in p.name]  # no temp folder left
@@ -654,6 +655,7 @@ def test_calibrated_convert_writes_what_calibrated_quantize_on_load_saves(llama_
     assert_same_files(result.out, tmp_path / "reference")
     saved = json.loads((result.out / "config.json").read_text())["quantization_config"]
     assert saved["calibration"] == {"method": "gptq", "samples": 2, "seq_len": 48, "tokens": 96}
+    assert "head_rotation" not in saved  # the default turns v and o only data-free (hf_kbit.head_rotation.resolve)
     card = (result.out / "README.md").read_text()
     assert "| Calibration | GPTQ-style error feedback (hf_kbit.calibration) on 96 tokens" in card
     assert "| Calibration | none (data-free) |" in (convert(src, tmp_path / "free", hf_kbit.KbitConfig(bits=3),

@@ -140,6 +140,49 @@ def test_checkpoint_reloads_as_saved_and_dequantize_turns_back(qwen2_folder, tmp
     torch.testing.assert_close(bias, want, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize(("fields", "model", "pre_quantized", "expected"), [
+    ({"bits": 3}, "qwen2", False, True),
+    ({"bits": 4}, "qwen2", False, True),
+    ({"bits": 5}, "qwen2", False, False),  # measured worse at k = 5
+    ({"bits": 3, "rotation": "inputs"}, "qwen2", False, False),  # and with rotation along K, in most cells
+    ({"bits": 3, "rotation": True}, "qwen2", False, False),
+    ({"bits": 3, "calibration_data": "some text"}, "qwen2", False, False),  # unmeasured with calibration
+    ({"bits": 3}, "gemma3", False, False),  # the default passes over attention the turn is not exact for
+    ({"bits": 3}, "head_dim_24", False, False),
+    ({"bits": 3}, "qwen2", True, False),  # a checkpoint without the field was not turned
+    ({"bits": 5, "rotation": True, "head_rotation": True}, "qwen2", False, True),
+    ({"bits": 3, "head_rotation": False}, "qwen2", False, False),
+])
+def test_resolve_turns_by_default_at_k_up_to_4_data_free_without_rotation(fields, model, pre_quantized, expected):
+    models = {"qwen2": qwen2, "gemma3": lambda: tiny_dense_model("gemma3_text", torch.float32, head_dim=HEAD_DIM),
+              "head_dim_24": lambda: tiny_dense_model("llama", torch.float32)}
+    config = hf_kbit.KbitConfig(**fields)
+    assert head_rotation.resolve(config, models[model](), pre_quantized) is expected
+
+
+def test_the_default_is_recorded_and_a_checkpoint_without_it_is_not_turned(qwen2_folder, tmp_path):
+    default = AutoModelForCausalLM.from_pretrained(qwen2_folder, quantization_config=hf_kbit.KbitConfig(bits=3),
+                                                   dtype=torch.float32)
+    explicit = AutoModelForCausalLM.from_pretrained(qwen2_folder, quantization_config=hf_kbit.KbitConfig(
+        bits=3, head_rotation=True), dtype=torch.float32)
+    assert default.config.quantization_config.head_rotation is True
+    assert_same_state(default, explicit)
+    k5 = AutoModelForCausalLM.from_pretrained(qwen2_folder, quantization_config=hf_kbit.KbitConfig(bits=5),
+                                              dtype=torch.float32)
+    assert k5.config.quantization_config.head_rotation is False
+    # A checkpoint of a model quantized unturned (as every checkpoint written before the default) has no field:
+    # it loads as saved and dequantize() turns nothing back.
+    unturned = AutoModelForCausalLM.from_pretrained(qwen2_folder, quantization_config=hf_kbit.KbitConfig(
+        bits=3, head_rotation=False), dtype=torch.float32)
+    expected = logits(unturned)
+    unturned.save_pretrained(tmp_path / "kbit")
+    assert "head_rotation" not in json.loads((tmp_path / "kbit" / "config.json").read_text())["quantization_config"]
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "kbit", dtype=torch.float32)
+    assert again.config.quantization_config.head_rotation is False
+    again.dequantize()
+    torch.testing.assert_close(logits(again), expected, rtol=0, atol=TURNED_LOGITS_ATOL)
+
+
 def test_v_and_o_kept_in_float_are_turned_on_load_too(qwen2_folder):
     """A skip list that keeps o_proj (or v_proj) in float: quantize-on-load turns it after loading, so the float o
     undoes the quantized v's turn (as quantize_model and kbit-convert turn it)."""

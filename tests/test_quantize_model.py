@@ -12,7 +12,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 import hf_kbit
-from hf_kbit import KbitConfig, KbitExperts, KbitLinear
+from hf_kbit import KbitConfig, KbitExperts, KbitLinear, head_rotation
 from hf_kbit.nn.routing import RULES as ROUTING_RULES, KbitRouter
 from tiny_models import tiny_dense_model
 
@@ -180,6 +180,8 @@ def test_calibration_packs_moe_experts_with_calibrate_model(family):
     config = _calibration_config(bits=4)
     model = hf_kbit.quantize_model(tiny_moe_model(family), config, ["lm_head"], progress=False)
     reference = tiny_moe_model(family)
+    if config.head_rotation:  # the default turned the model's v and o first (hf_kbit.head_rotation)
+        head_rotation.apply(reference)
     linears = [n for n, m in reference.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
     experts = list(_experts(reference))
     want = calibration.calibrate_model(reference, calibration.config_batches(config, reference), 4, linears,

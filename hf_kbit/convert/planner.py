@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .. import checkpoint, rotation_policy
+from .. import checkpoint, head_rotation, rotation_policy
 from .. import format as fmt
 from .._paths import (
     ConversionError,
@@ -373,11 +373,14 @@ def _skeleton(model_cls, hf_config, dtype: torch.dtype, kbit_config: KbitConfig)
 
     with torch.device("meta"):
         model = model_cls._from_config(hf_config, dtype=dtype)
+    planned = kbit_config
     if kbit_config.calibrates:  # the same modules are quantized, only later (after loading): plan them as such
-        kbit_config = KbitConfig.from_dict({k: v for k, v in kbit_config.to_dict().items() if k != "calibration"})
-    quantizer = KbitHfQuantizer(kbit_config)
+        planned = KbitConfig.from_dict({k: v for k, v in kbit_config.to_dict().items() if k != "calibration"})
+        planned.head_rotation = head_rotation.resolve(kbit_config, model)  # as calibrating, not data-free
+    quantizer = KbitHfQuantizer(planned)
     quantizer.pre_quantized = False
     quantizer._process_model_before_weight_loading(model)
+    kbit_config.head_rotation = planned.head_rotation  # resolved on the skeleton, as quantize-on-load resolves it
     model._kbit_quantizer = quantizer
     return model
 
