@@ -91,8 +91,8 @@ class KbitConfig(QuantizationConfigMixin):
             ``dequantize()`` turns them back. Only for attention classes where it is exact (Llama, Mistral,
             Mixtral, Qwen2, Qwen3 and their MoE variants); ``True`` on others is refused. ``None`` (default): on at
             k <= 4, data-free and without ``rotation``, where the model's attention allows it, off otherwise
-            (:func:`hf_kbit.head_rotation.resolve`; measured in docs/format.md#head-rotation); quantizing sets the
-            field to what was done, so a saved checkpoint records it.
+            (:func:`hf_kbit.head_rotation.resolve`; measured in docs/format.md#head-rotation); a quantized model's
+            config (``model.config.quantization_config``) records what was done.
         format_version: version of the packed format; a checkpoint newer than this library
             is refused. ``None``: 1, which quantization raises to 2 once a layer is stored rotated.
         fuse_projections: after loading, run sibling projections that read the same input

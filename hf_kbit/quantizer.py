@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -39,7 +40,9 @@ class KbitHfQuantizer(HfQuantizer):
     quantization_config: KbitConfig
 
     def __init__(self, quantization_config: KbitConfig, **kwargs: Any):
-        super().__init__(quantization_config, **kwargs)
+        # A copy: loading settles fields on it (head_rotation, format_version) that the caller's config, which may
+        # load another model next, must not inherit. transformers saves this copy as the model's config.
+        super().__init__(copy.copy(quantization_config), **kwargs)
         self.modules_to_not_convert: list[str] = []
         # Quantize-on-load of siblings that share a codebook fitted on all of them (nn.fused.codebook_siblings):
         # layer name -> its group, and the weights of groups not yet complete.

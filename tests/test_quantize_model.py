@@ -180,7 +180,7 @@ def test_calibration_packs_moe_experts_with_calibrate_model(family):
     config = _calibration_config(bits=4)
     model = hf_kbit.quantize_model(tiny_moe_model(family), config, ["lm_head"], progress=False)
     reference = tiny_moe_model(family)
-    if config.head_rotation:  # the default turned the model's v and o first (hf_kbit.head_rotation)
+    if head_rotation.resolve(config, reference):  # as quantize_model turns v and o first (hf_kbit.head_rotation)
         head_rotation.apply(reference)
     linears = [n for n, m in reference.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
     experts = list(_experts(reference))

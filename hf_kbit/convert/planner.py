@@ -380,7 +380,7 @@ def _skeleton(model_cls, hf_config, dtype: torch.dtype, kbit_config: KbitConfig)
     quantizer = KbitHfQuantizer(planned)
     quantizer.pre_quantized = False
     quantizer._process_model_before_weight_loading(model)
-    kbit_config.head_rotation = planned.head_rotation  # resolved on the skeleton, as quantize-on-load resolves it
+    kbit_config.head_rotation = quantizer.quantization_config.head_rotation  # as quantize-on-load resolves it
     model._kbit_quantizer = quantizer
     return model
 

@@ -74,9 +74,8 @@ def quantize_model(
     precision; unlike ``from_pretrained`` there is no default skip of the LM head here, except
     that tied modules (an LM head sharing the input embedding's weight) are always kept
     (:func:`tied_modules`).
-    With ``config.head_rotation`` (``None``: resolved on ``model`` by :func:`hf_kbit.head_rotation.resolve`, and the
-    field set to the outcome) the attention's v and o are first turned per head, in place
-    (:mod:`hf_kbit.head_rotation`).
+    With ``config.head_rotation`` (``None``: as :func:`hf_kbit.head_rotation.resolve` decides for ``model``) the
+    attention's v and o are first turned per head, in place (:mod:`hf_kbit.head_rotation`).
     With ``config.rotation`` each group of siblings (q/k/v, gate/up: they share one codebook and one basis) and
     each experts projection is quantized rotated where the config says (:mod:`hf_kbit.rotation_policy`).
     With ``config.calibration_data`` the Linears are calibrated (:func:`hf_kbit.calibration.calibrate_model`, on
@@ -88,8 +87,7 @@ def quantize_model(
     """
     config = config or KbitConfig()
     check_quantizable(config)
-    config.head_rotation = head_rotation.resolve(config, model)
-    if config.head_rotation:  # in place, before calibration reads the activations (hf_kbit.head_rotation)
+    if head_rotation.resolve(config, model):  # in place, before calibration reads the activations
         head_rotation.apply(model)
     skip = modules_to_not_convert if modules_to_not_convert is not None else (config.modules_to_not_convert or [])
     skip = [*skip, *tied_modules(model)]
