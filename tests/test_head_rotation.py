@@ -195,11 +195,14 @@ def test_v_and_o_kept_in_float_are_turned_on_load_too(qwen2_folder):
     torch.testing.assert_close(o_proj.weight, turned.model.layers[0].self_attn.o_proj.weight, rtol=0, atol=0)
 
 
-def test_a_config_settles_per_model_and_stays_as_given(qwen2_folder):
-    """Loading settles head_rotation on the quantizer's copy of the config (saved with the model): the caller's
-    config keeps None, so it can quantize a model whose attention the turn does not support next."""
+def test_a_config_settles_per_model_and_stays_as_given(qwen2_folder, tmp_path):
+    """Loading and kbit-convert settle head_rotation on their own copy of the config (saved with the model): the
+    caller's config keeps None, so it can quantize a model whose attention the turn does not support next."""
     config = hf_kbit.KbitConfig(bits=3)
     model = AutoModelForCausalLM.from_pretrained(qwen2_folder, quantization_config=config, dtype=torch.float32)
     assert model.config.quantization_config.head_rotation is True and config.head_rotation is None
     gemma = hf_kbit.quantize_model(tiny_dense_model("gemma3_text", torch.float32, head_dim=HEAD_DIM), config)
     assert isinstance(gemma.model.layers[0].self_attn.o_proj, KbitLinear) and config.head_rotation is None
+    result = convert(qwen2_folder, tmp_path / "out", config, progress=False)
+    assert json.loads((result.out / "config.json").read_text())["quantization_config"]["head_rotation"] is True
+    assert config.head_rotation is None

@@ -4,6 +4,7 @@ safetensors headers, and transformers' conversion mapping turned into one
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -75,6 +76,9 @@ def plan_conversion(
             f"({type(e).__name__}: {_first_line(e)}); fix or download config.json again"
         ) from None
     quantizer = model._kbit_quantizer
+    # The plan's own config, with head_rotation as quantize-on-load settles it (the caller's stays as given).
+    kbit_config = copy.copy(kbit_config)
+    kbit_config.head_rotation = quantizer.quantization_config.head_rotation
     model_tensors = {k: (tuple(t.shape), t.dtype) for k, t in _model_tensors(model).items()}
     quantized = {
         name: _bits_of(model, name)
@@ -380,7 +384,6 @@ def _skeleton(model_cls, hf_config, dtype: torch.dtype, kbit_config: KbitConfig)
     quantizer = KbitHfQuantizer(planned)
     quantizer.pre_quantized = False
     quantizer._process_model_before_weight_loading(model)
-    kbit_config.head_rotation = quantizer.quantization_config.head_rotation  # as quantize-on-load resolves it
     model._kbit_quantizer = quantizer
     return model
 
