@@ -2,8 +2,11 @@
 // experts in one launch, routing read on the device (no host sync: CUDA-graph capturable).
 //
 // The decode of a K tile is gemv_kernel.cuh's (pair table, mma_tile); what differs is the work:
-//  * per-row mode (decode, few rows): a unit is (row s, row group); its expert is
-//    expert_ids[s] (a row of an id outside [0, E) is written as zeros);
+//  * per-row mode (decode, few rows), balanced plan (grouped_gemv_rows_kernel, below): row s's
+//    expert is expert_ids[s] (a row of an id outside [0, E) is written as zeros), and the rows' row
+//    tiles are one list cut into equal contiguous shares, as the dense GEMV's balanced plan cuts a
+//    weight's; where a CTA's share would touch more than 8 rows or their x would not fit in shared
+//    memory, units (row s, row group) in this kernel;
 //  * grouped mode (prefill): the caller groups rows by expert on the device
 //    (_ops.expert_offsets: order, offsets) and a unit is (expert, chunk of <= 8 NT of its rows,
 //    row group), so each weight tile is decoded once for up to 8 NT rows. Every CTA turns the
@@ -181,9 +184,198 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) grouped_gemv_ker
   }
 }
 
-// kRotate: rotated experts (p.rot_signs set), x R staged; where the kernel table has it.
+// Per-row mode, balanced plan (decode; the host sets p.cta_rows): the dense GEMV's balanced
+// one-split plan over the problem's row tiles. Row tile j of problem row s is row tile j of expert
+// expert_ids[s]; the s * n_tiles row tiles are cut into contiguous ranges, one per CTA (cta_rows each,
+// the first (s * n_tiles) % grid CTAs one more), and a CTA's (row tile, K tile) items into equal
+// contiguous shares, one per warp, whose plane loads run on across row tiles (and experts) with no
+// barrier between them. A range touches at most p.row_span problem rows (the plan keeps it <= 8),
+// staged once over all of K as the mma's token columns; a row tile of row s keeps column s - s0 of its
+// sums. A row tile cut between warps is summed in shared memory in warp order (deterministic).
+template <int BITS, typename T, bool kRotate>
+__global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) grouped_gemv_rows_kernel(GroupedParams p) {
+  constexpr int kDepth = kGemvDepth;
+  extern __shared__ float4 smem_f4[];
+  char* table = reinterpret_cast<char*>(smem_f4);
+  uint32_t* xs = reinterpret_cast<uint32_t*>(table + kGemvTableBytes + kGemvScaleBytes);
+  __shared__ int64_t row_expert[kGroupedRowSpanMax];
+
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
+  // 32-bit tile arithmetic within an expert: the host guarantees n_tiles * k_tiles * BITS * 64 < 2^31,
+  // and cta_rows * k_tiles < 2^31.
+  const int n_tiles = static_cast<int>((p.n + kTileN - 1) / kTileN);
+  const int k_tiles = static_cast<int>((p.k + kTileK - 1) / kTileK);
+  const int n = static_cast<int>(p.n);
+  const int cta = static_cast<int>(blockIdx.x), ctas = static_cast<int>(gridDim.x);
+  const int64_t extra = p.s * n_tiles - p.cta_rows * ctas;
+  const int rows = static_cast<int>(p.cta_rows + (cta < extra));
+  const int64_t r0 = cta * p.cta_rows + min(static_cast<int64_t>(cta), extra);  // the range's first row tile
+  const int cta_items = rows * k_tiles;
+  const auto share_begin = [&](int w) { return static_cast<int>(static_cast<int64_t>(w) * cta_items / kGemvWarps); };
+  const int i0 = share_begin(warp), items = share_begin(warp + 1) - i0;
+  const int64_t s0 = r0 / n_tiles;
+  const int m = rows > 0 ? static_cast<int>((r0 + rows - 1) / n_tiles - s0 + 1) : 0;
+
+  // The table reads only the codebook, so it overlaps the previous kernel's tail (a programmatic
+  // dependent launch, sm_90+); the routing and x are read after that kernel has completed.
+  build_table<BITS, T>(table, codebook_lane<BITS>(p.codebook, lane));
+  wait_for_primary_grid();
+  allow_dependent_launch();
+  if (static_cast<int>(threadIdx.x) < m) row_expert[threadIdx.x] = p.expert_ids[s0 + threadIdx.x];
+  __syncthreads();
+
+  // Row tile r of the range (CTA-relative): its problem row, its tile in the expert, its expert's
+  // planes and scales at that tile's first K tile; false for a row of no expert (written as zeros).
+  struct RowTile {
+    int64_t row;
+    int tn;
+    bool valid;
+    const int32_t* planes;
+    const uint8_t* scales;
+  };
+  const auto row_tile = [&](int r) {
+    RowTile rt;
+    const int64_t tile = r0 + r;
+    rt.row = tile / n_tiles;
+    rt.tn = static_cast<int>(tile - rt.row * n_tiles);
+    const int64_t e = row_expert[rt.row - s0];
+    rt.valid = e >= 0 && e < p.e;
+    const int64_t first = ((rt.valid ? e : 0) * n_tiles + rt.tn) * k_tiles;
+    rt.planes = p.planes + first * (BITS * 64);
+    rt.scales = p.block_scales + first * 64;
+    return rt;
+  };
+
+  // Load cursor (row tile, K tile), kDepth - 1 items ahead of the decode cursor; the first loads go
+  // out before the staging, so their latency overlaps it.
+  int load_r = i0 / k_tiles, load_kt = i0 - load_r * k_tiles, load_i = 0;
+  RowTile lt = row_tile(load_r);
+  TileWords<BITS> buf[kDepth];
+  const auto advance_load = [&](TileWords<BITS>& dst) {
+    // A row of no expert decodes zeros (code 0 scales): its sums are discarded, but a stale
+    // register's scale code would index past the scale pairs.
+    if (load_i < items) {
+      if (lt.valid) load_tile<BITS>(lt.planes, lt.scales, load_kt, lane, dst);
+      else dst = TileWords<BITS>{};
+    }
+    ++load_i;
+    if (++load_kt == k_tiles && load_i < items) {
+      load_kt = 0;
+      lt = row_tile(++load_r);
+    }
+  };
+#pragma unroll
+  for (int d = 0; d < kDepth - 1; ++d) advance_load(buf[d]);
+
+  const T* x = static_cast<const T*>(p.x);
+  const int64_t x_repeat = p.x_repeat;  // row s reads x row s / x_repeat (an experts layer's token rows, top-k each)
+  const auto x_row_of = [&](int tok) -> int64_t { return (s0 + tok) / x_repeat; };
+  stage_x<BITS, T, 4, kRotate>(x, p.k, m, x_row_of, xs, 0, k_tiles, PlainX{}, NoWork{}, p.rot_signs);
+  __syncthreads();
+
+  const uint32_t lane_word = table_lane_word<BITS, false>(lane, 0);
+  const uint2* xs2 = reinterpret_cast<const uint2*>(xs);
+  T* out = static_cast<T*>(p.out);
+  float acc[2][1][4] = {};
+  const auto take_sums = [&](float (&y)[4]) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      y[e] = acc[0][0][e] + acc[1][0][e];
+      acc[0][0][e] = 0.f;
+      acc[1][0][e] = 0.f;
+    }
+  };
+  // Decode cursor: row tile dt (CTA-relative) at K tile kt; the row scales of this lane's rows (g, g + 8).
+  int dr = i0 / k_tiles, kt = i0 - dr * k_tiles;
+  RowTile dt = row_tile(dr);
+  float rs[2];
+  const auto load_row_scales = [&] {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = dt.tn * kTileN + g + 8 * h;
+      rs[h] = items > 0 && dt.valid && r < n ? __ldg(p.row_scales + (row_expert[dt.row - s0] * p.n + r)) : 0.f;
+    }
+  };
+  load_row_scales();
+  // Lane (g, t) holds rows g, g + 8 of tokens 2t, 2t + 1: the row tile's column is its row - s0.
+  const auto store = [&](const float (&y)[4]) {
+    const int col = static_cast<int>(dt.row - s0);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = dt.tn * kTileN + g + 8 * (e >> 1);
+      if (2 * t + (e & 1) == col && r < n) out[dt.row * p.n + r] = from_float<T>(dt.valid ? y[e] * rs[e >> 1] : 0.f);
+    }
+  };
+
+  float head[4];  // the unscaled sums of this warp's first segment where it starts inside its row tile
+  bool sent_head = false;
+  bool from_start = kt == 0;  // the current segment began at the row tile's first K tile
+  for (int i = 0; i < items; i += kDepth) {
+#pragma unroll
+    for (int d = 0; d < kDepth; ++d) {
+      if (i + d >= items) break;
+      advance_load(buf[(d + kDepth - 1) % kDepth]);
+      mma_tile<BITS, T, 1>(buf[d], xs2 + kt * 8 * m * 4, 1, g, t, table, lane_word, acc);
+      if (++kt == k_tiles) {
+        if (!from_start) {
+          take_sums(head);  // the warp's first segment: at most one head
+          sent_head = true;
+        } else {
+          float y[4];
+          take_sums(y);
+          store(y);
+        }
+        from_start = true;
+        kt = 0;
+        if (i + d + 1 < items) {
+          dt = row_tile(++dr);
+          load_row_scales();
+        }
+      }
+    }
+  }
+  // A segment that stops inside its row tile: begun at the tile's first K tile, this warp owns the
+  // tile and adds the heads of the next warps that start inside it, in warp order; begun inside, it
+  // is such a head itself. The table is free once every warp has left the main loop.
+  const bool owner = items > 0 && kt != 0 && from_start;
+  if (items > 0 && kt != 0 && !from_start) {
+    take_sums(head);
+    sent_head = true;
+  }
+  float4* heads = reinterpret_cast<float4*>(table);  // [warp][lane]
+  __syncthreads();
+  if (sent_head) heads[warp * 32 + lane] = make_float4(head[0], head[1], head[2], head[3]);
+  __syncthreads();
+  if (owner) {
+    float y[4];
+    take_sums(y);
+    const int tile_end = (dr + 1) * k_tiles;
+    for (int w = warp + 1; w < kGemvWarps && share_begin(w) < tile_end; ++w) {
+      if (share_begin(w) == share_begin(w + 1)) continue;  // a warp without items
+      const float4 h = heads[w * 32 + lane];
+      y[0] += h.x;
+      y[1] += h.y;
+      y[2] += h.z;
+      y[3] += h.w;
+    }
+    store(y);
+  }
+}
+
+// kRotate: rotated experts (p.rot_signs set), x R staged; where the kernel table has it. Per-row
+// mode (NT = 1) takes the balanced kernel where the host planned it (p.cta_rows > 0).
 template <int BITS, typename T, int NT, bool kRotate>
 cudaError_t launch_grouped_gemv(const GroupedParams& p, int grid, cudaStream_t stream) {
+  if constexpr (NT == 1) {
+    if (p.cta_rows > 0) {
+      constexpr auto kernel = grouped_gemv_rows_kernel<BITS, T, kRotate>;
+      const int smem = grouped_rows_smem_bytes(p.row_span, static_cast<int>((p.k + kTileK - 1) / kTileK));
+      const cudaError_t err = raise_smem_limit<kernel>(smem);
+      if (err != cudaSuccess) return err;
+      const KernelLaunch launch(static_cast<unsigned>(grid), kGemvThreads, smem, stream, 1, use_pdl());
+      return cudaLaunchKernelEx(&launch.config, kernel, p);
+    }
+  }
   constexpr auto kernel = grouped_gemv_kernel<BITS, T, NT, kRotate>;
   const int smem = grouped_smem_bytes(NT, p.sub_kt, p.order ? p.e : 0);
   const cudaError_t err = raise_smem_limit<kernel>(smem);

@@ -882,12 +882,34 @@ int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const 
   const int64_t k_tiles = ceil_div(k, kTileK);
   const SmemLimits lim = smem_limits(device);
   int ctas = 0;
+  int64_t grid = 0;
   // Grouped mode where its shared memory fits, else per-row mode (needs expert_ids).
   for (int grouped = order ? 1 : 0; grouped >= 0 && ctas == 0; --grouped) {
     if (!grouped && !expert_ids) break;
-    // Per-row mode (decode): few units, so the warps split K (at least 4 K tiles each) to keep
-    // more loads in flight. Grouped mode: one warp per row tile over all of K (16 row tiles
-    // per unit): longer runs per warp beat finer units of 2 or 4 K slices per row tile.
+    if (!grouped) {
+      // Per-row mode's balanced plan (grouped_gemv_rows_kernel): the s * n_tiles row tiles in equal
+      // contiguous ranges over the SMs, where a range touches at most kGroupedRowSpanMax problem rows
+      // and their x, staged over all of K, fits in shared memory (else the units below).
+      const int64_t row_tiles = s * ceil_div(n, kTileN);
+      const int64_t g = std::min<int64_t>(sm_count(device), row_tiles);
+      const int64_t longest = ceil_div(row_tiles, g);
+      const int64_t span = std::min<int64_t>(s, (longest - 1) / ceil_div(n, kTileN) + 2);
+      if (span <= kGroupedRowSpanMax && k_tiles <= lim.per_block / gemv_x_tile_bytes(1) &&
+          longest * k_tiles < (int64_t{1} << 31) &&
+          grouped_rows_smem_bytes(static_cast<int>(span), static_cast<int>(k_tiles)) + kGroupedRowsStaticSmem <=
+              lim.per_block) {
+        ctas = 1;
+        grid = g;
+        p.order = p.offsets = nullptr;
+        p.cta_rows = row_tiles / g;
+        p.row_span = static_cast<int>(span);
+        break;
+      }
+    }
+    // Per-row mode in units (where the balanced plan does not fit): few units, so the warps split K
+    // (at least 4 K tiles each) to keep more loads in flight. Grouped mode: one warp per row tile
+    // over all of K (16 row tiles per unit): longer runs per warp beat finer units of 2 or 4 K
+    // slices per row tile.
     int k_warps = 1;
     if (!grouped)
       while (k_warps < kGemvWarps && k_tiles >= 8 * k_warps) k_warps *= 2;
@@ -912,11 +934,11 @@ int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const 
   if (ctas == 0)
     return fail("the grouped GEMV does not fit this GPU's shared memory (e=%lld; give expert_ids for per-row mode)",
                 static_cast<long long>(e));
-  const int grid = sm_count(device) * ctas;
+  if (grid == 0) grid = int64_t{sm_count(device)} * ctas;
   const auto st = static_cast<cudaStream_t>(stream);
   const GroupedGemvLaunch launch = find_grouped_gemv(bits, dtype, p.order ? kGroupedNt : 1, rot_signs != nullptr);
   if (!launch) return unsupported(kGroupedGemv, bits, dtype);
-  cudaError_t err = launch(p, grid, st);
+  cudaError_t err = launch(p, static_cast<int>(grid), st);
   return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_grouped_gemv launch");
 }
 

@@ -132,6 +132,10 @@ struct GroupedParams {
   int dtype;
   // Plan: warps per row tile along K, and K tiles of activations staged per pass.
   int k_warps, sub_kt;
+  // Per-row mode's balanced plan (grouped_gemv_rows_kernel), else 0: row tiles per CTA, and the most
+  // problem rows a CTA's range touches (its staged x rows).
+  int64_t cta_rows;
+  int row_span;
   const uint32_t* rot_signs;    // rotated experts: the sign words [k / 32] of R (rotation.cuh), else nullptr
   // Warp-specialized grouped GEMM only (wgmma_ws_kernel.cuh): x is sorted by expert (row r of x is
   // row order[r] of the call's x, out row order[r]) at a row pitch of x_stride elements, and
@@ -245,6 +249,13 @@ static_assert(kWsTableBytes % 1024 == 0, "x slots after the table stay on 1 KB s
 static_assert(ws_smem_bytes(5, 1) <= 227 * 1024 && ws_smem_bytes(5, 2) <= 227 * 1024 &&
                   ws_smem_bytes(5, 4) <= 227 * 1024,
               "every (bits, NB) fits sm_90's 227 KB of dynamic shared memory per block");
+// Per-row mode's balanced plan: a CTA stages x over all of K for the <= 8 problem rows (one mma token
+// tile) its range of row tiles touches.
+constexpr int kGroupedRowSpanMax = 8;
+constexpr int kGroupedRowsStaticSmem = kGroupedRowSpanMax * 8;  // the range's experts (int64)
+constexpr int grouped_rows_smem_bytes(int row_span, int k_tiles) {
+  return kGemvTableBytes + kGemvScaleBytes + k_tiles * gemv_x_tile_bytes(row_span) + gemv_x_tail_bytes(row_span);
+}
 constexpr int kGroupedNt = 4;  // grouped mode: an expert's rows in chunks of up to 32 (4 mma token tiles)
 // Grouped GEMV: table, `sub_kt` K tiles of x for 8 * nt rows, the k_warps reduction, the
 // unit's row indices and the per-expert chunk prefix sum (grouped mode).

@@ -381,6 +381,25 @@ def test_grouped_mm_on_cuda_without_routed_rows(rows):
     assert out.shape == (rows, n) and out.dtype == torch.bfloat16 and not out.cpu().any()
 
 
+@pytest.mark.parametrize("rows", [300, 2050], ids=lambda s: f"S{s}")
+def test_grouped_mm_on_cuda_per_row_mode_with_many_experts(rows):
+    """More experts than grouped mode's shared memory holds (a prefix sum per expert): per-row mode serves
+    every row, in the balanced plan while a CTA's row tiles touch at most 8 rows (S300: up to 4 staged at
+    once, ranges across row boundaries) and in units beyond (S2050). Random packed bytes, the CPU op's result."""
+    num_experts, n, k, bits = 60000, 16, 64, 4
+    shapes = fmt.packed_shapes(n, k, bits)
+    g = torch.Generator().manual_seed(rows)
+    planes = torch.randint(-(2**31), 2**31 - 1, (num_experts, *shapes["planes"]), dtype=torch.int32, generator=g)
+    scales = torch.randint(120, 180, (num_experts, *shapes["block_scales"]), dtype=torch.uint8, generator=g)
+    packed = (planes, scales, torch.rand(num_experts, n, generator=g) + 0.5, fmt.make_codebook(None, bits))
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    ids = _expert_ids(rows, num_experts, seed=rows)
+    expected = torch.ops.kbit.grouped_mm(x, ids, *packed, k)
+    _poison_allocator(rows * n, torch.bfloat16)
+    out = torch.ops.kbit.grouped_mm(*_to(DEVICE, x, ids, *packed), k)
+    _check_grouped(out, expected, ids, num_experts, torch.bfloat16)
+
+
 # ---------------------------------------------------------------------------- CUDA graphs, torch.compile
 
 
