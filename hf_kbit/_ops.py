@@ -349,6 +349,29 @@ def _softmax_topk_fake(logits, k, renormalize, cast=False):
 
 
 _lib.define(
+    "router_softmax_topk(Tensor x, Tensor weight, int k, bool renormalize, bool cast=False) "
+    "-> (Tensor logits, Tensor weights, Tensor indices)"
+)
+
+
+@torch.library.impl(_lib, "router_softmax_topk", "CompositeExplicitAutograd")
+def _router_softmax_topk_ref(x, weight, k, renormalize, cast=False):
+    """A softmax-top-k router whole: ``logits = x weight^T`` (``x [T, H]``, ``weight [E, H]``, the logits in x's
+    dtype, as ``F.linear``), then :func:`_softmax_topk_ref` of those logits -> ``(logits, weights, indices)``."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"router_softmax_topk: x must be [T, H] and weight [E, H], got shapes {tuple(x.shape)} "
+                         f"and {tuple(weight.shape)}")
+    logits = torch.nn.functional.linear(x, weight)
+    return (logits, *_softmax_topk_ref(logits, k, renormalize, cast))
+
+
+@torch.library.register_fake("kbit::router_softmax_topk")
+def _router_softmax_topk_fake(x, weight, k, renormalize, cast=False):
+    logits = x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.result_type(x, weight))
+    return (logits, *_softmax_topk_fake(logits, k, renormalize, cast))
+
+
+_lib.define(
     "sigmoid_group_topk(Tensor logits, Tensor bias, int k, int groups, int topk_groups, bool renormalize, "
     "float scale) -> (Tensor weights, Tensor indices)"
 )

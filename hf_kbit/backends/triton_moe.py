@@ -1,9 +1,12 @@
 """Triton implementations for CUDA tensors of the MoE layer's ops: the routing ops ``kbit::softmax_topk``,
+``kbit::router_softmax_topk`` (the router's matmul too, at one token),
 ``kbit::sigmoid_group_topk`` and ``kbit::topk_softmax`` (hf_kbit/nn/routing.py plugs them into the routers), and
 the experts layer's ``kbit::silu_glu``, ``kbit::experts_combine`` and ``kbit::expert_offsets``
 (hf_kbit/nn/experts.py, ``KbitExperts``); hf_kbit/_ops.py defines the ops and their references.
 
-Routing: one program per token row, the family's rule after the router's matmul in one launch. Experts layer: the
+Routing: one program per token row, the family's rule after the router's matmul in one launch; at one token
+``router_softmax_topk`` takes the matmul into the same launch (the hidden dim split over programs, the last one to
+finish applying the rule). Experts layer: the
 SiLU gating between the two grouped products and the weighted sum of each token's experts, one launch each (a
 program per row and block of columns); the grouping of rows by expert, one program (a sort of the rows' keys and a
 histogram in registers). On sm_90+ every kernel is a programmatic dependent launch. Imported by
@@ -48,10 +51,18 @@ def _softmax_topk_kernel(logits_ptr, weights_ptr, indices_ptr, stride, experts,
     # One token row: p = softmax(logits) in float32 (exp(x - max) / sum, as torch's softmax), then k rounds of
     # (largest p, its lowest index), then p / sum of the k when RENORM, stored in the weights' dtype.
     _pdl_wait(PDL)
-    row = tl.program_id(0)
+    _softmax_topk_row(logits_ptr + tl.program_id(0) * stride, weights_ptr, indices_ptr, tl.program_id(0), experts,
+                      K, K_P, BLOCK, RENORM)
+
+
+@triton.jit
+def _softmax_topk_row(row_ptr, weights_ptr, indices_ptr, row, experts, K: tl.constexpr, K_P: tl.constexpr,
+                      BLOCK: tl.constexpr, RENORM: tl.constexpr):
+    # softmax_topk's rule on the logits at row_ptr, stored as row `row` of weights and indices. The fused router
+    # runs it with the same BLOCK and warps, so its sums and maxima reduce in the same order: the same bits.
     offs = tl.arange(0, BLOCK)
     live = offs < experts
-    x = tl.load(logits_ptr + row * stride + offs, mask=live, other=float("-inf")).to(tl.float32)
+    x = tl.load(row_ptr + offs, mask=live, other=float("-inf")).to(tl.float32)
     e = tl.extra.cuda.libdevice.exp(x - tl.max(x, 0))
     top, idx = _top_k(tl.where(live, e / tl.sum(e, 0), float("-inf")), offs, K, K_P)
     slot = tl.arange(0, K_P)
@@ -86,6 +97,109 @@ def _route(kernel, logits, k: int, weights_dtype: torch.dtype, *args, **meta):
             kernel[(rows,)](logits, weights, indices, logits.stride(0), *args, K=k, K_P=triton.next_power_of_2(k),
                             PDL=pdl, num_warps=4, launch_pdl=pdl, **meta)
     return weights, indices
+
+
+# ---------------------------------------------------------------------------- router_softmax_topk
+
+# Token rows and experts the fused router serves (decode at batch 1; Qwen3-Next has 512 experts); beyond, the
+# router's matmul (cuBLAS) then softmax_topk's kernel. Its last program takes a row's sums and rule after the
+# previous row's, a few microseconds each (H200, Qwen3-30B-A3B's router: 6.4 us fused against 8.9 at one row,
+# 19.1 against 9.5 at four).
+ROUTER_FUSED_MAX_ROWS = 1
+ROUTER_FUSED_MAX_EXPERTS = 512
+# Programs splitting the hidden dim (a power of 2), and the weight elements (experts x hidden columns) a program
+# multiplies in one step.
+ROUTER_PROGRAMS = 32
+ROUTER_TILE_ELEMENTS = 8192
+_ROUTER_ROWS_P = 16  # the rows' tile for tl.dot (at least 16)
+_router_counters: dict[tuple[int, int], torch.Tensor] = {}
+
+
+@triton.jit
+def _router_softmax_topk_kernel(x_ptr, w_ptr, partial_ptr, counter_ptr, logits_ptr, weights_ptr, indices_ptr,
+                                rows, hidden, experts, x_stride, w_stride, span,
+                                K: tl.constexpr, K_P: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
+                                BLOCK_H: tl.constexpr, ROWS_P: tl.constexpr, PROGRAMS: tl.constexpr,
+                                RENORM: tl.constexpr, PDL: tl.constexpr):
+    # Program p: the rows' partial logits over hidden columns [p span, (p + 1) span), float32 on the tensor
+    # cores, into partial[p]. The program that arrives last (a counter it then resets) sums the PROGRAMS partials
+    # of a row as one tile (a fixed order), rounds the logits to their dtype (what F.linear returns) and stores
+    # them, then runs softmax_topk's rule on each stored row as softmax_topk's kernel does.
+    _pdl_wait(PDL)
+    pid = tl.program_id(0)
+    r = tl.arange(0, ROWS_P)
+    e = tl.arange(0, BLOCK_E)
+    hh = tl.arange(0, BLOCK_H)
+    acc = tl.zeros([ROWS_P, BLOCK_E], dtype=tl.float32)
+    for step in range(0, span, BLOCK_H):  # columns past `hidden` load as zeros
+        h = pid * span + step + hh
+        xt = tl.load(x_ptr + r[:, None] * x_stride + h[None, :], mask=(r[:, None] < rows) & (h[None, :] < hidden),
+                     other=0.0)
+        wt = tl.load(w_ptr + e[:, None] * w_stride + h[None, :],
+                     mask=(e[:, None] < experts) & (h[None, :] < hidden), other=0.0)
+        acc = tl.dot(xt, tl.trans(wt), acc)
+    tl.store(partial_ptr + (pid * ROWS_P + r[:, None]) * BLOCK_E + e[None, :], acc)
+    tl.debug_barrier()  # every thread's partial is stored before the counter says so
+    if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == PROGRAMS - 1:
+        p = tl.arange(0, PROGRAMS)
+        for row in range(rows):
+            part = tl.load(partial_ptr + (p[:, None] * ROWS_P + row) * BLOCK_E + e[None, :], cache_modifier=".cg")
+            tl.store(logits_ptr + row * experts + e, tl.sum(part, 0).to(logits_ptr.dtype.element_ty),
+                     mask=e < experts)
+        tl.debug_barrier()  # the logits are stored before the rule reads them back
+        for row in range(rows):
+            _softmax_topk_row(logits_ptr + row * experts, weights_ptr, indices_ptr, row, experts, K, K_P, BLOCK,
+                              RENORM)
+        tl.atomic_xchg(counter_ptr, 0)
+
+
+def _router_counter(device: torch.device) -> torch.Tensor:
+    """The fused router's arrival counter for the current stream of ``device``, zero between calls (the last program
+    of a call resets it; calls on one stream run one after another, calls on two streams use two counters). Made
+    on first use, inside a CUDA graph's capture too (the graph then zeroes it once per replay)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch.cuda.current_stream(index).cuda_stream)
+    counter = _router_counters.get(key)
+    if counter is None:
+        counter = _router_counters[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
+
+
+@torch.library.impl(_ops._lib, "router_softmax_topk", "CUDA")
+def _router_softmax_topk_cuda(x, weight, k, renormalize, cast=False):
+    """Up to ROUTER_FUSED_MAX_ROWS rows of 16-bit x and ROUTER_FUSED_MAX_EXPERTS experts: the router's matmul and
+    softmax_topk's rule in one launch, the hidden dim split over ROUTER_PROGRAMS programs (float32 sums rounded once
+    to x's dtype, as F.linear returns them; cuBLAS may sum in another order, or in bf16). Otherwise the router's
+    matmul, then softmax_topk's kernel."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1]:
+        return _ops._router_softmax_topk_ref(x, weight, k, renormalize, cast)  # raises its error
+    rows, hidden = x.shape
+    experts = weight.shape[0]
+    if (not 1 <= rows <= ROUTER_FUSED_MAX_ROWS or experts > ROUTER_FUSED_MAX_EXPERTS
+            or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype or weight.device != x.device):
+        logits = torch.nn.functional.linear(x, weight)
+        return (logits, *_softmax_topk_cuda(logits, k, renormalize, cast))
+    if not 1 <= k <= experts:
+        raise ValueError(f"router_softmax_topk: k must be in 1..{experts} (the experts), got {k}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    block = triton.next_power_of_2(experts)
+    block_e = max(16, block)
+    block_h = max(16, min(128, ROUTER_TILE_ELEMENTS // block_e))
+    span = triton.cdiv(triton.cdiv(hidden, ROUTER_PROGRAMS), block_h) * block_h
+    counter = _router_counter(x.device)
+    partial = torch.empty((ROUTER_PROGRAMS, _ROUTER_ROWS_P, block_e), dtype=torch.float32, device=x.device)
+    logits = x.new_empty((rows, experts))
+    weights = x.new_empty((rows, k), dtype=x.dtype if cast else torch.float32)
+    indices = x.new_empty((rows, k), dtype=torch.int64)
+    pdl = _pdl_supported(x.device.index or 0)
+    with torch.cuda.device(x.device):
+        _router_softmax_topk_kernel[(ROUTER_PROGRAMS,)](
+            x, weight, partial, counter, logits, weights, indices, rows, hidden, experts, x.stride(0),
+            weight.stride(0), span, K=k, K_P=triton.next_power_of_2(k), BLOCK=block, BLOCK_E=block_e,
+            BLOCK_H=block_h, ROWS_P=_ROUTER_ROWS_P, PROGRAMS=ROUTER_PROGRAMS, RENORM=renormalize, PDL=pdl,
+            num_warps=4, launch_pdl=pdl)
+    return logits, weights, indices
 
 
 @triton.jit

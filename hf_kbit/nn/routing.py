@@ -4,18 +4,21 @@ transformers' routers compute ``logits = x W^T`` and then the family's rule in f
 decode the top-k alone (a sort) costs more than the router's matmul. In a kbit model a router of :data:`RULES`
 becomes, in place, an instance of a subclass of its own class and of :class:`KbitRouter` (:func:`fuse_router`: the
 same ``weight`` and attributes, so state-dict keys do not change, and transformers' output recorders, which match
-routers by class, still record its logits). Its rule then runs as one op after the matmul, a Triton kernel on CUDA:
+routers by class, still record its logits). Its rule then runs as one op, a Triton kernel on CUDA:
 
 - softmax-top-k (Qwen3-MoE, Qwen3-Next, Qwen2-MoE, OLMoE, Mixtral; :class:`KbitSoftmaxTopKRouter`): the float32
-  softmax, its top k, their renormalization by the family's rule, ``torch.ops.kbit.softmax_topk``;
+  softmax, its top k, their renormalization by the family's rule, ``torch.ops.kbit.softmax_topk``, here with the
+  matmul before it in the same op, ``torch.ops.kbit.router_softmax_topk`` (one launch at one token, decode at
+  batch 1; more tokens, cuBLAS's matmul and then softmax_topk's launch);
 - grouped sigmoid top-k (DeepSeek-V3, GLM-4 MoE; :class:`KbitGroupedTopKRouter`): sigmoid scores, the correction
   bias, the best expert groups, the top k within them, renormalization and scaling, ``kbit::sigmoid_group_topk``;
 - top-k softmax (GPT-OSS; :class:`KbitTopKSoftmaxRouter`): the top k logits and their softmax,
   ``kbit::topk_softmax``.
 
 The result is the family's: the same rule, the same dtypes; float32 sums may differ in their last bit from torch's
-reduction order, and of equal scores the lower expert index goes first. On the CPU, and whenever gradients flow,
-the router runs its family's own forward.
+reduction order (the fused matmul's too: its float32 sums are rounded once, where cuBLAS's bf16 GEMV may sum in
+bf16, so a logit may differ from cuBLAS's in its last bits), and of equal scores the lower expert index goes first.
+On the CPU, and whenever gradients flow, the router runs its family's own forward.
 """
 
 from __future__ import annotations
@@ -103,10 +106,8 @@ class KbitSoftmaxTopKRouter(KbitRouter):
 
     def route(self, hidden_states: torch.Tensor):
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-        logits = torch.nn.functional.linear(hidden_states, self.weight)
-        cast = self.kbit_cast_scores
-        scores, indices = torch.ops.kbit.softmax_topk(logits, self.top_k, self.kbit_renormalize, cast)
-        return logits, scores, indices
+        return torch.ops.kbit.router_softmax_topk(hidden_states, self.weight, self.top_k, self.kbit_renormalize,
+                                                  self.kbit_cast_scores)
 
     def _configure(self, rule: SoftmaxTopKRule) -> None:
         self.kbit_renormalize = True if rule.renormalize_attr is None else bool(getattr(self, rule.renormalize_attr))

@@ -486,6 +486,74 @@ def test_softmax_topk_replays_in_a_cuda_graph():
     _check_topk(logits, *captured, 8, True, False)
 
 
+def test_router_softmax_topk_has_its_cuda_kernel():
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("kbit::router_softmax_topk", "CUDA")
+
+
+def _router_case(rows, hidden, experts, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, hidden, generator=g).to(dtype)
+    weight = (torch.randn(experts, hidden, generator=g) * hidden ** -0.5).to(dtype)
+    return x, weight
+
+
+def _check_router(x, weight, got, k, renormalize, cast):
+    """The fused router's logits against the float32 product rounded once to x's dtype (float32 sums in another
+    order: a last-bit difference at most; cuBLAS's own bf16 GEMV may reduce in bf16 and lie further off), and its
+    weights/indices against softmax_topk's rule on its own logits (a tie's order is free)."""
+    from hf_kbit.backends import triton_moe
+
+    logits, weights, indices = got
+    if x.shape[0] > triton_moe.ROUTER_FUSED_MAX_ROWS:  # the matmul, then softmax_topk: F.linear's logits
+        assert torch.equal(logits, torch.nn.functional.linear(x.to(DEVICE), weight.to(DEVICE)))
+    else:
+        ref = torch.nn.functional.linear(x.float(), weight.float()).to(x.dtype)
+        assert logits.dtype == ref.dtype and logits.shape == ref.shape
+        torch.testing.assert_close(logits.float().cpu(), ref.float(), rtol=ROUTER_LOGIT_RTOL, atol=1e-5)
+    _check_topk(logits, weights, indices, k, renormalize, cast)
+
+
+ROUTER_LOGIT_RTOL = 2 ** -7  # one bf16 rounding apart (fp16's is finer)
+
+
+@pytest.mark.parametrize("cast", [False, True], ids=["float32", "cast"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows", [1, 2, 8], ids=lambda r: f"T{r}")
+@pytest.mark.parametrize("hidden", [96, 2000, 2048], ids=lambda h: f"H{h}")
+@pytest.mark.parametrize("experts,k", [(8, 2), (60, 4), (128, 8), (512, 10), (3, 3)], ids=lambda v: str(v))
+def test_router_softmax_topk_on_cuda(experts, k, hidden, rows, dtype, cast):
+    """One row the fused kernel (more: the matmul + softmax_topk), Qwen3-MoE's 128 x 2048 among the shapes;
+    renormalized as the Qwen families, not as Mixtral (the rule's code is softmax_topk's, tested above)."""
+    x, weight = _router_case(rows, hidden, experts, dtype, seed=rows * hidden + experts)
+    renormalize = experts != 8
+    got = torch.ops.kbit.router_softmax_topk(x.to(DEVICE), weight.to(DEVICE), k, renormalize, cast)
+    _check_router(x, weight, got, k, renormalize, cast)
+
+
+def test_router_softmax_topk_repeats_and_replays_in_a_cuda_graph():
+    """Many calls in a row, of routers of two sizes (the arrival counter returns to zero after each), and the same
+    calls captured in one CUDA graph and replayed on new inputs."""
+    a = _router_case(1, 2048, 128, torch.bfloat16, seed=1)
+    b = _router_case(1, 1024, 60, torch.bfloat16, seed=2)
+    a, b = [t.to(DEVICE) for t in a], [t.to(DEVICE) for t in b]
+    op = torch.ops.kbit.router_softmax_topk
+    first = op(*a, 8, True, True), op(*b, 4, True, True)
+    for _ in range(20):
+        again = op(*a, 8, True, True), op(*b, 4, True, True)
+        for one, two in zip(first, again):
+            for p, q in zip(one, two):
+                assert torch.equal(p, q)
+    with torch.no_grad():
+        graph, captured = capture_cuda_graph(lambda: (op(*a, 8, True, True), op(*b, 4, True, True)))
+        for t in (a[0], b[0]):
+            t.copy_(torch.randn(t.shape, device=DEVICE))
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+    _check_router(a[0].cpu(), a[1].cpu(), captured[0], 8, True, True)
+    _check_router(b[0].cpu(), b[1].cpu(), captured[1], 4, True, True)
+
+
 # ---------------------------------------------------------------------------- the experts layer's elementwise ops
 
 

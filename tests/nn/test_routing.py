@@ -61,6 +61,18 @@ def test_fused_routing_is_the_family_routers(class_name, norm, dtype):
             assert torch.equal(a, b)
 
 
+def test_router_softmax_topk_is_the_matmul_then_softmax_topk():
+    g = torch.Generator().manual_seed(3)
+    x, weight = torch.randn(5, 24, generator=g).bfloat16(), torch.randn(16, 24, generator=g).bfloat16()
+    logits, weights, indices = torch.ops.kbit.router_softmax_topk(x, weight, 4, True, True)
+    assert torch.equal(logits, torch.nn.functional.linear(x, weight))
+    for got, expected in zip((weights, indices), torch.ops.kbit.softmax_topk(logits, 4, True, True)):
+        assert torch.equal(got, expected)
+    message = r"x must be \[T, H\] and weight \[E, H\], got shapes \(5, 24\) and \(16, 20\)"
+    with pytest.raises(ValueError, match=message):
+        torch.ops.kbit.router_softmax_topk(x, weight[:, :20], 4, True)
+
+
 def test_routing_references_reject_bad_k():
     with pytest.raises(ValueError, match="1 <= k <= E"):
         torch.ops.kbit.softmax_topk(torch.zeros(2, 4), 5, True)
@@ -74,6 +86,9 @@ def test_routing_references_opcheck():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 16, generator=g)
     torch.library.opcheck(torch.ops.kbit.softmax_topk.default, (logits, 4, True))
+    torch.library.opcheck(torch.ops.kbit.router_softmax_topk.default,
+                          (torch.randn(3, 12, generator=g).bfloat16(), torch.randn(16, 12, generator=g).bfloat16(), 4,
+                           True, True))
     torch.library.opcheck(torch.ops.kbit.topk_softmax.default, (logits.bfloat16(), 4))
     torch.library.opcheck(torch.ops.kbit.sigmoid_group_topk.default,
                           (logits, torch.randn(16, generator=g), 4, 4, 2, True, 2.5))
