@@ -362,26 +362,25 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) grouped_gemv_row
   }
 }
 
+template <auto kKernel>
+cudaError_t launch_grouped_kernel(const GroupedParams& p, int grid, int smem, cudaStream_t stream) {
+  const cudaError_t err = raise_smem_limit<kKernel>(smem);
+  if (err != cudaSuccess) return err;
+  const KernelLaunch launch(static_cast<unsigned>(grid), kGemvThreads, smem, stream, 1, use_pdl());
+  return cudaLaunchKernelEx(&launch.config, kKernel, p);
+}
+
 // kRotate: rotated experts (p.rot_signs set), x R staged; where the kernel table has it. Per-row
 // mode (NT = 1) takes the balanced kernel where the host planned it (p.cta_rows > 0).
 template <int BITS, typename T, int NT, bool kRotate>
 cudaError_t launch_grouped_gemv(const GroupedParams& p, int grid, cudaStream_t stream) {
   if constexpr (NT == 1) {
-    if (p.cta_rows > 0) {
-      constexpr auto kernel = grouped_gemv_rows_kernel<BITS, T, kRotate>;
-      const int smem = grouped_rows_smem_bytes(p.row_span, static_cast<int>((p.k + kTileK - 1) / kTileK));
-      const cudaError_t err = raise_smem_limit<kernel>(smem);
-      if (err != cudaSuccess) return err;
-      const KernelLaunch launch(static_cast<unsigned>(grid), kGemvThreads, smem, stream, 1, use_pdl());
-      return cudaLaunchKernelEx(&launch.config, kernel, p);
-    }
+    if (p.cta_rows > 0)
+      return launch_grouped_kernel<grouped_gemv_rows_kernel<BITS, T, kRotate>>(
+          p, grid, grouped_rows_smem_bytes(p.row_span, static_cast<int>((p.k + kTileK - 1) / kTileK)), stream);
   }
-  constexpr auto kernel = grouped_gemv_kernel<BITS, T, NT, kRotate>;
-  const int smem = grouped_smem_bytes(NT, p.sub_kt, p.order ? p.e : 0);
-  const cudaError_t err = raise_smem_limit<kernel>(smem);
-  if (err != cudaSuccess) return err;
-  const KernelLaunch launch(static_cast<unsigned>(grid), kGemvThreads, smem, stream, 1, use_pdl());
-  return cudaLaunchKernelEx(&launch.config, kernel, p);
+  return launch_grouped_kernel<grouped_gemv_kernel<BITS, T, NT, kRotate>>(
+      p, grid, grouped_smem_bytes(NT, p.sub_kt, p.order ? p.e : 0), stream);
 }
 
 }  // namespace kbit

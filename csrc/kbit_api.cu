@@ -890,10 +890,10 @@ int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const 
       // Per-row mode's balanced plan (grouped_gemv_rows_kernel): the s * n_tiles row tiles in equal
       // contiguous ranges over the SMs, where a range touches at most kGroupedRowSpanMax problem rows
       // and their x, staged over all of K, fits in shared memory (else the units below).
-      const int64_t row_tiles = s * ceil_div(n, kTileN);
+      const int64_t n_tiles = ceil_div(n, kTileN), row_tiles = s * n_tiles;
       const int64_t g = std::min<int64_t>(sm_count(device), row_tiles);
       const int64_t longest = ceil_div(row_tiles, g);
-      const int64_t span = std::min<int64_t>(s, (longest - 1) / ceil_div(n, kTileN) + 2);
+      const int64_t span = std::min<int64_t>(s, (longest - 1) / n_tiles + 2);
       if (span <= kGroupedRowSpanMax && k_tiles <= lim.per_block / gemv_x_tile_bytes(1) &&
           longest * k_tiles < (int64_t{1} << 31) &&
           grouped_rows_smem_bytes(static_cast<int>(span), static_cast<int>(k_tiles)) + kGroupedRowsStaticSmem <=

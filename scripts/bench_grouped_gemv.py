@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_kernels import MIN_CALLS, measure_bandwidth, time_calls  # noqa: E402
+from bench_kernels import MIN_CALLS, measure_bandwidth, random_packed, time_calls  # noqa: E402
 
 from hf_kbit import format as fmt  # noqa: E402
 from hf_kbit.kernel_table import SUPPORTED_BITS  # noqa: E402
@@ -72,18 +72,6 @@ def expert_bytes(n: int, k: int, bits: int) -> int:
                for name in ("planes", "block_scales", "row_scales"))
 
 
-def random_experts(num_experts: int, n: int, k: int, bits: int, device: str, generator=None) -> tuple:
-    """Random packed experts (any plane bits, block-scale codes 120..179, row scales ~0.005): the kernel's speed does
-    not depend on the values."""
-    shapes = fmt.packed_shapes(n, k, bits)
-    planes = torch.randint(-(2**31), 2**31 - 1, (num_experts, *shapes["planes"]), dtype=torch.int32, device=device,
-                           generator=generator)
-    scales = torch.randint(120, 180, (num_experts, *shapes["block_scales"]), dtype=torch.uint8, device=device,
-                           generator=generator)
-    row_scales = torch.rand(num_experts, n, device=device, generator=generator) * 0.01 + 0.001
-    return planes, scales, row_scales, fmt.make_codebook(None, bits).to(device)
-
-
 def routed_ids(tokens: int, num_experts: int, top_k: int, generator: torch.Generator) -> torch.Tensor:
     """[tokens * top_k] expert ids: top_k distinct experts per token, token-major (an experts layer's rows)."""
     return torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(tokens)]).reshape(-1)
@@ -103,7 +91,7 @@ def bench_projection(family: str, proj: str, n: int, k: int, num_experts: int, t
     one = expert_bytes(n, k, bits)
     cuda = device == "cuda"
     copies = max(2, math.ceil(COLD_BYTES / (num_experts * one))) if cuda else 1
-    packs = [random_experts(num_experts, n, k, bits, device) for _ in range(copies)]
+    packs = random_packed(n, k, bits, copies, experts=num_experts, device=device)
     g = torch.Generator().manual_seed(SEED + 1000 * bits + n + k)
     rows = []
     for t in tokens:

@@ -140,16 +140,19 @@ def cold_packs(n: int, k: int, bits: int) -> tuple[list, int]:
     return packs, max(MIN_CALLS, ncopy)
 
 
-def random_packed(n: int, k: int, bits: int, copies: int):
+def random_packed(n: int, k: int, bits: int, copies: int, experts: int | None = None, device: str = "cuda"):
+    """``copies`` random packed [n, k] weights (``experts``: [experts, n, k] each): any plane bits, block-scale codes
+    120..179, row scales ~0.005, the default codebook. The kernels' speed does not depend on the values."""
     from hf_kbit import format as fmt
 
     shapes = fmt.packed_shapes(n, k, bits)
-    cb = fmt.make_codebook(None, bits).cuda()
+    lead = () if experts is None else (experts,)
+    cb = fmt.make_codebook(None, bits).to(device)
     out = []
     for _ in range(copies):
-        planes = torch.randint(-(2**31), 2**31 - 1, shapes["planes"], dtype=torch.int32, device="cuda")
-        scales = torch.randint(120, 180, shapes["block_scales"], dtype=torch.uint8, device="cuda")
-        rs = torch.rand(n, device="cuda") * 0.01 + 0.001
+        planes = torch.randint(-(2**31), 2**31 - 1, (*lead, *shapes["planes"]), dtype=torch.int32, device=device)
+        scales = torch.randint(120, 180, (*lead, *shapes["block_scales"]), dtype=torch.uint8, device=device)
+        rs = torch.rand(*lead, n, device=device) * 0.01 + 0.001
         out.append((planes, scales, rs, cb))
     return out
 
