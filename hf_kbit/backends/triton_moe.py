@@ -15,6 +15,8 @@ histogram in registers). On sm_90+ every kernel is a programmatic dependent laun
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import triton
 import triton.language as tl
@@ -112,7 +114,12 @@ ROUTER_FUSED_MAX_EXPERTS = 512
 ROUTER_PROGRAMS = 32
 ROUTER_TILE_ELEMENTS = 8192
 _ROUTER_ROWS_P = 16  # the rows' tile for tl.dot (at least 16)
-_router_counters: dict[tuple[int, int], torch.Tensor] = {}
+# Arrival counters: one zeroed int32 array per device, made once, and a slot of it per stream that calls the
+# fused router (calls on one stream run one after another; two streams must not share a counter). Streams beyond
+# the slots take the unfused path.
+ROUTER_COUNTER_SLOTS = 64
+_router_counters: dict[int, torch.Tensor] = {}  # by device index
+_router_slots: dict[tuple[int, int], torch.Tensor] = {}  # by (device index, stream): a slot of the device's array
 
 
 @triton.jit
@@ -153,41 +160,77 @@ def _router_softmax_topk_kernel(x_ptr, w_ptr, partial_ptr, counter_ptr, logits_p
         tl.atomic_xchg(counter_ptr, 0)
 
 
-def _router_counter(device: torch.device) -> torch.Tensor:
-    """The fused router's arrival counter for the current stream of ``device``, zero between calls (the last program
-    of a call resets it; calls on one stream run one after another, calls on two streams use two counters). Made
-    on first use, inside a CUDA graph's capture too (the graph then zeroes it once per replay)."""
+def _router_counter(device: torch.device) -> torch.Tensor | None:
+    """The fused router's arrival counter for the current stream of ``device`` (a slot of the device's array),
+    zero between calls: the last program of a call resets it. None where no counter can be had: the device's array
+    is not made yet and the stream is capturing a CUDA graph (zeroing it there would be a step of the graph), or
+    every slot is taken."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, torch.cuda.current_stream(index).cuda_stream)
-    counter = _router_counters.get(key)
-    if counter is None:
-        counter = _router_counters[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    counter = _router_slots.get(key)
+    if counter is not None:
+        return counter
+    counters = _router_counters.get(index)
+    if counters is None:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        counters = _router_counters[index] = _zeros_outside_graph_pools(index, ROUTER_COUNTER_SLOTS)
+    slot = sum(1 for device_index, _ in _router_slots if device_index == index)
+    if slot == ROUTER_COUNTER_SLOTS:
+        return None
+    counter = _router_slots[key] = counters[slot:slot + 1]
     return counter
+
+
+def _zeros_outside_graph_pools(index: int, size: int) -> torch.Tensor:
+    """``torch.zeros(size, int32)`` on CUDA device ``index``, allocated by a thread of its own. A CUDA graph's
+    memory pool (torch.compile's CUDA graphs warming up or recording, ``torch.cuda.graph``) takes the allocations
+    of the thread that opened it; a tensor that outlives the graph's run must not live there (cudagraph trees
+    refuse a live tensor of the pool that no output owns, and the pool may hand its memory to another tensor)."""
+    made: list = []
+
+    def make():
+        try:
+            with torch.cuda.device(index):
+                stream = torch.cuda.Stream()
+                with torch.cuda.stream(stream):
+                    made.append(torch.zeros(size, dtype=torch.int32, device=f"cuda:{index}"))
+                stream.synchronize()
+        except BaseException as error:  # re-raised in the caller's thread
+            made.append(error)
+
+    thread = threading.Thread(target=make, name="kbit-router-counters")
+    thread.start()
+    thread.join()
+    if isinstance(made[0], BaseException):
+        raise made[0]
+    return made[0]
 
 
 @torch.library.impl(_ops._lib, "router_softmax_topk", "CUDA")
 def _router_softmax_topk_cuda(x, weight, k, renormalize, cast=False):
     """Up to ROUTER_FUSED_MAX_ROWS rows of 16-bit x and ROUTER_FUSED_MAX_EXPERTS experts: the router's matmul and
     softmax_topk's rule in one launch, the hidden dim split over ROUTER_PROGRAMS programs (float32 sums rounded once
-    to x's dtype, as F.linear returns them; cuBLAS may sum in another order, or in bf16). Otherwise the router's
-    matmul, then softmax_topk's kernel."""
+    to x's dtype, as F.linear returns them; cuBLAS may sum in another order, or in bf16). Otherwise, or where no
+    arrival counter can be had (:func:`_router_counter`), the router's matmul, then softmax_topk's kernel."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1]:
         return _ops._router_softmax_topk_ref(x, weight, k, renormalize, cast)  # raises its error
     rows, hidden = x.shape
     experts = weight.shape[0]
-    if (not 1 <= rows <= ROUTER_FUSED_MAX_ROWS or experts > ROUTER_FUSED_MAX_EXPERTS
-            or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype or weight.device != x.device):
+    fused = (1 <= rows <= ROUTER_FUSED_MAX_ROWS and experts <= ROUTER_FUSED_MAX_EXPERTS
+             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.device == x.device)
+    if fused and not 1 <= k <= experts:
+        raise ValueError(f"router_softmax_topk: k must be in 1..{experts} (the experts), got {k}")
+    counter = _router_counter(x.device) if fused else None
+    if counter is None:
         logits = torch.nn.functional.linear(x, weight)
         return (logits, *_softmax_topk_cuda(logits, k, renormalize, cast))
-    if not 1 <= k <= experts:
-        raise ValueError(f"router_softmax_topk: k must be in 1..{experts} (the experts), got {k}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     block = triton.next_power_of_2(experts)
     block_e = max(16, block)
     block_h = max(16, min(128, ROUTER_TILE_ELEMENTS // block_e))
     span = triton.cdiv(triton.cdiv(hidden, ROUTER_PROGRAMS), block_h) * block_h
-    counter = _router_counter(x.device)
     partial = torch.empty((ROUTER_PROGRAMS, _ROUTER_ROWS_P, block_e), dtype=torch.float32, device=x.device)
     logits = x.new_empty((rows, experts))
     weights = x.new_empty((rows, k), dtype=x.dtype if cast else torch.float32)

@@ -554,6 +554,62 @@ def test_router_softmax_topk_repeats_and_replays_in_a_cuda_graph():
     _check_router(b[0].cpu(), b[1].cpu(), captured[1], 4, True, True)
 
 
+
+def test_router_softmax_topk_under_compiled_cuda_graphs(monkeypatch):
+    """torch.compile's CUDA graphs (what generate() with a static cache runs) warm up and record the fused router
+    before any arrival counter exists: the counters are made outside the graphs' memory pool (one made inside is a
+    live tensor of the pool that no output owns, which cudagraph trees refuse), and the replays route as the op."""
+    from hf_kbit.backends import triton_moe
+
+    monkeypatch.setattr(triton_moe, "_router_counters", {})
+    monkeypatch.setattr(triton_moe, "_router_slots", {})
+    torch._dynamo.reset()
+    x, weight = (t.to(DEVICE) for t in _router_case(1, 2048, 128, torch.bfloat16, seed=3))
+    compiled = torch.compile(lambda x: torch.ops.kbit.router_softmax_topk(x, weight, 8, True, True),
+                             fullgraph=True, mode="reduce-overhead")
+    with torch.no_grad():
+        for step in range(4):  # warm-up, recording, replays
+            x = torch.randn(1, 2048, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(step))
+            x = x.to(torch.bfloat16)
+            got = [t.clone() for t in compiled(x)]
+            _check_router(x.cpu(), weight.cpu(), got, 8, True, True)
+    assert torch.cuda.current_device() in triton_moe._router_counters, "the fused kernel did not run"
+    torch._dynamo.reset()
+
+
+def test_router_counters_per_stream_and_none_in_a_capture_before_any(monkeypatch):
+    """Each stream its own zeroed slot of the device's array; a CUDA graph captured before the array exists routes
+    unfused (the array is not made inside a capture) and still as the op."""
+    from hf_kbit.backends import triton_moe
+
+    monkeypatch.setattr(triton_moe, "_router_counters", {})
+    monkeypatch.setattr(triton_moe, "_router_slots", {})
+    x, weight = (t.to(DEVICE) for t in _router_case(1, 1024, 60, torch.bfloat16, seed=4))
+    op = torch.ops.kbit.router_softmax_topk
+    torch.ops.kbit.softmax_topk(torch.nn.functional.linear(x, weight), 4, True, True)  # nothing lazy in the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        assert triton_moe._router_counter(x.device) is None
+        captured = op(x, weight, 4, True, True)
+    assert not triton_moe._router_counters
+    x.copy_(torch.randn(x.shape, device=DEVICE))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check_router(x.cpu(), weight.cpu(), captured, 4, True, True)
+
+    first = triton_moe._router_counter(x.device)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        second = triton_moe._router_counter(x.device)
+        for _ in range(3):
+            got = op(x, weight, 4, True, True)
+    side.synchronize()
+    _check_router(x.cpu(), weight.cpu(), got, 4, True, True)
+    assert first.data_ptr() != second.data_ptr()
+    assert triton_moe._router_counter(x.device) is first
+    assert int(first) == 0 and int(second) == 0, "a call left its arrival counter non-zero"
+
+
 # ---------------------------------------------------------------------------- the experts layer's elementwise ops
 
 
