@@ -26,6 +26,10 @@ bits per weight, metadata included:
   ``lloyd_iters`` override ``fitting.DEFAULT_SETTINGS[k]``), dequantized with :func:`hf_kbit.format.dequantize`:
   what the kbit kernels would compute with, before that quantizer is wired into quantize-on-load. Bits:
   :func:`hf_kbit.format.bits_per_weight`, the same as ``kbit<k>``.
+  ``offset_bits=b`` (2..8) screens a candidate extension of the format that no kernel reads yet: an integer offset
+  per block, the block's midrange rounded to a per-row grid (signed b-bit codes times a float32 step per row, the
+  row's largest midrange at the top code, :func:`block_offsets`), subtracted before the fit and added back. Bits:
+  the format's plus ``b`` per block and 32 per row.
 
 Rotation (format v3) is not an anchor: ``kbit<k>:rotation=true`` (or ``=auto``) quantizes through the shipped
 path, ``KbitConfig(rotation=...)``, whose modules rotate the activations as the kernels do.
@@ -47,7 +51,9 @@ ANCHORS = ("hqq", "rtn", "nf", "kbitfit")
 ANCHOR_BITS = {"hqq": (2, 3, 4, 5, 8), "rtn": (2, 3, 4, 5, 8), "nf": (4,), "kbitfit": fmt.SUPPORTED_BITS}
 DEFAULT_GROUP_SIZE = {"hqq": 64, "rtn": 128, "nf": 64, "kbitfit": fmt.BLOCK_SIZE}
 FIT_OPTIONS = ("codes_below", "codes_above", "lloyd_iters")  # kbitfit's overrides of fitting.FitSettings
-KBIT_OPTIONS = {"kbitfit": FIT_OPTIONS}  # options per fitted method
+OFFSET_OPTION = "offset_bits"  # kbitfit: an integer offset per block (module docstring); 0: none
+OFFSET_BITS = range(2, 9)
+KBIT_OPTIONS = {"kbitfit": (*FIT_OPTIONS, OFFSET_OPTION)}  # options per fitted method
 FP16_BITS = 16  # scale and zero of RTN and HQQ
 FP32_BITS = 32  # NF4 absmax
 
@@ -62,6 +68,18 @@ def _check_group(group_size: int, what: str = "group_size") -> None:
         raise ValueError(f"{what} must be a positive int, got {group_size!r}")
 
 
+def _row_groups(weight: torch.Tensor, size: int) -> torch.Tensor:
+    """``weight [N, K]`` in float32 as ``[N, ceil(K / size), size]`` groups along K; a row's last element repeats to
+    fill its last group, so that group's min and max stay its own."""
+    n, k = weight.shape
+    groups = math.ceil(k / size)
+    w = weight.float()
+    pad = groups * size - k
+    if pad:
+        w = torch.cat([w, w[:, -1:].expand(n, pad)], dim=1)
+    return w.reshape(n, groups, size)
+
+
 # ----------------------------------------------------------------------------- RTN
 
 
@@ -70,19 +88,14 @@ def rtn_fake_quantize(weight: torch.Tensor, bits: int, group_size: int = 128) ->
     _check_weight(weight)
     _check_group(group_size)
     n, k = weight.shape
-    groups = math.ceil(k / group_size)
-    w = weight.float()
-    pad = groups * group_size - k
-    if pad:  # repeat the row's last element: the tail group's min and max stay its own
-        w = torch.cat([w, w[:, -1:].expand(n, pad)], dim=1)
-    x = w.reshape(n, groups, group_size)
+    x = _row_groups(weight, group_size)
     lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
     levels = (1 << bits) - 1
     scale = ((hi - lo) / levels).half().float()
     zero = lo.half().float()
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group reconstructs as its zero
     q = ((x - zero) / safe).round().clamp(0, levels) * (scale > 0)
-    return (q * scale + zero).reshape(n, groups * group_size)[:, :k]
+    return (q * scale + zero).reshape(n, -1)[:, :k]
 
 
 def rtn_bits_per_weight(n: int, k: int, bits: int, group_size: int = 128) -> float:
@@ -169,6 +182,26 @@ def kbit_fit_fake_quantize(weight: torch.Tensor, bits: int, settings=None) -> to
     return fmt.dequantize(planes, block_scales, row_scales, codebook, weight.shape[1])
 
 
+def block_offsets(weight: torch.Tensor, offset_bits: int) -> torch.Tensor:
+    """The offset of each block of the format (``format.BLOCK_SIZE`` elements along K) as the reconstruction would
+    add it, float32 ``[N, K]``: the block's midrange ``(max + min) / 2`` rounded to a multiple of the row's step, at
+    most ``2**(offset_bits - 1) - 1`` steps either way (``-2**(offset_bits - 1)`` is never needed), where the
+    step is the row's largest ``|midrange|`` over that top code. A row's shorter last block takes its own midrange."""
+    _check_weight(weight)
+    x = _row_groups(weight, fmt.BLOCK_SIZE)
+    mid = (x.amax(-1) + x.amin(-1)) / 2
+    top = (1 << (offset_bits - 1)) - 1
+    step = mid.abs().amax(1, keepdim=True) / top
+    codes = (mid / torch.where(step > 0, step, torch.ones_like(step))).round().clamp(-top, top)
+    return (codes * step).repeat_interleave(fmt.BLOCK_SIZE, dim=1)[:, :weight.shape[1]]
+
+
+def kbit_offset_fake_quantize(weight: torch.Tensor, bits: int, settings, offset_bits: int) -> torch.Tensor:
+    """``kbitfit`` of the weight less its :func:`block_offsets`, plus the offsets."""
+    offsets = block_offsets(weight, offset_bits)
+    return kbit_fit_fake_quantize(weight.float() - offsets, bits, settings) + offsets
+
+
 # ----------------------------------------------------------------------------- one interface
 
 
@@ -196,6 +229,10 @@ class Anchor:
                 raise ValueError(f"{self.method}: the format's block is {fmt.BLOCK_SIZE} elements, "
                                  f"got group_size={self.group_size}")
             self.fit_settings()  # validates the overrides
+            offset = self.offset_bits
+            if offset and (not isinstance(offset, int) or isinstance(offset, bool) or offset not in OFFSET_BITS):
+                raise ValueError(f"{self.method}: {OFFSET_OPTION} must be 0 (none) or an int in "
+                                 f"{OFFSET_BITS.start}..{OFFSET_BITS.stop - 1}, got {offset!r}")
         elif self.fit:
             raise ValueError(f"{self.method} anchors take no fit options, got {dict(self.fit)}")
 
@@ -210,6 +247,11 @@ class Anchor:
         overrides = {k: v for k, v in self.fit if k in FIT_OPTIONS}
         return dataclasses.replace(fitting.DEFAULT_SETTINGS[self.bits], **overrides)
 
+    @property
+    def offset_bits(self) -> int:
+        """kbitfit: bits of the offset per block (0: none; module docstring)."""
+        return dict(self.fit).get(OFFSET_OPTION, 0)
+
     def fake_quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, float]:
         """``(reconstructed weight float32, stored bits per weight as the format would hold it)``."""
         n, k = weight.shape
@@ -218,6 +260,9 @@ class Anchor:
             return out, 8 * stored / (n * k)
         if self.method == "rtn":
             return rtn_fake_quantize(weight, self.bits, self.group_size), self.bits_per_weight(n, k)
+        if self.method == "kbitfit" and self.offset_bits:
+            out = kbit_offset_fake_quantize(weight, self.bits, self.fit_settings(), self.offset_bits)
+            return out, self.bits_per_weight(n, k)
         if self.method == "kbitfit":
             return kbit_fit_fake_quantize(weight, self.bits, self.fit_settings()), self.bits_per_weight(n, k)
         return nf4_fake_quantize(weight, self.group_size), self.bits_per_weight(n, k)
@@ -229,7 +274,8 @@ class Anchor:
         if self.method == "rtn":
             return rtn_bits_per_weight(n, k, self.bits, self.group_size)
         if self.method in KBIT_OPTIONS:
-            return fmt.bits_per_weight(n, k, self.bits)
+            offsets = (self.offset_bits * math.ceil(k / fmt.BLOCK_SIZE) + FP32_BITS) / k if self.offset_bits else 0.0
+            return fmt.bits_per_weight(n, k, self.bits) + offsets
         return nf4_bits_per_weight(n, k, self.group_size)
 
     def describe(self) -> str:
@@ -244,7 +290,10 @@ class Anchor:
             settings = self.fit_settings()
             return (f"kbit format v1, k = {self.bits}, fitted by hf_kbit.fitting (block codes searched "
                     f"{settings.codes_below} below / {settings.codes_above} above the absmax code, "
-                    f"{settings.lloyd_iters} Lloyd iterations of the per-layer codebook), dequantized: bits/weight "
-                    "as format.bits_per_weight")
+                    f"{settings.lloyd_iters} Lloyd iterations of the per-layer codebook)"
+                    + (f", an offset per block ({self.offset_bits}-bit codes times a float32 step per row; no "
+                       "kernel reads it)" if self.offset_bits else "")
+                    + ", dequantized: bits/weight as format.bits_per_weight"
+                    + (" + the offsets' codes and steps" if self.offset_bits else ""))
         return (f"NF4 (bitsandbytes levels), float32 absmax per block of {self.group_size}, no double "
                 f"quantization: 4 + 32/{self.group_size} bits/weight")

@@ -12,14 +12,15 @@ A variant spec is ``METHOD[BITS][:KEY=VALUE]...``; a list of them is comma-separ
 - ``hqq<b>``, ``rtn<b>``, ``nf4``: anchors (hf_kbit.eval.anchors), fake-quantized Linears; option
   ``group_size`` (the NF4 block size for ``nf4``).
 - ``kbitfit<k>``: the kbit format fitted by hf_kbit.fitting, fake-quantized the same way; options
-  ``codes_below``, ``codes_above``, ``lloyd_iters``.
+  ``codes_below``, ``codes_above``, ``lloyd_iters``, and ``offset_bits`` (an integer offset per block, a candidate
+  format extension; hf_kbit.eval.anchors).
 - ``kbitcal<k>``: the kbit format calibrated by hf_kbit.calibration (GPTQ-style error feedback with the fitted
   codebook and block scales, decoder layer by decoder layer; q/k/v and gate/up share a codebook as
   quantize-on-load with ``KbitConfig(calibration_data=...)`` gives them), fake-quantized the same way. Calibration text:
   the last ``samples`` x ``seq_len`` tokens of ``corpus`` (default: the evaluated corpus, from the part after
   the evaluated prefix, so calibration and evaluation never share text; another corpus: its end). Options
   ``samples`` (128), ``seq_len`` (2048), ``corpus``, ``damp``, ``batch_size`` (sequences per calibration
-  forward, 8) and kbitfit's three.
+  forward, 8) and kbitfit's first three.
 
 A value is read as JSON when it parses (``false``, ``64``, ``[-1, 0, 1]``, ``"x"``), else as a string.
 ``name=...`` sets the label; the default label is the spec as written.
