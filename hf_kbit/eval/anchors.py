@@ -260,11 +260,10 @@ class Anchor:
             return out, 8 * stored / (n * k)
         if self.method == "rtn":
             return rtn_fake_quantize(weight, self.bits, self.group_size), self.bits_per_weight(n, k)
-        if self.method == "kbitfit" and self.offset_bits:
-            out = kbit_offset_fake_quantize(weight, self.bits, self.fit_settings(), self.offset_bits)
-            return out, self.bits_per_weight(n, k)
         if self.method == "kbitfit":
-            return kbit_fit_fake_quantize(weight, self.bits, self.fit_settings()), self.bits_per_weight(n, k)
+            out = (kbit_offset_fake_quantize(weight, self.bits, self.fit_settings(), self.offset_bits)
+                   if self.offset_bits else kbit_fit_fake_quantize(weight, self.bits, self.fit_settings()))
+            return out, self.bits_per_weight(n, k)
         return nf4_fake_quantize(weight, self.group_size), self.bits_per_weight(n, k)
 
     def bits_per_weight(self, n: int, k: int) -> float:

@@ -554,7 +554,6 @@ def test_router_softmax_topk_repeats_and_replays_in_a_cuda_graph():
     _check_router(b[0].cpu(), b[1].cpu(), captured[1], 4, True, True)
 
 
-
 def test_router_softmax_topk_under_compiled_cuda_graphs(monkeypatch):
     """torch.compile's CUDA graphs (what generate() with a static cache runs) warm up and record the fused router
     before any arrival counter exists: the counters are made outside the graphs' memory pool (one made inside is a
