@@ -67,7 +67,10 @@ def _bits(planes: torch.Tensor) -> int:
 def _check_packed(planes, block_scales, row_scales, codebook, in_features) -> None:
     """Shape/dtype agreement of the four packed tensors; raises before any compute or launch."""
     torch._check(planes.dtype == torch.int32, lambda: f"planes must be int32, got {planes.dtype}")
-    torch._check(block_scales.dtype == torch.uint8, lambda: f"block_scales must be uint8, got {block_scales.dtype}")
+    torch._check(
+        block_scales.dtype in (torch.uint8, fmt.RECORD_DTYPE),
+        lambda: f"block_scales must be uint8 (E4M4 codes) or int16 (block records), got {block_scales.dtype}",
+    )
     torch._check(row_scales.dtype == torch.float32, lambda: f"row_scales must be float32, got {row_scales.dtype}")
     torch._check(codebook.dtype == torch.float32, lambda: f"codebook must be float32, got {codebook.dtype}")
     bits = _bits(planes)

@@ -17,7 +17,7 @@ from torch import nn
 
 from . import format as fmt
 
-_SAFETENSORS_DTYPES = {"I32": torch.int32, "U8": torch.uint8, "F32": torch.float32}
+_SAFETENSORS_DTYPES = {"I32": torch.int32, "I16": torch.int16, "U8": torch.uint8, "F32": torch.float32}
 
 
 class KbitCheckpointError(ValueError):
@@ -27,9 +27,9 @@ class KbitCheckpointError(ValueError):
 def expected_tensors(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """``{state_dict key: (shape, dtype)}`` for every format tensor of every kbit module.
 
-    A kbit module is one with ``packed_shapes() -> {tensor name: shape}``; a tensor's dtype
-    follows its name's suffix (``planes``, ``block_scales``, ``row_scales``, ``codebook``,
-    ``rotation_signs``).
+    A kbit module is one with ``packed_shapes() -> {tensor name: shape}``; a tensor's dtype is the module's
+    (``packed_dtypes()``, where it has one: KbitLinear's block scales may be int16 block records), else follows
+    its name's suffix (``planes``, ``block_scales``, ``row_scales``, ``codebook``, ``rotation_signs``).
     """
     expected = {}
     for name, module in model.named_modules():
@@ -37,11 +37,16 @@ def expected_tensors(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch
         if packed_shapes is None:
             continue
         for tensor_name, shape in packed_shapes().items():
-            expected[f"{name}.{tensor_name}"] = (shape, _dtype_of(tensor_name))
+            expected[f"{name}.{tensor_name}"] = (shape, _module_dtype(module, tensor_name))
     return expected
 
 
 _TENSOR_DTYPES = {**fmt.PACKED_DTYPES, fmt.ROTATION_SIGNS: fmt.ROTATION_SIGNS_DTYPE}
+
+
+def _module_dtype(module: nn.Module, tensor_name: str) -> torch.dtype:
+    dtypes = getattr(module, "packed_dtypes", None)
+    return dtypes()[tensor_name] if dtypes is not None else _dtype_of(tensor_name)
 
 
 def _dtype_of(tensor_name: str) -> torch.dtype:
@@ -232,7 +237,7 @@ def validate_loaded(model: nn.Module) -> None:
             raise KbitCheckpointError(f"'{name}.{placeholders[0]}' was never loaded: the checkpoint has no such weight")
         for tensor_name, shape in packed_shapes().items():
             t = getattr(module, tensor_name)
-            dtype = _dtype_of(tensor_name)
+            dtype = _module_dtype(module, tensor_name)
             if t.dtype != dtype or tuple(t.shape) != shape:
                 raise KbitCheckpointError(
                     f"'{name}.{tensor_name}' is {t.dtype} {tuple(t.shape)}, expected {dtype} {shape}"
@@ -243,6 +248,10 @@ def validate_loaded(model: nn.Module) -> None:
                 cb = t.reshape(-1, shape[-1])
                 if not bool(torch.isfinite(cb).all()) or not bool((cb[:, 1:] > cb[:, :-1]).all()) or float(cb.abs().max()) > 1:
                     raise KbitCheckpointError(f"'{name}.{tensor_name}' is not a sorted codebook within [-1, 1]")
+            elif tensor_name.endswith("block_scales") and t.dtype == fmt.RECORD_DTYPE:
+                if bool((fmt.block_records(t)[1] < -fmt.OFFSET_MAX).any()):
+                    raise KbitCheckpointError(f"'{name}.{tensor_name}' holds block offsets below -{fmt.OFFSET_MAX} "
+                                              f"(format v4 records use -{fmt.OFFSET_MAX}..{fmt.OFFSET_MAX})")
             elif tensor_name.endswith("row_scales"):
                 if not bool(((t > 0) & (t <= fmt.ROW_SCALE_MAX)).all()):  # NaN fails both
                     raise KbitCheckpointError(

@@ -93,8 +93,17 @@ class KbitConfig(QuantizationConfigMixin):
             k <= 4, data-free and without ``rotation``, where the model's attention allows it, off otherwise
             (:func:`hf_kbit.head_rotation.resolve`; measured in docs/format.md#head-rotation); a quantized model's
             config (``model.config.quantization_config``) records what was done.
+        block_offsets: give each block of 32 of the Linear layers an offset as well as a scale (format v4: int16
+            block records, :mod:`hf_kbit.format`): the block's values are then centred on their midrange before
+            the codebook and scale are chosen, which suits weights whose blocks are not centred on zero (zero-point
+            formats such as GGUF Q4_1 and HQQ store one too). 8 more bits per block (+0.25 bits/weight). Data-free
+            only (not with ``calibration_data``); fused MoE experts keep plain scales. Measured in
+            docs/format.md#block-offsets. No CUDA kernel reads the records yet: on CUDA every matmul of such a
+            layer dequantizes its weight first, slower than bf16 (docs/kernels.md). ``False`` (default): uint8
+            scales, format v1/v3.
         format_version: version of the packed format; a checkpoint newer than this library
-            is refused. ``None``: 1, which quantization raises to 2 once a layer is stored rotated.
+            is refused. ``None``: 1, which quantization raises to 3 once a layer is stored rotated and to 4 once
+            one holds block records.
         fuse_projections: after loading, run sibling projections that read the same input
             (``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``) as one kbit launch
             each (:func:`hf_kbit.nn.fuse_projections`); a runtime choice, the checkpoint's
@@ -140,6 +149,7 @@ class KbitConfig(QuantizationConfigMixin):
         rotation: bool | str = False,
         rotation_seed: int = 0,
         head_rotation: bool | None = None,
+        block_offsets: bool = False,
         **kwargs: Any,
     ):
         self.quant_method = QUANT_METHOD
@@ -159,6 +169,7 @@ class KbitConfig(QuantizationConfigMixin):
         self.rotation = rotation
         self.rotation_seed = rotation_seed
         self.head_rotation = head_rotation
+        self.block_offsets = block_offsets
         kwargs.pop("quant_method", None)
         for key, value in _FORMAT_FACTS.items():
             if kwargs.pop(key, value) != value:
@@ -171,7 +182,7 @@ class KbitConfig(QuantizationConfigMixin):
     def _fields() -> list[str]:
         return ["bits", "codebook", "modules_to_not_convert", "module_bits", "fitting", "format_version", "fuse_projections",
                 "calibration_data", "calibration_samples", "calibration_seq_len", "calibration_tokenizer", "calibration", "fusion_pass",
-                "rotation", "rotation_seed", "head_rotation"]
+                "rotation", "rotation_seed", "head_rotation", "block_offsets"]
 
     def post_init(self) -> None:
         """Validate every field; errors name the field, the expectation and the value."""
@@ -217,7 +228,7 @@ class KbitConfig(QuantizationConfigMixin):
             )
         if self.fitting is not None and self.fitting not in FITTINGS:
             raise ValueError(f"KbitConfig.fitting must be one of {FITTINGS} or None, got {self.fitting!r}")
-        for field in ("fuse_projections", "fusion_pass"):
+        for field in ("fuse_projections", "fusion_pass", "block_offsets"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"KbitConfig.{field} must be a bool, got {getattr(self, field)!r}")
         if self.head_rotation is not None and not isinstance(self.head_rotation, bool):
@@ -241,6 +252,9 @@ class KbitConfig(QuantizationConfigMixin):
                 f"v{fmt.FORMAT_VERSION}. Upgrade: `pip install -U hf-kbit`."
             )
         self._check_calibration()
+        if self.block_offsets and (self.calibration_data is not None or self.calibration is not None):
+            raise ValueError("KbitConfig.block_offsets=True is data-free only; it does not combine with calibration "
+                             "(calibration_data or a calibrated checkpoint's calibration record)")
 
     def _check_calibration(self) -> None:
         data = self.calibration_data
@@ -336,6 +350,7 @@ class KbitConfig(QuantizationConfigMixin):
             **({"rotation": self.rotation} if self.rotation is not False else {}),
             **({"rotation_seed": self.rotation_seed} if self.rotation_seed != 0 else {}),
             **({"head_rotation": True} if self.head_rotation else {}),
+            **({"block_offsets": True} if self.block_offsets else {}),
             **_FORMAT_FACTS,
         }
 

@@ -45,6 +45,7 @@ __all__ = [
     "FITTINGS",
     "FitSettings",
     "absmax_codes",
+    "block_offsets",
     "check_bits",
     "codebook_groups",
     "codebook_needs_data",
@@ -56,6 +57,7 @@ __all__ = [
     "pack_groups",
     "layer_codebook",
     "quantize_fitted",
+    "remove_offsets",
     "row_scales",
     "sample_stride",
     "search_block_codes",
@@ -85,6 +87,8 @@ class FitSettings:
         balance_members: in a codebook that siblings share (:func:`group_codebook`: q/k/v, gate/up), each
             member's blocks weigh as much in the Lloyd update as another's, whatever its row count (k and v
             count as much as a q several times their size). ``False``: every row the same weight.
+        offsets: give each block an offset (:func:`block_offsets`; format v4's int16 block records,
+            ``KbitConfig.block_offsets``) and fit the rest.
     """
 
     codes_below: int
@@ -93,6 +97,7 @@ class FitSettings:
     codebook: str | None = None
     max_fit_blocks: int = MAX_FIT_BLOCKS
     balance_members: bool = False
+    offsets: bool = False
 
     def __post_init__(self):
         for name in ("codes_below", "codes_above", "lloyd_iters"):
@@ -129,17 +134,20 @@ FITTINGS = ("absmax", "fit")
 DEFAULT_FITTING = dict.fromkeys(fmt.SUPPORTED_BITS, "fit")
 
 
-def settings_for(fitting: str | None, bits: int, codebook: object = None) -> FitSettings | None:
-    """The FitSettings of ``fitting`` (``None``: this k's default) at ``bits``; ``None`` for "absmax".
+def settings_for(fitting: str | None, bits: int, codebook: object = None, offsets: bool = False) -> FitSettings | None:
+    """The FitSettings of ``fitting`` (``None``: this k's default) at ``bits``; ``None`` for "absmax" (with
+    ``offsets``: the absmax rule on each block less its offset, no search, the codebook as configured).
 
     An explicit codebook (a list or tensor of levels) is kept as given: only block codes are searched.
+    ``offsets``: each block gets an offset (:func:`block_offsets`; int16 block records).
     """
     fitting = DEFAULT_FITTING[check_bits(bits)] if fitting is None else fitting
     if fitting not in FITTINGS:
         raise ValueError(f"fitting must be one of {FITTINGS} or None, got {fitting!r}")
     if fitting == "absmax":
-        return None
-    settings = DEFAULT_SETTINGS[bits]
+        return FitSettings(codes_below=0, codebook=codebook if isinstance(codebook, str) else None,
+                           offsets=True) if offsets else None
+    settings = dataclasses.replace(DEFAULT_SETTINGS[bits], offsets=offsets)
     if codebook is not None and not isinstance(codebook, str):
         return dataclasses.replace(settings, lloyd_iters=0)
     return dataclasses.replace(settings, codebook=codebook)
@@ -288,6 +296,30 @@ def search_block_codes(
     return codes.reshape(*lead, *codes.shape[1:])
 
 
+# ---------------------------------------------------------------------------- offsets
+
+
+def block_offsets(blocks: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Offset codes of ``blocks [G, N, B, 32]`` under row scales ``rows [G, N]`` (format.OFFSET_STEP): each
+    block's midrange ``(max + min) / 2`` over its real elements (``mask [B, 32]``, as :func:`element_mask`; None:
+    all), in steps of ``OFFSET_STEP * row_scale``, rounded to nearest and clamped to ``+-OFFSET_MAX``; int64
+    ``[G, N, B]``, 0 for a block without real elements."""
+    real = torch.ones(blocks.shape[-2:], dtype=torch.bool, device=blocks.device) if mask is None else mask > 0
+    high = torch.where(real, blocks, -math.inf).amax(-1)
+    low = torch.where(real, blocks, math.inf).amin(-1)
+    mid = torch.where(real.any(-1), (high + low) / 2, 0.0)
+    codes = (mid / (fmt.OFFSET_STEP * rows[..., None])).round().clamp_(-fmt.OFFSET_MAX, fmt.OFFSET_MAX)
+    return codes.long()
+
+
+def remove_offsets(blocks: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor,
+                   mask: torch.Tensor | None) -> torch.Tensor:
+    """``blocks [G, N, B, 32]`` less their decoded offsets (codes ``offsets [G, N, B]`` under ``rows [G, N]``); K
+    padding (``mask`` 0) stays 0, so that it sets no block's absmax."""
+    residual = blocks - (offsets.float() * fmt.OFFSET_STEP * rows[..., None])[..., None]
+    return residual if mask is None else residual * (mask > 0)
+
+
 # ---------------------------------------------------------------------------- codebook
 
 
@@ -374,6 +406,8 @@ def fit_codebook(
         row_weights = row_weights[rows_sel]
     fit_blocks = blocks[:, rows_sel]
     rows = row_scales(w)[:, rows_sel]
+    if settings.offsets:
+        fit_blocks = remove_offsets(fit_blocks, rows, block_offsets(fit_blocks, rows, mask), mask)
     table = fmt.e4m4_table(w.device)
     for _ in range(settings.lloyd_iters):
         codes = search_codes(fit_blocks, rows, cb, settings.codes_below, settings.codes_above, mask)
@@ -467,6 +501,7 @@ def quantize_fitted(
     codebook: torch.Tensor,
     codes_below: int,
     codes_above: int = 0,
+    offsets: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``weight [..., N, K]`` with ``codebook`` and searched block codes -> format v1 tensors.
 
@@ -476,7 +511,9 @@ def quantize_fitted(
     :func:`hf_kbit.format.dequantize` with the same codebook reads them. Row scales follow the
     format's rule; block codes come from :func:`search_block_codes`; each index is the nearest
     level, as in format.quantize. With ``codes_below = codes_above = 0`` the bytes equal
-    format.quantize's.
+    format.quantize's. ``offsets``: each block first gets its :func:`block_offsets` (under the same row scales),
+    the rest is quantized as above, and ``block_scales`` holds int16 block records
+    (:func:`hf_kbit.format.block_records`).
     """
     w, lead = _as_groups(weight)
     cb = codebook_groups(codebook, lead, w.device)
@@ -488,20 +525,26 @@ def quantize_fitted(
     rows = row_scales(w)
     rows_pad = torch.nn.functional.pad(rows, (0, n_pad - n), value=1.0)
     blocks = _blocks(w, n_pad, k_pad)
-    codes = search_codes(blocks, rows_pad, cb, codes_below, codes_above, element_mask(k, blocks.shape[2], w.device))
+    mask = element_mask(k, blocks.shape[2], w.device)
+    offset_codes = block_offsets(blocks, rows_pad, mask) if offsets else None
+    if offsets:
+        blocks = remove_offsets(blocks, rows_pad, offset_codes, mask)
+    codes = search_codes(blocks, rows_pad, cb, codes_below, codes_above, mask)
     scale = fmt.e4m4_table(w.device)[codes] * rows_pad[..., None]
     x = torch.where(scale[..., None] > 0, blocks / torch.where(scale > 0, scale, 1.0)[..., None], 0.0)
-    return pack_groups(_nearest(x, cb), codes, rows, bits, lead)
+    return pack_groups(_nearest(x, cb), codes, rows, bits, lead, offset_codes)
 
 
 def pack_groups(
-    indices: torch.Tensor, codes: torch.Tensor, rows: torch.Tensor, bits: int, lead: tuple[int, ...]
+    indices: torch.Tensor, codes: torch.Tensor, rows: torch.Tensor, bits: int, lead: tuple[int, ...],
+    offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Format v1 tensors ``(planes, block_scales, row_scales)`` of ``G = prod(lead)`` weights from their padded
     int64 ``indices [G, N_pad, K_pad / 32, 32]``, block ``codes [G, N_pad, K_pad / 32]`` and float32 ``rows [G, N]``
-    (bit-planes packed and tiled, codes tiled, the leading dims ``lead`` restored)."""
+    (bit-planes packed and tiled, codes tiled, the leading dims ``lead`` restored); with offset codes ``offsets``
+    (shaped as ``codes``) the block scales are int16 block records (:func:`hf_kbit.format.pack_records`)."""
     planes = fmt.tile_planes(fmt.pack_bitplanes(indices, bits))
-    block_scales = fmt.tile(codes.to(torch.uint8))
+    block_scales = fmt.tile(codes.to(torch.uint8) if offsets is None else fmt.pack_records(codes, offsets))
     return (
         planes.reshape(*lead, *planes.shape[1:]),
         block_scales.reshape(*lead, *block_scales.shape[1:]),
@@ -518,7 +561,8 @@ def fit_quantize(
     """
     settings = DEFAULT_SETTINGS[check_bits(bits)] if settings is None else settings
     codebook = fit_codebook(weight, bits, settings)
-    planes, block_scales, rows = quantize_fitted(weight, codebook, settings.codes_below, settings.codes_above)
+    planes, block_scales, rows = quantize_fitted(weight, codebook, settings.codes_below, settings.codes_above,
+                                                 settings.offsets)
     return planes, block_scales, rows, codebook
 
 

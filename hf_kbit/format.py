@@ -1,4 +1,4 @@
-"""The kbit weight format, version 3, as executable pure-PyTorch reference.
+"""The kbit weight format, version 4, as executable pure-PyTorch reference.
 
 This module is the specification: every kernel is tested against it (bit-exactly for the
 packed tensors, within named tolerances for matmuls). ``docs/format.md`` explains it for
@@ -27,6 +27,12 @@ Only layers with K a multiple of :data:`ROTATION_MULTIPLE` rotate (:func:`rotata
 so the ops rotate the activations; :func:`hf_kbit.rotation.unrotate_words` of the reconstruction is ``W``
 again. A checkpoint with no rotated layer is version 1, unchanged. Version 2 rotated in segments of 64; it is
 refused on read (:data:`UNREADABLE_VERSIONS`).
+
+Version 4 adds block offsets: a layer's ``block_scales`` may be int16 instead of uint8, each entry a block record
+whose low byte is the E4M4 code and whose high byte a signed offset code ``o`` in ``[-OFFSET_MAX, OFFSET_MAX]``; the
+block's elements are then ``(codebook[index] * e4m4(code) + OFFSET_STEP * o) * row_scales[n]``
+(:func:`block_records`, :func:`dequantize`; :func:`hf_kbit.fitting.block_offsets` chooses them). A checkpoint is
+version 4 once a layer holds records, else version 3 with a rotated layer, else version 1 (:func:`version_of`).
 """
 
 from __future__ import annotations
@@ -39,9 +45,11 @@ import torch
 from .kernel_table import SUPPORTED_BITS  # noqa: F401  (the bit widths the kernels are built for)
 from .rotation import DEFAULT_BLOCK, WORD_BITS
 
-# 3: rotated layers (rotation_signs), segments of 8. A checkpoint without one is written as version 1, which it is.
-FORMAT_VERSION = 3
-ROTATION_VERSION = 3  # the version of a checkpoint with a rotated layer
+# 3: rotated layers (rotation_signs), segments of 8; 4: block offsets (int16 block records). A checkpoint is written
+# as the lowest version that describes it (version_of).
+FORMAT_VERSION = 4
+ROTATION_VERSION = 3  # the version of a checkpoint with a rotated layer and no block records
+OFFSETS_VERSION = 4  # the version of a checkpoint with block records
 # Versions this library refuses to read, with why. Version 2 stored W R with segments of 64: its layers would
 # compute wrong outputs under version 3's segments of 8.
 UNREADABLE_VERSIONS = {2: "rotated in segments of 64, which this library no longer runs"}
@@ -55,6 +63,14 @@ BLOCK_SIZE = 32  # elements along K sharing one scale; also the bits of one plan
 TILE_N = 16  # rows per tile: one tensor-core m16 fragment, 16 x 16 B = 256 B per plane
 BLOCKS_PER_TILE = 4  # 4 plane words = one 16-byte vector load per (row, plane)
 TILE_K = BLOCK_SIZE * BLOCKS_PER_TILE
+
+# Block offsets (module docstring): an int16 block record holds the E4M4 code (low byte) and a signed offset code
+# (high byte); the offset adds OFFSET_STEP * o row scales to each element of its block. A step of 1/8 row scale spans
+# +-15.9 row scales (half the top block's range) at 8 bits; on SmolLM2-135M it measured as well as a float32 step
+# per row (docs/format.md, "Per-block offsets").
+OFFSET_STEP = 0.125
+OFFSET_MAX = 127
+RECORD_DTYPE = torch.int16
 
 # E4M4 block scale: 4 exponent bits, 4 mantissa bits, exponent bias 11, subnormals at e = 0.
 E4M4_BIAS = 11
@@ -127,6 +143,11 @@ def rotation_signs_shape(k: int) -> tuple[int]:
     return (k // WORD_BITS,)
 
 
+def version_of(rotated: bool, offsets: bool) -> int:
+    """The format version of a checkpoint with (or without) a rotated layer and a layer holding block records."""
+    return OFFSETS_VERSION if offsets else ROTATION_VERSION if rotated else 1
+
+
 def padded_shape(n: int, k: int) -> tuple[int, int]:
     """Rows and columns after padding to whole tiles (padding is zeros, never visible)."""
     return math.ceil(n / TILE_N) * TILE_N, math.ceil(k / TILE_K) * TILE_K
@@ -152,10 +173,12 @@ PACKED_DTYPES = {
 }
 
 
-def bits_per_weight(n: int, k: int, bits: int, rotated: bool = False) -> float:
-    """Stored bits per original weight element, padding, all scales and (``rotated``) the sign words included."""
+def bits_per_weight(n: int, k: int, bits: int, rotated: bool = False, offsets: bool = False) -> float:
+    """Stored bits per original weight element, padding, all scales, (``rotated``) the sign words and (``offsets``)
+    the block records' offset bytes included."""
     shapes = packed_shapes(n, k, bits)
-    nbytes = sum(math.prod(s) * PACKED_DTYPES[name].itemsize for name, s in shapes.items())
+    dtypes = {**PACKED_DTYPES, "block_scales": RECORD_DTYPE} if offsets else PACKED_DTYPES
+    nbytes = sum(math.prod(s) * dtypes[name].itemsize for name, s in shapes.items())
     if rotated:
         nbytes += math.prod(rotation_signs_shape(k)) * ROTATION_SIGNS_DTYPE.itemsize
     return 8 * nbytes / (n * k)
@@ -366,11 +389,37 @@ def unpack_indices(planes: torch.Tensor) -> torch.Tensor:
     return unpack_bitplanes(untile_planes(planes)).flatten(-2)
 
 
+def block_records(block_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``block_scales`` (tiled) -> int64 ``(E4M4 codes, offset codes)``, still tiled; the offsets are None for
+    uint8 scales (no offsets) and the high byte of int16 records (module docstring)."""
+    if block_scales.dtype == torch.uint8:
+        return block_scales.long(), None
+    if block_scales.dtype != RECORD_DTYPE:
+        raise TypeError(f"block_scales must be uint8 (E4M4 codes) or int16 (block records), got {block_scales.dtype}")
+    records = block_scales.long()
+    return records & 0xFF, records >> 8
+
+
+def pack_records(codes: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """E4M4 ``codes`` (0..255) and offset codes (``[-OFFSET_MAX, OFFSET_MAX]``) of the same shape -> int16 block
+    records (module docstring)."""
+    return (codes.long() | (offsets.long() << 8)).to(RECORD_DTYPE)
+
+
 def block_scale_values(block_scales: torch.Tensor, row_scales: torch.Tensor) -> torch.Tensor:
     """Decoded per-block scales ``e4m4(code) * row_scale``, [..., N, K_pad / 32] float32."""
     n = row_scales.shape[-1]
-    codes = untile(block_scales)[..., :n, :]
-    return e4m4_table(codes.device)[codes.long()] * row_scales[..., None]
+    codes = untile(block_records(block_scales)[0])[..., :n, :]
+    return e4m4_table(codes.device)[codes] * row_scales[..., None]
+
+
+def block_offset_values(block_scales: torch.Tensor, row_scales: torch.Tensor) -> torch.Tensor | None:
+    """Decoded per-block offsets ``OFFSET_STEP * o * row_scale``, [..., N, K_pad / 32] float32; None without them."""
+    offsets = block_records(block_scales)[1]
+    if offsets is None:
+        return None
+    n = row_scales.shape[-1]
+    return untile(offsets)[..., :n, :].float() * OFFSET_STEP * row_scales[..., None]
 
 
 def dequantize(
@@ -381,12 +430,16 @@ def dequantize(
     k: int,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Packed tensors -> weight ``[..., N, K]`` in ``dtype`` (N is ``row_scales.shape[-1]``)."""
+    """Packed tensors -> weight ``[..., N, K]`` in ``dtype`` (N is ``row_scales.shape[-1]``); int16 ``block_scales``
+    add their blocks' offsets (module docstring)."""
     n = row_scales.shape[-1]
     indices = unpack_indices(planes)[..., :n, :]
     scale = block_scale_values(block_scales, row_scales)
     values = codebook.float()[..., indices] if codebook.dim() == 1 else _gather_codebook(codebook, indices)
     values = values.reshape(*values.shape[:-1], values.shape[-1] // BLOCK_SIZE, BLOCK_SIZE) * scale[..., None]
+    offsets = block_offset_values(block_scales, row_scales)
+    if offsets is not None:
+        values = values + offsets[..., None]
     return values.flatten(-2)[..., :k].to(dtype)
 
 

@@ -153,6 +153,8 @@ def render_card(
         format_version=stats.get("format_version", cfg.format_version),
         calibration=_calibration_summary(cfg),
         rotation=_rotation_summary(cfg, stats),
+        block_offsets=("an 8-bit offset per block of 32 of the Linear weights (int16 block records; fused MoE experts "
+                       "keep plain scales)" if cfg.block_offsets else "none"),
         command=command,
         repo_id=repo_id or "path/to/this/folder",
         eval=eval,

@@ -151,7 +151,7 @@ class KbitHfQuantizer(HfQuantizer):
             if name not in self.head_turned and (param := _parameter(model, name)) is not None:
                 param.data.copy_(head_rotation.turn(param.data, role, head_dim))
         checkpoint.validate_loaded(model)
-        if not self.pre_quantized:  # what was quantized decides the version: 2 once a layer is stored rotated
+        if not self.pre_quantized:  # what was quantized decides the version (format.version_of)
             self.quantization_config.format_version = format_version_of(model)
         pack_storages(model)
         if self.quantization_config.fuse_projections:
@@ -230,7 +230,7 @@ def _quantize_siblings(model, config: KbitConfig, members: list[tuple[str, torch
     device = members[0][1].device
     packed = quantize_siblings(
         [w.to(device) for _, w in members], bits, config.codebook, config.fitting, [f"{name}.weight" for name, _ in members],
-        config.rotation, config.rotation_seed,
+        config.rotation, config.rotation_seed, config.block_offsets,
     )
     out = {}
     for (name, _), (*tensors, signs) in zip(members, packed):
@@ -282,9 +282,11 @@ def expect_stored_rotation(model, keys: list[str], config: KbitConfig) -> None:
 
 
 def format_version_of(model) -> int:
-    """The format version a checkpoint of ``model`` is: 2 once one of its weights is stored rotated, else 1."""
-    rotated = any(m.stores_rotated() for m in model.modules() if isinstance(m, KbitModule))
-    return fmt.ROTATION_VERSION if rotated else 1
+    """The format version a checkpoint of ``model`` is (:func:`hf_kbit.format.version_of`): 4 once one of its weights
+    holds block records, else 3 once one is stored rotated, else 1."""
+    modules = [m for m in model.modules() if isinstance(m, KbitModule)]
+    offsets = any(getattr(m, "block_offsets", False) for m in modules)
+    return fmt.version_of(any(m.stores_rotated() for m in modules), offsets)
 
 
 def _checkpoint_key_renamer(model, hf_quantizer):

@@ -13,8 +13,8 @@ to bf16 with a paired standard error over windows, bits/weight with every byte o
 ``kbit3:rotation=auto``: the shipped rotation, format v3); anchors
 ``hqq<b>`` (HQQ, group 64), ``rtn<b>`` (asymmetric int, group 128), ``nf4`` (NF4, blocks of 64), each with
 ``:group_size=N``; ``kbitfit<k>`` (the kbit format fitted by hf_kbit.fitting, fake-quantized, with
-``:codes_below=``, ``:codes_above=``, ``:lloyd_iters=``, ``:offset_bits=`` for an integer offset per block, which
-no kernel reads: a candidate format extension); ``kbitcal<k>`` (the same format calibrated by
+``:codes_below=``, ``:codes_above=``, ``:lloyd_iters=``, ``:offsets=1`` for an offset per block, format v4's
+block records); ``kbitcal<k>`` (the same format calibrated by
 hf_kbit.calibration, GPTQ-style, on the last ``:samples=`` x ``:seq_len=`` tokens (default 128 x 2048) of the
 evaluated corpus after the part that is scored, or of ``:corpus=``); ``:name=LABEL`` renames a variant. Without
 ``--variants``, ``--bits`` (default 2,3,4,5), ``--lm-head-bits`` and ``--no-bf16`` choose bf16 and kbit

@@ -130,7 +130,8 @@ def test_rotation_fields_round_trip_and_are_written_only_when_set(rotation):
     assert again == cfg and again.rotation == rotation and again.rotation_seed == 7
     assert "rotation_seed" not in KbitConfig(rotation=rotation).to_dict()
     assert KbitConfig.from_dict({"bits": 4}).rotation is False  # configs from before the field: unrotated
-    assert KbitConfig(format_version=FORMAT_VERSION).format_version == 3 == FORMAT_VERSION
+    assert KbitConfig(format_version=3).format_version == 3  # rotated checkpoints (version 4 adds block records)
+    assert KbitConfig(format_version=FORMAT_VERSION).format_version == 4 == FORMAT_VERSION
 
 
 def test_version_2_is_refused_naming_why_and_what_to_do():

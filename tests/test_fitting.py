@@ -14,6 +14,8 @@ BITS = list(fmt.SUPPORTED_BITS)
 # Float32 sums over a block in a different order (vectorised vs the reference's loop) may differ by
 # a few ulps; a code choice may then differ only where two candidates' errors are that close.
 ERROR_RTOL = 1e-5
+# The decoded offset added to and taken from a weight of magnitude <= 2 (float32 rounding, twice).
+OFFSET_ATOL = 1e-6
 
 
 def heavy_tailed(shape, seed=0):
@@ -311,3 +313,85 @@ def test_bad_arguments_raise():
         fitting.FitSettings(codes_below=-1)
     with pytest.raises(ValueError, match="2 dims"):
         fitting.fit_quantize(torch.randn(32), 4)
+
+
+# ---------------------------------------------------------------------------- block offsets
+
+
+def offset_grid_weight(n=32, k=200, seed=0):
+    """Blocks on 16-level grids with an offset each (as a Q4_1 GGUF stores them): min + d * q."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = -(-k // fmt.BLOCK_SIZE)
+    lo = (torch.randn(n, blocks, 1, generator=g) * 0.5).expand(-1, -1, fmt.BLOCK_SIZE)
+    step = (torch.rand(n, blocks, 1, generator=g) * 0.1 + 0.01).expand(-1, -1, fmt.BLOCK_SIZE)
+    q = torch.randint(0, 16, (n, blocks, fmt.BLOCK_SIZE), generator=g).float()
+    return (lo + step * q).reshape(n, blocks * fmt.BLOCK_SIZE)[:, :k].contiguous()
+
+
+def reference_offsets(w, rows):
+    """Loop over blocks: the midrange of the block's real elements in steps of OFFSET_STEP row scales, rounded as
+    torch.round rounds (half to even), clamped to +-OFFSET_MAX."""
+    n, k = w.shape
+    out = torch.zeros(n, math.ceil(k / fmt.BLOCK_SIZE), dtype=torch.int64)
+    for r in range(n):
+        for b in range(out.shape[1]):
+            block = w[r, b * fmt.BLOCK_SIZE : (b + 1) * fmt.BLOCK_SIZE]
+            mid = (block.max() + block.min()) / 2
+            code = torch.round(mid / (fmt.OFFSET_STEP * rows[r]))
+            out[r, b] = int(code.clamp(-fmt.OFFSET_MAX, fmt.OFFSET_MAX))
+    return out
+
+
+def test_block_offsets_match_loop():
+    w = offset_grid_weight()
+    w[3] = 0.0  # a zero row: row scale 1, zero offsets
+    w[5, :32] = 40.0  # a block far above zero: its offset clamps at OFFSET_MAX steps
+    rows = fitting.row_scales(w)
+    blocks = fitting._blocks(w[None])
+    got = fitting.block_offsets(blocks, rows[None], fitting.element_mask(w.shape[1], blocks.shape[2], w.device))[0]
+    assert torch.equal(got, reference_offsets(w, rows))
+    assert not got[3].any()
+    assert int(got.abs().max()) <= fmt.OFFSET_MAX
+
+
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+def test_quantize_fitted_with_offsets_is_the_fit_of_the_residual(bits):
+    """The records' offsets are the blocks' offsets; their codes and the indices are quantize_fitted's of the weight
+    less those offsets (the row scales the weight's own)."""
+    w = offset_grid_weight(k=200)
+    cb = fmt.make_codebook(None, bits)
+    planes, records, rows = fitting.quantize_fitted(w, cb, 4, 2, offsets=True)
+    assert records.dtype == fmt.RECORD_DTYPE and records.shape == fmt.packed_shapes(*w.shape, bits)["block_scales"]
+    assert torch.equal(rows, fitting.row_scales(w))
+    codes, offsets = fmt.block_records(records)
+    offsets = fmt.untile(offsets)[: w.shape[0]]
+    assert torch.equal(offsets[:, : math.ceil(200 / 32)], reference_offsets(w, rows))
+    assert not offsets[:, math.ceil(200 / 32) :].any()  # whole padding blocks
+    shift = (offsets.float() * fmt.OFFSET_STEP * rows[:, None]).repeat_interleave(fmt.BLOCK_SIZE, 1)[:, :200]
+    residual = w - shift
+    # the residual's own fit, under the weight's row scales: same codes and indices
+    ref_codes = reference_codes(residual, rows, cb, 4, 2)
+    assert torch.equal(fmt.untile(codes)[: w.shape[0], : ref_codes.shape[1]], ref_codes)
+    without_offsets = fmt.dequantize(planes, codes.to(torch.uint8), rows, cb, 200)
+    torch.testing.assert_close(fmt.dequantize(planes, records, rows, cb, 200) - shift, without_offsets, rtol=0,
+                               atol=OFFSET_ATOL)
+
+
+@pytest.mark.parametrize("bits", [3, 4, 5], ids=lambda b: f"k{b}")
+def test_offsets_fit_offset_grids_better(bits):
+    w = offset_grid_weight(n=64, k=256)
+    plain = fitting.fit_quantize(w, bits)
+    with_offsets = fitting.fit_quantize(w, bits, dataclasses.replace(fitting.DEFAULT_SETTINGS[bits], offsets=True))
+    err_plain = sq_error(w, fmt.dequantize(*plain[:3], plain[3], 256))
+    err_offsets = sq_error(w, fmt.dequantize(*with_offsets[:3], with_offsets[3], 256))
+    assert err_offsets < 0.5 * err_plain
+    assert with_offsets[1].dtype == fmt.RECORD_DTYPE and plain[1].dtype == torch.uint8
+
+
+def test_offsets_on_symmetric_blocks_change_little():
+    """Zero-mean Gaussian blocks: offsets near 0, error no worse than a few percent of the plain fit's."""
+    w = gaussian((64, 256))
+    plain = fitting.fit_quantize(w, 4)
+    with_offsets = fitting.fit_quantize(w, 4, dataclasses.replace(fitting.DEFAULT_SETTINGS[4], offsets=True))
+    assert sq_error(w, fmt.dequantize(*with_offsets[:3], with_offsets[3], 256)) < 1.05 * sq_error(
+        w, fmt.dequantize(*plain[:3], plain[3], 256))

@@ -256,3 +256,34 @@ def test_custom_codebook_and_errors():
 def test_bits_per_weight():
     assert fmt.bits_per_weight(4096, 4096, 4) == pytest.approx(4.25, abs=0.01)
     assert fmt.bits_per_weight(4096, 4096, 2) == pytest.approx(2.25, abs=0.01)
+
+
+def test_block_records_dequantize_adds_offsets():
+    """int16 block records: low byte the E4M4 code, high byte the signed offset code; the decoded element is
+    (codebook[index] * e4m4(code) + OFFSET_STEP * offset) * row_scale, checked element by element."""
+    g = torch.Generator().manual_seed(0)
+    n, k, bits = 20, 150, 3
+    planes, scales, rows = fmt.quantize(torch.randn(n, k, generator=g), fmt.make_codebook(None, bits))
+    offsets = torch.randint(-fmt.OFFSET_MAX, fmt.OFFSET_MAX + 1, scales.shape, generator=g)
+    records = fmt.pack_records(scales.long(), offsets)
+    assert records.dtype == fmt.RECORD_DTYPE
+    codes_back, offsets_back = fmt.block_records(records)
+    assert torch.equal(codes_back, scales.long()) and torch.equal(offsets_back, offsets)
+    assert fmt.block_records(scales)[1] is None
+    cb = fmt.make_codebook(None, bits)
+    got = fmt.dequantize(planes, records, rows, cb, k)
+    idx = fmt.unpack_indices(planes)
+    codes, offs = fmt.untile(scales.long()), fmt.untile(offsets)
+    table = fmt.e4m4_table()
+    for r in (0, 7, 19):
+        for col in (0, 31, 32, 100, 149):
+            b = col // fmt.BLOCK_SIZE
+            level = float(cb[idx[r, col]]) * float(table[codes[r, b]])
+            want = (level + fmt.OFFSET_STEP * int(offs[r, b])) * float(rows[r])
+            assert float(got[r, col]) == pytest.approx(want, rel=1e-6, abs=1e-7)
+    with pytest.raises(TypeError, match="uint8 .* or int16"):
+        fmt.dequantize(planes, scales.to(torch.int32), rows, cb, k)
+
+
+def test_bits_per_weight_with_offsets():
+    assert fmt.bits_per_weight(4096, 4096, 4, offsets=True) - fmt.bits_per_weight(4096, 4096, 4) == pytest.approx(0.25)

@@ -31,12 +31,18 @@ GEMM does; the wgmma GEMM rotates in its x rewrite; dequantize + cuBLAS multipli
 the standalone rotation's ``x R``, and the gradient ``dX = (dY W') R^T`` is unrotated after the matmul.
 Only ``dequantize`` itself returns the weight unrotated, ``W' R^T``. The eager fast path reads
 ``module.rotation_signs``.
+
+Block records (``block_scales`` int16, format v4: an offset per block, :mod:`hf_kbit.format`): no kernel reads them
+yet. Every call on them (``mm`` at any M, the prologues, ``dequantize``, ``grouped_mm``, the gradients) dequantizes
+with the reference (``format.dequantize`` as torch ops on the GPU, float32, rounded once to the compute dtype) and
+multiplies with torch: correct and slow; no kernel that reads uint8 codes is handed records.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import warnings
 
 import torch
 
@@ -161,6 +167,18 @@ def _gemv_workspace(device: int, m: int, n: int, k: int, bits: int, rotated: boo
     return int(_LIB.kbit_gemv_workspace_size(device, m, n, k, bits, int(rotated)))
 
 
+def has_records(block_scales: torch.Tensor) -> bool:
+    """True for int16 block records (an offset per block), False for uint8 E4M4 codes."""
+    return block_scales.dtype == fmt.RECORD_DTYPE
+
+
+@functools.cache
+def _warn_records_once() -> None:
+    warnings.warn("kbit: a layer with block records (KbitConfig.block_offsets=True) runs on CUDA; no kernel reads "
+                  "them yet, so each of its matmuls dequantizes the weight first (slower than bf16; "
+                  "docs/kernels.md, 'Block records')", stacklevel=3)
+
+
 def _dense(planes, block_scales, row_scales, codebook) -> tuple:
     """The packed tensors as the kernels read them, dense arrays: strided views (e.g. slices of a larger
     buffer) copied."""
@@ -221,6 +239,9 @@ def _quantize_cuda(weight: torch.Tensor, codebook: torch.Tensor):
 
 def _dequantize_into(planes, block_scales, row_scales, codebook, in_features, out: torch.Tensor,
                      signs=None) -> torch.Tensor:
+    if has_records(block_scales):  # the dequantize kernel reads uint8 codes: the reference
+        weight = _ops._dequantize_ref(planes, block_scales, row_scales, codebook, in_features, out.dtype, signs)
+        return out.copy_(weight)
     sp = _signs_ptr(signs, in_features, planes.device)
     bits = planes.shape[-3]
     n = row_scales.shape[-1]
@@ -266,6 +287,9 @@ def _mm_cuda(x, planes, block_scales, row_scales, codebook, in_features, signs=N
     m = x2.shape[0]
     if m == 0 or n == 0 or k == 0:
         return x.new_zeros((*lead, n))
+    if has_records(block_scales):
+        _warn_records_once()
+        return run_path("dequant", x2, planes, block_scales, row_scales, codebook, k, None, signs).reshape(*lead, n)
     path, _, ws_size = mm_plan(m, n, k, planes.shape[-3], x.device.index, x.dtype, signs is not None)
     return run_path(path, x2, planes, block_scales, row_scales, codebook, k, ws_size, signs).reshape(*lead, n)
 
@@ -289,12 +313,16 @@ def run_path(path: str, x2, planes, block_scales, row_scales, codebook, k: int,
              ws_size: int | None = None, signs=None) -> torch.Tensor:
     """``x2 [m, k] @ W.T`` through one kernel path (``PATHS``; ``ws_size``: its workspace floats when
     known; ``signs``: a rotated layer's sign words); ``kbit::mm`` takes the planner's (:func:`mm_plan`),
-    benchmarks force each to measure the crossovers."""
+    benchmarks force each to measure the crossovers. Block records (int16 ``block_scales``) take "dequant" only
+    (the reference's weight)."""
     m, n, bits = x2.shape[0], row_scales.shape[0], planes.shape[-3]
     if path == "dequant":
         return _dequant_matmul(x2, planes, block_scales, row_scales, codebook, k, signs)
     if path not in ("gemv", "gemm"):
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    if has_records(block_scales):
+        raise ValueError(f"block records (int16 block_scales) take the 'dequant' path (no kernel reads them), "
+                         f"got {path!r}")
     x2 = x2.contiguous()
     planes, block_scales, row_scales, codebook = _dense(planes, block_scales, row_scales, codebook)
     device = x2.device
@@ -327,8 +355,9 @@ _HAS_PROLOGUE = hasattr(_LIB, "kbit_gemv_prologue")
 
 def _gemv_prologue(kind, x, x2, norm_weight, eps, planes, block_scales, row_scales, codebook, k, signs=None):
     """``(out, sum)`` from the GEMV with prologue ``kind`` when it serves this call, else None (a norm
-    weight of another dtype than x, e.g. kept in float32, takes the reference: its product is float32)."""
-    if not _HAS_PROLOGUE or x.dtype not in _GEMV_DTYPES or row_scales.dim() != 1:
+    weight of another dtype than x, e.g. kept in float32, takes the reference: its product is float32; so do block
+    records)."""
+    if not _HAS_PROLOGUE or x.dtype not in _GEMV_DTYPES or row_scales.dim() != 1 or has_records(block_scales):
         return None
     if norm_weight is not None and norm_weight.dtype != x.dtype:
         return None
@@ -422,7 +451,7 @@ def _prepare(module, x, m, signs):
     sp = _signs_ptr(signs, k, x.device)
     tensors = (planes, block_scales, row_scales, codebook)
     n = row_scales.shape[-1]
-    if row_scales.dim() != 1 or not all(t.is_contiguous() for t in tensors) or n == 0 \
+    if row_scales.dim() != 1 or not all(t.is_contiguous() for t in tensors) or n == 0 or has_records(block_scales) \
             or not gemv_wins(m, n, k, planes.shape[-3], x.device.index, x.dtype, signs is not None):
         return (*tensors, None, None, 0, n, signs)  # not for the fast path: the op serves it
 
@@ -522,8 +551,8 @@ def _grouped_mm_cuda(x, expert_ids, planes, block_scales, row_scales, codebook, 
     _same_device(x, expert_ids=expert_ids, planes=planes, block_scales=block_scales, row_scales=row_scales,
                  codebook=codebook)
     sp = _signs_ptr(signs, in_features, x.device)
-    if codebook.dim() != 1 or x.dtype not in _GEMV_DTYPES:
-        # Per-expert codebooks and float32 activations: the reference (it syncs the host), on x R
+    if codebook.dim() != 1 or x.dtype not in _GEMV_DTYPES or has_records(block_scales):
+        # Per-expert codebooks, float32 activations and block records: the reference (it syncs the host), on x R
         # for a rotated layer (the standalone rotation kernel).
         if signs is not None and x.numel():
             x = rotate(x, signs)

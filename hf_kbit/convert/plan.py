@@ -16,7 +16,7 @@ from ..config import KbitConfig
 from ..hub import format_bytes
 from ..nn.experts import PROJECTIONS as EXPERT_PROJECTIONS
 from ..nn.experts import ExpertsLayout
-from ..nn.linear import FORMAT_TENSORS, ROTATION_SIGNS
+from ..nn.linear import FORMAT_TENSORS, ROTATION_SIGNS, format_dtypes
 
 
 @dataclass
@@ -47,6 +47,8 @@ class TensorPlan:
     # Stored rotated for certain (KbitConfig.rotation=True, in_features a multiple of 64): its sign words are an
     # output too. Under "auto" that is known only once quantized (the writer adds them then).
     rotated: bool = False
+    # Its block scales are int16 block records (KbitConfig.block_offsets; Linear weights, not fused experts).
+    block_offsets: bool = False
 
     @property
     def prefix(self) -> str:
@@ -88,7 +90,8 @@ class TensorPlan:
             }
         *lead, n, k = self.shape
         shapes = fmt.packed_shapes(n, k, self.bits)
-        return {f"{self.prefix}.{t}": ((*lead, *shapes[t]), fmt.PACKED_DTYPES[t]) for t in FORMAT_TENSORS}
+        dtypes = format_dtypes(self.block_offsets)
+        return {f"{self.prefix}.{t}": ((*lead, *shapes[t]), dtypes[t]) for t in FORMAT_TENSORS}
 
     def output_nbytes(self) -> int:
         return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.outputs().values())

@@ -100,6 +100,7 @@ def plan_conversion(
     for plan in plans:
         plan.rotated = (plan.bits is not None and rotation_policy.for_weights(kbit_config.rotation, [plan.name]) is True
                         and fmt.rotatable(plan.in_features()))
+        plan.block_offsets = kbit_config.block_offsets and plan.bits is not None and plan.experts is None
 
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
     missing = sorted(set(model_tensors) - {p.name for p in plans} - planner.covered - tied)

@@ -183,7 +183,7 @@ def _write(plan: ConversionPlan, folder: Path, device: torch.device, shard_bytes
                     del waiting[group]
                     packed = quantize_siblings(
                         [t for _, t in members], p.bits, config.codebook, config.fitting, [m.name for m, _ in members],
-                        config.rotation, config.rotation_seed,
+                        config.rotation, config.rotation_seed, config.block_offsets,
                     )
                     done = [(m, _outputs(m, tensors)) for (m, _), tensors in zip(members, packed)]
                     del members, packed
@@ -270,8 +270,8 @@ def _write_calibrated(plan: ConversionPlan, folder: Path, device: torch.device, 
 
 def _written_stats(plan: ConversionPlan, writer: _ShardWriter, folder: Path, q_numel: int, q_bytes: int,
                    rotated: int) -> dict:
-    """The plan's statistics with the sizes measured on what ``writer`` wrote (its shards finished here), and how
-    many quantized tensors are stored rotated (which makes the checkpoint format v3)."""
+    """The plan's statistics with the sizes measured on what ``writer`` wrote (its shards finished here), how
+    many quantized tensors are stored rotated (format v3) and the format version (v4 with block records)."""
     shards = writer.finish()
     return {
         **plan.stats(),
@@ -280,7 +280,7 @@ def _written_stats(plan: ConversionPlan, writer: _ShardWriter, folder: Path, q_n
         "bits_per_quantized_weight": 8 * q_bytes / q_numel if q_numel else None,
         "shards": len(shards),
         "rotated_tensors": rotated,
-        "format_version": fmt.ROTATION_VERSION if rotated else 1,
+        "format_version": fmt.version_of(bool(rotated), any(p.block_offsets for p in plan.tensors)),
     }
 
 
@@ -329,7 +329,7 @@ def _quantize_experts(p: TensorPlan, reader: _SourceReader, config: KbitConfig, 
 
 def output_config(source: Path, plan: ConversionPlan, format_version: int = 1) -> dict[str, Any]:
     """The source's config.json with the kbit ``quantization_config`` and the output dtype; ``format_version``:
-    what was written (``stats["format_version"]``: 2 once a tensor is stored rotated)."""
+    what was written (``stats["format_version"]``, :func:`hf_kbit.format.version_of`)."""
     config = json.loads((source / "config.json").read_text())
     config["quantization_config"] = {**plan.kbit_config.to_dict(), "format_version": format_version}
     config["dtype"] = str(plan.dtype).removeprefix("torch.")

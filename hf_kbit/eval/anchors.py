@@ -26,10 +26,9 @@ bits per weight, metadata included:
   ``lloyd_iters`` override ``fitting.DEFAULT_SETTINGS[k]``), dequantized with :func:`hf_kbit.format.dequantize`:
   what the kbit kernels would compute with, before that quantizer is wired into quantize-on-load. Bits:
   :func:`hf_kbit.format.bits_per_weight`, the same as ``kbit<k>``.
-  ``offset_bits=b`` (2..8) screens a candidate extension of the format that no kernel reads yet: an integer offset
-  per block, the block's midrange rounded to a per-row grid (signed b-bit codes times a float32 step per row, the
-  row's largest midrange at the top code, :func:`block_offsets`), subtracted before the fit and added back. Bits:
-  the format's plus ``b`` per block and 32 per row.
+  ``offsets=1``: format v4's block offsets (``FitSettings.offsets``: each block's midrange in steps of 1/8 row
+  scale, int16 block records; what ``kbit<k>:block_offsets=true`` quantizes on load, here without sibling codebooks
+  or the v/o turn). Bits: :func:`hf_kbit.format.bits_per_weight` with ``offsets``, 8 more per block.
 
 Rotation (format v3) is not an anchor: ``kbit<k>:rotation=true`` (or ``=auto``) quantizes through the shipped
 path, ``KbitConfig(rotation=...)``, whose modules rotate the activations as the kernels do.
@@ -51,8 +50,7 @@ ANCHORS = ("hqq", "rtn", "nf", "kbitfit")
 ANCHOR_BITS = {"hqq": (2, 3, 4, 5, 8), "rtn": (2, 3, 4, 5, 8), "nf": (4,), "kbitfit": fmt.SUPPORTED_BITS}
 DEFAULT_GROUP_SIZE = {"hqq": 64, "rtn": 128, "nf": 64, "kbitfit": fmt.BLOCK_SIZE}
 FIT_OPTIONS = ("codes_below", "codes_above", "lloyd_iters")  # kbitfit's overrides of fitting.FitSettings
-OFFSET_OPTION = "offset_bits"  # kbitfit: an integer offset per block (module docstring); 0: none
-OFFSET_BITS = range(2, 9)
+OFFSET_OPTION = "offsets"  # kbitfit: 1 gives each block an offset (module docstring; FitSettings.offsets); 0: none
 KBIT_OPTIONS = {"kbitfit": (*FIT_OPTIONS, OFFSET_OPTION)}  # options per fitted method
 FP16_BITS = 16  # scale and zero of RTN and HQQ
 FP32_BITS = 32  # NF4 absmax
@@ -182,26 +180,6 @@ def kbit_fit_fake_quantize(weight: torch.Tensor, bits: int, settings=None) -> to
     return fmt.dequantize(planes, block_scales, row_scales, codebook, weight.shape[1])
 
 
-def block_offsets(weight: torch.Tensor, offset_bits: int) -> torch.Tensor:
-    """The offset of each block of the format (``format.BLOCK_SIZE`` elements along K) as the reconstruction would
-    add it, float32 ``[N, K]``: the block's midrange ``(max + min) / 2`` rounded to a multiple of the row's step, at
-    most ``2**(offset_bits - 1) - 1`` steps either way (``-2**(offset_bits - 1)`` is never needed), where the
-    step is the row's largest ``|midrange|`` over that top code. A row's shorter last block takes its own midrange."""
-    _check_weight(weight)
-    x = _row_groups(weight, fmt.BLOCK_SIZE)
-    mid = (x.amax(-1) + x.amin(-1)) / 2
-    top = (1 << (offset_bits - 1)) - 1
-    step = mid.abs().amax(1, keepdim=True) / top
-    codes = (mid / torch.where(step > 0, step, torch.ones_like(step))).round().clamp(-top, top)
-    return (codes * step).repeat_interleave(fmt.BLOCK_SIZE, dim=1)[:, :weight.shape[1]]
-
-
-def kbit_offset_fake_quantize(weight: torch.Tensor, bits: int, settings, offset_bits: int) -> torch.Tensor:
-    """``kbitfit`` of the weight less its :func:`block_offsets`, plus the offsets."""
-    offsets = block_offsets(weight, offset_bits)
-    return kbit_fit_fake_quantize(weight.float() - offsets, bits, settings) + offsets
-
-
 # ----------------------------------------------------------------------------- one interface
 
 
@@ -228,11 +206,11 @@ class Anchor:
             if self.group_size != fmt.BLOCK_SIZE:
                 raise ValueError(f"{self.method}: the format's block is {fmt.BLOCK_SIZE} elements, "
                                  f"got group_size={self.group_size}")
+            offset = dict(self.fit).get(OFFSET_OPTION, 0)
+            if offset not in (0, 1) or isinstance(offset, bool):
+                raise ValueError(f"{self.method}: {OFFSET_OPTION} must be 0 (none) or 1 (an offset per block), "
+                                 f"got {offset!r}")
             self.fit_settings()  # validates the overrides
-            offset = self.offset_bits
-            if offset and (not isinstance(offset, int) or isinstance(offset, bool) or offset not in OFFSET_BITS):
-                raise ValueError(f"{self.method}: {OFFSET_OPTION} must be 0 (none) or an int in "
-                                 f"{OFFSET_BITS.start}..{OFFSET_BITS.stop - 1}, got {offset!r}")
         elif self.fit:
             raise ValueError(f"{self.method} anchors take no fit options, got {dict(self.fit)}")
 
@@ -245,12 +223,12 @@ class Anchor:
         if unknown:
             raise ValueError(f"{self.method}: unknown option(s) {unknown}; it takes {list(allowed)}")
         overrides = {k: v for k, v in self.fit if k in FIT_OPTIONS}
-        return dataclasses.replace(fitting.DEFAULT_SETTINGS[self.bits], **overrides)
+        return dataclasses.replace(fitting.DEFAULT_SETTINGS[self.bits], offsets=self.offsets, **overrides)
 
     @property
-    def offset_bits(self) -> int:
-        """kbitfit: bits of the offset per block (0: none; module docstring)."""
-        return dict(self.fit).get(OFFSET_OPTION, 0)
+    def offsets(self) -> bool:
+        """kbitfit: whether each block gets an offset (module docstring)."""
+        return bool(dict(self.fit).get(OFFSET_OPTION, 0))
 
     def fake_quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, float]:
         """``(reconstructed weight float32, stored bits per weight as the format would hold it)``."""
@@ -261,9 +239,7 @@ class Anchor:
         if self.method == "rtn":
             return rtn_fake_quantize(weight, self.bits, self.group_size), self.bits_per_weight(n, k)
         if self.method == "kbitfit":
-            out = (kbit_offset_fake_quantize(weight, self.bits, self.fit_settings(), self.offset_bits)
-                   if self.offset_bits else kbit_fit_fake_quantize(weight, self.bits, self.fit_settings()))
-            return out, self.bits_per_weight(n, k)
+            return kbit_fit_fake_quantize(weight, self.bits, self.fit_settings()), self.bits_per_weight(n, k)
         return nf4_fake_quantize(weight, self.group_size), self.bits_per_weight(n, k)
 
     def bits_per_weight(self, n: int, k: int) -> float:
@@ -273,8 +249,7 @@ class Anchor:
         if self.method == "rtn":
             return rtn_bits_per_weight(n, k, self.bits, self.group_size)
         if self.method in KBIT_OPTIONS:
-            offsets = (self.offset_bits * math.ceil(k / fmt.BLOCK_SIZE) + FP32_BITS) / k if self.offset_bits else 0.0
-            return fmt.bits_per_weight(n, k, self.bits) + offsets
+            return fmt.bits_per_weight(n, k, self.bits, offsets=self.offsets)
         return nf4_bits_per_weight(n, k, self.group_size)
 
     def describe(self) -> str:
@@ -287,12 +262,12 @@ class Anchor:
                     f"fp16 zero per group: {self.bits} + 32/{self.group_size} bits/weight (tail groups included)")
         if self.method in KBIT_OPTIONS:
             settings = self.fit_settings()
-            return (f"kbit format v1, k = {self.bits}, fitted by hf_kbit.fitting (block codes searched "
+            version = fmt.OFFSETS_VERSION if self.offsets else 1
+            return (f"kbit format v{version}, k = {self.bits}, fitted by hf_kbit.fitting (block codes searched "
                     f"{settings.codes_below} below / {settings.codes_above} above the absmax code, "
                     f"{settings.lloyd_iters} Lloyd iterations of the per-layer codebook)"
-                    + (f", an offset per block ({self.offset_bits}-bit codes times a float32 step per row; no "
-                       "kernel reads it)" if self.offset_bits else "")
-                    + ", dequantized: bits/weight as format.bits_per_weight"
-                    + (" + the offsets' codes and steps" if self.offset_bits else ""))
+                    + (", an offset per block (format v4's int16 block records: 8-bit codes in steps of 1/8 row "
+                       "scale)" if self.offsets else "")
+                    + ", dequantized: bits/weight as format.bits_per_weight")
         return (f"NF4 (bitsandbytes levels), float32 absmax per block of {self.group_size}, no double "
                 f"quantization: 4 + 32/{self.group_size} bits/weight")

@@ -12,8 +12,8 @@ A variant spec is ``METHOD[BITS][:KEY=VALUE]...``; a list of them is comma-separ
 - ``hqq<b>``, ``rtn<b>``, ``nf4``: anchors (hf_kbit.eval.anchors), fake-quantized Linears; option
   ``group_size`` (the NF4 block size for ``nf4``).
 - ``kbitfit<k>``: the kbit format fitted by hf_kbit.fitting, fake-quantized the same way; options
-  ``codes_below``, ``codes_above``, ``lloyd_iters``, and ``offset_bits`` (an integer offset per block, a candidate
-  format extension; hf_kbit.eval.anchors).
+  ``codes_below``, ``codes_above``, ``lloyd_iters``, and ``offsets=1`` (an offset per block, format v4;
+  hf_kbit.eval.anchors).
 - ``kbitcal<k>``: the kbit format calibrated by hf_kbit.calibration (GPTQ-style error feedback with the fitted
   codebook and block scales, decoder layer by decoder layer; q/k/v and gate/up share a codebook as
   quantize-on-load with ``KbitConfig(calibration_data=...)`` gives them), fake-quantized the same way. Calibration text:
@@ -254,17 +254,18 @@ def reference_weights(folder: Path) -> dict[str, Any]:
     return {name: model.get_submodule(name).weight.detach() for name in names}
 
 
-def _stored_bits(shapes: dict[str, tuple[int, ...]]) -> int:
-    """Bits of the format tensors ``shapes`` (name -> shape; names end in a format tensor's name, sign words of a
-    rotated weight included)."""
+def _stored_bits(module) -> int:
+    """Bits of a kbit module's format tensors (``packed_shapes()``; the dtypes its own ``packed_dtypes()`` where it
+    has one, int16 block records included, else by the names' format tensor; a rotated weight's sign words too)."""
     from hf_kbit import format as fmt
 
     dtypes = {**fmt.PACKED_DTYPES, fmt.ROTATION_SIGNS: fmt.ROTATION_SIGNS_DTYPE}
+    own = module.packed_dtypes() if hasattr(module, "packed_dtypes") else {}
 
     def dtype(name: str):
-        return next(d for t, d in dtypes.items() if name.endswith(t))
+        return own.get(name) or next(d for t, d in dtypes.items() if name.endswith(t))
 
-    return sum(8 * math.prod(shape) * dtype(name).itemsize for name, shape in shapes.items())
+    return sum(8 * math.prod(shape) * dtype(name).itemsize for name, shape in module.packed_shapes().items())
 
 
 def kbit_summary(model) -> dict[str, Any]:
@@ -283,7 +284,7 @@ def kbit_summary(model) -> dict[str, Any]:
             rotated += sum(module.rotated.values())
         else:
             continue
-        quantized_bits += _stored_bits(module.packed_shapes())
+        quantized_bits += _stored_bits(module)
         names.append(name)
     total = quantized_elems + sum(p.numel() for p in model.parameters())
     return {

@@ -61,9 +61,11 @@ class KbitFusedProjections(KbitModule):
     views into its one storage (:class:`~hf_kbit.nn.linear.KbitModule`), and re-points the members'
     views after a move. It has no state-dict entries of its own. Rotated members (equal sign words: they
     read the same x) make a rotated fused module: ``rotation_signs`` (a copy, in its storage) and ``rotated``.
+    Members with block records (format v4) make a fused module with them (``block_offsets``).
     """
 
     rotated = False
+    block_offsets = False
 
     def __init__(self, members: Sequence[KbitLinear], names: Sequence[str]):
         super().__init__()
@@ -73,6 +75,7 @@ class KbitFusedProjections(KbitModule):
         self.out_features = sum(self.sizes)
         self.names = tuple(names)
         self.rotated = first.rotated
+        self.block_offsets = first.block_offsets
         with torch.no_grad():
             for name in ROW_TENSORS:  # concatenated along N (dim 0)
                 self.__dict__[name] = torch.cat([getattr(m, name) for m in members])
@@ -89,7 +92,7 @@ class KbitFusedProjections(KbitModule):
         self._link()
 
     def format_layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        return format_layout(self.out_features, self.in_features, self.bits, self.rotated)
+        return format_layout(self.out_features, self.in_features, self.bits, self.rotated, self.block_offsets)
 
     def _format_sources(self) -> dict[str, torch.Tensor | None]:
         return {name: self.__dict__.get(name) for name in self.format_layout()}
@@ -135,8 +138,9 @@ class KbitFusedProjections(KbitModule):
 
     def extra_repr(self) -> str:
         rotated = ", rotated=True" if self.rotated else ""
+        offsets = ", block_offsets=True" if self.block_offsets else ""
         return (f"members={self.names}, in_features={self.in_features}, out_features={self.sizes}, "
-                f"bits={self.bits}{rotated}")
+                f"bits={self.bits}{rotated}{offsets}")
 
 
 def _fusable(parent: nn.Module, names: Sequence[str]) -> list[KbitLinear] | None:
@@ -150,6 +154,7 @@ def _fusable(parent: nn.Module, names: Sequence[str]) -> list[KbitLinear] | None
         or m.planes.device != first.planes.device
         or m.out_features % fmt.TILE_N  # rows of a partial tile would shift every row after it
         or not torch.equal(m.codebook, first.codebook)
+        or m.block_offsets != first.block_offsets  # one dtype of block scales
         or m.rotated != first.rotated  # one launch turns x once: the same sign words or none
         or (m.rotated and not torch.equal(m.rotation_signs, first.rotation_signs))
         for m in members

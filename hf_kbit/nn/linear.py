@@ -17,6 +17,7 @@ COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FORMAT_TENSORS = ("planes", "block_scales", "row_scales", "codebook")
 ROW_TENSORS = FORMAT_TENSORS[:3]  # one entry per output row (or row tile); the codebook is the layer's
 ROTATION_SIGNS = fmt.ROTATION_SIGNS  # format v3: a rotated layer's sign words, the last tensor of its storage
+BLOCK_SCALES = "block_scales"  # format v4: uint8 E4M4 codes, or int16 block records (codes and offsets)
 
 
 # Bytes at which each format tensor of a module's one storage starts (vector loads, any dtype).
@@ -85,10 +86,16 @@ class KbitModule(nn.Module):
         super().__setattr__(name, value)
         if name.endswith(ROTATION_SIGNS) and name in buffers:
             self._set_rotated(name, value is not None)  # a loader (or anyone) set the sign words or removed them
+        if name == BLOCK_SCALES and name in buffers and isinstance(value, torch.Tensor):
+            self._set_records(value.dtype == fmt.RECORD_DTYPE)  # uint8 codes, or int16 block records (format v4)
 
     def _set_rotated(self, name: str, rotated: bool) -> None:
         """Record whether the sign words ``name`` are there (an attribute, so that :meth:`format_layout` reads no
         tensor): a module with rotation overrides this."""
+
+    def _set_records(self, records: bool) -> None:
+        """Record whether ``block_scales`` holds int16 block records (an attribute, as :meth:`_set_rotated`): a module
+        with block offsets overrides this."""
 
     def rotation_in_features(self) -> dict[str, int]:
         """``{sign-words buffer name: in_features of its weight}`` for every weight of the module (format v3)."""
@@ -211,6 +218,8 @@ class KbitLinear(KbitModule):
         block_scales: uint8 ``[ceil(N/16), ceil(K/128), 16, 4]`` E4M4 block scale codes.
         row_scales: float32 ``[N]`` per-row scale.
         codebook: float32 ``[2**bits]`` sorted levels in [-1, 1].
+        block_scales may instead be int16 block records ``[ceil(N/16), ceil(K/128), 16, 4]`` (format v4,
+            ``block_offsets``): the E4M4 code in the low byte, a signed offset code in the high byte.
         rotation_signs: int32 ``[K/32]`` (format v3) when the layer is rotated (``rotated``): the packed
             tensors then hold ``W R`` (hf_kbit.rotation, segments of 8 along K; K a multiple of 64) and every op
             call passes these sign words as ``signs``, so that outputs and :meth:`dequantize_weight` are in
@@ -234,6 +243,7 @@ class KbitLinear(KbitModule):
     fused_index = 0
     fused_group = -1
     rotated = False
+    block_offsets = False
 
     def __setstate__(self, state):
         # deepcopy and unpickling make a new fused module: its members' group follows it
@@ -256,14 +266,17 @@ class KbitLinear(KbitModule):
         device: torch.device | str | None = None,
         weight_placeholder: bool = False,
         rotated: bool = False,
+        block_offsets: bool = False,
     ):
         super().__init__()
         if bits not in fmt.SUPPORTED_BITS:
             raise ValueError(f"bits must be one of {fmt.SUPPORTED_BITS}, got {bits!r}")
         self.in_features, self.out_features, self.bits = in_features, out_features, bits
         shapes = fmt.packed_shapes(out_features, in_features, bits)
+        self.__dict__["block_offsets"] = block_offsets
+        dtypes = format_dtypes(block_offsets)
         for name in FORMAT_TENSORS:
-            self.register_buffer(name, torch.empty(shapes[name], dtype=fmt.PACKED_DTYPES[name], device=device))
+            self.register_buffer(name, torch.empty(shapes[name], dtype=dtypes[name], device=device))
         self.register_buffer(ROTATION_SIGNS, None)
         if rotated:
             self.rotation_signs = rotation_signs_placeholder(in_features, device, "KbitLinear")
@@ -287,10 +300,11 @@ class KbitLinear(KbitModule):
         packed: tuple[torch.Tensor, ...] | None = None,
         rotation: bool | str = False,
         rotation_seed: int = 0,
+        block_offsets: bool = False,
     ) -> "KbitLinear":
         """Quantize an existing ``nn.Linear`` (same device, bias kept in its dtype).
 
-        ``codebook``, ``fitting``, ``rotation`` and ``rotation_seed`` mean what they mean in
+        ``codebook``, ``fitting``, ``rotation``, ``rotation_seed`` and ``block_offsets`` mean what they mean in
         :class:`hf_kbit.KbitConfig`; ``packed``: its weight's format tensors when already quantized
         (:func:`quantize_siblings`: ``(planes, block_scales, row_scales, codebook[, rotation_signs])``).
         A fitted codebook is this layer's own, so siblings quantized one by one do not fuse
@@ -307,7 +321,8 @@ class KbitLinear(KbitModule):
             device=weight.device,
         )
         if packed is None:
-            packed = quantize_siblings([weight], bits, codebook, fitting, ["weight"], rotation, rotation_seed)[0]
+            packed = quantize_siblings([weight], bits, codebook, fitting, ["weight"], rotation, rotation_seed,
+                                       block_offsets)[0]
         module.load_packed(*packed)
         if linear.bias is not None:
             module.bias.data.copy_(linear.bias.detach())
@@ -323,6 +338,16 @@ class KbitLinear(KbitModule):
     def _set_rotated(self, name: str, rotated: bool) -> None:
         self.__dict__["rotated"] = rotated
 
+    def _set_records(self, records: bool) -> None:
+        self.__dict__["block_offsets"] = records
+
+    def packed_dtypes(self) -> dict[str, torch.dtype]:
+        """dtype of each format tensor (block_scales: uint8 codes, or int16 block records under ``block_offsets``)."""
+        dtypes = format_dtypes(self.block_offsets)
+        if self.rotated:
+            dtypes[ROTATION_SIGNS] = fmt.ROTATION_SIGNS_DTYPE
+        return dtypes
+
     def rotation_in_features(self) -> dict[str, int]:
         return {ROTATION_SIGNS: self.in_features}
 
@@ -337,7 +362,7 @@ class KbitLinear(KbitModule):
         return ["weight"] if "weight" in self._parameters else []
 
     def format_layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        return format_layout(self.out_features, self.in_features, self.bits, self.rotated)
+        return format_layout(self.out_features, self.in_features, self.bits, self.rotated, self.block_offsets)
 
     def pack_storage(self) -> bool:
         if self.fused_into is not None:  # its row tensors are views into the fused module's storage
@@ -392,15 +417,23 @@ class KbitLinear(KbitModule):
 
     def extra_repr(self) -> str:
         rotated = ", rotated=True" if self.rotated else ""
+        offsets = ", block_offsets=True" if self.block_offsets else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
-                f"bias={self.bias is not None}{rotated}")
+                f"bias={self.bias is not None}{rotated}{offsets}")
 
 
-def format_layout(n: int, k: int, bits: int, rotated: bool) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+def format_dtypes(block_offsets: bool) -> dict[str, torch.dtype]:
+    """dtype of each of the four format tensors: the format's, with int16 block records under ``block_offsets``."""
+    return {**fmt.PACKED_DTYPES, **({BLOCK_SCALES: fmt.RECORD_DTYPE} if block_offsets else {})}
+
+
+def format_layout(n: int, k: int, bits: int, rotated: bool,
+                  block_offsets: bool = False) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """``{name: (dtype, shape)}`` of the format tensors of one ``[n, k]`` weight, in storage order (the sign words
-    last, when ``rotated``)."""
+    last, when ``rotated``; int16 block records under ``block_offsets``)."""
     shapes = fmt.packed_shapes(n, k, bits)
-    layout = {name: (fmt.PACKED_DTYPES[name], shapes[name]) for name in FORMAT_TENSORS}
+    dtypes = format_dtypes(block_offsets)
+    layout = {name: (dtypes[name], shapes[name]) for name in FORMAT_TENSORS}
     if rotated:
         layout[ROTATION_SIGNS] = (fmt.ROTATION_SIGNS_DTYPE, fmt.rotation_signs_shape(k))
     return layout
@@ -506,7 +539,7 @@ def quantize_checked(
     """:func:`quantize_weight` of a weight :func:`check_weight` has already passed."""
     if settings is None:
         return torch.ops.kbit.quantize(weight, codebook)
-    return fitting.quantize_fitted(weight, codebook, settings.codes_below, settings.codes_above)
+    return fitting.quantize_fitted(weight, codebook, settings.codes_below, settings.codes_above, settings.offsets)
 
 
 def quantize_layer(
@@ -549,10 +582,11 @@ def _check_members(weights: list[torch.Tensor], names: list[str] | None) -> list
 
 
 def _quantize_checked_group(
-    weights: list[torch.Tensor], bits: int, codebook: str | list[float] | torch.Tensor | None, fitting_rule: str | None
+    weights: list[torch.Tensor], bits: int, codebook: str | list[float] | torch.Tensor | None, fitting_rule: str | None,
+    block_offsets: bool = False,
 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """:func:`quantize_group` of members :func:`check_weight` has already passed."""
-    settings = fitting.settings_for(fitting_rule, bits, codebook)
+    settings = fitting.settings_for(fitting_rule, bits, codebook, block_offsets)
     cb = fitting.group_codebook(weights, bits, settings, codebook)
     # Each member its own copy of the codebook: tensors sharing storage cannot be saved as separate entries.
     return [
@@ -568,17 +602,18 @@ def quantize_siblings(
     names: list[str] | None = None,
     rotation: bool | str = False,
     rotation_seed: int = 0,
+    block_offsets: bool = False,
 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """:func:`quantize_group` in the basis ``KbitConfig(rotation=rotation, rotation_seed=rotation_seed)`` picks for
     the group (:mod:`hf_kbit.rotation_policy`): ``[(planes, block_scales, row_scales, codebook, rotation_signs)]``,
     ``rotation_signs`` None where the group stays unrotated (each member its own copy otherwise). The members
-    must share in_features (siblings do)."""
+    must share in_features (siblings do). ``block_offsets``: int16 block records (``KbitConfig.block_offsets``)."""
     names = _check_members(weights, names)
     if len({w.shape[-1] for w in weights}) > 1:
         raise ValueError(f"quantize_siblings: {names} have different in_features {[w.shape[-1] for w in weights]}")
 
     def quantize(group: list[torch.Tensor]):  # the members, or their rotations (finite as they are)
-        return _quantize_checked_group(group, bits, codebook, fitting_rule)
+        return _quantize_checked_group(group, bits, codebook, fitting_rule, block_offsets)
 
     packed, words = rotation_policy.choose(weights, rotation_policy.for_weights(rotation, names), rotation_seed, quantize)
     return [(*p, None if words is None else words.clone()) for p in packed]

@@ -35,6 +35,7 @@ def replace_linear_with_kbit(
             dtype=module.weight.dtype,
             device=module.weight.device,
             weight_placeholder=weight_placeholder,
+            block_offsets=config.block_offsets,
         )
 
     return swap_modules(model, modules_to_not_convert, make)
@@ -105,7 +106,7 @@ def quantize_model(
             with torch.no_grad():
                 weights = [m.weight.detach() for m in members]
                 packed = quantize_siblings(weights, config.bits_for(group[0]), config.codebook, config.fitting,
-                                           list(group), config.rotation, config.rotation_seed)
+                                           list(group), config.rotation, config.rotation_seed, config.block_offsets)
         for name, module, tensors in zip(group, members, packed):
             _set_submodule(model, name, KbitLinear.from_linear(module, config.bits_for(name), packed=tensors))
     model = quantize_experts(model, config, modules_to_not_convert, packed=calibrated)

@@ -158,53 +158,27 @@ def test_kbitfit_rejects_bad_options(fit, match):
         anchors.Anchor("kbitfit", 4, 32, fit)
 
 
-CODE_ATOL = 1e-5  # codes * step / step in float32
+def test_kbitfit_with_offsets_is_the_fitted_format_with_offsets_and_counts_their_bits():
+    import dataclasses
 
-
-def _offset_grid_weight(n=32, k=200, seed=0):
-    """Blocks on 16-level grids with an offset each (as a Q4_1 GGUF stores them): min + d * q."""
-    g = torch.Generator().manual_seed(seed)
-    blocks = -(-k // 32)
-    lo = (torch.randn(n, blocks, 1, generator=g) * 0.5).repeat_interleave(32, dim=2)
-    step = (torch.rand(n, blocks, 1, generator=g) * 0.1 + 0.01).repeat_interleave(32, dim=2)
-    q = torch.randint(0, 16, (n, blocks, 32), generator=g).float()
-    return (lo + step * q).reshape(n, blocks * 32)[:, :k]
-
-
-@pytest.mark.parametrize("offset_bits", [2, 4, 8])
-def test_block_offsets_are_the_blocks_midranges_on_a_row_grid(offset_bits):
-    w = _offset_grid_weight()
-    w[3] = 0.0  # a zero row: zero offsets, no division by zero
-    offsets = anchors.block_offsets(w, offset_bits)
-    assert offsets.shape == w.shape and bool(offsets.isfinite().all())
-    assert not offsets[3].any()
-    per_block = offsets[:, ::32]
-    assert torch.equal(offsets, per_block.repeat_interleave(32, dim=1)[:, :200])  # constant within each block
-    top = (1 << (offset_bits - 1)) - 1
-    padded = torch.cat([w, w[:, -1:].expand(-1, 24)], dim=1).reshape(32, 7, 32)
-    mid = (padded.amax(-1) + padded.amin(-1)) / 2
-    step = mid.abs().amax(1, keepdim=True) / top
-    codes = per_block / torch.where(step > 0, step, torch.ones_like(step))
-    torch.testing.assert_close(codes, codes.round(), rtol=0, atol=CODE_ATOL)  # integers up to float32 division
-    assert int(codes.abs().max().round()) == top
-    assert (per_block - mid).abs().le(step / 2 * (1 + 1e-6)).all()  # the nearest grid point to each midrange
-
-
-def test_kbitfit_with_offsets_fits_offset_grids_better_and_counts_their_bits():
+    from hf_kbit import fitting
     from hf_kbit import format as fmt
 
-    w = _offset_grid_weight()
-    plain, plain_bits = anchors.Anchor("kbitfit", 4, fmt.BLOCK_SIZE).fake_quantize(w)
-    anchor = anchors.Anchor("kbitfit", 4, fmt.BLOCK_SIZE, (("offset_bits", 4),))
+    w = torch.randn(32, 200, generator=torch.Generator().manual_seed(0)) + 0.3
+    plain = anchors.Anchor("kbitfit", 4, fmt.BLOCK_SIZE)
+    anchor = anchors.Anchor("kbitfit", 4, fmt.BLOCK_SIZE, (("offsets", 1),))
+    assert anchor.fit_settings() == dataclasses.replace(fitting.DEFAULT_SETTINGS[4], offsets=True)
     approx, bits = anchor.fake_quantize(w)
-    offsets = anchors.block_offsets(w, 4)
-    assert torch.equal(approx, anchors.kbit_fit_fake_quantize(w - offsets, 4, anchor.fit_settings()) + offsets)
-    assert (approx - w).square().sum() < 0.5 * (plain - w).square().sum()
-    assert bits == pytest.approx(plain_bits + (4 * 7 + 32) / 200)
-    assert "offset per block" in anchor.describe()
+    planes, records, rows, cb = fitting.fit_quantize(w, 4, anchor.fit_settings())
+    assert records.dtype == fmt.RECORD_DTYPE
+    assert torch.equal(approx, fmt.dequantize(planes, records, rows, cb, 200))
+    # a byte per stored block: 2 row tiles x 2 K tiles x 64 blocks
+    assert bits == pytest.approx(plain.bits_per_weight(32, 200) + 8 * 2 * 2 * 64 / (32 * 200))
+    assert "offset per block" in anchor.describe() and "offset" not in plain.describe()
+    assert (approx - w).square().sum() < (plain.fake_quantize(w)[0] - w).square().sum()
 
 
-@pytest.mark.parametrize("value", [1, 9, True, 4.0])
-def test_kbitfit_rejects_bad_offset_bits(value):
-    with pytest.raises(ValueError, match="offset_bits must be 0"):
-        anchors.Anchor("kbitfit", 4, 32, (("offset_bits", value),))
+@pytest.mark.parametrize("value", [2, -1, True, 0.5])
+def test_kbitfit_rejects_bad_offsets(value):
+    with pytest.raises(ValueError, match="offsets must be 0"):
+        anchors.Anchor("kbitfit", 4, 32, (("offsets", value),))

@@ -1,0 +1,270 @@
+"""GPU tests of block records (int16 ``block_scales``: an E4M4 code and a signed offset code per block,
+hf_kbit/format.py, format v4) on the CUDA backend: no kernel reads them yet, so every path (kbit::mm at every M,
+float32 x, the eager fast path, the prologues, a rotated layer, dequantize, grouped_mm, the gradient) dequantizes
+them with the reference and is checked against the float32 reference (``format.dequantize`` then a float64
+product). No kernel that reads uint8 codes may be handed records.
+
+Run on the GPU machine: ``python -m pytest -m gpu tests/gpu/test_offsets_gpu.py -q``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from hf_kbit import _lib, _ops, rotation
+from hf_kbit import format as fmt
+from kernel_cases import table_cases
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not _lib.available(), reason="needs the compiled kbit CUDA library (libhf_kbit_cuda.so)"),
+]
+
+DEVICE = "cuda"
+PACKED = ("planes", "block_scales", "row_scales", "codebook")
+# ||out - ref|| / ||ref|| against a float64 product of the reference weight (as tests/gpu/test_cuda_kernels.py's
+# MM_REL_TOL): the output's rounding in the activation dtype and the reference weight's, rounded once.
+MM_REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+# The reference's weight on the GPU against the CPU's (the same torch ops, each rounded once in float32): equal.
+DEQUANT_EXACT = 0.0
+# (N, K): odd sizes with partial row tiles, K tiles and blocks (4100 x 2000), split-K (40 x 8200), one tile, and
+# fewer rows and columns than a tile.
+SHAPES = [(4100, 2000), (257, 515), (40, 8200), (16, 128), (5, 33)]
+MS = (1, 8, 16, 17, 300)
+# Library entries that read uint8 codes: none may be called on a layer with records.
+CODE_READERS = ("kbit_gemv", "kbit_gemm", "kbit_dequantize", "kbit_gemv_prologue", "kbit_gemv_prepare",
+                "kbit_gemv_run", "kbit_grouped_gemv", "kbit_grouped_gemm")
+
+
+def backend():
+    from hf_kbit.backends import cuda
+
+    return cuda
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), "non-finite output"
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def random_offsets(shape, generator: torch.Generator) -> torch.Tensor:
+    """Offset codes over all of [-OFFSET_MAX, OFFSET_MAX], a quarter of them zero, both ends present."""
+    o = torch.randint(-fmt.OFFSET_MAX, fmt.OFFSET_MAX + 1, shape, generator=generator)
+    o[torch.rand(shape, generator=generator) < 0.25] = 0
+    flat = o.view(-1)
+    flat[0], flat[-1] = -fmt.OFFSET_MAX, fmt.OFFSET_MAX
+    if flat.numel() > 2:
+        flat[1] = 0
+    return o
+
+
+@functools.lru_cache(maxsize=None)
+def packed_records(n: int, k: int, bits: int, zero: bool = False, experts: int = 0):
+    """``(planes, records, row_scales, codebook), codes, W``: a quantized random weight (the GPU quantize, bit-exact
+    with the reference) whose uint8 codes are made block records with random offsets (``zero``: all zero), and W its
+    float32 reference weight; ``experts`` > 0 stacks that many on a leading dim (one codebook)."""
+    g = torch.Generator().manual_seed(1000 * bits + n + 7 * k + 31 * experts)
+    shape = (experts, n, k) if experts else (n, k)
+    w = torch.randn(*shape, generator=g) * torch.rand(*shape[:-1], 1, generator=g).add(0.1)
+    cb = fmt.make_codebook(None, bits).to(DEVICE)
+    planes, codes, rs = torch.ops.kbit.quantize(w.to(DEVICE), cb)
+    offsets = torch.zeros(codes.shape, dtype=torch.int64) if zero else random_offsets(codes.shape, g)
+    records = fmt.pack_records(codes, offsets.to(DEVICE))
+    assert records.dtype == fmt.RECORD_DTYPE
+    wq = fmt.dequantize(planes, records, rs, cb, k, torch.float32)
+    return (planes, records, rs, cb), codes, wq
+
+
+class RecordsLayer(torch.nn.Module):
+    """The buffers the eager fast path reads (KbitLinear's names), holding block records."""
+
+    def __init__(self, packed, k: int, signs=None):
+        super().__init__()
+        for name, t in zip(PACKED, packed):
+            self.register_buffer(name, t)
+        self.in_features = k
+        self.rotation_signs = signs
+
+
+class LibrarySpy:
+    """Stands in for the backend's ctypes library: records every ``kbit_*`` call, then forwards it."""
+
+    def __init__(self, lib):
+        self._lib, self.calls = lib, []
+
+    def __getattr__(self, name):
+        fn = getattr(self._lib, name)
+        if not name.startswith("kbit_") or not callable(fn):
+            return fn
+
+        def call(*args):
+            self.calls.append(name)
+            return fn(*args)
+
+        return call
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    be = backend()
+    s = LibrarySpy(be._LIB)
+    monkeypatch.setattr(be, "_LIB", s)
+    if getattr(be, "_run", None) is not None:
+        run = be._run
+
+        def spied_run(*args):
+            s.calls.append("kbit_gemv_run")
+            return run(*args)
+
+        monkeypatch.setattr(be, "_run", spied_run)
+    return s
+
+
+def assert_no_code_reader(spy: LibrarySpy) -> None:
+    wrong = [c for c in spy.calls if c in CODE_READERS]
+    assert not wrong, f"records were handed to kernels that read uint8 codes: {wrong}"
+
+
+# ---------------------------------------------------------------------------- every path falls back
+
+
+@pytest.mark.parametrize("m", MS, ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("bits,dtype", table_cases("gemv"))
+def test_mm_falls_back(bits, dtype, m, spy):
+    n, k = 4100, 2000
+    packed, _, wq = packed_records(n, k, bits)
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    out = torch.ops.kbit.mm(x, *packed, k)
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert rel_err(out, x.double() @ wq.double().T) < MM_REL_TOL[dtype]
+    assert_no_code_reader(spy)
+
+
+@pytest.mark.parametrize("m", [1, 16, 300], ids=lambda m: f"M{m}")
+def test_mm_float32_falls_back(m, spy):
+    n, k = 257, 515
+    packed, _, wq = packed_records(n, k, 3)
+    x = torch.randn(m, k, device=DEVICE)
+    out = torch.ops.kbit.mm(x, *packed, k)
+    assert out.dtype == torch.float32
+    assert rel_err(out, x.double() @ wq.double().T) < MM_REL_TOL[torch.float32]
+    assert_no_code_reader(spy)
+
+
+def test_forced_kernel_paths_refuse_records():
+    """run_path never hands records to the GEMV or the GEMM (benchmarks force paths)."""
+    packed, _, _ = packed_records(257, 515, 4)
+    x = torch.randn(64, 515, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="block records"):
+        backend().run_path("gemm", x, *packed, 515)
+    with pytest.raises(ValueError, match="block records"):
+        backend().run_path("gemv", x, *packed, 515)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(257, 515), (5, 33)], ids=lambda s: f"N{s[0]}K{s[1]}")
+def test_dequantize_falls_back_to_the_reference(shape, dtype, spy):
+    n, k = shape
+    packed, _, _ = packed_records(n, k, 4)
+    got = torch.ops.kbit.dequantize(*packed, k, dtype)
+    ref = fmt.dequantize(*(t.cpu() for t in packed), k, dtype)
+    assert got.dtype == dtype and got.shape == (n, k)
+    torch.testing.assert_close(got.cpu(), ref, atol=DEQUANT_EXACT, rtol=DEQUANT_EXACT)
+    assert_no_code_reader(spy)
+
+
+@pytest.mark.parametrize("m", [1, 8, 17], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("kind", ["rmsnorm", "add_rmsnorm", "silu_mul"])
+def test_prologue_ops_fall_back(kind, m, spy):
+    """The prologue ops run unfused on records (the GEMV with a prologue reads codes): the reference's
+    prologue, then kbit::mm's fallback."""
+    n, k, dtype = 1000, 2048, torch.bfloat16
+    packed, _, wq = packed_records(n, k, 4)
+    x = torch.randn(m, k, device=DEVICE, dtype=dtype)
+    x2 = torch.randn(m, k, device=DEVICE, dtype=dtype)
+    w = (torch.rand(k, device=DEVICE) + 0.5).to(dtype)
+    eps = 1e-6
+    if kind == "rmsnorm":
+        out = torch.ops.kbit.mm_rmsnorm(x, w, eps, *packed, k)
+        h = _ops.rms_norm(x, w, eps)
+    elif kind == "add_rmsnorm":
+        out, total = torch.ops.kbit.mm_add_rmsnorm(x, x2, w, eps, *packed, k)
+        assert torch.equal(total, x + x2)
+        h = _ops.rms_norm(x + x2, w, eps)
+    else:
+        out = torch.ops.kbit.mm_silu_mul(x, x2, *packed, k)
+        h = _ops.silu_mul(x, x2)
+    assert rel_err(out, h.double() @ wq.double().T) < MM_REL_TOL[dtype]
+    assert_no_code_reader(spy)
+
+
+@pytest.mark.parametrize("m", [1, 8, 300], ids=lambda m: f"M{m}")
+def test_rotated_layer_with_records_falls_back(m, spy):
+    """A rotated layer with records: the stored weight W' (dequantized by the reference) times x R (the standalone
+    rotation kernel), at every M, and dequantize returns W' R^T."""
+    n, k, dtype, seed = 1000, 2048, torch.bfloat16, 12345
+    packed, _, wq = packed_records(n, k, 3)
+    signs = rotation.sign_words(k, seed, DEVICE)
+    x = torch.randn(m, k, device=DEVICE, dtype=dtype)
+    out = torch.ops.kbit.mm(x, *packed, k, signs)
+    xr = rotation.rotate(x, rotation.DEFAULT_BLOCK, seed).to(dtype)
+    assert rel_err(out, xr.double() @ wq.double().T) < MM_REL_TOL[dtype]
+    w = torch.ops.kbit.dequantize(*packed, k, torch.float32, signs)
+    torch.testing.assert_close(w, rotation.unrotate(wq, rotation.DEFAULT_BLOCK, seed), atol=1e-6, rtol=1e-6)
+    assert_no_code_reader(spy)
+
+
+@pytest.mark.parametrize("s", [5, 100], ids=lambda s: f"S{s}")
+def test_grouped_mm_falls_back(s, spy):
+    e, n, k, dtype = 3, 300, 700, torch.bfloat16
+    packed, _, wq = packed_records(n, k, 4, experts=e)
+    x = torch.randn(s, k, device=DEVICE, dtype=dtype)
+    ids = torch.randint(0, e, (s,), device=DEVICE)
+    out = torch.ops.kbit.grouped_mm(x, ids, *packed, k)
+    ref = torch.einsum("sk,snk->sn", x.double(), wq.double()[ids])
+    assert rel_err(out, ref) < MM_REL_TOL[dtype]
+    assert_no_code_reader(spy)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_grad_x_falls_back(dtype, spy):
+    n, k = 1000, 2000
+    packed, _, wq = packed_records(n, k, 5)
+    grad = torch.randn(40, n, device=DEVICE, dtype=dtype)
+    out = torch.ops.kbit.mm_grad_x(grad, *packed, k)
+    assert out.dtype == dtype and out.shape == (40, k)
+    assert rel_err(out, grad.double() @ wq.double()) < MM_REL_TOL[dtype]
+    assert_no_code_reader(spy)
+
+
+@pytest.mark.parametrize("m", [1, 17], ids=lambda m: f"M{m}")
+def test_eager_fast_path_leaves_records_to_the_op(m, spy):
+    """The eager shortcut (register_eager_mm) does not serve records: kbit::mm's fallback does."""
+    be = backend()
+    n, k = 1000, 4096
+    packed, _, wq = packed_records(n, k, 4)
+    x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert be.linear_fast(RecordsLayer(packed, k), x) is None
+        out = torch.ops.kbit.mm(x, *packed, k)
+    assert rel_err(out, x.double() @ wq.double().T) < MM_REL_TOL[torch.bfloat16]
+    assert_no_code_reader(spy)
+
+
+def test_records_on_cuda_warn_once():
+    be = backend()
+    be._warn_records_once.cache_clear()
+    packed, _, _ = packed_records(257, 515, 4)
+    x = torch.randn(1, 515, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="no kernel reads them yet"):
+        torch.ops.kbit.mm(x, *packed, 515)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.ops.kbit.mm(x, *packed, 515)  # once per process
