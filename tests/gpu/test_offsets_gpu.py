@@ -17,6 +17,7 @@ import torch
 from hf_kbit import _lib, _ops, rotation
 from hf_kbit import format as fmt
 from kernel_cases import table_cases
+from test_bad_input import spy_library
 
 pytestmark = [
     pytest.mark.gpu,
@@ -91,41 +92,14 @@ class RecordsLayer(torch.nn.Module):
         self.rotation_signs = signs
 
 
-class LibrarySpy:
-    """Stands in for the backend's ctypes library: records every ``kbit_*`` call, then forwards it."""
-
-    def __init__(self, lib):
-        self._lib, self.calls = lib, []
-
-    def __getattr__(self, name):
-        fn = getattr(self._lib, name)
-        if not name.startswith("kbit_") or not callable(fn):
-            return fn
-
-        def call(*args):
-            self.calls.append(name)
-            return fn(*args)
-
-        return call
-
-
 @pytest.fixture
-def spy(monkeypatch):
-    be = backend()
-    s = LibrarySpy(be._LIB)
-    monkeypatch.setattr(be, "_LIB", s)
-    if getattr(be, "_run", None) is not None:
-        run = be._run
-
-        def spied_run(*args):
-            s.calls.append("kbit_gemv_run")
-            return run(*args)
-
-        monkeypatch.setattr(be, "_run", spied_run)
-    return s
+def spy():
+    """Every kbit_* library call made in the test (test_bad_input's spy, the eager fast path's run included)."""
+    with spy_library() as s:
+        yield s
 
 
-def assert_no_code_reader(spy: LibrarySpy) -> None:
+def assert_no_code_reader(spy) -> None:
     wrong = [c for c in spy.calls if c in CODE_READERS]
     assert not wrong, f"records were handed to kernels that read uint8 codes: {wrong}"
 
