@@ -67,7 +67,7 @@ TILE_K = BLOCK_SIZE * BLOCKS_PER_TILE
 # Block offsets (module docstring): an int16 block record holds the E4M4 code (low byte) and a signed offset code
 # (high byte); the offset adds OFFSET_STEP * o row scales to each element of its block. A step of 1/8 row scale spans
 # +-15.9 row scales (half the top block's range) at 8 bits; on SmolLM2-135M it measured as well as a float32 step
-# per row (docs/format.md, "Per-block offsets").
+# per row (docs/format.md#block-offsets).
 OFFSET_STEP = 0.125
 OFFSET_MAX = 127
 RECORD_DTYPE = torch.int16
