@@ -173,11 +173,16 @@ PACKED_DTYPES = {
 }
 
 
+def packed_dtypes(offsets: bool = False) -> dict[str, torch.dtype]:
+    """dtype of each of the four packed tensors: :data:`PACKED_DTYPES`, with int16 block records (``offsets``)."""
+    return {**PACKED_DTYPES, **({"block_scales": RECORD_DTYPE} if offsets else {})}
+
+
 def bits_per_weight(n: int, k: int, bits: int, rotated: bool = False, offsets: bool = False) -> float:
     """Stored bits per original weight element, padding, all scales, (``rotated``) the sign words and (``offsets``)
     the block records' offset bytes included."""
     shapes = packed_shapes(n, k, bits)
-    dtypes = {**PACKED_DTYPES, "block_scales": RECORD_DTYPE} if offsets else PACKED_DTYPES
+    dtypes = packed_dtypes(offsets)
     nbytes = sum(math.prod(s) * dtypes[name].itemsize for name, s in shapes.items())
     if rotated:
         nbytes += math.prod(rotation_signs_shape(k)) * ROTATION_SIGNS_DTYPE.itemsize

@@ -16,7 +16,7 @@ from ..config import KbitConfig
 from ..hub import format_bytes
 from ..nn.experts import PROJECTIONS as EXPERT_PROJECTIONS
 from ..nn.experts import ExpertsLayout
-from ..nn.linear import FORMAT_TENSORS, ROTATION_SIGNS, format_dtypes
+from ..nn.linear import FORMAT_TENSORS, ROTATION_SIGNS
 
 
 @dataclass
@@ -90,7 +90,7 @@ class TensorPlan:
             }
         *lead, n, k = self.shape
         shapes = fmt.packed_shapes(n, k, self.bits)
-        dtypes = format_dtypes(self.block_offsets)
+        dtypes = fmt.packed_dtypes(self.block_offsets)
         return {f"{self.prefix}.{t}": ((*lead, *shapes[t]), dtypes[t]) for t in FORMAT_TENSORS}
 
     def output_nbytes(self) -> int:

@@ -274,7 +274,7 @@ class KbitLinear(KbitModule):
         self.in_features, self.out_features, self.bits = in_features, out_features, bits
         shapes = fmt.packed_shapes(out_features, in_features, bits)
         self.__dict__["block_offsets"] = block_offsets
-        dtypes = format_dtypes(block_offsets)
+        dtypes = fmt.packed_dtypes(block_offsets)
         for name in FORMAT_TENSORS:
             self.register_buffer(name, torch.empty(shapes[name], dtype=dtypes[name], device=device))
         self.register_buffer(ROTATION_SIGNS, None)
@@ -343,7 +343,7 @@ class KbitLinear(KbitModule):
 
     def packed_dtypes(self) -> dict[str, torch.dtype]:
         """dtype of each format tensor (block_scales: uint8 codes, or int16 block records under ``block_offsets``)."""
-        dtypes = format_dtypes(self.block_offsets)
+        dtypes = fmt.packed_dtypes(self.block_offsets)
         if self.rotated:
             dtypes[ROTATION_SIGNS] = fmt.ROTATION_SIGNS_DTYPE
         return dtypes
@@ -422,17 +422,12 @@ class KbitLinear(KbitModule):
                 f"bias={self.bias is not None}{rotated}{offsets}")
 
 
-def format_dtypes(block_offsets: bool) -> dict[str, torch.dtype]:
-    """dtype of each of the four format tensors: the format's, with int16 block records under ``block_offsets``."""
-    return {**fmt.PACKED_DTYPES, **({BLOCK_SCALES: fmt.RECORD_DTYPE} if block_offsets else {})}
-
-
 def format_layout(n: int, k: int, bits: int, rotated: bool,
                   block_offsets: bool = False) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """``{name: (dtype, shape)}`` of the format tensors of one ``[n, k]`` weight, in storage order (the sign words
     last, when ``rotated``; int16 block records under ``block_offsets``)."""
     shapes = fmt.packed_shapes(n, k, bits)
-    dtypes = format_dtypes(block_offsets)
+    dtypes = fmt.packed_dtypes(block_offsets)
     layout = {name: (dtypes[name], shapes[name]) for name in FORMAT_TENSORS}
     if rotated:
         layout[ROTATION_SIGNS] = (fmt.ROTATION_SIGNS_DTYPE, fmt.rotation_signs_shape(k))
