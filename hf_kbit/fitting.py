@@ -46,7 +46,9 @@ __all__ = [
     "FitSettings",
     "absmax_codes",
     "block_offsets",
+    "block_errors",
     "check_bits",
+    "choose_offsets",
     "codebook_groups",
     "codebook_needs_data",
     "codebook_sample",
@@ -87,8 +89,8 @@ class FitSettings:
         balance_members: in a codebook that siblings share (:func:`group_codebook`: q/k/v, gate/up), each
             member's blocks weigh as much in the Lloyd update as another's, whatever its row count (k and v
             count as much as a q several times their size). ``False``: every row the same weight.
-        offsets: give each block an offset (:func:`block_offsets`; format v4's int16 block records,
-            ``KbitConfig.block_offsets``) and fit the rest.
+        offsets: give each block an offset where it lowers the block's error (:func:`choose_offsets`; format
+            v4's int16 block records, ``KbitConfig.block_offsets``) and fit the rest.
     """
 
     codes_below: int
@@ -139,7 +141,7 @@ def settings_for(fitting: str | None, bits: int, codebook: object = None, offset
     ``offsets``: the absmax rule on each block less its offset, no search, the codebook as configured).
 
     An explicit codebook (a list or tensor of levels) is kept as given: only block codes are searched.
-    ``offsets``: each block gets an offset (:func:`block_offsets`; int16 block records).
+    ``offsets``: blocks get offsets (:func:`choose_offsets`; int16 block records).
     """
     fitting = DEFAULT_FITTING[check_bits(bits)] if fitting is None else fitting
     if fitting not in FITTINGS:
@@ -320,6 +322,40 @@ def remove_offsets(blocks: torch.Tensor, rows: torch.Tensor, offsets: torch.Tens
     return residual if mask is None else residual * (mask > 0)
 
 
+def block_errors(blocks: torch.Tensor, rows: torch.Tensor, cb: torch.Tensor, codes: torch.Tensor,
+                 mask: torch.Tensor | None) -> torch.Tensor:
+    """Squared reconstruction error ``[G, N, B]`` of ``blocks [G, N, B, 32]`` quantized with block ``codes
+    [G, N, B]`` under row scales ``rows [G, N]`` and codebooks ``cb [G, L]`` (each element at its nearest level,
+    K padding weighted by ``mask`` as in :func:`search_codes`; a code-0 block reconstructs to zero)."""
+    g, n, n_blocks, _ = blocks.shape
+    table = fmt.e4m4_table(blocks.device)
+    out = torch.empty(codes.shape, dtype=torch.float32, device=blocks.device)
+    rows_per_chunk = max(1, CHUNK_ELEMENTS // max(1, n_blocks * fmt.BLOCK_SIZE))
+    for start in range(0, n, rows_per_chunk):
+        b = blocks[:, start : start + rows_per_chunk]
+        scale = (table[codes[:, start : start + rows_per_chunk]] * rows[:, start : start + rows_per_chunk, None])[..., None]
+        x = b / torch.where(scale > 0, scale, 1.0)
+        d = (_levels(cb, _nearest(x, cb)) * scale).sub_(b).square_()
+        if mask is not None:
+            d.mul_(mask)
+        out[:, start : start + rows_per_chunk] = d.sum(-1)
+    return out
+
+
+def choose_offsets(blocks: torch.Tensor, rows: torch.Tensor, cb: torch.Tensor, codes_below: int, codes_above: int,
+                   mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per block, its :func:`block_offsets` code or none, whichever quantizes it with the smaller squared error
+    (:func:`search_codes` both ways; ties keep none). ``(offset codes [G, N, B], the blocks less their chosen
+    offsets, E4M4 codes [G, N, B])``."""
+    offsets = block_offsets(blocks, rows, mask)
+    shifted = remove_offsets(blocks, rows, offsets, mask)
+    codes_shifted = search_codes(shifted, rows, cb, codes_below, codes_above, mask)
+    codes_plain = search_codes(blocks, rows, cb, codes_below, codes_above, mask)
+    keep = block_errors(shifted, rows, cb, codes_shifted, mask) < block_errors(blocks, rows, cb, codes_plain, mask)
+    return (torch.where(keep, offsets, 0), torch.where(keep[..., None], shifted, blocks),
+            torch.where(keep, codes_shifted, codes_plain))
+
+
 # ---------------------------------------------------------------------------- codebook
 
 
@@ -406,12 +442,14 @@ def fit_codebook(
         row_weights = row_weights[rows_sel]
     fit_blocks = blocks[:, rows_sel]
     rows = row_scales(w)[:, rows_sel]
-    if settings.offsets:
-        fit_blocks = remove_offsets(fit_blocks, rows, block_offsets(fit_blocks, rows, mask), mask)
     table = fmt.e4m4_table(w.device)
     for _ in range(settings.lloyd_iters):
-        codes = search_codes(fit_blocks, rows, cb, settings.codes_below, settings.codes_above, mask)
-        cb = _lloyd_step(fit_blocks, table[codes] * rows[..., None], cb, mask, row_weights)
+        if settings.offsets:
+            _, residual, codes = choose_offsets(fit_blocks, rows, cb, settings.codes_below, settings.codes_above, mask)
+        else:
+            residual = fit_blocks
+            codes = search_codes(fit_blocks, rows, cb, settings.codes_below, settings.codes_above, mask)
+        cb = _lloyd_step(residual, table[codes] * rows[..., None], cb, mask, row_weights)
     return cb.reshape(*lead, -1) if lead else cb[0]
 
 
@@ -511,9 +549,9 @@ def quantize_fitted(
     :func:`hf_kbit.format.dequantize` with the same codebook reads them. Row scales follow the
     format's rule; block codes come from :func:`search_block_codes`; each index is the nearest
     level, as in format.quantize. With ``codes_below = codes_above = 0`` the bytes equal
-    format.quantize's. ``offsets``: each block first gets its :func:`block_offsets` (under the same row scales),
-    the rest is quantized as above, and ``block_scales`` holds int16 block records
-    (:func:`hf_kbit.format.block_records`).
+    format.quantize's. ``offsets``: each block first gets its :func:`block_offsets` or none, whichever it quantizes
+    with less error (:func:`choose_offsets`, under the same row scales), the rest is quantized as above, and
+    ``block_scales`` holds int16 block records (:func:`hf_kbit.format.block_records`).
     """
     w, lead = _as_groups(weight)
     cb = codebook_groups(codebook, lead, w.device)
@@ -526,10 +564,11 @@ def quantize_fitted(
     rows_pad = torch.nn.functional.pad(rows, (0, n_pad - n), value=1.0)
     blocks = _blocks(w, n_pad, k_pad)
     mask = element_mask(k, blocks.shape[2], w.device)
-    offset_codes = block_offsets(blocks, rows_pad, mask) if offsets else None
+    offset_codes = None
     if offsets:
-        blocks = remove_offsets(blocks, rows_pad, offset_codes, mask)
-    codes = search_codes(blocks, rows_pad, cb, codes_below, codes_above, mask)
+        offset_codes, blocks, codes = choose_offsets(blocks, rows_pad, cb, codes_below, codes_above, mask)
+    else:
+        codes = search_codes(blocks, rows_pad, cb, codes_below, codes_above, mask)
     scale = fmt.e4m4_table(w.device)[codes] * rows_pad[..., None]
     x = torch.where(scale[..., None] > 0, blocks / torch.where(scale > 0, scale, 1.0)[..., None], 0.0)
     return pack_groups(_nearest(x, cb), codes, rows, bits, lead, offset_codes)
