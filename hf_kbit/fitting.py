@@ -45,8 +45,8 @@ __all__ = [
     "FITTINGS",
     "FitSettings",
     "absmax_codes",
-    "block_offsets",
     "block_errors",
+    "block_offsets",
     "check_bits",
     "choose_offsets",
     "codebook_groups",
@@ -327,18 +327,19 @@ def block_errors(blocks: torch.Tensor, rows: torch.Tensor, cb: torch.Tensor, cod
     """Squared reconstruction error ``[G, N, B]`` of ``blocks [G, N, B, 32]`` quantized with block ``codes
     [G, N, B]`` under row scales ``rows [G, N]`` and codebooks ``cb [G, L]`` (each element at its nearest level,
     K padding weighted by ``mask`` as in :func:`search_codes`; a code-0 block reconstructs to zero)."""
-    g, n, n_blocks, _ = blocks.shape
+    n, n_blocks = blocks.shape[1], blocks.shape[2]
     table = fmt.e4m4_table(blocks.device)
     out = torch.empty(codes.shape, dtype=torch.float32, device=blocks.device)
     rows_per_chunk = max(1, CHUNK_ELEMENTS // max(1, n_blocks * fmt.BLOCK_SIZE))
     for start in range(0, n, rows_per_chunk):
-        b = blocks[:, start : start + rows_per_chunk]
-        scale = (table[codes[:, start : start + rows_per_chunk]] * rows[:, start : start + rows_per_chunk, None])[..., None]
+        rows_here = slice(start, start + rows_per_chunk)
+        b = blocks[:, rows_here]
+        scale = (table[codes[:, rows_here]] * rows[:, rows_here, None])[..., None]
         x = b / torch.where(scale > 0, scale, 1.0)
         d = (_levels(cb, _nearest(x, cb)) * scale).sub_(b).square_()
         if mask is not None:
             d.mul_(mask)
-        out[:, start : start + rows_per_chunk] = d.sum(-1)
+        out[:, rows_here] = d.sum(-1)
     return out
 
 
