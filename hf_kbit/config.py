@@ -97,8 +97,8 @@ class KbitConfig(QuantizationConfigMixin):
             block records, :mod:`hf_kbit.format`): a block is centred on its midrange before the codebook and scale
             are chosen wherever that lowers its error (:func:`hf_kbit.fitting.choose_offsets`), which suits
             weights whose blocks are not centred on zero (zero-point formats such as GGUF Q4_1 and HQQ store one
-            too). 8 more bits per block (+0.25 bits/weight). Data-free
-            only (not with ``calibration_data``); fused MoE experts keep plain scales. Measured in
+            too). 8 more bits per block (+0.25 bits/weight). Data-free only (not with ``calibration_data``); fused
+            MoE experts keep plain scales. Measured in
             docs/format.md#block-offsets. No CUDA kernel reads the records yet: on CUDA every matmul of such a
             layer dequantizes its weight first, slower than bf16 (docs/kernels.md). ``False`` (default): uint8
             scales, format v1/v3.
