@@ -45,7 +45,6 @@ __all__ = [
     "FITTINGS",
     "FitSettings",
     "absmax_codes",
-    "block_errors",
     "block_offsets",
     "check_bits",
     "choose_offsets",
@@ -240,9 +239,15 @@ def search_codes(
     """:func:`search_block_codes` on weights already in blocks: float32 ``blocks [G, N, B, 32]``, row scales
     ``rows [G, N]``, codebooks ``cb [G, L]`` (:func:`codebook_groups`) and ``mask`` ``[B, 32]`` (each element's
     weight in the squared error, e.g. :func:`element_mask`; None: all 1) -> int64 codes ``[G, N, B]``."""
-    c0 = absmax_codes(blocks, rows)
     if codes_below == 0 and codes_above == 0:
-        return c0
+        return absmax_codes(blocks, rows)
+    return _search(blocks, rows, cb, codes_below, codes_above, mask)[0]
+
+
+def _search(blocks, rows, cb, codes_below, codes_above, mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`search_codes`'s search, also where its window is empty: ``(codes [G, N, B], their squared errors
+    [G, N, B] float32)`` (a code-0 block is all zero: error 0)."""
+    c0 = absmax_codes(blocks, rows)
     table = fmt.e4m4_table(blocks.device)
     # Candidate offsets, the absmax code first: argmin keeps the first of equal errors, so the
     # absmax code wins ties and the result is never worse than format.quantize.
@@ -253,21 +258,23 @@ def search_codes(
                          torch.arange(1, codes_below + 1, device=device)])
     g, n, n_blocks, _ = blocks.shape
     rows_per_chunk = max(1, CHUNK_ELEMENTS // max(1, n_blocks * offsets.numel() * fmt.BLOCK_SIZE))
-    out = torch.empty_like(c0)
+    codes = torch.empty_like(c0)
+    errors = torch.empty(c0.shape, dtype=torch.float32, device=device)
     for start in range(0, n, rows_per_chunk):
-        b = blocks[:, start : start + rows_per_chunk]
-        base = c0[:, start : start + rows_per_chunk, :, None]
+        rows_here = slice(start, start + rows_per_chunk)
+        base = c0[:, rows_here, :, None]
         # An all-zero block keeps code 0; any other block keeps a non-zero code (code 0 would zero it).
         cand = torch.where(base == 0, 0, (base - offsets).clamp(1, 255))  # [G, n, B, C]
-        scale = table[cand] * rows[:, start : start + rows_per_chunk, None, None]
-        x = b[:, :, :, None, :] / torch.where(scale > 0, scale, 1.0)[..., None]
+        scale = table[cand] * rows[:, rows_here, None, None]
+        x = blocks[:, rows_here, :, None, :] / torch.where(scale > 0, scale, 1.0)[..., None]
         d = _levels(cb, _nearest(x, cb)).sub_(x).square_()
         if mask is not None:
             d.mul_(mask[:, None, :])
         err = d.sum(-1) * scale.square()
         best = err.argmin(-1, keepdim=True)
-        out[:, start : start + rows_per_chunk] = cand.gather(-1, best)[..., 0]
-    return out
+        codes[:, rows_here] = cand.gather(-1, best)[..., 0]
+        errors[:, rows_here] = err.gather(-1, best)[..., 0]
+    return codes, errors
 
 
 def search_block_codes(
@@ -322,27 +329,6 @@ def remove_offsets(blocks: torch.Tensor, rows: torch.Tensor, offsets: torch.Tens
     return residual if mask is None else residual * (mask > 0)
 
 
-def block_errors(blocks: torch.Tensor, rows: torch.Tensor, cb: torch.Tensor, codes: torch.Tensor,
-                 mask: torch.Tensor | None) -> torch.Tensor:
-    """Squared reconstruction error ``[G, N, B]`` of ``blocks [G, N, B, 32]`` quantized with block ``codes
-    [G, N, B]`` under row scales ``rows [G, N]`` and codebooks ``cb [G, L]`` (each element at its nearest level,
-    K padding weighted by ``mask`` as in :func:`search_codes`; a code-0 block reconstructs to zero)."""
-    n, n_blocks = blocks.shape[1], blocks.shape[2]
-    table = fmt.e4m4_table(blocks.device)
-    out = torch.empty(codes.shape, dtype=torch.float32, device=blocks.device)
-    rows_per_chunk = max(1, CHUNK_ELEMENTS // max(1, n_blocks * fmt.BLOCK_SIZE))
-    for start in range(0, n, rows_per_chunk):
-        rows_here = slice(start, start + rows_per_chunk)
-        b = blocks[:, rows_here]
-        scale = (table[codes[:, rows_here]] * rows[:, rows_here, None])[..., None]
-        x = b / torch.where(scale > 0, scale, 1.0)
-        d = (_levels(cb, _nearest(x, cb)) * scale).sub_(b).square_()
-        if mask is not None:
-            d.mul_(mask)
-        out[:, rows_here] = d.sum(-1)
-    return out
-
-
 def choose_offsets(blocks: torch.Tensor, rows: torch.Tensor, cb: torch.Tensor, codes_below: int, codes_above: int,
                    mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per block, its :func:`block_offsets` code or none, whichever quantizes it with the smaller squared error
@@ -350,9 +336,9 @@ def choose_offsets(blocks: torch.Tensor, rows: torch.Tensor, cb: torch.Tensor, c
     offsets, E4M4 codes [G, N, B])``."""
     offsets = block_offsets(blocks, rows, mask)
     shifted = remove_offsets(blocks, rows, offsets, mask)
-    codes_shifted = search_codes(shifted, rows, cb, codes_below, codes_above, mask)
-    codes_plain = search_codes(blocks, rows, cb, codes_below, codes_above, mask)
-    keep = block_errors(shifted, rows, cb, codes_shifted, mask) < block_errors(blocks, rows, cb, codes_plain, mask)
+    codes_shifted, errors_shifted = _search(shifted, rows, cb, codes_below, codes_above, mask)
+    codes_plain, errors_plain = _search(blocks, rows, cb, codes_below, codes_above, mask)
+    keep = errors_shifted < errors_plain
     return (torch.where(keep, offsets, 0), torch.where(keep[..., None], shifted, blocks),
             torch.where(keep, codes_shifted, codes_plain))
 
