@@ -37,6 +37,12 @@
 // x R (after the prologue) before the store, so the K loop is the unrotated kernel's (stage_x, rotate_run).
 // A template flag, not a runtime one: the unrotated instantiations compile to the code they had before
 // rotation existed (a runtime flag moved ptxas's register allocation in the K loop, 3-8% at M = 16).
+// Block records (kOffsets instantiations, launch_gemv_offsets; format.py): block_scales holds an int16 per
+// block, the E4M4 code in its low byte and a signed offset code o in its high byte. A lane loads its two
+// records where it loaded two codes, takes the scale pair from the low byte as before and the offset pair
+// kOffsetStep * o from the high byte (offset_pair), and the decode's packed multiply becomes a packed fma:
+// (codebook pair * scale + offset), rounded once to the activation dtype. Again a template flag: the
+// instantiations without it compile to the code they had before.
 #pragma once
 
 #include <type_traits>
@@ -57,6 +63,20 @@ template <> __device__ __forceinline__ uint32_t mul2<__half>(uint32_t a, uint32_
 template <> __device__ __forceinline__ uint32_t mul2<__nv_bfloat16>(uint32_t a, uint32_t b) {
   const __nv_bfloat162 r =
       __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+// a * b + c, rounded once (the decode of block records: codebook pair * scale + offset).
+template <typename T> __device__ __forceinline__ uint32_t fma2(uint32_t a, uint32_t b, uint32_t c);
+template <> __device__ __forceinline__ uint32_t fma2<__half>(uint32_t a, uint32_t b, uint32_t c) {
+  const __half2 r = __hfma2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b),
+                            *reinterpret_cast<const __half2*>(&c));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+template <> __device__ __forceinline__ uint32_t fma2<__nv_bfloat16>(uint32_t a, uint32_t b, uint32_t c) {
+  const __nv_bfloat162 r = __hfma2(*reinterpret_cast<const __nv_bfloat162*>(&a),
+                                   *reinterpret_cast<const __nv_bfloat162*>(&b),
+                                   *reinterpret_cast<const __nv_bfloat162*>(&c));
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
@@ -186,12 +206,22 @@ template <typename T> __device__ __forceinline__ uint32_t scale_pair(uint32_t co
   return pack2<T>(s, s);
 }
 
+// A block record's offset (kOffsets; the record sign-extended, so bits 8 and up are the offset code o) as a
+// pair of the activation dtype: kOffsetStep * o, exact in both (|o| <= 127: 7 significant bits, exponents
+// 2^-3 .. 2^3). Computed (a shift, a conversion, a multiply, a pack) rather than looked up: shared-memory
+// loads are the decode's busiest pipe, and the scale pair already takes one per record.
+template <typename T> __device__ __forceinline__ uint32_t offset_pair(uint32_t record) {
+  const float o = kOffsetStep * static_cast<float>(static_cast<int32_t>(record) >> 8);
+  return pack2<T>(o, o);
+}
+
 template <int BITS> struct TileWords {
   uint32_t w[2][BITS];  // plane words of (row g, block t) and (row g + 8, block t)
-  uint32_t sc[2];       // their E4M4 block scale codes
+  uint32_t sc[2];       // their E4M4 block scale codes (kOffsets: their block records, sign-extended)
 };
 
-template <int BITS>
+// kOffsets: scales_base points at int16 block records (format.py), in the layout of the codes.
+template <int BITS, bool kOffsets = false>
 __device__ __forceinline__ void load_tile(const int32_t* planes_base, const uint8_t* scales_base, int tile,
                                           int lane, TileWords<BITS>& tw) {
   const uint32_t* planes = reinterpret_cast<const uint32_t*>(planes_base) + tile * BITS * 64 + lane;
@@ -200,9 +230,15 @@ __device__ __forceinline__ void load_tile(const int32_t* planes_base, const uint
     tw.w[0][j] = __ldcs(planes + j * 64);
     tw.w[1][j] = __ldcs(planes + j * 64 + 32);
   }
-  const unsigned char* sc = scales_base + tile * 64 + lane;
-  tw.sc[0] = __ldcs(sc);
-  tw.sc[1] = __ldcs(sc + 32);
+  if constexpr (kOffsets) {
+    const short* rec = reinterpret_cast<const short*>(scales_base) + tile * 64 + lane;
+    tw.sc[0] = static_cast<uint32_t>(static_cast<int32_t>(__ldcs(rec)));
+    tw.sc[1] = static_cast<uint32_t>(static_cast<int32_t>(__ldcs(rec + 32)));
+  } else {
+    const unsigned char* sc = scales_base + tile * 64 + lane;
+    tw.sc[0] = __ldcs(sc);
+    tw.sc[1] = __ldcs(sc + 32);
+  }
 }
 
 // A K tile of this lane's two rows (g, g + 8), ready for pair lookups: the SWAR index words
@@ -213,13 +249,22 @@ template <int BITS> struct TileIndex {
   uint32_t w[2][4];
   uint32_t hb[2][4];
   uint32_t s2[2];
+  uint32_t o2[2];  // kOffsets: the blocks' offsets as activation-dtype pairs (offset_pair)
 };
 
-template <int BITS>
+// kOffsets: tw holds block records; T, the activation dtype, is then that of the offset pairs.
+template <int BITS, bool kOffsets = false, typename T = void>
 __device__ __forceinline__ void index_words(const TileWords<BITS>& tw, const char* table, uint32_t lane_word,
                                             TileIndex<BITS>& ti) {
 #pragma unroll
-  for (int r = 0; r < 2; ++r) ti.s2[r] = reinterpret_cast<const uint32_t*>(table + kGemvTableBytes)[tw.sc[r]];
+  for (int r = 0; r < 2; ++r) {
+    if constexpr (kOffsets) {
+      ti.s2[r] = reinterpret_cast<const uint32_t*>(table + kGemvTableBytes)[tw.sc[r] & 0xFFu];
+      ti.o2[r] = offset_pair<T>(tw.sc[r]);
+    } else {
+      ti.s2[r] = reinterpret_cast<const uint32_t*>(table + kGemvTableBytes)[tw.sc[r]];
+    }
+  }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const uint32_t* pw = tw.w[r];
@@ -258,10 +303,11 @@ __device__ __forceinline__ void index_words(const TileWords<BITS>& tw, const cha
 }
 
 // The pair in byte b of index word w (k = 5: its high bits in byte b of hb, with the lane copy
-// offset), scaled by the block-scale pair s2: one byte permute, one table load, one packed multiply.
-template <int BITS, typename T, bool kAbs = false>
+// offset), scaled by the block-scale pair s2: one byte permute, one table load, one packed multiply
+// (kOffsets: one packed fma, plus the block's offset pair o2).
+template <int BITS, typename T, bool kAbs = false, bool kOffsets = false>
 __device__ __forceinline__ uint32_t decode_pair_word(uint32_t w, uint32_t hb, uint32_t s2, int b, const char* table,
-                                                     uint32_t lane_word) {
+                                                     uint32_t lane_word, uint32_t o2 = 0u) {
   // Permute: byte 0 from the lane word (copy offset), byte 1 = the index byte, bytes 2-3 zero
   // (absolute mode: byte 2 = the window byte of the lane word).
   uint32_t off;
@@ -272,40 +318,45 @@ __device__ __forceinline__ uint32_t decode_pair_word(uint32_t w, uint32_t hb, ui
     const uint32_t hsrc = ((b < 2) ? (hb & 0xFFFFu) : (hb >> 16)) | (kAbs ? kTableWindow : 0u);
     off = __byte_perm(hsrc, w, (kAbs ? 0x3200u : 0x2200u) | ((4u + b) << 4) | (b & 1));
   }
-  return mul2<T>(lds32(table_address<kAbs>(table, off)), s2);
+  const uint32_t pair = lds32(table_address<kAbs>(table, off));
+  if constexpr (kOffsets) return fma2<T>(pair, s2, o2);
+  else return mul2<T>(pair, s2);
 }
 
-// k >= 3: elements (8b+2s, 8b+2s+1) of row r (0: g, 1: g + 8), scaled.
-template <int BITS, typename T, bool kAbs = false>
+// k >= 3: elements (8b+2s, 8b+2s+1) of row r (0: g, 1: g + 8), scaled (kOffsets: and offset).
+template <int BITS, typename T, bool kAbs = false, bool kOffsets = false>
 __device__ __forceinline__ uint32_t decode_pair(const TileIndex<BITS>& ti, int r, int s, int b, const char* table,
                                                 uint32_t lane_word) {
-  return decode_pair_word<BITS, T, kAbs>(ti.w[r][s], BITS == 5 ? ti.hb[r][s] : 0u, ti.s2[r], b, table, lane_word);
+  return decode_pair_word<BITS, T, kAbs, kOffsets>(ti.w[r][s], BITS == 5 ? ti.hb[r][s] : 0u, ti.s2[r], b, table,
+                                                   lane_word, kOffsets ? ti.o2[r] : 0u);
 }
 
-// k = 2: the quad in byte b of word q of row r, scaled: pairs (8b + 2q, +1) and (8b + 2q + 4, +1).
-template <typename T, bool kAbs = false>
+// k = 2: the quad in byte b of word q of row r, scaled: pairs (8b + 2q, +1) and (8b + 2q + 4, +1)
+// (kOffsets: and offset).
+template <typename T, bool kAbs = false, bool kOffsets = false>
 __device__ __forceinline__ uint2 decode_quad(const TileIndex<2>& ti, int r, int q, int b, const char* table,
                                              uint32_t lane_word) {
   const uint32_t off = __byte_perm(lane_word, ti.w[r][q], (kAbs ? 0x3200u : 0x1100u) | ((4u + b) << 4));
   const uint2 e = lds64(table_address<kAbs>(table, off));
-  return make_uint2(mul2<T>(e.x, ti.s2[r]), mul2<T>(e.y, ti.s2[r]));
+  if constexpr (kOffsets) return make_uint2(fma2<T>(e.x, ti.s2[r], ti.o2[r]), fma2<T>(e.y, ti.s2[r], ti.o2[r]));
+  else return make_uint2(mul2<T>(e.x, ti.s2[r]), mul2<T>(e.y, ti.s2[r]));
 }
 
 // The mma A fragment (rows g, g + 8; K positions 2t, 2t + 1, 2t + 8, 2t + 9) of chunk c of this
 // lane's two rows: register 2 h + r holds row g + 8 r, positions 2t + 8 h + {0, 1}.
-template <int BITS, typename T, bool kAbs>
+template <int BITS, typename T, bool kAbs, bool kOffsets = false>
 __device__ __forceinline__ void decode_chunk(const TileIndex<BITS>& ti, int c, const char* table, uint32_t lane_word,
                                              uint32_t (&a)[4]) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     if constexpr (BITS == 2) {
-      const uint2 e = decode_quad<T, kAbs>(ti, r, c & 1, c >> 1, table, lane_word);
+      const uint2 e = decode_quad<T, kAbs, kOffsets>(ti, r, c & 1, c >> 1, table, lane_word);
       a[r] = e.x;
       a[2 + r] = e.y;
     } else {
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        a[2 * h + r] = decode_pair<BITS, T, kAbs>(ti, r, c & 3, 2 * (c >> 2) + h, table, lane_word);
+        a[2 * h + r] = decode_pair<BITS, T, kAbs, kOffsets>(ti, r, c & 3, 2 * (c >> 2) + h, table, lane_word);
     }
   }
 }
@@ -313,12 +364,13 @@ __device__ __forceinline__ void decode_chunk(const TileIndex<BITS>& ti, int c, c
 // Decode one K tile of this lane's two rows and run its 8 mma chunks against the staged
 // activations `xs` (this tile's B fragments, uint2 per (chunk, token, t)) of token tiles
 // 0 .. live_nt - 1 (warp-uniform: the grouped kernel's units of a few rows fill only the first
-// of its NT token tiles; the others skip their B-fragment loads and multiply zeros).
-template <int BITS, typename T, int NT, bool kAbs = false>
+// of its NT token tiles; the others skip their B-fragment loads and multiply zeros). kOffsets: tw holds
+// block records.
+template <int BITS, typename T, int NT, bool kAbs = false, bool kOffsets = false>
 __device__ __forceinline__ void mma_tile(const TileWords<BITS>& tw, const uint2* xs, int live_nt, int g, int t,
                                          const char* table, uint32_t lane_word, float (&acc)[2][NT][4]) {
   TileIndex<BITS> ti;
-  index_words<BITS>(tw, table, lane_word, ti);
+  index_words<BITS, kOffsets, T>(tw, table, lane_word, ti);
 
   // Lanes of tokens past the last row in a live token tile read whatever lies there (the next
   // K tile's records; after the last K tile, the dense GEMV's gemv_x_tail_bytes or the grouped
@@ -338,7 +390,7 @@ __device__ __forceinline__ void mma_tile(const TileWords<BITS>& tw, const uint2*
         if (nt == 0 || nt < live_nt) bx[nt] = xl[nt * 128 + ((c >> 1) ^ sw)];
     }
     uint32_t a[4];
-    decode_chunk<BITS, T, kAbs>(ti, c, table, lane_word, a);
+    decode_chunk<BITS, T, kAbs, kOffsets>(ti, c, table, lane_word, a);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       const uint32_t b0 = (c & 1) ? bx[nt].z : bx[nt].x, b1 = (c & 1) ? bx[nt].w : bx[nt].y;
@@ -701,8 +753,10 @@ struct GemvTrace {
 // out (or to its split's workspace slice). kBalancedCluster: the balanced cluster plans (the
 // host sets `cluster` and `balanced`). Their code lives only in that instantiation: in the
 // others, even unused, it changed the machine code of the main loop, and M = 1 was 1-5% slower.
-// kRotate: a rotated layer's instantiation (x R staged; the host picks it, rotation.cuh).
-template <int BITS, typename T, int NT, bool kAbs, bool kBalancedCluster, bool kPrologue, bool kRotate>
+// kRotate: a rotated layer's instantiation (x R staged; the host picks it, rotation.cuh). kOffsets: a
+// layer with block records (p.block_scales points at int16 records: launch_gemv_offsets).
+template <int BITS, typename T, int NT, bool kAbs, bool kBalancedCluster, bool kPrologue, bool kRotate,
+          bool kOffsets = false>
 __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmParams p) {
   constexpr int kDepth = kGemvDepth;
   extern __shared__ float4 smem_f4[];
@@ -771,7 +825,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
   const int row_jump = row_stride * k_tiles - chunk;  // from the end of a row tile's range to the next's start
   TileWords<BITS> buf[kDepth];
   auto advance_load = [&](TileWords<BITS>& dst) {
-    if (load_i < items) load_tile<BITS>(p.planes, p.block_scales, load_tile_idx, lane, dst);
+    if (load_i < items) load_tile<BITS, kOffsets>(p.planes, p.block_scales, load_tile_idx, lane, dst);
     ++load_i;
     ++load_tile_idx;
     if (++load_kt == kc1) {
@@ -919,7 +973,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
     for (int d = 0; d < kDepth; ++d) {
       if (i + d >= items) break;
       advance_load(buf[(d + kDepth - 1) % kDepth]);
-      mma_tile<BITS, T, NT, kAbs>(buf[d], xs2 + kt_rel * 8 * m * 4, NT, g, t, table, lane_word, acc);
+      mma_tile<BITS, T, NT, kAbs, kOffsets>(buf[d], xs2 + kt_rel * 8 * m * 4, NT, g, t, table, lane_word, acc);
       if (++kt_rel == chunk) {
         if (!from_start) {
           take_sums(sent);  // a balanced plan's head segment: the first of this warp's, so at most one
@@ -1058,9 +1112,10 @@ cudaError_t launch_splitk_reduce(const float* ws, void* out, int64_t mn, int spl
   return cudaLaunchKernelEx(&launch.config, splitk_reduce_kernel<T>, ws, static_cast<T*>(out), mn, splits);
 }
 
-template <int BITS, typename T, int NT, bool kAbs, bool kBalancedCluster, bool kPrologue, bool kRotate>
+template <int BITS, typename T, int NT, bool kAbs, bool kBalancedCluster, bool kPrologue, bool kRotate,
+          bool kOffsets = false>
 cudaError_t launch_gemv_kernel(const MmParams& p, int grid, int cluster_slots, cudaStream_t stream) {
-  constexpr auto kernel = gemv_kernel<BITS, T, NT, kAbs, kBalancedCluster, kPrologue, kRotate>;
+  constexpr auto kernel = gemv_kernel<BITS, T, NT, kAbs, kBalancedCluster, kPrologue, kRotate, kOffsets>;
   const int smem = gemv_smem_bytes(static_cast<int>(p.m), p.chunk_kt, kAbs, cluster_slots);
   cudaError_t err = raise_smem_limit<kernel>(smem);
   if (err != cudaSuccess) return err;
@@ -1069,15 +1124,15 @@ cudaError_t launch_gemv_kernel(const MmParams& p, int grid, int cluster_slots, c
   return cudaLaunchKernelEx(&launch.config, kernel, p);
 }
 
-template <int BITS, typename T, int NT, bool kAbs, bool kPrologue, bool kRotate>
+template <int BITS, typename T, int NT, bool kAbs, bool kPrologue, bool kRotate, bool kOffsets = false>
 cudaError_t launch_gemv_table(const MmParams& p, int grid, cudaStream_t stream) {
   if (p.cluster && p.balanced) {
     const int ctas = grid / p.splits, n_tiles = static_cast<int>((p.n + kTileN - 1) / kTileN);
     const int rows = (n_tiles + ctas - 1) / ctas;  // a CTA's row tiles, at most
-    return launch_gemv_kernel<BITS, T, NT, kAbs, true, kPrologue, kRotate>(
+    return launch_gemv_kernel<BITS, T, NT, kAbs, true, kPrologue, kRotate, kOffsets>(
         p, grid, gemv_balanced_cluster_slots(p.splits, rows), stream);
   }
-  cudaError_t err = launch_gemv_kernel<BITS, T, NT, kAbs, false, kPrologue, kRotate>(
+  cudaError_t err = launch_gemv_kernel<BITS, T, NT, kAbs, false, kPrologue, kRotate, kOffsets>(
       p, grid, p.cluster ? gemv_cluster_slots(p.splits) : 0, stream);
   if (err != cudaSuccess || p.splits == 1 || p.cluster) return err;
   return launch_splitk_reduce<T>(p.workspace, p.out, p.m * p.n, p.splits, stream);
@@ -1099,6 +1154,17 @@ cudaError_t launch_gemv(const MmParams& p, int grid, cudaStream_t stream) {
   // shared windows start at rank << 24, take relative table addressing.
   return p.abs_table && (BITS <= 4 || !p.cluster) ? launch_gemv_prologue<BITS, T, NT, true, kRotate>(p, grid, stream)
                      : launch_gemv_prologue<BITS, T, NT, false, kRotate>(p, grid, stream);
+}
+
+// Block records (p.block_scales int16, format.py): the plain GEMV with kOffsets, unrotated and without a
+// prologue (generate_kernels.py builds it for the decode's token tiles; kbit_api.cu refuses the rest, and
+// every other path dequantizes records: hf_kbit/backends/cuda.py).
+template <int BITS, typename T, int NT>
+cudaError_t launch_gemv_offsets(const MmParams& p, int grid, cudaStream_t stream) {
+  if (p.prologue != kPrologueNone || p.rot_signs) return cudaErrorInvalidValue;
+  return p.abs_table && (BITS <= 4 || !p.cluster)
+             ? launch_gemv_table<BITS, T, NT, true, false, false, true>(p, grid, stream)
+             : launch_gemv_table<BITS, T, NT, false, false, false, true>(p, grid, stream);
 }
 
 }  // namespace kbit

@@ -38,6 +38,11 @@ class Launch:
     # tile has the unrotated one). A rotated layer's call elsewhere rotates x first with the
     # standalone kernel (kbit_api.cu): the rotated code stays where it pays for its build time.
     rotated: tuple[int, ...] = ()
+    # Tiles that also have an instantiation for block records (int16 block_scales with offsets, format.py):
+    # `offsets_template`, from {bits}, {T} and {v}, dispatched by find_<kernel>_offsets(bits, dtype, tile).
+    # Elsewhere a layer with records takes no kernel of this launch (hf_kbit/backends/cuda.py dequantizes them).
+    offsets: tuple[int, ...] = ()
+    offsets_template: str = ""
 
     def signature(self) -> str:
         return f"cudaError_t (*)(const {self.struct}&{self.params}, cudaStream_t)"
@@ -47,13 +52,19 @@ class Launch:
         return [(v, rot, self.template.format(bits=bits, T=cpp_type, v=v, rot=str(rot).lower()))
                 for v in (self.variants or (0,)) for rot in (False, True) if not rot or v in self.rotated]
 
+    def offsets_instances(self, bits: int, cpp_type: str) -> list[tuple[int, str]]:
+        """``(tile, instantiation)`` of every block-records instantiation for (bits, dtype)."""
+        return [(v, self.offsets_template.format(bits=bits, T=cpp_type, v=v)) for v in self.offsets]
+
 
 LAUNCHES = {
     "quantize": Launch("quantize_kernel.cuh", "launch_quantize<{T}, {bits}>", "", "QuantizeParams"),
     "dequantize": Launch("dequantize_kernel.cuh", "launch_dequantize<{T}, {bits}>", "", "DequantizeParams"),
     # mma token tiles: 1 for M <= 8, 2 up to kGemvMaxM. Rotated: M <= 8, where staging x R in every CTA
     # can beat a standalone rotation's extra kernel (the rotated GEMV crossover, crossovers.json).
-    "gemv": Launch("gemv_kernel.cuh", "launch_gemv<{bits}, {T}, {v}, {rot}>", ", int", "MmParams", (1, 2), (1,)),
+    # Block records: the plain GEMV (unrotated, no prologue) at both tiles, the decode's M <= 16.
+    "gemv": Launch("gemv_kernel.cuh", "launch_gemv<{bits}, {T}, {v}, {rot}>", ", int", "MmParams", (1, 2), (1,),
+                   (1, 2), "launch_gemv_offsets<{bits}, {T}, {v}>"),
     # mma token tiles per CTA (gemm_nt).
     "gemm": Launch("gemm_kernel.cuh", "launch_gemm<{bits}, {T}, {v}>", ", dim3", "MmParams", (2, 4, 8, 16)),
     # 64-token wgmma blocks per CTA (wgmma_nb).
@@ -158,6 +169,20 @@ def render_header(table) -> str:
                 key = f"{bits}, {dtype_code[dtype]}, {v}" + (", true" if rotated else "")
                 lines.append(f"    case launch_key({key}): return &{inst};")
         lines += ["    default: return nullptr;", "  }", "}"]
+        if launch.offsets:
+            lines += [
+                "",
+                f"// The {kernel} launch for block records (int16 block_scales with offsets) for (bits, dtype, tile);",
+                "// nullptr where the table has none.",
+                f"inline {fn} find_{kernel}_offsets(int bits, int dtype, int tile) {{",
+                "  switch (launch_key(bits, dtype, tile)) {",
+            ]
+            for k, bits, dtype in table.TABLE:
+                if k != kernel:
+                    continue
+                for v, inst in launch.offsets_instances(bits, CPP_TYPES[dtype]):
+                    lines.append(f"    case launch_key({bits}, {dtype_code[dtype]}, {v}): return &{inst};")
+            lines += ["    default: return nullptr;", "  }", "}"]
     for name, launch in DTYPE_LAUNCHES.items():
         fn = f"{_camel(name)}Launch"
         lines += [
@@ -186,7 +211,9 @@ def render_instantiations(table) -> dict[str, str]:
             lines += ["", "namespace kbit {"]
             for kernel in kernels:
                 launch = LAUNCHES[kernel]
-                for _, _, inst in _instances(kernel, bits, dtype):
+                insts = [inst for _, _, inst in _instances(kernel, bits, dtype)]
+                insts += [inst for _, inst in launch.offsets_instances(bits, CPP_TYPES[dtype])]
+                for inst in insts:
                     lines.append(f"template cudaError_t {inst}(const {launch.struct}&{launch.params}, cudaStream_t);")
             lines += ["}  // namespace kbit", ""]
             files[f"kbit_k{bits}_{SHORT[dtype]}.cu"] = "\n".join(lines)

@@ -19,6 +19,8 @@ namespace {
 
 using namespace kbit;
 
+// Unchanged by the block-records entries (kbit_gemv_offsets*): they are new symbols, which a caller looks up
+// before it declares them (hf_kbit/backends/cuda.py), as it does the other optional entries.
 constexpr int kAbiVersion = 10;
 
 thread_local char g_error[512] = "";
@@ -684,11 +686,11 @@ struct GemvCall {
   MmParams p;
 };
 
-// Checks of the weight and the problem shared by kbit_gemv, kbit_gemv_prologue and kbit_gemv_prepare;
-// fills the call.
+// Checks of the weight and the problem shared by kbit_gemv, kbit_gemv_prologue, kbit_gemv_prepare and their
+// block-records forms (`offsets`: block_scales points at int16 records; unrotated, no prologue); fills the call.
 int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* block_scales, const float* row_scales,
                const float* codebook, int bits, int64_t m, int64_t n, int64_t k, const uint32_t* rot_signs,
-               bool prologue, GemvCall* call, int64_t* need) {
+               bool prologue, GemvCall* call, int64_t* need, bool offsets = false) {
   if (int rc = check_common(kGemv, bits, dtype, n, k)) return rc;
   if (int rc = check_rotation(rot_signs, k)) return rc;
   if (m < 1 || m > kGemvMaxM) return fail("x has %lld rows, the GEMV takes 1..%d", static_cast<long long>(m), kGemvMaxM);
@@ -696,7 +698,8 @@ int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* bloc
   if (n > 0 && (!planes || !block_scales || !row_scales || !codebook))
     return fail("planes, block_scales, row_scales and codebook must be device pointers");
   if (!aligned(planes, 16)) return fail("planes must be 16-byte aligned");
-  if (!aligned(block_scales, 4)) return fail("block_scales must be 4-byte aligned");
+  if (offsets ? !aligned(block_scales, 2) : !aligned(block_scales, 4))
+    return fail(offsets ? "block_records must be 2-byte aligned (int16)" : "block_scales must be 4-byte aligned");
   if (ceil_div(n, kTileN) * ceil_div(k, kTileK) * bits * 64 >= (int64_t{1} << 31))
     return fail("weight of %lld x %lld is too large for the GEMV's 32-bit tile indexing", static_cast<long long>(n),
                 static_cast<long long>(k));
@@ -717,6 +720,14 @@ int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* bloc
   p.rot_signs = rot_signs;
   call->device = device;
   call->grid = plan.grid;
+  if (offsets) {
+    call->launch = find_gemv_offsets(bits, dtype, gemv_tiles(m));
+    if (!call->launch)
+      return fail("block records: the library has no offsets GEMV for bits=%d, dtype=%s at m=%lld "
+                  "(kbit_gemv_offsets_max_m): dequantize them instead", bits, kDTypeNames[dtype],
+                  static_cast<long long>(m));
+    return KBIT_OK;
+  }
   call->launch = find_gemv(bits, dtype, gemv_tiles(m), rot_signs && !call->rotate);
   return call->launch ? KBIT_OK : unsupported(kGemv, bits, dtype);
 }
@@ -842,6 +853,40 @@ int kbit_gemv_run(const void* call, const void* x, void* out, float* workspace, 
   if (c.p.n > 0 && (!x || !out || ((c.rotate || (c.p.splits > 1 && !c.p.cluster)) && !workspace)))
     return fail("x, out (and the workspace of a split-K plan or a standalone rotation) must be device pointers");
   return gemv_launch(c, x, out, workspace, stream);
+}
+
+int kbit_gemv_offsets_max_m(int bits, int dtype) {
+  for (int64_t m = kGemvMaxM; m >= 1; --m)
+    if (find_gemv_offsets(bits, dtype, gemv_tiles(m))) return static_cast<int>(m);
+  return 0;
+}
+
+int kbit_gemv_offsets(int device, void* stream, const void* x, int dtype, const int32_t* planes,
+                      const int16_t* block_records, const float* row_scales, const float* codebook, int bits, int64_t m,
+                      int64_t n, int64_t k, void* out, float* workspace, int64_t workspace_size) {
+  GemvCall call{};
+  int64_t need = 0;
+  if (int rc = gemv_setup(device, dtype, planes, reinterpret_cast<const uint8_t*>(block_records), row_scales, codebook,
+                          bits, m, n, k, nullptr, false, &call, &need, true))
+    return rc;
+  if (n == 0) return KBIT_OK;
+  if (!x || !out) return fail("x and out must be device pointers");
+  if (int rc = check_gemv_workspace(need, workspace, workspace_size)) return rc;
+  return gemv_launch(call, x, out, workspace, stream);
+}
+
+int kbit_gemv_prepare_offsets(int device, int dtype, const int32_t* planes, const int16_t* block_records,
+                              const float* row_scales, const float* codebook, int bits, int64_t m, int64_t n, int64_t k,
+                              void* call, int64_t* workspace_size) {
+  if (!call || !workspace_size) return fail("call and workspace_size must be host pointers");
+  GemvCall c{};
+  int64_t need = 0;
+  if (int rc = gemv_setup(device, dtype, planes, reinterpret_cast<const uint8_t*>(block_records), row_scales, codebook,
+                          bits, m, n, k, nullptr, false, &c, &need, true))
+    return rc;
+  *static_cast<GemvCall*>(call) = c;
+  *workspace_size = need;
+  return KBIT_OK;
 }
 
 int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const int64_t* expert_ids,

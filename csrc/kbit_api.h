@@ -173,6 +173,20 @@ KBIT_API int kbit_gemv_prepare(int device, int dtype, const int32_t* planes, con
                                int64_t k, const uint32_t* rot_signs, void* call, int64_t* workspace_size);
 KBIT_API int kbit_gemv_run(const void* call, const void* x, void* out, float* workspace, void* stream);
 
+/* Block records (hf_kbit/format.py: block_scales as int16 [nt, kt, 16, 4], the E4M4 code in the low byte and a
+ * signed offset code o in the high byte, each block decoding to (codebook * e4m4 + 0.125 o) * row_scale). Only
+ * the plain GEMV reads them: unrotated, no prologue, m <= kbit_gemv_offsets_max_m(bits, dtype) (0: none for
+ * that bits and dtype). Every other entry here takes uint8 codes only: dequantize records first (the caller's
+ * reference). kbit_gemv_offsets is kbit_gemv on records, its workspace kbit_gemv_workspace_size(..., 0);
+ * kbit_gemv_prepare_offsets writes a call record for kbit_gemv_run as kbit_gemv_prepare does. */
+KBIT_API int kbit_gemv_offsets_max_m(int bits, int dtype);
+KBIT_API int kbit_gemv_offsets(int device, void* stream, const void* x, int dtype, const int32_t* planes,
+                               const int16_t* block_records, const float* row_scales, const float* codebook, int bits,
+                               int64_t m, int64_t n, int64_t k, void* out, float* workspace, int64_t workspace_size);
+KBIT_API int kbit_gemv_prepare_offsets(int device, int dtype, const int32_t* planes, const int16_t* block_records,
+                                       const float* row_scales, const float* codebook, int bits, int64_t m, int64_t n,
+                                       int64_t k, void* call, int64_t* workspace_size);
+
 /* Grouped MoE GEMV, all experts in one launch: out [s, n] row r = x [s, k] row r @ W[expert].T
  * with W [e, n, k] packed (leading expert dim) and one shared codebook. Per-row mode
  * (order = NULL): the expert of row r is expert_ids[r]. Grouped mode: rows grouped by expert,

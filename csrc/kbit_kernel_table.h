@@ -177,6 +177,30 @@ inline GemvLaunch find_gemv(int bits, int dtype, int tile, bool rotated = false)
   }
 }
 
+// The gemv launch for block records (int16 block_scales with offsets) for (bits, dtype, tile);
+// nullptr where the table has none.
+inline GemvLaunch find_gemv_offsets(int bits, int dtype, int tile) {
+  switch (launch_key(bits, dtype, tile)) {
+    case launch_key(2, 1, 1): return &launch_gemv_offsets<2, __half, 1>;
+    case launch_key(2, 1, 2): return &launch_gemv_offsets<2, __half, 2>;
+    case launch_key(2, 2, 1): return &launch_gemv_offsets<2, __nv_bfloat16, 1>;
+    case launch_key(2, 2, 2): return &launch_gemv_offsets<2, __nv_bfloat16, 2>;
+    case launch_key(3, 1, 1): return &launch_gemv_offsets<3, __half, 1>;
+    case launch_key(3, 1, 2): return &launch_gemv_offsets<3, __half, 2>;
+    case launch_key(3, 2, 1): return &launch_gemv_offsets<3, __nv_bfloat16, 1>;
+    case launch_key(3, 2, 2): return &launch_gemv_offsets<3, __nv_bfloat16, 2>;
+    case launch_key(4, 1, 1): return &launch_gemv_offsets<4, __half, 1>;
+    case launch_key(4, 1, 2): return &launch_gemv_offsets<4, __half, 2>;
+    case launch_key(4, 2, 1): return &launch_gemv_offsets<4, __nv_bfloat16, 1>;
+    case launch_key(4, 2, 2): return &launch_gemv_offsets<4, __nv_bfloat16, 2>;
+    case launch_key(5, 1, 1): return &launch_gemv_offsets<5, __half, 1>;
+    case launch_key(5, 1, 2): return &launch_gemv_offsets<5, __half, 2>;
+    case launch_key(5, 2, 1): return &launch_gemv_offsets<5, __nv_bfloat16, 1>;
+    case launch_key(5, 2, 2): return &launch_gemv_offsets<5, __nv_bfloat16, 2>;
+    default: return nullptr;
+  }
+}
+
 using GemmLaunch = cudaError_t (*)(const MmParams&, dim3, cudaStream_t);
 // The gemm launch for (bits, dtype, tile); nullptr where the table has none.
 inline GemmLaunch find_gemm(int bits, int dtype, int tile) {

@@ -22,6 +22,10 @@ device copy bandwidth measured in the same run). Writes JSON and a markdown tabl
     python scripts/bench_kernels.py --rotation --write-crossovers
                                                  # ... and rewrite crossovers.json's rotated_gemv from the
                                                  # GEMV's two ways of rotating
+    python scripts/bench_kernels.py --offsets --out benchmarks/results/h200_offsets
+                                                 # the GEMV on block records (int16 block_scales, random
+                                                 # offsets) vs the same weight with uint8 codes, Llama-3-8B
+                                                 # shapes, k = 3..5, M 1..16
 """
 
 from __future__ import annotations
@@ -65,6 +69,17 @@ ROTATION_SHAPES = {
 }
 ROTATION_MS = (1, 2, 4, 8, 16, 64, 256, 1024)
 ROTATION_ROUNDS = 2  # unrotated and rotated timed alternately, the least of each: clock drift hits both
+# --offsets: Llama-3-8B's projections (fused q/k/v as one), the decode M the block-records GEMV serves, the bit
+# widths block offsets are screened at (docs/format.md); codes and records timed alternately as --rotation does.
+OFFSETS_SHAPES = {
+    "llama3-8b q/o 4096x4096": (4096, 4096),
+    "llama3-8b qkv 4096x6144": (4096, 6144),
+    "llama3-8b gate/up 4096x14336": (4096, 14336),
+    "llama3-8b down 14336x4096": (14336, 4096),
+}
+OFFSETS_MS = (1, 2, 4, 8, 16)
+OFFSETS_BITS = (3, 4, 5)
+OFFSETS_ROUNDS = ROTATION_ROUNDS
 BITS = SUPPORTED_BITS
 COLD_BYTES = 400 * 2**20  # weight copies per timed graph: 8x the H100's 50 MB L2
 MIN_CALLS = 24
@@ -362,6 +377,69 @@ def markdown_rotation(results, meta) -> str:
     return "\n".join(lines) + "\n"
 
 
+def bench_offsets(name, k, n, ms, bits_list, results):
+    """The GEMV on the same packed weights with uint8 E4M4 codes and with int16 block records (the codes and
+    random offset codes over [-127, 127]), cold L2, cuBLAS bf16 in the same run: the price of offsets at decode.
+    Both through run_path("gemv"): the uint8 GEMV and the block-records GEMV (kOffsets) on the same plan."""
+    from hf_kbit import format as fmt
+    from hf_kbit.backends import cuda as backend
+
+    xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in ms}
+    bf16 = bf16_times(xs, n, k)
+    for bits in bits_list:
+        packs, ncalls = cold_packs(n, k, bits)
+        records = []
+        for planes, codes, rs, cb in packs:
+            offsets = torch.randint(-fmt.OFFSET_MAX, fmt.OFFSET_MAX + 1, codes.shape, device=codes.device)
+            records.append((planes, fmt.pack_records(codes, offsets), rs, cb))
+        ncopy = len(packs)
+        extra_bytes = fmt.bits_per_weight(n, k, bits, offsets=True) / fmt.bits_per_weight(n, k, bits) - 1
+        for m in ms:
+            x = xs[m]
+            if m > backend.gemv_offsets_max_m(bits, x.dtype):
+                continue
+            calls = {kind: [lambda p=weights[i % ncopy], x=x: backend.run_path("gemv", x, *p, k) for i in range(ncalls)]
+                     for kind, weights in (("codes", packs), ("records", records))}
+            times = {kind: [] for kind in calls}
+            for _ in range(OFFSETS_ROUNDS):
+                for kind in calls:
+                    times[kind].append(time_calls(calls[kind]))
+            row = {"shape": name, "K": k, "N": n, "M": m, "bits": bits, "bf16_us": bf16[m], "us": min(times["codes"]),
+                   "records_us": min(times["records"]), "bytes_pct": 100 * extra_bytes}
+            row["cost_pct"] = 100 * (row["records_us"] / row["us"] - 1)
+            results.append(row)
+            print(f"{name:30s} k={bits} M={m:3d} bf16={row['bf16_us']:7.1f}us  codes={row['us']:7.1f}us  "
+                  f"records={row['records_us']:7.1f}us  cost={row['cost_pct']:+5.1f}%  bytes={row['bytes_pct']:+5.1f}%",
+                  flush=True)
+        del packs, records
+        torch.cuda.empty_cache()
+
+
+def markdown_offsets(results, meta) -> str:
+    lines = [f"# The GEMV on block records (offsets) — {meta['device']}", "", f"Command: `{meta['command']}`  ",
+             (f"torch {meta['torch']}, cold L2, CUDA-graph replays, median of 7, the least of {OFFSETS_ROUNDS} "
+              "alternating rounds; us per call (bf16 activations). The same packed weights with uint8 E4M4 codes "
+              "(the GEMV) and with int16 block records, the codes and random offset codes (the block-records GEMV, "
+              "csrc/gemv_kernel.cuh kOffsets); cost = records / codes - 1; bytes = the records' extra packed bytes "
+              "(format.bits_per_weight)."), "",
+             "| shape (K x N) | k | M | bf16 us | codes us | records us | cost | bytes |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['shape']} | {r['bits']} | {r['M']} | {r['bf16_us']:.1f} | {r['us']:.1f} | "
+                     f"{r['records_us']:.1f} | {r['cost_pct']:+.1f}% | {r['bytes_pct']:+.1f}% |")
+    shapes = list(dict.fromkeys(r["shape"] for r in results))
+    bits = sorted({r["bits"] for r in results})
+    ms = sorted({r["M"] for r in results})
+    cost = {(r["shape"], r["bits"], r["M"]): r["cost_pct"] for r in results}
+    lines += ["", "Cost by M (records / codes - 1):", "",
+              "| shape (K x N) | k | " + " | ".join(f"M={m}" for m in ms) + " |", "|---|---|" + "---|" * len(ms)]
+    for shape in shapes:
+        for b in bits:
+            cells = [f"{cost[shape, b, m]:+.1f}%" if (shape, b, m) in cost else "-" for m in ms]
+            lines.append(f"| {shape} | {b} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def derive_rotated_crossover(results: list, current: dict) -> dict:
     """``rotated_gemv`` (hf_kbit.backends.crossovers.read_rotated's form) from ``--rotation`` rows: per
     bits, the largest measured M at which the GEMV staging x R was no slower than the standalone
@@ -540,7 +618,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="two shapes, M in {1, 16, 256}")
     ap.add_argument("--shapes", nargs="*", default=None, help="subset of shape names (substring match)")
     ap.add_argument("--ms", type=int, nargs="*", default=None)
-    ap.add_argument("--bits", type=int, nargs="*", default=list(BITS))
+    ap.add_argument("--bits", type=int, nargs="*", default=None,
+                    help=f"bit widths (default: {' '.join(map(str, BITS))}; with --offsets "
+                         f"{' '.join(map(str, OFFSETS_BITS))})")
     ap.add_argument("--no-int4", action="store_true")
     ap.add_argument("--paths", action="store_true",
                     help="time every kernel path (GEMV, GEMM, dequantize + cuBLAS) instead of kbit::mm vs bf16")
@@ -549,6 +629,9 @@ def main() -> None:
                          "with --rotation: its rotated_gemv entries")
     ap.add_argument("--rotation", action="store_true",
                     help="each path on a rotated layer vs the same layer unrotated (Llama-3-8B shapes, M 1..1024)")
+    ap.add_argument("--offsets", action="store_true",
+                    help="the GEMV on block records (random offsets) vs the same weights with uint8 codes "
+                         "(Llama-3-8B shapes, M 1..16)")
     ap.add_argument("--gemm-kernel", default=None, choices=GEMM_KERNELS,
                     help="the GEMM kernel the planner takes (hf_kbit.backends.cuda.set_gemm_kernel; default: the "
                          "device's, or HF_KBIT_GEMM_KERNEL's)")
@@ -556,6 +639,10 @@ def main() -> None:
                     help=f"comma-separated among {', '.join(GEMM_KERNELS)}: time each kernel's GEMM path against "
                          "cuBLAS bf16 in one process instead of kbit::mm's table")
     args = ap.parse_args()
+    if args.offsets and (args.rotation or args.paths or args.gemm_kernels):
+        ap.error("--offsets runs on its own (not with --rotation, --paths or --gemm-kernels)")
+    if args.bits is None:
+        args.bits = list(OFFSETS_BITS if args.offsets else BITS)
     kernels = args.gemm_kernels.split(",") if args.gemm_kernels else []
     if any(kn not in GEMM_KERNELS for kn in kernels):
         ap.error(f"--gemm-kernels: each must be one of {', '.join(GEMM_KERNELS)}, got {args.gemm_kernels!r}")
@@ -571,8 +658,8 @@ def main() -> None:
 
         backend.set_gemm_kernel(args.gemm_kernel)
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
-    shapes = ROTATION_SHAPES if args.rotation else SHAPES
-    ms = args.ms or (ROTATION_MS if args.rotation else MS)
+    shapes = ROTATION_SHAPES if args.rotation else OFFSETS_SHAPES if args.offsets else SHAPES
+    ms = args.ms or (ROTATION_MS if args.rotation else OFFSETS_MS if args.offsets else MS)
     if args.quick:
         shapes = {k: v for k, v in shapes.items() if k.startswith(("llama3-8b gate", "h2048 2048x5120"))}
         ms = args.ms or (1, 16, 256)
@@ -584,6 +671,8 @@ def main() -> None:
     for name, (k, n) in shapes.items():
         if args.rotation:
             bench_rotation(name, k, n, ms, args.bits, results)
+        elif args.offsets:
+            bench_offsets(name, k, n, ms, args.bits, results)
         elif kernels:
             bench_gemm_kernels(name, k, n, ms, args.bits, kernels, results)
         elif args.paths:
@@ -605,6 +694,8 @@ def main() -> None:
             derived = derive_rotated_crossover(results, crossovers.read_rotated())
             crossovers.write({}, about=crossovers.ABOUT, rotated=derived)
             print(f"wrote the rotated GEMV crossover to {crossovers.FILE}: {derived}", flush=True)
+    elif args.offsets:
+        md = markdown_offsets(results, meta)
     elif kernels:
         md = markdown_gemm_kernels(results, kernels, meta)
     elif args.paths:

@@ -15,6 +15,8 @@ template cudaError_t launch_dequantize<__nv_bfloat16, 4>(const DequantizeParams&
 template cudaError_t launch_gemv<4, __nv_bfloat16, 1, false>(const MmParams&, int, cudaStream_t);
 template cudaError_t launch_gemv<4, __nv_bfloat16, 1, true>(const MmParams&, int, cudaStream_t);
 template cudaError_t launch_gemv<4, __nv_bfloat16, 2, false>(const MmParams&, int, cudaStream_t);
+template cudaError_t launch_gemv_offsets<4, __nv_bfloat16, 1>(const MmParams&, int, cudaStream_t);
+template cudaError_t launch_gemv_offsets<4, __nv_bfloat16, 2>(const MmParams&, int, cudaStream_t);
 template cudaError_t launch_gemm<4, __nv_bfloat16, 2>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_gemm<4, __nv_bfloat16, 4>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_gemm<4, __nv_bfloat16, 8>(const MmParams&, dim3, cudaStream_t);

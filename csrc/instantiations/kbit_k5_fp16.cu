@@ -15,6 +15,8 @@ template cudaError_t launch_dequantize<__half, 5>(const DequantizeParams&, cudaS
 template cudaError_t launch_gemv<5, __half, 1, false>(const MmParams&, int, cudaStream_t);
 template cudaError_t launch_gemv<5, __half, 1, true>(const MmParams&, int, cudaStream_t);
 template cudaError_t launch_gemv<5, __half, 2, false>(const MmParams&, int, cudaStream_t);
+template cudaError_t launch_gemv_offsets<5, __half, 1>(const MmParams&, int, cudaStream_t);
+template cudaError_t launch_gemv_offsets<5, __half, 2>(const MmParams&, int, cudaStream_t);
 template cudaError_t launch_gemm<5, __half, 2>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_gemm<5, __half, 4>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_gemm<5, __half, 8>(const MmParams&, dim3, cudaStream_t);

@@ -32,17 +32,18 @@ the standalone rotation's ``x R``, and the gradient ``dX = (dY W') R^T`` is unro
 Only ``dequantize`` itself returns the weight unrotated, ``W' R^T``. The eager fast path reads
 ``module.rotation_signs``.
 
-Block records (``block_scales`` int16, format v4: an offset per block, :mod:`hf_kbit.format`): no kernel reads them
-yet. Every call on them (``mm`` at any M, the prologues, ``dequantize``, ``grouped_mm``, the gradients) dequantizes
-with the reference (``format.dequantize`` as torch ops on the GPU, float32, rounded once to the compute dtype) and
-multiplies with torch: correct and slow; no kernel that reads uint8 codes is handed records.
+Block records (``block_scales`` int16, :mod:`hf_kbit.format`: an offset per block, a candidate format extension):
+only the plain GEMV reads them (``kbit_gemv_offsets``: unrotated, no prologue, M up to
+:func:`gemv_offsets_max_m`), whatever the planner would take for uint8 codes. Every other call (larger M, float32
+x, a rotated layer, the prologues, ``dequantize``, ``grouped_mm``, the gradients) dequantizes them with the
+reference (``format.dequantize`` as torch ops on the GPU, float32, rounded once to the compute dtype) and
+multiplies with torch: slow, but no kernel that reads uint8 codes is ever handed records.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import warnings
 
 import torch
 
@@ -167,16 +168,62 @@ def _gemv_workspace(device: int, m: int, n: int, k: int, bits: int, rotated: boo
     return int(_LIB.kbit_gemv_workspace_size(device, m, n, k, bits, int(rotated)))
 
 
+# ---------------------------------------------------------------------------- block records
+
+# The block-records GEMV (optional: a library without it dequantizes records on every path). Declared here, where
+# it is used, as the entries are looked up by name (kbit_api.h): ctypes would otherwise pass pointers as C ints.
+_HAS_OFFSETS = hasattr(_LIB, "kbit_gemv_offsets")
+if _HAS_OFFSETS:
+    _c_int, _c_i64, _c_vp = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    _LIB.kbit_gemv_offsets_max_m.argtypes = [_c_int, _c_int]
+    _LIB.kbit_gemv_offsets_max_m.restype = _c_int
+    _LIB.kbit_gemv_offsets.argtypes = [_c_int, _c_vp, _c_vp, _c_int, _c_vp, _c_vp, _c_vp, _c_vp, _c_int, _c_i64,
+                                       _c_i64, _c_i64, _c_vp, _c_vp, _c_i64]
+    _LIB.kbit_gemv_offsets.restype = _c_int
+    _LIB.kbit_gemv_prepare_offsets.argtypes = [_c_int, _c_int, _c_vp, _c_vp, _c_vp, _c_vp, _c_int, _c_i64, _c_i64,
+                                               _c_i64, _c_vp, ctypes.POINTER(_c_i64)]
+    _LIB.kbit_gemv_prepare_offsets.restype = _c_int
+
+
 def has_records(block_scales: torch.Tensor) -> bool:
     """True for int16 block records (an offset per block), False for uint8 E4M4 codes."""
     return block_scales.dtype == fmt.RECORD_DTYPE
 
 
 @functools.cache
-def _warn_records_once() -> None:
-    warnings.warn("kbit: a layer with block records (KbitConfig.block_offsets=True) runs on CUDA; no kernel reads "
-                  "them yet, so each of its matmuls dequantizes the weight first (slower than bf16; "
-                  "docs/kernels.md, 'Block records')", stacklevel=3)
+def gemv_offsets_max_m(bits: int, dtype: torch.dtype) -> int:
+    """The largest M the block-records GEMV serves at ``bits`` for x in ``dtype`` (0: none)."""
+    if not _HAS_OFFSETS or dtype not in (torch.float16, torch.bfloat16):
+        return 0
+    return int(_LIB.kbit_gemv_offsets_max_m(bits, _DTYPE_CODE[dtype]))
+
+
+def offsets_gemv_serves(m: int, bits: int, dtype: torch.dtype, signs=None) -> bool:
+    """True when the block-records GEMV serves ``x [m, k]`` in ``dtype``: unrotated, M within its tiles."""
+    return signs is None and 1 <= m <= gemv_offsets_max_m(bits, dtype)
+
+
+def _records_weight(planes, block_scales, row_scales, codebook, k: int, dtype: torch.dtype, signs=None):
+    """The weight of block records in ``dtype`` (``signs``: unrotated), by the reference: format.dequantize as torch
+    ops on the records' device in float32, rounded once (no dequantize kernel reads records)."""
+    return _ops._dequantize_ref(planes, block_scales, row_scales, codebook, k, dtype, signs)
+
+
+def _gemv_offsets(x2, planes, block_scales, row_scales, codebook, k: int) -> torch.Tensor:
+    """``x2 [m, k] @ W.T`` of a layer with block records on the block-records GEMV (offsets_gemv_serves)."""
+    m, n, bits = x2.shape[0], row_scales.shape[0], planes.shape[-3]
+    device = x2.device
+    planes, block_scales, row_scales, codebook = _dense(planes, block_scales, row_scales, codebook)
+    ws_size = _gemv_workspace(device.index, m, n, k, bits)
+    out = torch.empty((m, n), dtype=x2.dtype, device=device)
+    ws = torch.empty(ws_size, dtype=torch.float32, device=device) if ws_size > 0 else None
+    rc = _LIB.kbit_gemv_offsets(
+        device.index, _stream(device), x2.data_ptr(), _DTYPE_CODE[x2.dtype], planes.data_ptr(), block_scales.data_ptr(),
+        row_scales.data_ptr(), codebook.data_ptr(), bits, m, n, k, out.data_ptr(),
+        ws.data_ptr() if ws is not None else None, ws_size,
+    )
+    _lib.check(rc, "mm")
+    return out
 
 
 def _dense(planes, block_scales, row_scales, codebook) -> tuple:
@@ -240,8 +287,7 @@ def _quantize_cuda(weight: torch.Tensor, codebook: torch.Tensor):
 def _dequantize_into(planes, block_scales, row_scales, codebook, in_features, out: torch.Tensor,
                      signs=None) -> torch.Tensor:
     if has_records(block_scales):  # the dequantize kernel reads uint8 codes: the reference
-        weight = _ops._dequantize_ref(planes, block_scales, row_scales, codebook, in_features, out.dtype, signs)
-        return out.copy_(weight)
+        return out.copy_(_records_weight(planes, block_scales, row_scales, codebook, in_features, out.dtype, signs))
     sp = _signs_ptr(signs, in_features, planes.device)
     bits = planes.shape[-3]
     n = row_scales.shape[-1]
@@ -287,9 +333,9 @@ def _mm_cuda(x, planes, block_scales, row_scales, codebook, in_features, signs=N
     m = x2.shape[0]
     if m == 0 or n == 0 or k == 0:
         return x.new_zeros((*lead, n))
-    if has_records(block_scales):
-        _warn_records_once()
-        return run_path("dequant", x2, planes, block_scales, row_scales, codebook, k, None, signs).reshape(*lead, n)
+    if has_records(block_scales):  # the block-records GEMV where it serves, else dequantize + matmul
+        path = "gemv" if offsets_gemv_serves(m, planes.shape[-3], x.dtype, signs) else "dequant"
+        return run_path(path, x2, planes, block_scales, row_scales, codebook, k, None, signs).reshape(*lead, n)
     path, _, ws_size = mm_plan(m, n, k, planes.shape[-3], x.device.index, x.dtype, signs is not None)
     return run_path(path, x2, planes, block_scales, row_scales, codebook, k, ws_size, signs).reshape(*lead, n)
 
@@ -313,16 +359,21 @@ def run_path(path: str, x2, planes, block_scales, row_scales, codebook, k: int,
              ws_size: int | None = None, signs=None) -> torch.Tensor:
     """``x2 [m, k] @ W.T`` through one kernel path (``PATHS``; ``ws_size``: its workspace floats when
     known; ``signs``: a rotated layer's sign words); ``kbit::mm`` takes the planner's (:func:`mm_plan`),
-    benchmarks force each to measure the crossovers. Block records (int16 ``block_scales``) take "dequant" only
-    (the reference's weight)."""
+    benchmarks force each to measure the crossovers. Block records (int16 ``block_scales``) take "gemv" (the
+    block-records GEMV, where :func:`offsets_gemv_serves`) or "dequant" (the reference's weight)."""
     m, n, bits = x2.shape[0], row_scales.shape[0], planes.shape[-3]
     if path == "dequant":
         return _dequant_matmul(x2, planes, block_scales, row_scales, codebook, k, signs)
     if path not in ("gemv", "gemm"):
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     if has_records(block_scales):
-        raise ValueError(f"block records (int16 block_scales) take the 'dequant' path (no kernel reads them), "
-                         f"got {path!r}")
+        if path != "gemv" or not offsets_gemv_serves(m, bits, x2.dtype, signs):
+            raise ValueError(
+                f"block records (int16 block_scales) take the block-records GEMV (unrotated, 16-bit x, M <= "
+                f"{gemv_offsets_max_m(bits, x2.dtype)}) or 'dequant', got path {path!r} for M={m}, x {x2.dtype}"
+                f"{', rotated' if signs is not None else ''}"
+            )
+        return _gemv_offsets(x2.contiguous(), planes, block_scales, row_scales, codebook, k)
     x2 = x2.contiguous()
     planes, block_scales, row_scales, codebook = _dense(planes, block_scales, row_scales, codebook)
     device = x2.device
@@ -356,7 +407,7 @@ _HAS_PROLOGUE = hasattr(_LIB, "kbit_gemv_prologue")
 def _gemv_prologue(kind, x, x2, norm_weight, eps, planes, block_scales, row_scales, codebook, k, signs=None):
     """``(out, sum)`` from the GEMV with prologue ``kind`` when it serves this call, else None (a norm
     weight of another dtype than x, e.g. kept in float32, takes the reference: its product is float32; so do block
-    records)."""
+    records, whose GEMV has no prologue: the reference's kbit::mm then takes it)."""
     if not _HAS_PROLOGUE or x.dtype not in _GEMV_DTYPES or row_scales.dim() != 1 or has_records(block_scales):
         return None
     if norm_weight is not None and norm_weight.dtype != x.dtype:
@@ -450,17 +501,27 @@ def _prepare(module, x, m, signs):
     _same_device(x, planes=planes, block_scales=block_scales, row_scales=row_scales, codebook=codebook)
     sp = _signs_ptr(signs, k, x.device)
     tensors = (planes, block_scales, row_scales, codebook)
-    n = row_scales.shape[-1]
-    if row_scales.dim() != 1 or not all(t.is_contiguous() for t in tensors) or n == 0 or has_records(block_scales) \
-            or not gemv_wins(m, n, k, planes.shape[-3], x.device.index, x.dtype, signs is not None):
+    n, bits = row_scales.shape[-1], planes.shape[-3]
+    records = has_records(block_scales)
+    if records:  # the block-records GEMV where it serves
+        serves = offsets_gemv_serves(m, bits, x.dtype, signs)
+    else:
+        serves = gemv_wins(m, n, k, bits, x.device.index, x.dtype, signs is not None)
+    if row_scales.dim() != 1 or not all(t.is_contiguous() for t in tensors) or n == 0 or not serves:
         return (*tensors, None, None, 0, n, signs)  # not for the fast path: the op serves it
 
     call = ctypes.create_string_buffer(_CALL_SIZE)
     ws = ctypes.c_int64(0)
-    rc = _LIB.kbit_gemv_prepare(
-        x.device.index, _GEMV_DTYPES[x.dtype], planes.data_ptr(), block_scales.data_ptr(), row_scales.data_ptr(),
-        codebook.data_ptr(), planes.shape[-3], m, n, k, sp, call, ctypes.byref(ws),
-    )
+    if records:
+        rc = _LIB.kbit_gemv_prepare_offsets(
+            x.device.index, _GEMV_DTYPES[x.dtype], planes.data_ptr(), block_scales.data_ptr(), row_scales.data_ptr(),
+            codebook.data_ptr(), bits, m, n, k, call, ctypes.byref(ws),
+        )
+    else:
+        rc = _LIB.kbit_gemv_prepare(
+            x.device.index, _GEMV_DTYPES[x.dtype], planes.data_ptr(), block_scales.data_ptr(), row_scales.data_ptr(),
+            codebook.data_ptr(), bits, m, n, k, sp, call, ctypes.byref(ws),
+        )
     _lib.check(rc, "mm")
     # The record holds raw pointers: keep the tensors it was built for and re-prepare when a
     # buffer is replaced (module.to(), load_state_dict with assign=True, ...).
