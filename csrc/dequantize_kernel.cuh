@@ -12,6 +12,13 @@
 // dequantize; the matmul paths multiply the stored W' by x R instead). A thread's 8 elements
 // (columns 8c .. 8c + 7) are one segment, unrotated in registers in float32 before the one rounding:
 // bit-exact with rotation.unrotate of format.dequantize's float32 weight, rounded to the output dtype.
+//
+// Block records (kOffsets, DequantizeParams::records; format.py): block_scales holds an int16 per block, the
+// E4M4 code in its low byte and a signed offset code o in its high byte. A thread loads its block's record where
+// it loaded the code and adds the offset in format.dequantize's order: codebook[idx] * (e4m4(code) * row_scale)
+// + (0.125 o) * row_scale, each product and the sum rounded in float32 (no fma: the reference rounds the product
+// before the add), then one rounding to the output dtype. A template flag: the instantiations without it compile
+// to the code they had before. No rotated instantiation reads records (KbitConfig refuses rotation with offsets).
 #pragma once
 
 #include "kbit_common.cuh"
@@ -66,8 +73,9 @@ __device__ __forceinline__ void block_byte_indices(const uint32_t (&w)[BITS], ui
   static_assert(BITS >= 2 && BITS <= 5, "byte fields hold indices of up to 5 bits");
 }
 
-template <typename T, int BITS, bool kRotate>
+template <typename T, int BITS, bool kRotate, bool kOffsets = false>
 __global__ void __launch_bounds__(kDequantizeThreads) dequantize_kernel(DequantizeParams p) {
+  static_assert(!(kRotate && kOffsets), "no rotated layer holds block records (KbitConfig refuses the pair)");
   constexpr int kLevels = 1 << BITS;
   constexpr int kTileWords = BITS * kTileN * kBlocksPerTile;  // plane words of one tile
   constexpr int kTileScales = kTileN * kBlocksPerTile;
@@ -87,7 +95,7 @@ __global__ void __launch_bounds__(kDequantizeThreads) dequantize_kernel(Dequanti
   const int32_t* planes = p.planes + tile0 * kTileWords + r * kBlocksPerTile + q;
   const uint8_t* codes = p.block_scales + tile0 * kTileScales + r * kBlocksPerTile + q;
   uint32_t w[kDequantizeKTiles][BITS];
-  uint32_t code[kDequantizeKTiles];
+  uint32_t code[kDequantizeKTiles];  // kOffsets: the block record, sign-extended (bits 8 and up: the offset code)
   uint32_t sign_word[kDequantizeKTiles];  // kRotate: the sign word of this thread's block
 #pragma unroll
   for (int i = 0; i < kDequantizeKTiles; ++i) {
@@ -95,7 +103,13 @@ __global__ void __launch_bounds__(kDequantizeThreads) dequantize_kernel(Dequanti
 #pragma unroll
     for (int j = 0; j < BITS; ++j)
       w[i][j] = live ? static_cast<uint32_t>(__ldg(planes + i * kTileWords + j * kTileN * kBlocksPerTile)) : 0u;
-    code[i] = live ? __ldg(codes + i * kTileScales) : 0u;
+    if constexpr (kOffsets) {
+      const int16_t* records =
+          reinterpret_cast<const int16_t*>(p.block_scales) + tile0 * kTileScales + r * kBlocksPerTile + q;
+      code[i] = live ? static_cast<uint32_t>(static_cast<int32_t>(__ldg(records + i * kTileScales))) : 0u;
+    } else {
+      code[i] = live ? __ldg(codes + i * kTileScales) : 0u;
+    }
     if constexpr (kRotate) {
       // Word (tile_k0 + i) * 4 + q of [k / 32]; k % 64 == 0, so a live tile's half past k is a whole
       // segment that breaks out of the loop below before using it.
@@ -119,7 +133,7 @@ __global__ void __launch_bounds__(kDequantizeThreads) dequantize_kernel(Dequanti
   for (int i = 0; i < kDequantizeKTiles; ++i) {
     const int64_t col = static_cast<int64_t>(tile_k0 + i) * kTileK + c * kDequantizeElems;
     if (col >= p.k) break;  // padding columns are never visible (tiles past kt start past k too)
-    const float scale = __fmul_rn(e4m4_decode(code[i]), row_scale);
+    const float scale = __fmul_rn(e4m4_decode(kOffsets ? code[i] & 0xFFu : code[i]), row_scale);
     uint32_t idx_even, idx_odd;
     block_byte_indices<BITS>(w[i], byte, idx_even, idx_odd);
     float v[kDequantizeElems];
@@ -127,6 +141,12 @@ __global__ void __launch_bounds__(kDequantizeThreads) dequantize_kernel(Dequanti
     for (int e = 0; e < kDequantizeElems / 2; ++e) {
       v[2 * e] = __fmul_rn(cb[(idx_even >> (8 * e)) & 0xFFu], scale);
       v[2 * e + 1] = __fmul_rn(cb[(idx_odd >> (8 * e)) & 0xFFu], scale);
+    }
+    if constexpr (kOffsets) {
+      // format.block_offset_values: (float(o) * OFFSET_STEP) * row_scale, the first product exact (|o| <= 127).
+      const float offset = __fmul_rn(static_cast<float>(static_cast<int32_t>(code[i]) >> 8) * kOffsetStep, row_scale);
+#pragma unroll
+      for (int e = 0; e < kDequantizeElems; ++e) v[e] = __fadd_rn(v[e], offset);
     }
     if constexpr (kRotate) unrotate8(v, sign_word[i] >> (8 * byte));  // v: one 8-element segment
 
@@ -171,8 +191,14 @@ cudaError_t launch_dequantize(const DequantizeParams& p, cudaStream_t stream) {
   const int64_t ctas = nt * ((kt + kDequantizeKTiles - 1) / kDequantizeKTiles);
   if (ctas > INT32_MAX) return cudaErrorInvalidConfiguration;  // the kernel's tile indices are int
   const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(p.batch));
-  if (p.rot_signs) dequantize_kernel<T, BITS, true><<<grid, kDequantizeThreads, 0, stream>>>(p);
-  else dequantize_kernel<T, BITS, false><<<grid, kDequantizeThreads, 0, stream>>>(p);
+  if (p.records) {
+    if (p.rot_signs) return cudaErrorInvalidValue;  // no rotated instantiation reads records (kbit_api.cu refuses)
+    dequantize_kernel<T, BITS, false, true><<<grid, kDequantizeThreads, 0, stream>>>(p);
+  } else if (p.rot_signs) {
+    dequantize_kernel<T, BITS, true><<<grid, kDequantizeThreads, 0, stream>>>(p);
+  } else {
+    dequantize_kernel<T, BITS, false><<<grid, kDequantizeThreads, 0, stream>>>(p);
+  }
   return cudaGetLastError();
 }
 

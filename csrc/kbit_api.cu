@@ -19,8 +19,8 @@ namespace {
 
 using namespace kbit;
 
-// Unchanged by the block-records entries (kbit_gemv_offsets*): they are new symbols, which a caller looks up
-// before it declares them (hf_kbit/backends/cuda.py), as it does the other optional entries.
+// Unchanged by the block-records entries (kbit_gemv_offsets*, kbit_dequantize_records): they are new symbols, which
+// a caller looks up before it declares them (hf_kbit/backends/cuda.py), as it does the other optional entries.
 constexpr int kAbiVersion = 10;
 
 thread_local char g_error[512] = "";
@@ -526,6 +526,28 @@ int check_common(KernelId kernel, int bits, int dtype, int64_t n, int64_t k) {
   return KBIT_OK;
 }
 
+// kbit_dequantize and kbit_dequantize_records (`records`: block_scales points at int16 block records).
+int dequantize_call(int device, void* stream, const int32_t* planes, const uint8_t* block_scales,
+                    const float* row_scales, const float* codebook, int64_t codebook_stride, int bits, int64_t batch,
+                    int64_t n, int64_t k, void* out, int dtype, const uint32_t* rot_signs, bool records) {
+  if (int rc = check_common(kDequantize, bits, dtype, n, k)) return rc;
+  if (int rc = check_rotation(rot_signs, k)) return rc;
+  if (batch < 0 || batch > 65535) return fail("batch must be in [0, 65535], got %lld", static_cast<long long>(batch));
+  if (codebook_stride != 0 && codebook_stride != (1 << bits))
+    return fail("codebook_stride must be 0 or %d, got %lld", 1 << bits, static_cast<long long>(codebook_stride));
+  if (!planes || !block_scales || !row_scales || !codebook || (batch * n * k > 0 && !out))
+    return fail("planes, block_scales, row_scales, codebook and out must be device pointers");
+  if (batch * n * k == 0) return KBIT_OK;
+  DeviceGuard guard(device);
+  if (guard.error() != cudaSuccess) return cuda_fail(guard.error(), "selecting the device");
+  DequantizeParams p{planes, block_scales, row_scales, codebook, out, batch, n, k, codebook_stride, bits, dtype,
+                     rot_signs, records};
+  const auto s = static_cast<cudaStream_t>(stream);
+  cudaError_t err = find_dequantize(bits, dtype)(p, s);
+  return err == cudaSuccess ? KBIT_OK
+                            : cuda_fail(err, records ? "kbit_dequantize_records launch" : "kbit_dequantize launch");
+}
+
 }  // namespace
 
 extern "C" {
@@ -565,21 +587,16 @@ int kbit_quantize(int device, void* stream, const void* weight, int dtype, const
 int kbit_dequantize(int device, void* stream, const int32_t* planes, const uint8_t* block_scales,
                     const float* row_scales, const float* codebook, int64_t codebook_stride, int bits, int64_t batch,
                     int64_t n, int64_t k, void* out, int dtype, const uint32_t* rot_signs) {
-  if (int rc = check_common(kDequantize, bits, dtype, n, k)) return rc;
-  if (int rc = check_rotation(rot_signs, k)) return rc;
-  if (batch < 0 || batch > 65535) return fail("batch must be in [0, 65535], got %lld", static_cast<long long>(batch));
-  if (codebook_stride != 0 && codebook_stride != (1 << bits))
-    return fail("codebook_stride must be 0 or %d, got %lld", 1 << bits, static_cast<long long>(codebook_stride));
-  if (!planes || !block_scales || !row_scales || !codebook || (batch * n * k > 0 && !out))
-    return fail("planes, block_scales, row_scales, codebook and out must be device pointers");
-  if (batch * n * k == 0) return KBIT_OK;
-  DeviceGuard guard(device);
-  if (guard.error() != cudaSuccess) return cuda_fail(guard.error(), "selecting the device");
-  DequantizeParams p{planes, block_scales, row_scales, codebook, out, batch, n, k, codebook_stride, bits, dtype,
-                     rot_signs};
-  const auto s = static_cast<cudaStream_t>(stream);
-  cudaError_t err = find_dequantize(bits, dtype)(p, s);
-  return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_dequantize launch");
+  return dequantize_call(device, stream, planes, block_scales, row_scales, codebook, codebook_stride, bits, batch, n, k,
+                         out, dtype, rot_signs, false);
+}
+
+int kbit_dequantize_records(int device, void* stream, const int32_t* planes, const int16_t* block_records,
+                            const float* row_scales, const float* codebook, int64_t codebook_stride, int bits,
+                            int64_t batch, int64_t n, int64_t k, void* out, int dtype) {
+  if (!aligned(block_records, 2)) return fail("block_records must be 2-byte aligned (int16)");
+  return dequantize_call(device, stream, planes, reinterpret_cast<const uint8_t*>(block_records), row_scales, codebook,
+                         codebook_stride, bits, batch, n, k, out, dtype, nullptr, true);
 }
 
 int kbit_rotate(int device, void* stream, const void* x, int64_t x_stride, int dtype, int64_t m, int64_t k,

@@ -46,6 +46,14 @@ KBIT_API int kbit_dequantize(int device, void* stream, const int32_t* planes, co
                              const float* row_scales, const float* codebook, int64_t codebook_stride, int bits,
                              int64_t batch, int64_t n, int64_t k, void* out, int dtype, const uint32_t* rot_signs);
 
+/* kbit_dequantize of block records (hf_kbit/format.py: block_records int16 [batch, nt, kt, 16, 4] in the layout of
+ * block_scales, the E4M4 code in the low byte and a signed offset code o in the high byte): each element
+ * codebook[idx] * (e4m4(code) * row_scale) + (0.125 o) * row_scale in float32, rounded once to dtype, bit-exact
+ * with format.dequantize. Unrotated layers only (no rotated layer holds records). */
+KBIT_API int kbit_dequantize_records(int device, void* stream, const int32_t* planes, const int16_t* block_records,
+                                     const float* row_scales, const float* codebook, int64_t codebook_stride, int bits,
+                                     int64_t batch, int64_t n, int64_t k, void* out, int dtype);
+
 /* out [m, k] = x [m, k] R (inverse = 1: x R^T, e.g. dX = (dY W') R^T) in dtype, float32 arithmetic
  * rounded once (rows of x x_stride elements apart; out contiguous, 16-byte aligned, not overlapping
  * x): the standalone rotation, where no kernel fuses it. rot_signs required. */
@@ -175,9 +183,9 @@ KBIT_API int kbit_gemv_run(const void* call, const void* x, void* out, float* wo
 
 /* Block records (hf_kbit/format.py: block_scales as int16 [nt, kt, 16, 4], the E4M4 code in the low byte and a
  * signed offset code o in the high byte, each block decoding to (codebook * e4m4 + 0.125 o) * row_scale). Only
- * the plain GEMV reads them: unrotated, no prologue, m <= kbit_gemv_offsets_max_m(bits, dtype) (0: none for
- * that bits and dtype). Every other entry here takes uint8 codes only: dequantize records first (the caller's
- * reference). kbit_gemv_offsets is kbit_gemv on records, its workspace kbit_gemv_workspace_size(..., 0);
+ * the plain GEMV (unrotated, no prologue, m <= kbit_gemv_offsets_max_m(bits, dtype); 0: none for that bits and
+ * dtype) and kbit_dequantize_records read them. Every other entry here takes uint8 codes only: dequantize records
+ * first. kbit_gemv_offsets is kbit_gemv on records, its workspace kbit_gemv_workspace_size(..., 0);
  * kbit_gemv_prepare_offsets writes a call record for kbit_gemv_run as kbit_gemv_prepare does. */
 KBIT_API int kbit_gemv_offsets_max_m(int bits, int dtype);
 KBIT_API int kbit_gemv_offsets(int device, void* stream, const void* x, int dtype, const int32_t* planes,

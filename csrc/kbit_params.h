@@ -56,6 +56,9 @@ struct DequantizeParams {
   // Rotated layers (rotation.cuh): the sign words [k / 32] of R, and each row comes out unrotated,
   // W' R^T; nullptr: the stored weight as it is.
   const uint32_t* rot_signs;
+  // Block records (format.py): block_scales points at int16 records [batch, nt, kt, 16, 4] (the E4M4 code in the
+  // low byte, a signed offset code in the high byte) and each block adds its offset; unrotated layers only.
+  bool records;
 };
 
 // x R (or, inverse, x R^T) of x [m, k] (rotation.cuh, the standalone rotation): k % 64 == 0.

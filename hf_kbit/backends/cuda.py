@@ -33,17 +33,19 @@ Only ``dequantize`` itself returns the weight unrotated, ``W' R^T``. The eager f
 ``module.rotation_signs``.
 
 Block records (``block_scales`` int16, :mod:`hf_kbit.format`: an offset per block, a candidate format extension):
-only the plain GEMV reads them (``kbit_gemv_offsets``: unrotated, no prologue, M up to
-:func:`gemv_offsets_max_m`), whatever the planner would take for uint8 codes. Every other call (larger M, float32
-x, a rotated layer, the prologues, ``dequantize``, ``grouped_mm``, the gradients) dequantizes them with the
-reference (``format.dequantize`` as torch ops on the GPU, float32, rounded once to the compute dtype) and
-multiplies with torch: slow, but no kernel that reads uint8 codes is ever handed records.
+the plain GEMV reads them (``kbit_gemv_offsets``: unrotated, no prologue, M up to :func:`gemv_offsets_max_m`),
+whatever the planner would take for uint8 codes, and the dequantize kernel (``kbit_dequantize_records``, bit-exact
+with ``format.dequantize``) serves ``dequantize``, the dequantize + matmul path (larger M, float32 x, a rotated
+layer's ``x R`` times the stored weight), the gradient and the prologues' unfused ``mm``. What no kernel reads
+records for (``dequantize`` of a rotated layer, ``grouped_mm``) takes the reference (``format.dequantize`` as torch
+ops on the GPU) and warns once; no kernel that reads uint8 codes is ever handed records.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import warnings
 
 import torch
 
@@ -170,11 +172,16 @@ def _gemv_workspace(device: int, m: int, n: int, k: int, bits: int, rotated: boo
 
 # ---------------------------------------------------------------------------- block records
 
-# The block-records GEMV (optional: a library without it dequantizes records on every path). Declared here, where
-# it is used, as the entries are looked up by name (kbit_api.h): ctypes would otherwise pass pointers as C ints.
+# The block-records kernels (optional: a library without them takes the reference on records). Declared here, where
+# they are used, as the entries are looked up by name (kbit_api.h): ctypes would otherwise pass pointers as C ints.
+_c_int, _c_i64, _c_vp = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+_HAS_DEQUANTIZE_RECORDS = hasattr(_LIB, "kbit_dequantize_records")
+if _HAS_DEQUANTIZE_RECORDS:
+    _LIB.kbit_dequantize_records.argtypes = [_c_int, _c_vp, _c_vp, _c_vp, _c_vp, _c_vp, _c_i64, _c_int, _c_i64, _c_i64,
+                                             _c_i64, _c_vp, _c_int]
+    _LIB.kbit_dequantize_records.restype = _c_int
 _HAS_OFFSETS = hasattr(_LIB, "kbit_gemv_offsets")
 if _HAS_OFFSETS:
-    _c_int, _c_i64, _c_vp = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     _LIB.kbit_gemv_offsets_max_m.argtypes = [_c_int, _c_int]
     _LIB.kbit_gemv_offsets_max_m.restype = _c_int
     _LIB.kbit_gemv_offsets.argtypes = [_c_int, _c_vp, _c_vp, _c_int, _c_vp, _c_vp, _c_vp, _c_vp, _c_int, _c_i64,
@@ -203,9 +210,18 @@ def offsets_gemv_serves(m: int, bits: int, dtype: torch.dtype, signs=None) -> bo
     return signs is None and 1 <= m <= gemv_offsets_max_m(bits, dtype)
 
 
+@functools.cache
+def _warn_records_fallback(what: str) -> None:
+    """Warns once per ``what``: a call on block records that no kernel serves takes the reference."""
+    warnings.warn(f"kbit: {what} on a layer with block records (KbitConfig.block_offsets=True) has no CUDA kernel; "
+                  "it runs the torch reference, which dequantizes the weight first (docs/kernels.md, 'Block records')",
+                  stacklevel=4)
+
+
 def _records_weight(planes, block_scales, row_scales, codebook, k: int, dtype: torch.dtype, signs=None):
     """The weight of block records in ``dtype`` (``signs``: unrotated), by the reference: format.dequantize as torch
-    ops on the records' device in float32, rounded once (no dequantize kernel reads records)."""
+    ops on the records' device in float32, rounded once (where the dequantize kernel does not serve)."""
+    _warn_records_fallback("dequantize of a rotated layer" if signs is not None else "dequantize")
     return _ops._dequantize_ref(planes, block_scales, row_scales, codebook, k, dtype, signs)
 
 
@@ -286,7 +302,8 @@ def _quantize_cuda(weight: torch.Tensor, codebook: torch.Tensor):
 
 def _dequantize_into(planes, block_scales, row_scales, codebook, in_features, out: torch.Tensor,
                      signs=None) -> torch.Tensor:
-    if has_records(block_scales):  # the dequantize kernel reads uint8 codes: the reference
+    records = has_records(block_scales)
+    if records and (signs is not None or not _HAS_DEQUANTIZE_RECORDS):  # no kernel unrotates records: the reference
         return out.copy_(_records_weight(planes, block_scales, row_scales, codebook, in_features, out.dtype, signs))
     sp = _signs_ptr(signs, in_features, planes.device)
     bits = planes.shape[-3]
@@ -295,11 +312,10 @@ def _dequantize_into(planes, block_scales, row_scales, codebook, in_features, ou
     cb_stride = 0 if codebook.dim() == 1 else codebook.shape[-1]
     planes, block_scales = planes.contiguous(), block_scales.contiguous()
     row_scales, codebook = row_scales.contiguous(), codebook.contiguous()
-    rc = _LIB.kbit_dequantize(
-        planes.device.index, _stream(planes.device), planes.data_ptr(), block_scales.data_ptr(),
-        row_scales.data_ptr(), codebook.data_ptr(), cb_stride, bits, batch, n, in_features,
-        out.data_ptr(), _DTYPE_CODE[out.dtype], sp,
-    )
+    args = (planes.device.index, _stream(planes.device), planes.data_ptr(), block_scales.data_ptr(),
+            row_scales.data_ptr(), codebook.data_ptr(), cb_stride, bits, batch, n, in_features, out.data_ptr(),
+            _DTYPE_CODE[out.dtype])
+    rc = _LIB.kbit_dequantize_records(*args) if records else _LIB.kbit_dequantize(*args, sp)
     _lib.check(rc, "dequantize")
     return out
 
@@ -612,6 +628,8 @@ def _grouped_mm_cuda(x, expert_ids, planes, block_scales, row_scales, codebook, 
     _same_device(x, expert_ids=expert_ids, planes=planes, block_scales=block_scales, row_scales=row_scales,
                  codebook=codebook)
     sp = _signs_ptr(signs, in_features, x.device)
+    if has_records(block_scales):
+        _warn_records_fallback("grouped_mm")
     if codebook.dim() != 1 or x.dtype not in _GEMV_DTYPES or has_records(block_scales):
         # Per-expert codebooks, float32 activations and block records: the reference (it syncs the host), on x R
         # for a rotated layer (the standalone rotation kernel).

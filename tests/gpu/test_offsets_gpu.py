@@ -34,8 +34,6 @@ PACKED = ("planes", "block_scales", "row_scales", "codebook")
 # MM_REL_TOL): the output's rounding in the activation dtype and the decoded weight's (the GEMV: codebook pair
 # * scale + offset, one fma rounded to the activation dtype; the fallback: the reference weight rounded once).
 MM_REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
-# The reference's weight on the GPU against the CPU's (the same torch ops, each rounded once in float32): equal.
-DEQUANT_EXACT = 0.0
 # (N, K): odd sizes with partial row tiles, K tiles and blocks (4100 x 2000), split-K (40 x 8200), one tile, and
 # fewer rows and columns than a tile.
 SHAPES = [(4100, 2000), (257, 515), (40, 8200), (16, 128), (5, 33)]
@@ -217,29 +215,119 @@ def test_offsets_entries_refuse_what_they_do_not_serve():
                                          None, 0), "mm")
 
 
-# ---------------------------------------------------------------------------- the fallbacks
+# ---------------------------------------------------------------------------- the block-records dequantize
+
+
+def bits_of(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit patterns (signed zeros and every ulp count), for bit-exact comparisons."""
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+@functools.lru_cache(maxsize=None)
+def edited_records(n: int, k: int, bits: int, offsets: str, experts: int = 0):
+    """packed_records' tensors with chosen offset codes: "random" (all of [-OFFSET_MAX, OFFSET_MAX], a quarter
+    zero), "min" / "max" (every block -OFFSET_MAX / OFFSET_MAX) or "zero"; and about a tenth of the blocks' E4M4
+    codes set to 0 (the elements are the offset alone, the codebook value times a zero scale) and as many to 255
+    (the largest scale)."""
+    (planes, records, rs, cb), codes, _ = packed_records(n, k, bits, experts=experts)
+    g = torch.Generator().manual_seed(17 * n + k + bits)
+    codes = codes.cpu().long()
+    pick = torch.rand(codes.shape, generator=g)
+    codes[pick < 0.1] = 0
+    codes[pick > 0.9] = 255
+    offsets_of = {"min": -fmt.OFFSET_MAX, "max": fmt.OFFSET_MAX, "zero": 0}
+    o = random_offsets(codes.shape, g) if offsets == "random" else torch.full_like(codes, offsets_of[offsets])
+    return planes, fmt.pack_records(codes, o).to(DEVICE), rs, cb
+
+
+# (N, K): odd rows and columns (rows of odd K alternate 16-byte alignment, so stores take the element-wise path
+# on every other row), K a multiple of 32 but not of 128 (a partial last K tile of whole blocks), a multiple of 8
+# but not of 32 (a partial block), one tile, fewer rows and columns than a tile, and many K tiles per row.
+DEQUANT_SHAPES = [(257, 515), (33, 4000), (100, 200), (16, 128), (5, 33), (40, 8200)]
+OFFSET_KINDS = ("random", "min", "max", "zero")
+
+
+@pytest.mark.parametrize("offsets", OFFSET_KINDS)
+@pytest.mark.parametrize("shape", DEQUANT_SHAPES, ids=lambda s: f"N{s[0]}K{s[1]}")
+@pytest.mark.parametrize("bits,dtype", table_cases("dequantize"))
+def test_dequantize_records_bit_exact(bits, dtype, shape, offsets, spy):
+    """The dequantize kernel on records is format.dequantize bit for bit (signed zeros included): the codebook
+    value times the block scale, plus the offset times the row scale, each rounded in float32, then once to
+    dtype."""
+    n, k = shape
+    packed = edited_records(n, k, bits, offsets)
+    got = torch.ops.kbit.dequantize(*packed, k, dtype)
+    ref = fmt.dequantize(*(t.cpu() for t in packed), k, dtype)
+    assert got.dtype == dtype and got.shape == (n, k)
+    assert torch.equal(bits_of(got.cpu()), bits_of(ref))
+    assert "kbit_dequantize_records" in spy.calls, "the block-records dequantize did not serve"
+    assert_no_code_reader(spy)
+
+
+@pytest.mark.parametrize("per_expert_codebook", [False, True], ids=["shared-codebook", "per-expert-codebooks"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_dequantize_records_experts(dtype, per_expert_codebook, spy):
+    """A stack of expert weights with records (a leading batch dim), with one codebook or one per expert."""
+    e, n, k, bits = 3, 300, 700, 3
+    planes, records, rs, cb = edited_records(n, k, bits, "random", experts=e)
+    if per_expert_codebook:
+        cb = torch.stack([fmt.make_codebook(name, bits) for name in ("nf", "nf-sym", "nf")]).to(DEVICE)
+    got = torch.ops.kbit.dequantize(planes, records, rs, cb, k, dtype)
+    ref = fmt.dequantize(planes.cpu(), records.cpu(), rs.cpu(), cb.cpu(), k, dtype)
+    assert got.shape == (e, n, k)
+    assert torch.equal(bits_of(got.cpu()), bits_of(ref))
+    assert "kbit_dequantize_records" in spy.calls
+    assert_no_code_reader(spy)
+
+
+def test_dequantize_records_refuses_misaligned_records():
+    """The C entry refuses int16 records at an odd address, naming them, before a launch."""
+    backend()  # declares the entries' argument types
+    lib = _lib.load()
+    ptr = ctypes.c_void_p(256)
+    with pytest.raises(ValueError, match="block_records must be 2-byte aligned"):
+        _lib.check(lib.kbit_dequantize_records(0, None, ptr, ctypes.c_void_p(257), ptr, ptr, 0, 4, 1, 16, 128, ptr, 2),
+                   "dequantize")
+
+
+def test_dequantize_of_a_rotated_layer_with_records_warns_once():
+    """dequantize with sign words on records (no kernel unrotates records; KbitConfig refuses the pair) takes the
+    reference, W' R^T, and says so once."""
+    be = backend()
+    n, k, seed = 300, 512, 7
+    packed, _, wq = packed_records(n, k, 4)
+    signs = rotation.sign_words(k, seed, DEVICE)
+    be._warn_records_fallback.cache_clear()
+    with pytest.warns(UserWarning, match="block records"):
+        w = torch.ops.kbit.dequantize(*packed, k, torch.float32, signs)
+    torch.testing.assert_close(w, rotation.unrotate(wq, rotation.DEFAULT_BLOCK, seed), atol=1e-6, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------- beyond the GEMV
 
 
 @pytest.mark.parametrize("m", [17, 300], ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("bits,dtype", table_cases("gemv"))
-def test_mm_beyond_the_gemv_falls_back(bits, dtype, m, spy):
+def test_mm_beyond_the_gemv_dequantizes_with_the_kernel(bits, dtype, m, spy):
     n, k = 4100, 2000
     packed, _, wq = packed_records(n, k, bits)
     x = torch.randn(m, k, device=DEVICE).to(dtype)
     out = torch.ops.kbit.mm(x, *packed, k)
     assert out.dtype == dtype and out.shape == (m, n)
     assert rel_err(out, x.double() @ wq.double().T) < MM_REL_TOL[dtype]
+    assert "kbit_dequantize_records" in spy.calls
     assert_no_code_reader(spy)
 
 
 @pytest.mark.parametrize("m", [1, 16, 300], ids=lambda m: f"M{m}")
-def test_mm_float32_falls_back(m, spy):
+def test_mm_float32_dequantizes_with_the_kernel(m, spy):
     n, k = 257, 515
     packed, _, wq = packed_records(n, k, 3)
     x = torch.randn(m, k, device=DEVICE)
     out = torch.ops.kbit.mm(x, *packed, k)
     assert out.dtype == torch.float32
     assert rel_err(out, x.double() @ wq.double().T) < MM_REL_TOL[torch.float32]
+    assert "kbit_dequantize_records" in spy.calls
     assert_no_code_reader(spy)
 
 
@@ -253,23 +341,12 @@ def test_forced_gemm_path_refuses_records():
         backend().run_path("gemv", x, *packed, 515)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("shape", [(257, 515), (5, 33)], ids=lambda s: f"N{s[0]}K{s[1]}")
-def test_dequantize_falls_back_to_the_reference(shape, dtype, spy):
-    n, k = shape
-    packed, _, _ = packed_records(n, k, 4)
-    got = torch.ops.kbit.dequantize(*packed, k, dtype)
-    ref = fmt.dequantize(*(t.cpu() for t in packed), k, dtype)
-    assert got.dtype == dtype and got.shape == (n, k)
-    torch.testing.assert_close(got.cpu(), ref, atol=DEQUANT_EXACT, rtol=DEQUANT_EXACT)
-    assert_no_code_reader(spy)
-
-
 @pytest.mark.parametrize("m", [1, 8, 17], ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("kind", ["rmsnorm", "add_rmsnorm", "silu_mul"])
-def test_prologue_ops_fall_back(kind, m, spy):
+def test_prologue_ops_run_unfused(kind, m, spy):
     """The prologue ops run unfused on records (the GEMV with a prologue reads codes): the reference's
-    prologue, then kbit::mm, which takes the block-records GEMV up to M = 16."""
+    prologue, then kbit::mm, which takes the block-records GEMV up to M = 16 and, beyond, the planner's path for
+    this 2 M-element weight (dequantize + matmul)."""
     n, k, dtype = 1000, 2048, torch.bfloat16
     packed, _, wq = packed_records(n, k, 4)
     x = torch.randn(m, k, device=DEVICE, dtype=dtype)
@@ -288,14 +365,14 @@ def test_prologue_ops_fall_back(kind, m, spy):
         h = _ops.silu_mul(x, x2)
     assert rel_err(out, h.double() @ wq.double().T) < MM_REL_TOL[dtype]
     assert_no_code_reader(spy)
-    if m <= 16:
-        assert "kbit_gemv_offsets" in spy.calls
+    assert ("kbit_gemv_offsets" if m <= 16 else "kbit_dequantize_records") in spy.calls
 
 
 @pytest.mark.parametrize("m", [1, 8, 300], ids=lambda m: f"M{m}")
-def test_rotated_layer_with_records_falls_back(m, spy):
-    """A rotated layer with records: the stored weight W' (dequantized by the reference) times x R (the standalone
-    rotation kernel), at every M, and dequantize returns W' R^T."""
+def test_rotated_layer_with_records(m, spy):
+    """A rotated layer with records (KbitConfig refuses the pair; the ops still serve it): the stored weight W'
+    (the dequantize kernel) times x R (the standalone rotation kernel), at every M, and dequantize returns W' R^T
+    (the reference: no kernel unrotates records)."""
     n, k, dtype, seed = 1000, 2048, torch.bfloat16, 12345
     packed, _, wq = packed_records(n, k, 3)
     signs = rotation.sign_words(k, seed, DEVICE)
@@ -305,27 +382,37 @@ def test_rotated_layer_with_records_falls_back(m, spy):
     assert rel_err(out, xr.double() @ wq.double().T) < MM_REL_TOL[dtype]
     w = torch.ops.kbit.dequantize(*packed, k, torch.float32, signs)
     torch.testing.assert_close(w, rotation.unrotate(wq, rotation.DEFAULT_BLOCK, seed), atol=1e-6, rtol=1e-6)
+    assert "kbit_dequantize_records" in spy.calls
     assert_no_code_reader(spy)
+
+
+# ---------------------------------------------------------------------------- the fallbacks
 
 
 @pytest.mark.parametrize("s", [5, 100], ids=lambda s: f"S{s}")
 def test_grouped_mm_falls_back(s, spy):
+    """No grouped kernel reads records: the reference, with a warning (once per process)."""
     e, n, k, dtype = 3, 300, 700, torch.bfloat16
     packed, _, wq = packed_records(n, k, 4, experts=e)
     x = torch.randn(s, k, device=DEVICE, dtype=dtype)
     ids = torch.randint(0, e, (s,), device=DEVICE)
-    out = torch.ops.kbit.grouped_mm(x, ids, *packed, k)
+    backend()._warn_records_fallback.cache_clear()
+    with pytest.warns(UserWarning, match="grouped_mm on a layer with block records"):
+        out = torch.ops.kbit.grouped_mm(x, ids, *packed, k)
     ref = torch.einsum("sk,snk->sn", x.double(), wq.double()[ids])
     assert rel_err(out, ref) < MM_REL_TOL[dtype]
     assert_no_code_reader(spy)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_grad_x_falls_back(dtype, spy):
+def test_grad_x_dequantizes_with_the_kernel(dtype, spy):
+    """dX = dY W: the dequantize kernel's weight in dY's dtype and one matmul (float32 dY takes the reference, as
+    it does with uint8 codes)."""
     n, k = 1000, 2000
     packed, _, wq = packed_records(n, k, 5)
     grad = torch.randn(40, n, device=DEVICE, dtype=dtype)
     out = torch.ops.kbit.mm_grad_x(grad, *packed, k)
     assert out.dtype == dtype and out.shape == (40, k)
     assert rel_err(out, grad.double() @ wq.double()) < MM_REL_TOL[dtype]
+    assert ("kbit_dequantize_records" in spy.calls) == (dtype != torch.float32)
     assert_no_code_reader(spy)
