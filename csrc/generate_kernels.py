@@ -67,8 +67,9 @@ LAUNCHES = {
                    (1, 2), "launch_gemv_offsets<{bits}, {T}, {v}>"),
     # mma token tiles per CTA (gemm_nt).
     "gemm": Launch("gemm_kernel.cuh", "launch_gemm<{bits}, {T}, {v}>", ", dim3", "MmParams", (2, 4, 8, 16)),
-    # 64-token wgmma blocks per CTA (wgmma_nb).
-    "wgmma_gemm": Launch("wgmma_kernel.cuh", "launch_wgmma_gemm<{bits}, {T}, {v}>", ", dim3", "MmParams", (1, 2, 4)),
+    # 64-token wgmma blocks per CTA (wgmma_nb). Block records: every token block (the GEMM's M, unrotated).
+    "wgmma_gemm": Launch("wgmma_kernel.cuh", "launch_wgmma_gemm<{bits}, {T}, {v}>", ", dim3", "MmParams", (1, 2, 4),
+                         offsets=(1, 2, 4), offsets_template="launch_wgmma_gemm_offsets<{bits}, {T}, {v}>"),
     # 64-token wgmma blocks per tile (plan_wgmma_ws in kbit_api.cu, kWsNbs); the grid is persistent CTAs.
     "wgmma_ws_gemm": Launch("wgmma_ws_kernel.cuh", "launch_wgmma_ws_gemm<{bits}, {T}, {v}>", ", dim3", "MmParams",
                             (1, 2, 4)),

@@ -19,8 +19,9 @@ namespace {
 
 using namespace kbit;
 
-// Unchanged by the block-records entries (kbit_gemv_offsets*, kbit_dequantize_records): they are new symbols, which
-// a caller looks up before it declares them (hf_kbit/backends/cuda.py), as it does the other optional entries.
+// Unchanged by the block-records entries (kbit_gemv_offsets*, kbit_gemm_offsets*, kbit_dequantize_records): they
+// are new symbols, which a caller looks up before it declares them (hf_kbit/backends/cuda.py), as it does the other
+// optional entries.
 constexpr int kAbiVersion = 10;
 
 thread_local char g_error[512] = "";
@@ -781,6 +782,57 @@ int gemv_launch(const GemvCall& call, const void* x, void* out, float* workspace
   return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_gemv launch");
 }
 
+// kbit_gemm and kbit_gemm_offsets (`offsets`: block_scales points at int16 block records, which only the wgmma
+// GEMM reads: the problem's plan must be the wgmma GEMM's).
+int gemm_call(int device, void* stream, const void* x, int dtype, const int32_t* planes, const uint8_t* block_scales,
+              const float* row_scales, const float* codebook, int bits, int64_t m, int64_t n, int64_t k, void* out,
+              float* workspace, int64_t workspace_size, const uint32_t* rot_signs, bool offsets) {
+  if (int rc = check_common(offsets ? kWgmmaGemm : kGemm, bits, dtype, n, k)) return rc;
+  if (int rc = check_rotation(rot_signs, k)) return rc;
+  if (m < 1 || m > (int64_t{1} << 31)) return fail("x has %lld rows, the GEMM takes 1..2^31", static_cast<long long>(m));
+  if (k == 0) return fail("in_features must be positive (an empty product is all zeros: handle it before the call)");
+  if (n == 0) return KBIT_OK;
+  if (!x || !out || !planes || !block_scales || !row_scales || !codebook)
+    return fail(offsets ? "x, out, planes, block_records, row_scales and codebook must be device pointers"
+                        : "x, out, planes, block_scales, row_scales and codebook must be device pointers");
+  if (offsets ? !aligned(planes, 16) || !aligned(block_scales, 2) : !aligned(planes, 16) || !aligned(block_scales, 16))
+    return fail(offsets ? "planes must be 16-byte aligned and block_records 2-byte aligned (int16)"
+                        : "planes and block_scales must be 16-byte aligned");
+  const GemmPlan plan = device_gemm_plan(device, m, n, k, bits, rot_signs != nullptr);
+  if (offsets && plan.kernel != kGemmWgmma)
+    return fail("block records: only the wgmma GEMM (sm_90a) reads them, and this problem's GEMM on device %d is the "
+                "%s GEMM (kbit_gemm_offsets_serves): dequantize them instead", device, kGemmKernelNames[plan.kernel]);
+  const GemmLaunch launch = offsets                       ? find_wgmma_gemm_offsets(bits, dtype, plan.tile)
+                            : plan.kernel == kGemmWgmmaWs ? find_wgmma_ws_gemm(bits, dtype, plan.tile)
+                            : plan.kernel == kGemmWgmma   ? find_wgmma_gemm(bits, dtype, plan.tile)
+                                                          : find_gemm(bits, dtype, plan.tile);
+  if (!launch) return unsupported(kGemmKernelIds[plan.kernel], bits, dtype);
+  if (plan.kernel == kGemmWgmmaWs
+          ? ceil_div(m, kWgmmaTokens) * ceil_div(n, kWsRows) * plan.splits >= (int64_t{1} << 31)
+          : ceil_div(n, plan.kernel == kGemmWgmma ? kWgmmaRows : kGemmRows) > 65535)
+    return fail("out_features %lld is too large for the GEMM grid", static_cast<long long>(n));
+  if (plan.kernel == kGemmWgmmaWs && !aligned(x, 16))
+    return fail("x must be 16-byte aligned for the warp-specialized GEMM (its tensor map reads x as stored)");
+  if (plan.smem > smem_limits(device).per_block)
+    return fail("the GEMM needs %d bytes of shared memory per block, this GPU allows %d (kbit_gemm_workspace_size "
+                "returns -1 here: dequantize + matmul instead)", plan.smem, smem_limits(device).per_block);
+  const int64_t need = plan.workspace(m, n);
+  if (workspace_size < need || (need > 0 && !workspace))
+    return fail("workspace has %lld floats, this problem needs %lld (kbit_gemm_workspace_size)",
+                static_cast<long long>(workspace_size), static_cast<long long>(need));
+  DeviceGuard guard(device);
+  if (guard.error() != cudaSuccess) return cuda_fail(guard.error(), "selecting the device");
+  MmParams p = mm_params(dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, plan.splits, plan.chunk_kt);
+  p.x = x;
+  p.out = out;
+  p.x_perm = reinterpret_cast<char*>(workspace);
+  p.workspace = workspace ? workspace + plan.x_perm_floats : nullptr;
+  p.rot_signs = rot_signs;
+  const auto st = static_cast<cudaStream_t>(stream);
+  cudaError_t err = launch(p, plan.grid, st);
+  return err == cudaSuccess ? KBIT_OK : cuda_fail(err, offsets ? "kbit_gemm_offsets launch" : "kbit_gemm launch");
+}
+
 }  // namespace
 
 extern "C" {
@@ -1146,43 +1198,25 @@ int kbit_mm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int dtyp
 int kbit_gemm(int device, void* stream, const void* x, int dtype, const int32_t* planes, const uint8_t* block_scales,
               const float* row_scales, const float* codebook, int bits, int64_t m, int64_t n, int64_t k, void* out,
               float* workspace, int64_t workspace_size, const uint32_t* rot_signs) {
-  if (int rc = check_common(kGemm, bits, dtype, n, k)) return rc;
-  if (int rc = check_rotation(rot_signs, k)) return rc;
-  if (m < 1 || m > (int64_t{1} << 31)) return fail("x has %lld rows, the GEMM takes 1..2^31", static_cast<long long>(m));
-  if (k == 0) return fail("in_features must be positive (an empty product is all zeros: handle it before the call)");
-  if (n == 0) return KBIT_OK;
-  if (!x || !out || !planes || !block_scales || !row_scales || !codebook)
-    return fail("x, out, planes, block_scales, row_scales and codebook must be device pointers");
-  if (!aligned(planes, 16) || !aligned(block_scales, 16)) return fail("planes and block_scales must be 16-byte aligned");
-  const GemmPlan plan = device_gemm_plan(device, m, n, k, bits, rot_signs != nullptr);
-  const GemmLaunch launch = plan.kernel == kGemmWgmmaWs ? find_wgmma_ws_gemm(bits, dtype, plan.tile)
-                            : plan.kernel == kGemmWgmma ? find_wgmma_gemm(bits, dtype, plan.tile)
-                                                        : find_gemm(bits, dtype, plan.tile);
-  if (!launch) return unsupported(kGemmKernelIds[plan.kernel], bits, dtype);
-  if (plan.kernel == kGemmWgmmaWs
-          ? ceil_div(m, kWgmmaTokens) * ceil_div(n, kWsRows) * plan.splits >= (int64_t{1} << 31)
-          : ceil_div(n, plan.kernel == kGemmWgmma ? kWgmmaRows : kGemmRows) > 65535)
-    return fail("out_features %lld is too large for the GEMM grid", static_cast<long long>(n));
-  if (plan.kernel == kGemmWgmmaWs && !aligned(x, 16))
-    return fail("x must be 16-byte aligned for the warp-specialized GEMM (its tensor map reads x as stored)");
-  if (plan.smem > smem_limits(device).per_block)
-    return fail("the GEMM needs %d bytes of shared memory per block, this GPU allows %d (kbit_gemm_workspace_size "
-                "returns -1 here: dequantize + matmul instead)", plan.smem, smem_limits(device).per_block);
-  const int64_t need = plan.workspace(m, n);
-  if (workspace_size < need || (need > 0 && !workspace))
-    return fail("workspace has %lld floats, this problem needs %lld (kbit_gemm_workspace_size)",
-                static_cast<long long>(workspace_size), static_cast<long long>(need));
-  DeviceGuard guard(device);
-  if (guard.error() != cudaSuccess) return cuda_fail(guard.error(), "selecting the device");
-  MmParams p = mm_params(dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, plan.splits, plan.chunk_kt);
-  p.x = x;
-  p.out = out;
-  p.x_perm = reinterpret_cast<char*>(workspace);
-  p.workspace = workspace ? workspace + plan.x_perm_floats : nullptr;
-  p.rot_signs = rot_signs;
-  const auto st = static_cast<cudaStream_t>(stream);
-  cudaError_t err = launch(p, plan.grid, st);
-  return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_gemm launch");
+  return gemm_call(device, stream, x, dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, out, workspace,
+                   workspace_size, rot_signs, false);
+}
+
+int kbit_gemm_offsets_serves(int device, int64_t m, int64_t n, int64_t k, int bits, int dtype) {
+  if (m < 1 || n < 1 || k < 1 || dtype < kFloat32 || dtype > kBFloat16 || !in_kernel_table(kWgmmaGemm, bits, dtype))
+    return 0;
+  const GemmPlan plan = device_gemm_plan(device, m, n, k, bits, false);
+  return plan.kernel == kGemmWgmma && plan.smem <= smem_limits(device).per_block &&
+                 find_wgmma_gemm_offsets(bits, dtype, plan.tile) != nullptr
+             ? 1
+             : 0;
+}
+
+int kbit_gemm_offsets(int device, void* stream, const void* x, int dtype, const int32_t* planes,
+                      const int16_t* block_records, const float* row_scales, const float* codebook, int bits, int64_t m,
+                      int64_t n, int64_t k, void* out, float* workspace, int64_t workspace_size) {
+  return gemm_call(device, stream, x, dtype, planes, reinterpret_cast<const uint8_t*>(block_records), row_scales,
+                   codebook, bits, m, n, k, out, workspace, workspace_size, nullptr, true);
 }
 
 }  // extern "C"

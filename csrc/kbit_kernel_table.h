@@ -273,6 +273,38 @@ inline WgmmaGemmLaunch find_wgmma_gemm(int bits, int dtype, int tile) {
   }
 }
 
+// The wgmma_gemm launch for block records (int16 block_scales with offsets) for (bits, dtype, tile);
+// nullptr where the table has none.
+inline WgmmaGemmLaunch find_wgmma_gemm_offsets(int bits, int dtype, int tile) {
+  switch (launch_key(bits, dtype, tile)) {
+    case launch_key(2, 1, 1): return &launch_wgmma_gemm_offsets<2, __half, 1>;
+    case launch_key(2, 1, 2): return &launch_wgmma_gemm_offsets<2, __half, 2>;
+    case launch_key(2, 1, 4): return &launch_wgmma_gemm_offsets<2, __half, 4>;
+    case launch_key(2, 2, 1): return &launch_wgmma_gemm_offsets<2, __nv_bfloat16, 1>;
+    case launch_key(2, 2, 2): return &launch_wgmma_gemm_offsets<2, __nv_bfloat16, 2>;
+    case launch_key(2, 2, 4): return &launch_wgmma_gemm_offsets<2, __nv_bfloat16, 4>;
+    case launch_key(3, 1, 1): return &launch_wgmma_gemm_offsets<3, __half, 1>;
+    case launch_key(3, 1, 2): return &launch_wgmma_gemm_offsets<3, __half, 2>;
+    case launch_key(3, 1, 4): return &launch_wgmma_gemm_offsets<3, __half, 4>;
+    case launch_key(3, 2, 1): return &launch_wgmma_gemm_offsets<3, __nv_bfloat16, 1>;
+    case launch_key(3, 2, 2): return &launch_wgmma_gemm_offsets<3, __nv_bfloat16, 2>;
+    case launch_key(3, 2, 4): return &launch_wgmma_gemm_offsets<3, __nv_bfloat16, 4>;
+    case launch_key(4, 1, 1): return &launch_wgmma_gemm_offsets<4, __half, 1>;
+    case launch_key(4, 1, 2): return &launch_wgmma_gemm_offsets<4, __half, 2>;
+    case launch_key(4, 1, 4): return &launch_wgmma_gemm_offsets<4, __half, 4>;
+    case launch_key(4, 2, 1): return &launch_wgmma_gemm_offsets<4, __nv_bfloat16, 1>;
+    case launch_key(4, 2, 2): return &launch_wgmma_gemm_offsets<4, __nv_bfloat16, 2>;
+    case launch_key(4, 2, 4): return &launch_wgmma_gemm_offsets<4, __nv_bfloat16, 4>;
+    case launch_key(5, 1, 1): return &launch_wgmma_gemm_offsets<5, __half, 1>;
+    case launch_key(5, 1, 2): return &launch_wgmma_gemm_offsets<5, __half, 2>;
+    case launch_key(5, 1, 4): return &launch_wgmma_gemm_offsets<5, __half, 4>;
+    case launch_key(5, 2, 1): return &launch_wgmma_gemm_offsets<5, __nv_bfloat16, 1>;
+    case launch_key(5, 2, 2): return &launch_wgmma_gemm_offsets<5, __nv_bfloat16, 2>;
+    case launch_key(5, 2, 4): return &launch_wgmma_gemm_offsets<5, __nv_bfloat16, 4>;
+    default: return nullptr;
+  }
+}
+
 using WgmmaWsGemmLaunch = cudaError_t (*)(const MmParams&, dim3, cudaStream_t);
 // The wgmma_ws_gemm launch for (bits, dtype, tile); nullptr where the table has none.
 inline WgmmaWsGemmLaunch find_wgmma_ws_gemm(int bits, int dtype, int tile) {

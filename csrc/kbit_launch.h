@@ -58,6 +58,10 @@ cudaError_t launch_gemm(const MmParams& p, dim3 grid, cudaStream_t stream);
 template <int BITS, typename T, int NB>
 cudaError_t launch_wgmma_gemm(const MmParams& p, dim3 grid, cudaStream_t stream);
 
+// Block records (int16 block_scales with offsets, format.py): the wgmma GEMM on x as it is (unrotated).
+template <int BITS, typename T, int NB>
+cudaError_t launch_wgmma_gemm_offsets(const MmParams& p, dim3 grid, cudaStream_t stream);
+
 template <int BITS, typename T, int NB>
 cudaError_t launch_wgmma_ws_gemm(const MmParams& p, dim3 grid, cudaStream_t stream);
 

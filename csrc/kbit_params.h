@@ -25,8 +25,9 @@ constexpr int kRotMultiple = 64;
 
 // Block records (format.py, a candidate format extension): block_scales as int16, the E4M4 code in the low
 // byte and a signed offset code o (|o| <= 127) in the high byte; the block's elements are
-// (codebook[index] * e4m4(code) + kOffsetStep * o) * row_scale (format.OFFSET_STEP). Only the kOffsets GEMV
-// reads them (gemv_kernel.cuh, kbit_gemv_offsets).
+// (codebook[index] * e4m4(code) + kOffsetStep * o) * row_scale (format.OFFSET_STEP). Read by the kOffsets
+// instantiations of the GEMV, the wgmma GEMM and dequantize (kbit_gemv_offsets, kbit_gemm_offsets,
+// kbit_dequantize_records); the other kernels read uint8 codes only.
 constexpr float kOffsetStep = 0.125f;
 
 // Activation dtypes the kernels take (values fixed: they cross the C ABI).
@@ -79,7 +80,7 @@ enum XPrologueKind : int { kPrologueNone = 0, kPrologueSiluMul = 1, kPrologueNor
 struct MmParams {
   const void* x;               // [m, k] row-major, dtype `dtype`
   const int32_t* planes;       // [nt, kt, bits, 16, 4]
-  const uint8_t* block_scales; // [nt, kt, 16, 4]; the kOffsets GEMV: int16 block records in that layout
+  const uint8_t* block_scales; // [nt, kt, 16, 4]; kOffsets GEMV and wgmma GEMM: int16 block records in that layout
   const float* row_scales;     // [n]
   const float* codebook;       // [2^bits]
   void* out;                   // [m, n], dtype `dtype`

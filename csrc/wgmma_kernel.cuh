@@ -25,6 +25,12 @@
 //    by the quantize kernel, which fences its stores). wgmma_x_kernel is itself a programmatic
 //    dependent launch of the stream's previous kernel (sm_90+) and waits for it before
 //    reading x.
+//  * Block records (kOffsets instantiations, launch_wgmma_gemm_offsets; format.py): block_scales holds an int16
+//    per block (E4M4 code in the low byte, signed offset code in the high byte), in the layout of the codes. The
+//    decode is the GEMV's on records (gemv_kernel.cuh, kOffsets): each lane loads its two records where it loaded
+//    two codes, and every pair of the A fragment is one packed fma, codebook pair * scale + offset pair, rounded
+//    once to the activation dtype; the row scale applies in the epilogue as before. A template flag: the
+//    instantiations without it compile to the code they had before.
 #pragma once
 
 #include "gemm_kernel.cuh"
@@ -211,7 +217,8 @@ __device__ __forceinline__ void wgmma_chunk(float (&acc)[NB][32], uint32_t (&a)[
   wgmma_commit();
 }
 
-template <int BITS, typename T, int NB>
+// kOffsets: p.block_scales points at int16 block records (launch_wgmma_gemm_offsets).
+template <int BITS, typename T, int NB, bool kOffsets = false>
 __global__ void __launch_bounds__(kWgmmaThreads, wgmma_ctas_per_sm(NB)) wgmma_gemm_kernel(MmParams p) {
 #if KBIT_HAS_WGMMA
   // Plane loads kDepth - 1 K tiles ahead: the GEMV's depth where a K tile is short (64 tokens),
@@ -240,7 +247,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, wgmma_ctas_per_sm(NB)) wgmma_ge
   TileWords<BITS> buf[kDepth];
   int load_i = 0;
   auto advance_load = [&](TileWords<BITS>& dst) {
-    if (load_i < steps) load_tile<BITS>(p.planes, p.block_scales, tile0 + load_i, lane, dst);
+    if (load_i < steps) load_tile<BITS, kOffsets>(p.planes, p.block_scales, tile0 + load_i, lane, dst);
     ++load_i;
   };
 #pragma unroll
@@ -285,9 +292,9 @@ __global__ void __launch_bounds__(kWgmmaThreads, wgmma_ctas_per_sm(NB)) wgmma_ge
   uint32_t a[4][4];
   __syncthreads();  // the table is built: the first chunks are decoded before the loop's barrier
   if (steps > 0) {
-    index_words<BITS>(buf[0], table, lane_word, ti);
-    decode_chunk<BITS, T, false>(ti, 0, table, lane_word, a[0]);
-    decode_chunk<BITS, T, false>(ti, 1, table, lane_word, a[1]);
+    index_words<BITS, kOffsets, T>(buf[0], table, lane_word, ti);
+    decode_chunk<BITS, T, false, kOffsets>(ti, 0, table, lane_word, a[0]);
+    decode_chunk<BITS, T, false, kOffsets>(ti, 1, table, lane_word, a[1]);
   }
   for (int i = 0; i < steps; i += kDepth) {
 #pragma unroll
@@ -309,10 +316,10 @@ __global__ void __launch_bounds__(kWgmmaThreads, wgmma_ctas_per_sm(NB)) wgmma_ge
         wgmma_chunk<T, NB>(acc, a[q % 4], sw128_desc(slots_addr + (j % kSlots) * kPartBytes), c % kPartChunks);
         wgmma_wait<2>();
         if (c < 6) {
-          decode_chunk<BITS, T, false>(ti, c + 2, table, lane_word, a[(q + 2) % 4]);
+          decode_chunk<BITS, T, false, kOffsets>(ti, c + 2, table, lane_word, a[(q + 2) % 4]);
         } else if (s + 1 < steps) {
-          if (c == 6) index_words<BITS>(buf[(d + 1) % kDepth], table, lane_word, ti);
-          decode_chunk<BITS, T, false>(ti, c - 6, table, lane_word, a[(q + 2) % 4]);
+          if (c == 6) index_words<BITS, kOffsets, T>(buf[(d + 1) % kDepth], table, lane_word, ti);
+          decode_chunk<BITS, T, false, kOffsets>(ti, c - 6, table, lane_word, a[(q + 2) % 4]);
         }
       }
     }
@@ -352,9 +359,10 @@ __global__ void __launch_bounds__(kWgmmaThreads, wgmma_ctas_per_sm(NB)) wgmma_ge
 #endif
 }
 
-// x rewrite, then the GEMM as its programmatic dependent launch, then the split-K reduce.
-template <int BITS, typename T, int NB>
-cudaError_t launch_wgmma_gemm(const MmParams& p, dim3 grid, cudaStream_t stream) {
+// x rewrite, then the GEMM (kOffsets: on block records) as its programmatic dependent launch, then the split-K
+// reduce.
+template <int BITS, typename T, int NB, bool kOffsets>
+cudaError_t launch_wgmma_kernels(const MmParams& p, dim3 grid, cudaStream_t stream) {
   const int k_tiles = static_cast<int>((p.k + kTileK - 1) / kTileK);
   const int64_t tokens_padded = static_cast<int64_t>(grid.x) * NB * kWgmmaTokens;
   const int64_t threads = tokens_padded * k_tiles * 4;
@@ -366,13 +374,27 @@ cudaError_t launch_wgmma_gemm(const MmParams& p, dim3 grid, cudaStream_t stream)
                                        p.rot_signs);
   if (err != cudaSuccess) return err;
 
+  constexpr auto kernel = wgmma_gemm_kernel<BITS, T, NB, kOffsets>;
   constexpr int kSmem = wgmma_smem_bytes(NB);
-  err = raise_smem_limit<wgmma_gemm_kernel<BITS, T, NB>>(kSmem);
+  err = raise_smem_limit<kernel>(kSmem);
   if (err != cudaSuccess) return err;
   const KernelLaunch launch(grid, kWgmmaThreads, kSmem, stream, 1, true);  // sm_90 only: always PDL
-  err = cudaLaunchKernelEx(&launch.config, wgmma_gemm_kernel<BITS, T, NB>, p);
+  err = cudaLaunchKernelEx(&launch.config, kernel, p);
   if (err != cudaSuccess || p.splits == 1) return err;
   return launch_splitk_reduce<T>(p.workspace, p.out, p.m * p.n, p.splits, stream);
+}
+
+template <int BITS, typename T, int NB>
+cudaError_t launch_wgmma_gemm(const MmParams& p, dim3 grid, cudaStream_t stream) {
+  return launch_wgmma_kernels<BITS, T, NB, false>(p, grid, stream);
+}
+
+// Block records (p.block_scales int16, format.py): the GEMM with kOffsets on x as it is (kbit_gemm_offsets; no
+// rotated layer holds records, and the x rewrite is the unrotated one).
+template <int BITS, typename T, int NB>
+cudaError_t launch_wgmma_gemm_offsets(const MmParams& p, dim3 grid, cudaStream_t stream) {
+  if (p.rot_signs) return cudaErrorInvalidValue;
+  return launch_wgmma_kernels<BITS, T, NB, true>(p, grid, stream);
 }
 
 }  // namespace kbit

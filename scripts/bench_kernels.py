@@ -25,7 +25,8 @@ device copy bandwidth measured in the same run). Writes JSON and a markdown tabl
     python scripts/bench_kernels.py --offsets --out benchmarks/results/h200_offsets
                                                  # the GEMV on block records (int16 block_scales, random
                                                  # offsets) vs the same weight with uint8 codes, Llama-3-8B
-                                                 # shapes, k = 3..5, M 1..16
+                                                 # shapes, k = 3..5, M 1..16; add --ms 1 16 64 256 512 for
+                                                 # the wgmma GEMM on records beyond the GEMV
 """
 
 from __future__ import annotations
@@ -380,7 +381,8 @@ def markdown_rotation(results, meta) -> str:
 def bench_offsets(name, k, n, ms, bits_list, results):
     """The GEMV on the same packed weights with uint8 E4M4 codes and with int16 block records (the codes and
     random offset codes over [-127, 127]), cold L2, cuBLAS bf16 in the same run: the price of offsets at decode.
-    Both through run_path("gemv"): the uint8 GEMV and the block-records GEMV (kOffsets) on the same plan."""
+    Both through run_path("gemv"): the uint8 GEMV and the block-records GEMV (kOffsets) on the same plan. M above
+    the GEMV: both through run_path("gemm") where the block-records wgmma GEMM serves (sm_90a), else skipped."""
     from hf_kbit import format as fmt
     from hf_kbit.backends import cuda as backend
 
@@ -396,19 +398,24 @@ def bench_offsets(name, k, n, ms, bits_list, results):
         extra_bytes = fmt.bits_per_weight(n, k, bits, offsets=True) / fmt.bits_per_weight(n, k, bits) - 1
         for m in ms:
             x = xs[m]
-            if m > backend.gemv_offsets_max_m(bits, x.dtype):
+            if m <= backend.gemv_offsets_max_m(bits, x.dtype):
+                path = "gemv"
+            elif backend.gemm_offsets_serves(m, n, k, bits, x.device.index, x.dtype):
+                path = "gemm"
+            else:
                 continue
-            calls = {kind: [lambda p=weights[i % ncopy], x=x: backend.run_path("gemv", x, *p, k) for i in range(ncalls)]
+            calls = {kind: [lambda p=weights[i % ncopy], x=x: backend.run_path(path, x, *p, k) for i in range(ncalls)]
                      for kind, weights in (("codes", packs), ("records", records))}
             times = {kind: [] for kind in calls}
             for _ in range(OFFSETS_ROUNDS):
                 for kind in calls:
                     times[kind].append(time_calls(calls[kind]))
-            row = {"shape": name, "K": k, "N": n, "M": m, "bits": bits, "bf16_us": bf16[m], "us": min(times["codes"]),
+            row = {"shape": name, "K": k, "N": n, "M": m, "bits": bits, "path": path, "bf16_us": bf16[m],
+                   "us": min(times["codes"]),
                    "records_us": min(times["records"]), "bytes_pct": 100 * extra_bytes}
             row["cost_pct"] = 100 * (row["records_us"] / row["us"] - 1)
             results.append(row)
-            print(f"{name:30s} k={bits} M={m:3d} bf16={row['bf16_us']:7.1f}us  codes={row['us']:7.1f}us  "
+            print(f"{name:30s} k={bits} M={m:3d} {path} bf16={row['bf16_us']:7.1f}us  codes={row['us']:7.1f}us  "
                   f"records={row['records_us']:7.1f}us  cost={row['cost_pct']:+5.1f}%  bytes={row['bytes_pct']:+5.1f}%",
                   flush=True)
         del packs, records
@@ -416,16 +423,16 @@ def bench_offsets(name, k, n, ms, bits_list, results):
 
 
 def markdown_offsets(results, meta) -> str:
-    lines = [f"# The GEMV on block records (offsets) — {meta['device']}", "", f"Command: `{meta['command']}`  ",
+    lines = [f"# The GEMV and GEMM on block records (offsets) — {meta['device']}", "", f"Command: `{meta['command']}`  ",
              (f"torch {meta['torch']}, cold L2, CUDA-graph replays, median of 7, the least of {OFFSETS_ROUNDS} "
               "alternating rounds; us per call (bf16 activations). The same packed weights with uint8 E4M4 codes "
-              "(the GEMV) and with int16 block records, the codes and random offset codes (the block-records GEMV, "
-              "csrc/gemv_kernel.cuh kOffsets); cost = records / codes - 1; bytes = the records' extra packed bytes "
-              "(format.bits_per_weight)."), "",
-             "| shape (K x N) | k | M | bf16 us | codes us | records us | cost | bytes |",
-             "|---|---|---|---|---|---|---|---|"]
+              "(the GEMV; above its M the wgmma GEMM) and with int16 block records, the codes and random offset codes "
+              "(their kOffsets instantiations, csrc/gemv_kernel.cuh and wgmma_kernel.cuh); cost = records / codes - 1; "
+              "bytes = the records' extra packed bytes (format.bits_per_weight)."), "",
+             "| shape (K x N) | k | M | path | bf16 us | codes us | records us | cost | bytes |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['shape']} | {r['bits']} | {r['M']} | {r['bf16_us']:.1f} | {r['us']:.1f} | "
+        lines.append(f"| {r['shape']} | {r['bits']} | {r['M']} | {r['path']} | {r['bf16_us']:.1f} | {r['us']:.1f} | "
                      f"{r['records_us']:.1f} | {r['cost_pct']:+.1f}% | {r['bytes_pct']:+.1f}% |")
     shapes = list(dict.fromkeys(r["shape"] for r in results))
     bits = sorted({r["bits"] for r in results})
@@ -631,7 +638,7 @@ def main() -> None:
                     help="each path on a rotated layer vs the same layer unrotated (Llama-3-8B shapes, M 1..1024)")
     ap.add_argument("--offsets", action="store_true",
                     help="the GEMV on block records (random offsets) vs the same weights with uint8 codes "
-                         "(Llama-3-8B shapes, M 1..16)")
+                         "(Llama-3-8B shapes, M 1..16; --ms above 16: the wgmma GEMM on records, sm_90a)")
     ap.add_argument("--gemm-kernel", default=None, choices=GEMM_KERNELS,
                     help="the GEMM kernel the planner takes (hf_kbit.backends.cuda.set_gemm_kernel; default: the "
                          "device's, or HF_KBIT_GEMM_KERNEL's)")

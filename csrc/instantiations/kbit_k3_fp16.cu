@@ -24,6 +24,9 @@ template cudaError_t launch_gemm<3, __half, 16>(const MmParams&, dim3, cudaStrea
 template cudaError_t launch_wgmma_gemm<3, __half, 1>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_wgmma_gemm<3, __half, 2>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_wgmma_gemm<3, __half, 4>(const MmParams&, dim3, cudaStream_t);
+template cudaError_t launch_wgmma_gemm_offsets<3, __half, 1>(const MmParams&, dim3, cudaStream_t);
+template cudaError_t launch_wgmma_gemm_offsets<3, __half, 2>(const MmParams&, dim3, cudaStream_t);
+template cudaError_t launch_wgmma_gemm_offsets<3, __half, 4>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_wgmma_ws_gemm<3, __half, 1>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_wgmma_ws_gemm<3, __half, 2>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_wgmma_ws_gemm<3, __half, 4>(const MmParams&, dim3, cudaStream_t);

@@ -24,6 +24,9 @@ template cudaError_t launch_gemm<5, __nv_bfloat16, 16>(const MmParams&, dim3, cu
 template cudaError_t launch_wgmma_gemm<5, __nv_bfloat16, 1>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_wgmma_gemm<5, __nv_bfloat16, 2>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_wgmma_gemm<5, __nv_bfloat16, 4>(const MmParams&, dim3, cudaStream_t);
+template cudaError_t launch_wgmma_gemm_offsets<5, __nv_bfloat16, 1>(const MmParams&, dim3, cudaStream_t);
+template cudaError_t launch_wgmma_gemm_offsets<5, __nv_bfloat16, 2>(const MmParams&, dim3, cudaStream_t);
+template cudaError_t launch_wgmma_gemm_offsets<5, __nv_bfloat16, 4>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_wgmma_ws_gemm<5, __nv_bfloat16, 1>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_wgmma_ws_gemm<5, __nv_bfloat16, 2>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_wgmma_ws_gemm<5, __nv_bfloat16, 4>(const MmParams&, dim3, cudaStream_t);

@@ -24,6 +24,9 @@ template cudaError_t launch_gemm<5, __half, 16>(const MmParams&, dim3, cudaStrea
 template cudaError_t launch_wgmma_gemm<5, __half, 1>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_wgmma_gemm<5, __half, 2>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_wgmma_gemm<5, __half, 4>(const MmParams&, dim3, cudaStream_t);
+template cudaError_t launch_wgmma_gemm_offsets<5, __half, 1>(const MmParams&, dim3, cudaStream_t);
+template cudaError_t launch_wgmma_gemm_offsets<5, __half, 2>(const MmParams&, dim3, cudaStream_t);
+template cudaError_t launch_wgmma_gemm_offsets<5, __half, 4>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_wgmma_ws_gemm<5, __half, 1>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_wgmma_ws_gemm<5, __half, 2>(const MmParams&, dim3, cudaStream_t);
 template cudaError_t launch_wgmma_ws_gemm<5, __half, 4>(const MmParams&, dim3, cudaStream_t);

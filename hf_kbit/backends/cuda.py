@@ -33,12 +33,14 @@ Only ``dequantize`` itself returns the weight unrotated, ``W' R^T``. The eager f
 ``module.rotation_signs``.
 
 Block records (``block_scales`` int16, :mod:`hf_kbit.format`: an offset per block, a candidate format extension):
-the plain GEMV reads them (``kbit_gemv_offsets``: unrotated, no prologue, M up to :func:`gemv_offsets_max_m`),
-whatever the planner would take for uint8 codes, and the dequantize kernel (``kbit_dequantize_records``, bit-exact
-with ``format.dequantize``) serves ``dequantize``, the dequantize + matmul path (larger M, float32 x, a rotated
-layer's ``x R`` times the stored weight), the gradient and the prologues' unfused ``mm``. What no kernel reads
-records for (``dequantize`` of a rotated layer, ``grouped_mm``) takes the reference (``format.dequantize`` as torch
-ops on the GPU) and warns once; no kernel that reads uint8 codes is ever handed records.
+``mm`` takes :func:`records_plan`'s path: the plain GEMV on records (``kbit_gemv_offsets``: unrotated, no prologue,
+M up to :func:`gemv_offsets_max_m`) whatever the planner would take for uint8 codes; above it the wgmma GEMM on
+records (``kbit_gemm_offsets``: unrotated, sm_90a) where the planner takes the wgmma GEMM for uint8 codes; else
+dequantize + matmul. The dequantize kernel on records (``kbit_dequantize_records``, bit-exact with
+``format.dequantize``) serves ``dequantize``, that last path (a rotated layer's too: ``x R`` times the stored weight)
+and the gradient; the prologue ops run unfused on records (the reference's prologue, then ``mm``). What no kernel
+reads records for (``dequantize`` of a rotated layer, ``grouped_mm``) takes the reference (``format.dequantize`` as
+torch ops on the GPU) and warns once; no kernel that reads uint8 codes is ever handed records.
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ def _forget_plans() -> None:
     _mm_plans.clear()
     gemm_workspace.cache_clear()
     gemm_kernel.cache_clear()
+    gemm_offsets_serves.cache_clear()
 
 
 def set_gemm_kernel(name: str | None) -> None:
@@ -190,6 +193,13 @@ if _HAS_OFFSETS:
     _LIB.kbit_gemv_prepare_offsets.argtypes = [_c_int, _c_int, _c_vp, _c_vp, _c_vp, _c_vp, _c_int, _c_i64, _c_i64,
                                                _c_i64, _c_vp, ctypes.POINTER(_c_i64)]
     _LIB.kbit_gemv_prepare_offsets.restype = _c_int
+_HAS_GEMM_OFFSETS = hasattr(_LIB, "kbit_gemm_offsets")
+if _HAS_GEMM_OFFSETS:
+    _LIB.kbit_gemm_offsets_serves.argtypes = [_c_int, _c_i64, _c_i64, _c_i64, _c_int, _c_int]
+    _LIB.kbit_gemm_offsets_serves.restype = _c_int
+    _LIB.kbit_gemm_offsets.argtypes = [_c_int, _c_vp, _c_vp, _c_int, _c_vp, _c_vp, _c_vp, _c_vp, _c_int, _c_i64,
+                                       _c_i64, _c_i64, _c_vp, _c_vp, _c_i64]
+    _LIB.kbit_gemm_offsets.restype = _c_int
 
 
 def has_records(block_scales: torch.Tensor) -> bool:
@@ -210,6 +220,33 @@ def offsets_gemv_serves(m: int, bits: int, dtype: torch.dtype, signs=None) -> bo
     return signs is None and 1 <= m <= gemv_offsets_max_m(bits, dtype)
 
 
+@functools.cache  # a layer repeats one problem; set_gemm_kernel and set_wgmma_ws_plan clear it (_forget_plans)
+def gemm_offsets_serves(m: int, n: int, k: int, bits: int, device: int, dtype: torch.dtype) -> bool:
+    """True when the block-records wgmma GEMM serves ``x [m, k]`` in ``dtype`` times an unrotated ``[n, k]`` weight
+    on CUDA device index ``device``: this problem's GEMM there is the wgmma GEMM (sm_90a, not overridden by
+    :func:`set_gemm_kernel`) and the library holds its records instantiation. The crossovers are not consulted:
+    :func:`records_plan` does that."""
+    if not _HAS_GEMM_OFFSETS or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    return bool(_LIB.kbit_gemm_offsets_serves(device, m, n, k, bits, _DTYPE_CODE[dtype]))
+
+
+def records_plan(m: int, n: int, k: int, bits: int, device: int, dtype: torch.dtype,
+                 signs=None) -> tuple[str, int | None]:
+    """``(path, workspace floats or None)`` of ``kbit::mm`` on a layer with block records: "gemv" (the block-records
+    GEMV) where it serves, "gemm" (the block-records wgmma GEMM) where the planner takes the wgmma GEMM for uint8
+    codes (:func:`mm_plan`) and it serves, else "dequant" (the records dequantize kernel, then torch.matmul). A
+    rotated layer (``signs``) always dequantizes: no GEMV or GEMM instantiation reads records rotated."""
+    if signs is not None:
+        return "dequant", None
+    if offsets_gemv_serves(m, bits, dtype):
+        return "gemv", None
+    path, gemm, ws_size = mm_plan(m, n, k, bits, device, dtype)
+    if path == "gemm" and gemm == "wgmma" and gemm_offsets_serves(m, n, k, bits, device, dtype):
+        return "gemm", ws_size
+    return "dequant", None
+
+
 @functools.cache
 def _warn_records_fallback(what: str) -> None:
     """Warns once per ``what``: a call on block records that no kernel serves takes the reference."""
@@ -223,23 +260,6 @@ def _records_weight(planes, block_scales, row_scales, codebook, k: int, dtype: t
     ops on the records' device in float32, rounded once (where the dequantize kernel does not serve)."""
     _warn_records_fallback("dequantize of a rotated layer" if signs is not None else "dequantize")
     return _ops._dequantize_ref(planes, block_scales, row_scales, codebook, k, dtype, signs)
-
-
-def _gemv_offsets(x2, planes, block_scales, row_scales, codebook, k: int) -> torch.Tensor:
-    """``x2 [m, k] @ W.T`` of a layer with block records on the block-records GEMV (offsets_gemv_serves)."""
-    m, n, bits = x2.shape[0], row_scales.shape[0], planes.shape[-3]
-    device = x2.device
-    planes, block_scales, row_scales, codebook = _dense(planes, block_scales, row_scales, codebook)
-    ws_size = _gemv_workspace(device.index, m, n, k, bits)
-    out = torch.empty((m, n), dtype=x2.dtype, device=device)
-    ws = torch.empty(ws_size, dtype=torch.float32, device=device) if ws_size > 0 else None
-    rc = _LIB.kbit_gemv_offsets(
-        device.index, _stream(device), x2.data_ptr(), _DTYPE_CODE[x2.dtype], planes.data_ptr(), block_scales.data_ptr(),
-        row_scales.data_ptr(), codebook.data_ptr(), bits, m, n, k, out.data_ptr(),
-        ws.data_ptr() if ws is not None else None, ws_size,
-    )
-    _lib.check(rc, "mm")
-    return out
 
 
 def _dense(planes, block_scales, row_scales, codebook) -> tuple:
@@ -349,9 +369,9 @@ def _mm_cuda(x, planes, block_scales, row_scales, codebook, in_features, signs=N
     m = x2.shape[0]
     if m == 0 or n == 0 or k == 0:
         return x.new_zeros((*lead, n))
-    if has_records(block_scales):  # the block-records GEMV where it serves, else dequantize + matmul
-        path = "gemv" if offsets_gemv_serves(m, planes.shape[-3], x.dtype, signs) else "dequant"
-        return run_path(path, x2, planes, block_scales, row_scales, codebook, k, None, signs).reshape(*lead, n)
+    if has_records(block_scales):
+        path, ws_size = records_plan(m, n, k, planes.shape[-3], x.device.index, x.dtype, signs)
+        return run_path(path, x2, planes, block_scales, row_scales, codebook, k, ws_size, signs).reshape(*lead, n)
     path, _, ws_size = mm_plan(m, n, k, planes.shape[-3], x.device.index, x.dtype, signs is not None)
     return run_path(path, x2, planes, block_scales, row_scales, codebook, k, ws_size, signs).reshape(*lead, n)
 
@@ -376,20 +396,22 @@ def run_path(path: str, x2, planes, block_scales, row_scales, codebook, k: int,
     """``x2 [m, k] @ W.T`` through one kernel path (``PATHS``; ``ws_size``: its workspace floats when
     known; ``signs``: a rotated layer's sign words); ``kbit::mm`` takes the planner's (:func:`mm_plan`),
     benchmarks force each to measure the crossovers. Block records (int16 ``block_scales``) take "gemv" (the
-    block-records GEMV, where :func:`offsets_gemv_serves`) or "dequant" (the reference's weight)."""
+    block-records GEMV, where :func:`offsets_gemv_serves`), "gemm" (the block-records wgmma GEMM, where
+    :func:`gemm_offsets_serves`, whatever the crossovers) or "dequant" (:func:`records_plan` picks)."""
     m, n, bits = x2.shape[0], row_scales.shape[0], planes.shape[-3]
     if path == "dequant":
         return _dequant_matmul(x2, planes, block_scales, row_scales, codebook, k, signs)
     if path not in ("gemv", "gemm"):
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    if has_records(block_scales):
-        if path != "gemv" or not offsets_gemv_serves(m, bits, x2.dtype, signs):
-            raise ValueError(
-                f"block records (int16 block_scales) take the block-records GEMV (unrotated, 16-bit x, M <= "
-                f"{gemv_offsets_max_m(bits, x2.dtype)}) or 'dequant', got path {path!r} for M={m}, x {x2.dtype}"
-                f"{', rotated' if signs is not None else ''}"
-            )
-        return _gemv_offsets(x2.contiguous(), planes, block_scales, row_scales, codebook, k)
+    records = has_records(block_scales)
+    if records and not (offsets_gemv_serves(m, bits, x2.dtype, signs) if path == "gemv" else
+                        signs is None and gemm_offsets_serves(m, n, k, bits, x2.device.index, x2.dtype)):
+        raise ValueError(
+            f"block records (int16 block_scales) take the block-records GEMV (unrotated, 16-bit x, M <= "
+            f"{gemv_offsets_max_m(bits, x2.dtype)}), the block-records wgmma GEMM (unrotated, 16-bit x, sm_90a, the "
+            f"wgmma GEMM planned) or 'dequant', got path {path!r} for M={m}, x {x2.dtype}"
+            f"{', rotated' if signs is not None else ''} on the {gemm_kernel(x2.device.index)} GEMM kernel"
+        )
     x2 = x2.contiguous()
     planes, block_scales, row_scales, codebook = _dense(planes, block_scales, row_scales, codebook)
     device = x2.device
@@ -399,17 +421,16 @@ def run_path(path: str, x2, planes, block_scales, row_scales, codebook, k: int,
         # realign offset views.
         x2, planes, block_scales = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (x2, planes, block_scales))
         ws_size = _gemm_workspace(device.index, m, n, k, bits, sp is not None) if ws_size is None else ws_size
-        launch = _LIB.kbit_gemm
+        launch = _LIB.kbit_gemm_offsets if records else _LIB.kbit_gemm
     else:
         ws_size = _gemv_workspace(device.index, m, n, k, bits, sp is not None) if ws_size is None else ws_size
-        launch = _LIB.kbit_gemv
+        launch = _LIB.kbit_gemv_offsets if records else _LIB.kbit_gemv
     out = torch.empty((m, n), dtype=x2.dtype, device=device)
     ws = torch.empty(ws_size, dtype=torch.float32, device=device) if ws_size > 0 else None
-    rc = launch(
-        device.index, _stream(device), x2.data_ptr(), _DTYPE_CODE[x2.dtype], planes.data_ptr(),
-        block_scales.data_ptr(), row_scales.data_ptr(), codebook.data_ptr(), bits, m, n, k, out.data_ptr(),
-        ws.data_ptr() if ws is not None else None, ws_size, sp,
-    )
+    args = (device.index, _stream(device), x2.data_ptr(), _DTYPE_CODE[x2.dtype], planes.data_ptr(),
+            block_scales.data_ptr(), row_scales.data_ptr(), codebook.data_ptr(), bits, m, n, k, out.data_ptr(),
+            ws.data_ptr() if ws is not None else None, ws_size)
+    rc = launch(*args) if records else launch(*args, sp)  # the records' entries take no rot_signs
     _lib.check(rc, "mm")
     return out
 

@@ -1,9 +1,11 @@
 """GPU tests of block records (int16 ``block_scales``: an E4M4 code and a signed offset code per block,
-hf_kbit/format.py) on the CUDA backend: the block-records GEMV (csrc/gemv_kernel.cuh, kOffsets) against the
-float32 reference (``format.dequantize`` then a float64 product), bit-exact with the uint8 GEMV where every offset
-is zero, under CUDA-graph replay and on the eager fast path; and every other path (larger M, float32 x, the
-prologues, a rotated layer, dequantize, grouped_mm, the gradient) on its fallback, which dequantizes the records
-with the reference, against the same reference. No kernel that reads uint8 codes may be handed records.
+hf_kbit/format.py) on the CUDA backend. The kernels that read records (the kOffsets instantiations): the GEMV
+(csrc/gemv_kernel.cuh) and the sm_90a wgmma GEMM (csrc/wgmma_kernel.cuh) against the float32 reference
+(``format.dequantize`` then a float64 product), each bit-exact with its uint8 kernel where every offset is zero,
+under CUDA-graph replay, and where the dispatch takes them; the dequantize kernel (csrc/dequantize_kernel.cuh)
+bit for bit against ``format.dequantize``. The other paths (larger M, float32 x, the prologues, a rotated layer,
+the gradient: the dequantize kernel and a matmul; grouped_mm and a rotated layer's dequantize: the reference,
+with a warning) against the same reference. No kernel that reads uint8 codes may be handed records.
 
 Run on the GPU machine: ``python -m pytest -m gpu tests/gpu/test_offsets_gpu.py -q``.
 """
@@ -303,19 +305,153 @@ def test_dequantize_of_a_rotated_layer_with_records_warns_once():
     torch.testing.assert_close(w, rotation.unrotate(wq, rotation.DEFAULT_BLOCK, seed), atol=1e-6, rtol=1e-6)
 
 
-# ---------------------------------------------------------------------------- beyond the GEMV
+# ---------------------------------------------------------------------------- the block-records wgmma GEMM
+
+# The M the planner gives the wgmma GEMM on large weights (crossovers.json: 16 < M <= 512), with both sides of each
+# token-block size (NB = 1, 2, 4: 64, 128, 256 tokens) and partial blocks.
+GEMM_MS = (17, 32, 64, 65, 128, 255, 256, 512)
+# (N, K): odd sizes with partial row blocks (128 rows), K tiles and blocks (4100 x 2000, 257 x 515), split-K plans
+# (40 x 8200: few CTAs), K not a multiple of 8 (300 x 33: x's element-wise loads in the x rewrite).
+GEMM_SHAPES = [(4100, 2000), (257, 515), (40, 8200), (300, 33)]
+# A weight of >= 16 M elements (crossovers.json's largest class: the wgmma GEMM up to M = 512), odd N and K.
+LARGE = (4100, 4100)
+PATH_ENTRIES = {"gemv": "kbit_gemv_offsets", "gemm": "kbit_gemm_offsets", "dequant": "kbit_dequantize_records"}
+
+
+def require_wgmma_gemm() -> None:
+    """Skips unless this GPU's GEMM is the wgmma GEMM (the one GEMM that reads records)."""
+    be = backend()
+    if not be.gemm_offsets_serves(64, 4096, 4096, 4, torch.cuda.current_device(), torch.bfloat16):
+        pytest.skip("the block-records GEMM is the wgmma GEMM: needs an sm_90 GPU, the library's sm_90a code and the "
+                    f"wgmma GEMM planned (this GPU plans the {be.gemm_kernel(torch.cuda.current_device())} GEMM)")
+
+
+@pytest.mark.parametrize("m", GEMM_MS, ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("shape", GEMM_SHAPES, ids=lambda s: f"N{s[0]}K{s[1]}")
+@pytest.mark.parametrize("bits,dtype", table_cases("wgmma_gemm"))
+def test_offsets_gemm_matches_reference(bits, dtype, shape, m, spy):
+    """The wgmma GEMM on records (forced: run_path "gemm", whatever the crossovers) against the float32 reference,
+    with MM_REL_TOL (as tests/gpu/test_cuda_kernels.py holds the uint8 GEMM)."""
+    require_wgmma_gemm()
+    n, k = shape
+    packed, _, wq = packed_records(n, k, bits)
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    out = backend().run_path("gemm", x, *packed, k)
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert rel_err(out, x.double() @ wq.double().T) < MM_REL_TOL[dtype]
+    assert "kbit_gemm_offsets" in spy.calls, "the block-records GEMM did not serve"
+    assert_no_code_reader(spy)
+
+
+@pytest.mark.parametrize("m", GEMM_MS + (513,), ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_mm_on_records_takes_the_wgmma_gemm_where_the_planner_does(dtype, m, spy):
+    """kbit::mm on records beyond the GEMV: the block-records GEMM wherever the planner takes the wgmma GEMM for
+    uint8 codes (a 16.8 M-element weight: M <= 512 with the shipped crossovers), else dequantize + matmul."""
+    require_wgmma_gemm()
+    be = backend()
+    (n, k), bits = LARGE, 4
+    packed, _, wq = packed_records(n, k, bits)
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    out = torch.ops.kbit.mm(x, *packed, k)
+    planned, gemm, _ = be.mm_plan(m, n, k, bits, torch.cuda.current_device(), dtype)
+    path = be.records_plan(m, n, k, bits, torch.cuda.current_device(), dtype)[0]
+    assert path == ("gemm" if planned == "gemm" and gemm == "wgmma" else "dequant"), (planned, gemm, path)
+    assert PATH_ENTRIES[path] in spy.calls
+    assert rel_err(out, x.double() @ wq.double().T) < MM_REL_TOL[dtype]
+    assert_no_code_reader(spy)
+
+
+@pytest.mark.parametrize("m", [17, 64, 200, 512], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("bits,dtype", table_cases("wgmma_gemm"))
+def test_zero_offsets_equal_the_uint8_wgmma_gemm(bits, dtype, m):
+    """Records whose offsets are all zero: bit for bit the uint8 wgmma GEMM's output (the same plan; the packed fma
+    with a +0 offset rounds as the packed multiply, and a zero's sign cannot reach the float32 accumulators, which
+    start at +0)."""
+    require_wgmma_gemm()
+    n, k = 4100, 2000
+    packed, codes, _ = packed_records(n, k, bits, zero=True)
+    planes, _, rs, cb = packed
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    be = backend()
+    assert torch.equal(be.run_path("gemm", x, *packed, k), be.run_path("gemm", x, planes, codes, rs, cb, k))
+
+
+@pytest.mark.parametrize("bits,m", [(3, 64), (4, 17), (5, 256), (2, 512)], ids=lambda v: str(v))
+def test_offsets_gemm_cuda_graph_replay(bits, m):
+    """A captured block-records GEMM replays on new x like an eager call (a split-K plan included)."""
+    require_wgmma_gemm()
+    be = backend()
+    for n, k in ((4100, 2000), (40, 8200)):
+        packed, _, wq = packed_records(n, k, bits)
+        x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+        graph, out = capture_cuda_graph(lambda: be.run_path("gemm", x, *packed, k))
+        for _ in range(2):
+            x.copy_(torch.randn(m, k, device=DEVICE))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, be.run_path("gemm", x, *packed, k))
+            assert rel_err(out, x.double() @ wq.double().T) < MM_REL_TOL[torch.bfloat16]
+
+
+def test_offsets_gemm_entries_refuse_what_they_do_not_serve():
+    """kbit_gemm_offsets refuses float32 x and misaligned records, naming them, before a launch;
+    kbit_gemm_offsets_serves says no to float32 and to another planned GEMM kernel."""
+    be = backend()  # declares the entries' argument types
+    lib = _lib.load()
+    ptr, dev = ctypes.c_void_p(256), torch.cuda.current_device()
+    with pytest.raises(ValueError, match="kernel=wgmma_gemm, bits=4, dtype=float32"):
+        _lib.check(lib.kbit_gemm_offsets(dev, None, ptr, 0, ptr, ptr, ptr, ptr, 4, 64, 16, 128, ptr, None, 0), "mm")
+    with pytest.raises(ValueError, match="block_records 2-byte aligned"):
+        _lib.check(lib.kbit_gemm_offsets(dev, None, ptr, 2, ptr, ctypes.c_void_p(257), ptr, ptr, 4, 64, 16, 128, ptr,
+                                         None, 0), "mm")
+    assert lib.kbit_gemm_offsets_serves(dev, 64, 4096, 4096, 4, 0) == 0
+    try:
+        be.set_gemm_kernel("mma")
+        assert not be.gemm_offsets_serves(64, 4096, 4096, 4, dev, torch.bfloat16)
+        with pytest.raises(ValueError, match="only the wgmma GEMM"):
+            _lib.check(lib.kbit_gemm_offsets(dev, None, ptr, 2, ptr, ptr, ptr, ptr, 4, 64, 4096, 4096, ptr, None, 0),
+                       "mm")
+    finally:
+        be.set_gemm_kernel(None)
+
+
+@pytest.mark.parametrize("kernel", ["mma", "wgmma_ws"])
+def test_records_under_another_gemm_kernel_dequantize(kernel, spy):
+    """With another GEMM kernel planned (set_gemm_kernel), records beyond the GEMV dequantize + matmul, and a forced
+    "gemm" path refuses them."""
+    be = backend()
+    (n, k), bits = LARGE, 4
+    packed, _, wq = packed_records(n, k, bits)
+    x = torch.randn(64, k, device=DEVICE, dtype=torch.bfloat16)
+    try:
+        be.set_gemm_kernel(kernel)
+        out = torch.ops.kbit.mm(x, *packed, k)
+        with pytest.raises(ValueError, match="block records"):
+            be.run_path("gemm", x, *packed, k)
+    finally:
+        be.set_gemm_kernel(None)
+    assert "kbit_dequantize_records" in spy.calls and "kbit_gemm_offsets" not in spy.calls
+    assert rel_err(out, x.double() @ wq.double().T) < MM_REL_TOL[torch.bfloat16]
+    assert_no_code_reader(spy)
+
+
+# ---------------------------------------------------------------------------- beyond the GEMV and the GEMM
 
 
 @pytest.mark.parametrize("m", [17, 300], ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("bits,dtype", table_cases("gemv"))
-def test_mm_beyond_the_gemv_dequantizes_with_the_kernel(bits, dtype, m, spy):
+def test_mm_beyond_the_gemv(bits, dtype, m, spy):
+    """A 8.2 M-element weight: the wgmma GEMM on records at M = 17 on an sm_90a GPU (the planner's GEMM up to
+    M = 128 there), dequantize + matmul at M = 300 (and at M = 17 on other GPUs)."""
     n, k = 4100, 2000
     packed, _, wq = packed_records(n, k, bits)
     x = torch.randn(m, k, device=DEVICE).to(dtype)
     out = torch.ops.kbit.mm(x, *packed, k)
     assert out.dtype == dtype and out.shape == (m, n)
     assert rel_err(out, x.double() @ wq.double().T) < MM_REL_TOL[dtype]
-    assert "kbit_dequantize_records" in spy.calls
+    path = backend().records_plan(m, n, k, bits, torch.cuda.current_device(), dtype)[0]
+    assert path in ("gemm", "dequant") and PATH_ENTRIES[path] in spy.calls
     assert_no_code_reader(spy)
 
 
@@ -331,14 +467,18 @@ def test_mm_float32_dequantizes_with_the_kernel(m, spy):
     assert_no_code_reader(spy)
 
 
-def test_forced_gemm_path_refuses_records():
-    """run_path never hands records to the GEMM (benchmarks force paths)."""
-    packed, _, _ = packed_records(257, 515, 4)
-    x = torch.randn(64, 515, device=DEVICE, dtype=torch.bfloat16)
+def test_forced_paths_refuse_records_where_no_kernel_serves():
+    """run_path never hands records to a kernel that does not read them (benchmarks force paths): the GEMV beyond
+    its M, and any GEMV or GEMM on a rotated layer."""
+    n, k = 257, 512
+    packed, _, _ = packed_records(n, k, 4)
+    signs = rotation.sign_words(k, 5, DEVICE)
+    x = torch.randn(64, k, device=DEVICE, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="block records"):
-        backend().run_path("gemm", x, *packed, 515)
-    with pytest.raises(ValueError, match="block records"):
-        backend().run_path("gemv", x, *packed, 515)
+        backend().run_path("gemv", x, *packed, k)
+    for path, rows in (("gemv", 4), ("gemm", 64)):
+        with pytest.raises(ValueError, match="block records"):
+            backend().run_path(path, x[:rows], *packed, k, None, signs)
 
 
 @pytest.mark.parametrize("m", [1, 8, 17], ids=lambda m: f"M{m}")
