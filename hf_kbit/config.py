@@ -95,7 +95,7 @@ class KbitConfig(QuantizationConfigMixin):
             config (``model.config.quantization_config``) records what was done.
         block_offsets: give each block of 32 of the Linear layers an offset as well as a scale (format v4: int16
             block records, :mod:`hf_kbit.format`): a block is centred on its midrange before the codebook and scale
-            are chosen wherever that lowers its error (:func:`hf_kbit.fitting.choose_offsets`), which suits
+            are chosen (at k = 5 only where that lowers its error, :func:`hf_kbit.fitting.offset_blocks`), which suits
             weights whose blocks are not centred on zero (zero-point formats such as GGUF Q4_1 and HQQ store one
             too). 8 more bits per block (+0.25 bits/weight). Data-free only (not with ``calibration_data``); fused
             MoE experts keep plain scales. Measured in

@@ -57,6 +57,7 @@ __all__ = [
     "group_codebook",
     "pack_groups",
     "layer_codebook",
+    "offset_blocks",
     "quantize_fitted",
     "remove_offsets",
     "row_scales",
@@ -88,8 +89,10 @@ class FitSettings:
         balance_members: in a codebook that siblings share (:func:`group_codebook`: q/k/v, gate/up), each
             member's blocks weigh as much in the Lloyd update as another's, whatever its row count (k and v
             count as much as a q several times their size). ``False``: every row the same weight.
-        offsets: give each block an offset where it lowers the block's error (:func:`choose_offsets`; format
-            v4's int16 block records, ``KbitConfig.block_offsets``) and fit the rest.
+        offsets: give blocks an offset (format v4's int16 block records, ``KbitConfig.block_offsets``) and fit
+            the rest.
+        offset_choice: with ``offsets``, a block keeps its offset only where that lowers its squared error
+            (:func:`choose_offsets`); ``False``: every block keeps its midrange offset (:func:`offset_blocks`).
     """
 
     codes_below: int
@@ -99,6 +102,7 @@ class FitSettings:
     max_fit_blocks: int = MAX_FIT_BLOCKS
     balance_members: bool = False
     offsets: bool = False
+    offset_choice: bool = True
 
     def __post_init__(self):
         for name in ("codes_below", "codes_above", "lloyd_iters"):
@@ -120,11 +124,15 @@ class FitSettings:
 # -0.07 +- 0.01. So on at k = 3 and 4 (k = 2 follows k = 3), off at k = 5 (where the two models disagree).
 # Reproduce: set it False here and compare with eval_perplexity on the same windows.
 DEFAULT_SETTINGS = {
-    2: FitSettings(codes_below=24, codes_above=4, lloyd_iters=4, balance_members=True),
-    3: FitSettings(codes_below=12, codes_above=4, lloyd_iters=4, balance_members=True),
-    4: FitSettings(codes_below=8, codes_above=2, lloyd_iters=4, balance_members=True),
+    2: FitSettings(codes_below=24, codes_above=4, lloyd_iters=4, balance_members=True, offset_choice=False),
+    3: FitSettings(codes_below=12, codes_above=4, lloyd_iters=4, balance_members=True, offset_choice=False),
+    4: FitSettings(codes_below=8, codes_above=2, lloyd_iters=4, balance_members=True, offset_choice=False),
     5: FitSettings(codes_below=6, codes_above=2, lloyd_iters=4),
 }
+# offset_choice (used only with offsets), on Qwen2.5-Coder-0.5B quantized on load (8192 tokens, windows of 512,
+# docs/format.md#block-offsets): every block's offset measured better at k = 3 and 4 (prose k = 4 +0.84 against
+# +2.87 with the choice), the choice at k = 5 (code: +0.029 against +0.103, where an offset on every block was
+# worse than none). k = 2 follows k = 3.
 
 
 # How a layer's free parts are chosen (KbitConfig.fitting): "absmax" is format.quantize's rule with the
@@ -140,14 +148,14 @@ def settings_for(fitting: str | None, bits: int, codebook: object = None, offset
     ``offsets``: the absmax rule on each block less its offset, no search, the codebook as configured).
 
     An explicit codebook (a list or tensor of levels) is kept as given: only block codes are searched.
-    ``offsets``: blocks get offsets (:func:`choose_offsets`; int16 block records).
+    ``offsets``: blocks get offsets (:func:`offset_blocks`, by this k's ``offset_choice``; int16 block records).
     """
     fitting = DEFAULT_FITTING[check_bits(bits)] if fitting is None else fitting
     if fitting not in FITTINGS:
         raise ValueError(f"fitting must be one of {FITTINGS} or None, got {fitting!r}")
     if fitting == "absmax":
-        return FitSettings(codes_below=0, codebook=codebook if isinstance(codebook, str) else None,
-                           offsets=True) if offsets else None
+        return FitSettings(codes_below=0, codebook=codebook if isinstance(codebook, str) else None, offsets=True,
+                           offset_choice=DEFAULT_SETTINGS[bits].offset_choice) if offsets else None
     settings = dataclasses.replace(DEFAULT_SETTINGS[bits], offsets=offsets)
     if codebook is not None and not isinstance(codebook, str):
         return dataclasses.replace(settings, lloyd_iters=0)
@@ -343,6 +351,18 @@ def choose_offsets(blocks: torch.Tensor, rows: torch.Tensor, cb: torch.Tensor, c
             torch.where(keep, codes_shifted, codes_plain))
 
 
+def offset_blocks(blocks: torch.Tensor, rows: torch.Tensor, cb: torch.Tensor, codes_below: int, codes_above: int,
+                  mask: torch.Tensor | None, choice: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(offset codes, the blocks less their offsets, E4M4 codes)``, each ``[G, N, B]`` but the blocks: with
+    ``choice`` :func:`choose_offsets`, else every block's :func:`block_offsets` and :func:`search_codes` on the
+    rest."""
+    if choice:
+        return choose_offsets(blocks, rows, cb, codes_below, codes_above, mask)
+    offsets = block_offsets(blocks, rows, mask)
+    shifted = remove_offsets(blocks, rows, offsets, mask)
+    return offsets, shifted, search_codes(shifted, rows, cb, codes_below, codes_above, mask)
+
+
 # ---------------------------------------------------------------------------- codebook
 
 
@@ -432,7 +452,8 @@ def fit_codebook(
     table = fmt.e4m4_table(w.device)
     for _ in range(settings.lloyd_iters):
         if settings.offsets:
-            _, residual, codes = choose_offsets(fit_blocks, rows, cb, settings.codes_below, settings.codes_above, mask)
+            _, residual, codes = offset_blocks(fit_blocks, rows, cb, settings.codes_below, settings.codes_above, mask,
+                                               settings.offset_choice)
         else:
             residual = fit_blocks
             codes = search_codes(fit_blocks, rows, cb, settings.codes_below, settings.codes_above, mask)
@@ -527,6 +548,7 @@ def quantize_fitted(
     codes_below: int,
     codes_above: int = 0,
     offsets: bool = False,
+    offset_choice: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``weight [..., N, K]`` with ``codebook`` and searched block codes -> format v1 tensors.
 
@@ -536,9 +558,9 @@ def quantize_fitted(
     :func:`hf_kbit.format.dequantize` with the same codebook reads them. Row scales follow the
     format's rule; block codes come from :func:`search_block_codes`; each index is the nearest
     level, as in format.quantize. With ``codes_below = codes_above = 0`` the bytes equal
-    format.quantize's. ``offsets``: each block first gets its :func:`block_offsets` or none, whichever it quantizes
-    with less error (:func:`choose_offsets`, under the same row scales), the rest is quantized as above, and
-    ``block_scales`` holds int16 block records (:func:`hf_kbit.format.block_records`).
+    format.quantize's. ``offsets``: each block first gets its :func:`block_offsets` (with ``offset_choice``, only where
+    it quantizes the block with less error: :func:`choose_offsets`, under the same row scales), the rest is quantized
+    as above, and ``block_scales`` holds int16 block records (:func:`hf_kbit.format.block_records`).
     """
     w, lead = _as_groups(weight)
     cb = codebook_groups(codebook, lead, w.device)
@@ -553,7 +575,7 @@ def quantize_fitted(
     mask = element_mask(k, blocks.shape[2], w.device)
     offset_codes = None
     if offsets:
-        offset_codes, blocks, codes = choose_offsets(blocks, rows_pad, cb, codes_below, codes_above, mask)
+        offset_codes, blocks, codes = offset_blocks(blocks, rows_pad, cb, codes_below, codes_above, mask, offset_choice)
     else:
         codes = search_codes(blocks, rows_pad, cb, codes_below, codes_above, mask)
     scale = fmt.e4m4_table(w.device)[codes] * rows_pad[..., None]
@@ -588,7 +610,7 @@ def fit_quantize(
     settings = DEFAULT_SETTINGS[check_bits(bits)] if settings is None else settings
     codebook = fit_codebook(weight, bits, settings)
     planes, block_scales, rows = quantize_fitted(weight, codebook, settings.codes_below, settings.codes_above,
-                                                 settings.offsets)
+                                                 settings.offsets, settings.offset_choice)
     return planes, block_scales, rows, codebook
 
 

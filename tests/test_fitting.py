@@ -392,6 +392,35 @@ def test_quantize_fitted_with_offsets_keeps_the_better_of_offset_and_none(bits):
                                without_offsets, rtol=0, atol=OFFSET_ATOL)
 
 
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+def test_quantize_fitted_with_every_offset_keeps_each_midrange(bits):
+    """``offset_choice=False``: every block keeps its midrange offset code (a loop over blocks), its codes are the
+    search on the weight less it, and the records decode to the codes' weight plus the offsets."""
+    w = offset_grid_weight(k=200)
+    w[:, 64:128] = gaussian((w.shape[0], 64)) * 0.1
+    cb = fmt.make_codebook(None, bits)
+    planes, records, rows = fitting.quantize_fitted(w, cb, 4, 2, offsets=True, offset_choice=False)
+    codes, offsets = fmt.block_records(records)
+    n_blocks = math.ceil(200 / fmt.BLOCK_SIZE)
+    offsets = fmt.untile(offsets)[: w.shape[0]]
+    mid = reference_offsets(w, rows)
+    assert torch.equal(offsets[:, :n_blocks], mid) and not offsets[:, n_blocks:].any()
+    residual = w - offset_shift(mid, rows, 200)
+    assert torch.equal(fmt.untile(codes)[: w.shape[0], :n_blocks], reference_codes(residual, rows, cb, 4, 2))
+    torch.testing.assert_close(fmt.dequantize(planes, records, rows, cb, 200) - offset_shift(mid, rows, 200),
+                               fmt.dequantize(planes, codes.to(torch.uint8), rows, cb, 200), rtol=0, atol=OFFSET_ATOL)
+
+
+def test_default_offset_rule_per_k():
+    """Every block's offset at k <= 4, the choice by error at k = 5 (measured in docs/format.md#block-offsets);
+    the absmax rule with offsets follows the k's default."""
+    assert [fitting.DEFAULT_SETTINGS[b].offset_choice for b in (2, 3, 4, 5)] == [False, False, False, True]
+    for b in (3, 5):
+        want = fitting.DEFAULT_SETTINGS[b].offset_choice
+        assert fitting.settings_for("absmax", b, offsets=True).offset_choice == want
+        assert fitting.settings_for(None, b, offsets=True).offset_choice == want
+
+
 @pytest.mark.parametrize("bits", [3, 4, 5], ids=lambda b: f"k{b}")
 def test_offsets_fit_offset_grids_better(bits):
     w = offset_grid_weight(n=64, k=256)

@@ -27,8 +27,9 @@ bits per weight, metadata included:
   what the kbit kernels would compute with, before that quantizer is wired into quantize-on-load. Bits:
   :func:`hf_kbit.format.bits_per_weight`, the same as ``kbit<k>``.
   ``offsets=1``: format v4's block offsets (``FitSettings.offsets``: each block's midrange in steps of 1/8 row
-  scale where it lowers the block's error, int16 block records; what ``kbit<k>:block_offsets=true`` quantizes on
-  load, here without sibling codebooks or the v/o turn). Bits: :func:`hf_kbit.format.bits_per_weight` with ``offsets``, 8 more per block.
+  scale, on every block or where it lowers the block's error as the k's ``FitSettings.offset_choice`` says, int16
+  block records; what ``kbit<k>:block_offsets=true`` quantizes on load, here without sibling codebooks or the v/o
+  turn). Bits: :func:`hf_kbit.format.bits_per_weight` with ``offsets``, 8 more per block.
 
 Rotation (format v3) is not an anchor: ``kbit<k>:rotation=true`` (or ``=auto``) quantizes through the shipped
 path, ``KbitConfig(rotation=...)``, whose modules rotate the activations as the kernels do.

@@ -534,7 +534,8 @@ def quantize_checked(
     """:func:`quantize_weight` of a weight :func:`check_weight` has already passed."""
     if settings is None:
         return torch.ops.kbit.quantize(weight, codebook)
-    return fitting.quantize_fitted(weight, codebook, settings.codes_below, settings.codes_above, settings.offsets)
+    return fitting.quantize_fitted(weight, codebook, settings.codes_below, settings.codes_above, settings.offsets,
+                                   settings.offset_choice)
 
 
 def quantize_layer(
