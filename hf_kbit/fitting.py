@@ -548,7 +548,7 @@ def quantize_fitted(
     codes_below: int,
     codes_above: int = 0,
     offsets: bool = False,
-    offset_choice: bool = True,
+    offset_choice: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``weight [..., N, K]`` with ``codebook`` and searched block codes -> format v1 tensors.
 
@@ -559,8 +559,9 @@ def quantize_fitted(
     format's rule; block codes come from :func:`search_block_codes`; each index is the nearest
     level, as in format.quantize. With ``codes_below = codes_above = 0`` the bytes equal
     format.quantize's. ``offsets``: each block first gets its :func:`block_offsets` (with ``offset_choice``, only where
-    it quantizes the block with less error: :func:`choose_offsets`, under the same row scales), the rest is quantized
-    as above, and ``block_scales`` holds int16 block records (:func:`hf_kbit.format.block_records`).
+    it quantizes the block with less error: :func:`choose_offsets`, under the same row scales; ``None``: this k's
+    ``DEFAULT_SETTINGS``), the rest is quantized as above, and ``block_scales`` holds int16 block records
+    (:func:`hf_kbit.format.block_records`).
     """
     w, lead = _as_groups(weight)
     cb = codebook_groups(codebook, lead, w.device)
@@ -575,6 +576,8 @@ def quantize_fitted(
     mask = element_mask(k, blocks.shape[2], w.device)
     offset_codes = None
     if offsets:
+        if offset_choice is None:
+            offset_choice = DEFAULT_SETTINGS[bits].offset_choice
         offset_codes, blocks, codes = offset_blocks(blocks, rows_pad, cb, codes_below, codes_above, mask, offset_choice)
     else:
         codes = search_codes(blocks, rows_pad, cb, codes_below, codes_above, mask)

@@ -367,7 +367,7 @@ def test_quantize_fitted_with_offsets_keeps_the_better_of_offset_and_none(bits):
     w = offset_grid_weight(k=200)
     w[:, 64:128] = gaussian((w.shape[0], 64)) * 0.1  # zero-centred blocks, where an offset seldom pays
     cb = fmt.make_codebook(None, bits)
-    planes, records, rows = fitting.quantize_fitted(w, cb, 4, 2, offsets=True)
+    planes, records, rows = fitting.quantize_fitted(w, cb, 4, 2, offsets=True, offset_choice=True)
     assert records.dtype == fmt.RECORD_DTYPE and records.shape == fmt.packed_shapes(*w.shape, bits)["block_scales"]
     assert torch.equal(rows, fitting.row_scales(w))
     codes, offsets = fmt.block_records(records)
@@ -413,8 +413,18 @@ def test_quantize_fitted_with_every_offset_keeps_each_midrange(bits):
 
 def test_default_offset_rule_per_k():
     """Every block's offset at k <= 4, the choice by error at k = 5 (measured in docs/format.md#block-offsets);
-    the absmax rule with offsets follows the k's default."""
+    quantize_fitted without offset_choice and the absmax rule with offsets follow the k's default."""
     assert [fitting.DEFAULT_SETTINGS[b].offset_choice for b in (2, 3, 4, 5)] == [False, False, False, True]
+    w = offset_grid_weight(k=200)
+    w[:, 64:128] = gaussian((w.shape[0], 64)) * 0.1
+    for b in (4, 5):
+        cb = fmt.make_codebook(None, b)
+        shipped = fitting.quantize_fitted(w, cb, 4, 2, offsets=True)
+        choice = fitting.DEFAULT_SETTINGS[b].offset_choice
+        rule = fitting.quantize_fitted(w, cb, 4, 2, offsets=True, offset_choice=choice)
+        other = fitting.quantize_fitted(w, cb, 4, 2, offsets=True, offset_choice=not choice)
+        assert all(torch.equal(x, y) for x, y in zip(shipped, rule))
+        assert not torch.equal(shipped[1], other[1])
     for b in (3, 5):
         want = fitting.DEFAULT_SETTINGS[b].offset_choice
         assert fitting.settings_for("absmax", b, offsets=True).offset_choice == want
