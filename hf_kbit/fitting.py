@@ -131,8 +131,9 @@ DEFAULT_SETTINGS = {
 }
 # offset_choice (used only with offsets), on Qwen2.5-Coder-0.5B quantized on load (8192 tokens, windows of 512,
 # docs/format.md#block-offsets): every block's offset measured better at k = 3 and 4 (prose k = 4 +0.84 against
-# +2.87 with the choice), the choice at k = 5 (code: +0.029 against +0.103, where an offset on every block was
-# worse than none). k = 2 follows k = 3.
+# +2.87 with the choice; SmolLM2, whose weights sit on GGUF Q4_1 zero-points, prefers the choice by less, k = 4
+# +0.18 +- 0.05), the choice at k = 5 (code: +0.029 against +0.103, where an offset on every block was worse than
+# none). k = 2 follows k = 3.
 
 
 # How a layer's free parts are chosen (KbitConfig.fitting): "absmax" is format.quantize's rule with the
