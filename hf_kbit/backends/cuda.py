@@ -32,7 +32,7 @@ the standalone rotation's ``x R``, and the gradient ``dX = (dY W') R^T`` is unro
 Only ``dequantize`` itself returns the weight unrotated, ``W' R^T``. The eager fast path reads
 ``module.rotation_signs``.
 
-Block records (``block_scales`` int16, :mod:`hf_kbit.format`: an offset per block, a candidate format extension):
+Block records (``block_scales`` int16, format v4, :mod:`hf_kbit.format`: an offset per block):
 ``mm`` takes :func:`records_plan`'s path: the plain GEMV on records (``kbit_gemv_offsets``: unrotated, no prologue,
 M up to :func:`gemv_offsets_max_m`) whatever the planner would take for uint8 codes; above it the wgmma GEMM on
 records (``kbit_gemm_offsets``: unrotated, sm_90a) where the planner takes the wgmma GEMM for uint8 codes; else
