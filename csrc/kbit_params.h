@@ -23,7 +23,7 @@ static_assert(kRowScaleMax * 31.0f <= 0x1.fffffep+127f, "31 x the largest row sc
 constexpr int kRotBlock = 8;
 constexpr int kRotMultiple = 64;
 
-// Block records (format.py, a candidate format extension): block_scales as int16, the E4M4 code in the low
+// Block records (format.py, format v4): block_scales as int16, the E4M4 code in the low
 // byte and a signed offset code o (|o| <= 127) in the high byte; the block's elements are
 // (codebook[index] * e4m4(code) + kOffsetStep * o) * row_scale (format.OFFSET_STEP). Read by the kOffsets
 // instantiations of the GEMV, the wgmma GEMM and dequantize (kbit_gemv_offsets, kbit_gemm_offsets,
