@@ -97,8 +97,9 @@ class KbitConfig(QuantizationConfigMixin):
             block records, :mod:`hf_kbit.format`): a block is centred on its midrange before the codebook and scale
             are chosen (at k = 5 only where that lowers its error, :func:`hf_kbit.fitting.offset_blocks`), which suits
             weights whose blocks are not centred on zero (zero-point formats such as GGUF Q4_1 and HQQ store one
-            too). 8 more bits per block (+0.25 bits/weight). Data-free only (not with ``calibration_data``); fused
-            MoE experts keep plain scales. Measured in
+            too). 8 more bits per block (+0.25 bits/weight). With ``calibration_data`` each block's offset is chosen
+            as the error feedback reaches the block (:mod:`hf_kbit.calibration`); fused MoE experts keep plain scales
+            either way. Measured in
             docs/format.md#block-offsets. The CUDA GEMV and the sm_90a GEMM read the records (2-5% slower per call
             than uint8 scales at decode, docs/kernels.md); the fused prologues do not yet. ``False`` (default): uint8
             scales, format v1/v3.
@@ -253,9 +254,6 @@ class KbitConfig(QuantizationConfigMixin):
                 f"v{fmt.FORMAT_VERSION}. Upgrade: `pip install -U hf-kbit`."
             )
         self._check_calibration()
-        if self.block_offsets and (self.calibration_data is not None or self.calibration is not None):
-            raise ValueError("KbitConfig.block_offsets=True is data-free only; it does not combine with calibration "
-                             "(calibration_data or a calibrated checkpoint's calibration record)")
 
     def _check_calibration(self) -> None:
         data = self.calibration_data

@@ -1,6 +1,8 @@
 """Calibration (hf_kbit.calibration): the GPTQ quantizer against slow references on small matrices, its
 reduction to the data-free result, and the layer-by-layer driver against a whole-model reference."""
 
+import dataclasses
+
 import pytest
 import torch
 from test_fitting import heavy_tailed
@@ -66,9 +68,13 @@ def reference_gptq(weight, hessian, codebook, codes_below, codes_above, damp=cal
     return indices, w
 
 
-def reference_gptq_cholesky(weight, hessian, codebook, codes_below, codes_above, damp=calibration.DEFAULT_DAMP):
+def reference_gptq_cholesky(weight, hessian, codebook, codes_below, codes_above, damp=calibration.DEFAULT_DAMP,
+                            offsets=False):
     """The Cholesky form without lazy batches, float64: after each column the whole trailing matrix is updated
-    by -err / U[i, i] * U[i, i:], U the upper Cholesky factor of the damped H^-1."""
+    by -err / U[i, i] * U[i, i:], U the upper Cholesky factor of the damped H^-1. ``offsets``: at each block's
+    first column, the midrange of its updated weights in OFFSET_STEP row scales (rounded, clamped) is its offset,
+    and the code search and the indices see the weights less it (every block keeps its offset, the rule at
+    k <= 4). Returns the indices, and with ``offsets`` the offset codes ``[N, blocks]`` too."""
     w = weight.double().clone()
     n, k = w.shape
     u = calibration.inverse_cholesky(hessian.double(), damp)
@@ -76,33 +82,54 @@ def reference_gptq_cholesky(weight, hessian, codebook, codes_below, codes_above,
     table = fmt.e4m4_table()
     mids = ((codebook[1:] + codebook[:-1]) / 2).double()
     indices = torch.zeros(n, k, dtype=torch.int64)
+    offset_codes = torch.zeros(n, -(-k // fmt.BLOCK_SIZE), dtype=torch.int64)
+    shift = torch.zeros(n, dtype=torch.float64)
     for i in range(k):
         if i % fmt.BLOCK_SIZE == 0:
             block = w[:, i : i + fmt.BLOCK_SIZE].float()
+            if offsets:
+                mid = (block.amax(1) + block.amin(1)) / 2
+                code = torch.round(mid / (fmt.OFFSET_STEP * rows)).clamp(-fmt.OFFSET_MAX, fmt.OFFSET_MAX)
+                offset_codes[:, i // fmt.BLOCK_SIZE] = code.long()
+                shift = (code * fmt.OFFSET_STEP * rows).double()
+                block = block - shift[:, None].float()
             scale = table[fitting.search_block_codes(block, rows, codebook, codes_below, codes_above)[:, 0]] * rows
-        x = torch.where(scale > 0, w[:, i] / torch.where(scale > 0, scale, 1.0), 0.0)
+        x = torch.where(scale > 0, (w[:, i] - shift) / torch.where(scale > 0, scale, 1.0), 0.0)
         indices[:, i] = torch.searchsorted(mids, x)
-        err = (w[:, i] - (codebook[indices[:, i]] * scale).double()) / u[i, i]
+        err = (w[:, i] - (codebook[indices[:, i]] * scale).double() - shift) / u[i, i]
         w[:, i:] -= err[:, None] * u[i, i:][None, :]
-    return indices
+    return (indices, offset_codes) if offsets else indices
 
 
 # ---------------------------------------------------------------------------- one weight
 
 
+def off_centre(weight, seed=0):
+    """``weight`` with each block of 32 along K shifted by its own constant (as GGUF Q4_1 blocks sit), so that block
+    offsets matter."""
+    n, k = weight.shape
+    g = torch.Generator().manual_seed(seed)
+    shift = torch.randn(n, -(-k // fmt.BLOCK_SIZE), generator=g) * weight.std()
+    return weight + shift.repeat_interleave(fmt.BLOCK_SIZE, 1)[:, :k]
+
+
 @pytest.mark.parametrize("bits", fmt.SUPPORTED_BITS, ids=lambda b: f"k{b}")
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("diagonal", [False, True], ids=["identity", "diagonal"])
-def test_diagonal_hessian_is_the_data_free_result(bits, shape, diagonal):
-    """Nothing propagates when H is diagonal: the bytes are quantize_fitted's."""
-    weight = heavy_tailed(shape, seed=bits)
-    settings = fitting.DEFAULT_SETTINGS[bits]
+@pytest.mark.parametrize("offsets", [False, True], ids=["scales", "offsets"])
+def test_diagonal_hessian_is_the_data_free_result(bits, shape, diagonal, offsets):
+    """Nothing propagates when H is diagonal: the bytes are quantize_fitted's (with offsets: its int16 block
+    records, each k's rule of which blocks keep theirs)."""
+    weight = off_centre(heavy_tailed(shape, seed=bits), seed=bits) if offsets else heavy_tailed(shape, seed=bits)
+    settings = dataclasses.replace(fitting.DEFAULT_SETTINGS[bits], offsets=offsets)
     codebook = fitting.fit_codebook(weight, bits, settings)
     h = torch.diag(torch.rand(shape[1]).add(0.1)) if diagonal else torch.eye(shape[1])
-    got = calibration.gptq_quantize(weight, h, codebook, settings.codes_below, settings.codes_above)
-    want = fitting.quantize_fitted(weight, codebook, settings.codes_below, settings.codes_above)
+    got = calibration.gptq_quantize(weight, h, codebook, settings.codes_below, settings.codes_above, offsets=offsets)
+    want = fitting.quantize_fitted(weight, codebook, settings.codes_below, settings.codes_above, offsets)
     for name, a, b in zip(("planes", "block_scales", "row_scales"), got, want):
         assert torch.equal(a, b), name
+    if offsets:
+        assert got[1].dtype == fmt.RECORD_DTYPE and bool((fmt.block_records(got[1])[1] != 0).any())
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4], ids=lambda b: f"k{b}")
@@ -127,6 +154,31 @@ def test_blocked_equals_per_column_references(bits, shape):
         p32, s32, r32 = calibration.gptq_quantize(weight, h, codebook, below, above, lazy_columns=lazy)
         loss32 = proxy_loss(weight, fmt.dequantize(p32, s32, r32, codebook, k), h)
         assert loss32 == pytest.approx(proxy_loss(weight, approx, h), rel=PROXY_RTOL)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4], ids=lambda b: f"k{b}")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_offsets_equal_the_per_column_reference(bits, shape):
+    """With block offsets, in float64: each block's offset comes from its weights as the error feedback left them
+    and the indices are the per-column Cholesky form's on the weights less it; decoded, the records give the
+    weight that reference quantized."""
+    n, k = shape
+    weight = off_centre(heavy_tailed(shape, seed=20 + bits), seed=bits)
+    h = correlated_hessian(k, seed=bits)
+    settings = dataclasses.replace(fitting.DEFAULT_SETTINGS[bits], offsets=True)
+    codebook = fitting.fit_codebook(weight, bits, settings)
+    below, above = settings.codes_below, settings.codes_above
+    planes, records, rows = calibration.gptq_quantize(weight.double(), h.double(), codebook, below, above, offsets=True)
+    want_indices, want_offsets = reference_gptq_cholesky(weight, h, codebook, below, above, offsets=True)
+    assert records.dtype == fmt.RECORD_DTYPE and bool((want_offsets != 0).any())
+    assert torch.equal(packed_indices(planes, n, k), want_indices)
+    assert torch.equal(fmt.untile(fmt.block_records(records)[1])[:n, : want_offsets.shape[1]], want_offsets)
+    # Calibration with offsets quantizes a shifted weight with less output error than without them.
+    plain = calibration.gptq_quantize(weight, h, fitting.fit_codebook(weight, bits, fitting.DEFAULT_SETTINGS[bits]),
+                                      below, above)
+    with_offsets = proxy_loss(weight, fmt.dequantize(planes, records, rows, codebook, k), h)
+    assert with_offsets < proxy_loss(weight, fmt.dequantize(*plain, fitting.fit_codebook(
+        weight, bits, fitting.DEFAULT_SETTINGS[bits]), k), h)
 
 
 @pytest.mark.parametrize("bits", fmt.SUPPORTED_BITS, ids=lambda b: f"k{b}")

@@ -643,18 +643,22 @@ def calibration_config(**kwargs) -> hf_kbit.KbitConfig:
                               **kwargs)
 
 
-@pytest.mark.parametrize("source", ["llama", "qwen3_moe"])
-def test_calibrated_convert_writes_what_calibrated_quantize_on_load_saves(llama_fp32, moe_checkpoint, tmp_path, source):
+@pytest.mark.parametrize(("source", "block_offsets"), [("llama", False), ("qwen3_moe", False), ("llama", True)],
+                         ids=["llama", "qwen3_moe", "llama-offsets"])
+def test_calibrated_convert_writes_what_calibrated_quantize_on_load_saves(llama_fp32, moe_checkpoint, tmp_path, source,
+                                                                         block_offsets):
     """Same model, text and settings, on CPU: kbit-convert with calibration writes the tensors that quantize-on-load
-    with calibration saves (MoE experts calibrated too), and the card says it was calibrated, on how many tokens."""
+    with calibration saves (MoE experts calibrated too; with block offsets, int16 block records), and the card says
+    it was calibrated, on how many tokens."""
     src = llama_fp32 if source == "llama" else moe_checkpoint("qwen3_moe")
-    config = calibration_config(bits=3)
+    config = calibration_config(bits=3, block_offsets=block_offsets)
     result = convert(src, tmp_path / "out", config, dtype="float32", max_shard_size="40KB", progress=False)
     reference = quantize_on_load(src, config, dtype=torch.float32)
     reference.save_pretrained(tmp_path / "reference")
     assert_same_files(result.out, tmp_path / "reference")
     saved = json.loads((result.out / "config.json").read_text())["quantization_config"]
     assert saved["calibration"] == {"method": "gptq", "samples": 2, "seq_len": 48, "tokens": 96}
+    assert saved["format_version"] == (4 if block_offsets else 1) and saved.get("block_offsets", False) == block_offsets
     assert "head_rotation" not in saved  # the default turns v and o only data-free (hf_kbit.head_rotation.resolve)
     card = (result.out / "README.md").read_text()
     assert "| Calibration | GPTQ-style error feedback (hf_kbit.calibration) on 96 tokens" in card

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_kbit
 from hf_kbit import KbitConfig, KbitLinear
+from hf_kbit import format as fmt
 from hf_kbit.checkpoint import KbitCheckpointError
 from hf_kbit.kernel_table import SUPPORTED_BITS
 from tiny_models import DENSE_FAMILIES, tiny_dense_model
@@ -322,13 +323,17 @@ def text_model(tmp_path_factory):
     return save_tiny_text_model(tmp_path_factory.mktemp("text_model"))
 
 
-def test_calibration_on_load_is_quantize_model_of_the_unquantized_model_and_round_trips(text_model, tmp_path):
+@pytest.mark.parametrize("block_offsets", [False, True], ids=["scales", "records"])
+def test_calibration_on_load_is_quantize_model_of_the_unquantized_model_and_round_trips(text_model, tmp_path,
+                                                                                        block_offsets):
     """from_pretrained with calibration_data loads the model unquantized, then calibrates and quantizes it: the
     bytes of quantize_model on the same unquantized model (LM head kept, as on load). Saved, it loads back as an
-    ordinary kbit checkpoint with identical logits, its config.json recording the calibration."""
+    ordinary kbit checkpoint with identical logits, its config.json recording the calibration. With
+    block_offsets the Linears hold int16 block records (format v4)."""
     from tiny_models import TINY_TEXT
 
-    config = KbitConfig(bits=3, calibration_data=TINY_TEXT, calibration_samples=2, calibration_seq_len=64)
+    config = KbitConfig(bits=3, calibration_data=TINY_TEXT, calibration_samples=2, calibration_seq_len=64,
+                        block_offsets=block_offsets)
     model = AutoModelForCausalLM.from_pretrained(text_model, quantization_config=config, dtype=torch.float32)
     reference = AutoModelForCausalLM.from_pretrained(text_model, dtype=torch.float32)
     reference.config.name_or_path = str(text_model)  # the tokenizer comes from the folder either way
@@ -341,6 +346,10 @@ def test_calibration_on_load_is_quantize_model_of_the_unquantized_model_and_roun
     model.save_pretrained(tmp_path / "saved")
     saved = json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]
     assert saved["calibration"] == {"method": "gptq", "samples": 2, "seq_len": 64, "tokens": 128}
+    linears = [m for m in model.modules() if isinstance(m, KbitLinear)]
+    assert linears and all(m.block_offsets == block_offsets for m in linears)
+    assert saved.get("block_offsets", False) == block_offsets
+    assert saved["format_version"] == (fmt.OFFSETS_VERSION if block_offsets else 1)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32)
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -130,11 +130,6 @@ def test_config_refuses_non_bool(kwargs):
         KbitConfig(**kwargs)
 
 
-def test_config_refuses_calibration():
-    with pytest.raises(ValueError, match="block_offsets=True is data-free only"):
-        KbitConfig(block_offsets=True, calibration_data="some text")
-
-
 def test_config_round_trip_and_default():
     assert "block_offsets" not in KbitConfig().to_dict()
     config = KbitConfig(bits=3, block_offsets=True)

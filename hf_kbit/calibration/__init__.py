@@ -16,6 +16,10 @@ output sees is ``||(W - Q) X||^2`` for its inputs ``X``, i.e. ``tr((W - Q) H (W 
   error over the window of codes around the absmax code), as GPTQ with group-wise scales does without
   act-order. The indices that follow may then differ from the nearest level of the original weight: the
   format allows any index.
+- **Block offsets** (``CalibrationSettings.block_offsets``, ``KbitConfig.block_offsets``; format v4): at the
+  same moment each block first takes its offset by the data-free rule (:func:`hf_kbit.fitting.offset_blocks`) from
+  its updated weights; the code search and the indices then see the weights less the offset. The codebook is
+  the data-free one fitted with offsets. Fused MoE experts keep uint8 scales.
 
 With ``H`` diagonal nothing propagates, and the bytes equal :func:`hf_kbit.fitting.quantize_fitted`'s with
 the same codebook and code window (tested).

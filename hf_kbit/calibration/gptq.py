@@ -4,6 +4,7 @@ error feedback inside format v1 (the package docstring has the algorithm)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,10 @@ class CalibrationSettings:
             absmax code, then error feedback; ``None``: the default of each k); used when ``fit`` is None.
         codebook: ``KbitConfig.codebook``: a codebook name, levels (a tuple), or None for each k's default; the
             codebook the fit starts from (``"absmax"`` and explicit levels: the codebook used as is).
+        block_offsets: ``KbitConfig.block_offsets``: each block of a Linear gets an offset as well as a scale (int16
+            block records, format v4), chosen when the error feedback reaches the block as the data-free rule
+            chooses it (:func:`hf_kbit.fitting.offset_blocks`); used when ``fit`` is None (an explicit ``fit`` says
+            it in its ``offsets``). Fused MoE experts keep uint8 scales either way.
         rotation, rotation_seed: ``KbitConfig.rotation`` / ``.rotation_seed``, applied by :func:`calibrate_model`:
             a group that rotates (``"auto"``: decided data-free, :mod:`hf_kbit.rotation_policy`) is calibrated as
             ``W R`` with the rotated inputs' Hessian ``R^T H R``.
@@ -50,6 +55,7 @@ class CalibrationSettings:
     weighted_codes: bool = False
     fitting: str | None = None
     codebook: str | tuple[float, ...] | None = None
+    block_offsets: bool = False
     rotation: bool | str = False
     rotation_seed: int = 0
 
@@ -62,7 +68,7 @@ class CalibrationSettings:
                              f"got {lazy!r}")
         if self.fit is not None and not isinstance(self.fit, fitting.FitSettings):
             raise TypeError(f"CalibrationSettings.fit must be a fitting.FitSettings or None, got {type(self.fit)}")
-        for name in ("weighted_codebook", "weighted_codes"):
+        for name in ("weighted_codebook", "weighted_codes", "block_offsets"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"CalibrationSettings.{name} must be a bool, got {getattr(self, name)!r}")
         if self.fitting is not None and self.fitting not in fitting.FITTINGS:
@@ -72,11 +78,12 @@ class CalibrationSettings:
         if isinstance(self.codebook, list):  # a frozen dataclass stays hashable with levels as a tuple
             object.__setattr__(self, "codebook", tuple(self.codebook))
 
-    def fit_settings(self, bits: int) -> fitting.FitSettings | None:
-        """The FitSettings at ``bits`` (codebook fit and code window), None for ``fitting="absmax"``."""
+    def fit_settings(self, bits: int, offsets: bool = True) -> fitting.FitSettings | None:
+        """The FitSettings at ``bits`` (codebook fit, code window, block offsets), None for ``fitting="absmax"``
+        without offsets. ``offsets=False``: without block offsets whatever the settings say (fused experts)."""
         if self.fit is not None:
-            return self.fit
-        return fitting.settings_for(self.fitting, bits, self.codebook)
+            return self.fit if offsets or not self.fit.offsets else dataclasses.replace(self.fit, offsets=False)
+        return fitting.settings_for(self.fitting, bits, self.codebook, offsets and self.block_offsets)
 
     def initial_codebook(self) -> str | list[float] | None:
         """``codebook`` as :func:`hf_kbit.format.make_codebook` takes it."""
@@ -141,6 +148,8 @@ def gptq_quantize(
     damp: float = DEFAULT_DAMP,
     lazy_columns: int = DEFAULT_LAZY_COLUMNS,
     weighted_codes: bool = False,
+    offsets: bool = False,
+    offset_choice: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``weight [N, K]`` to format v1 with ``codebook``, error feedback through ``hessian [K, K]``; or a
     stack of weights ``[..., N, K]`` (MoE experts) each with its own Hessian ``[..., K, K]``, at once.
@@ -153,8 +162,11 @@ def gptq_quantize(
     codes around its absmax code (as :func:`hf_kbit.fitting.search_block_codes`) on the block's weights as the
     error feedback left them when its first column is reached (``weighted_codes``, 2-D weights only: each
     element's squared error weighted by ``1 / U[j, j]**2``); each index is the nearest level to the updated
-    weight over its block scale. A stack gives what each of its weights gives alone (up to the summation order
-    of the lazy batches' matmuls).
+    weight over its block scale. ``offsets``: each block first gets its offset from the same updated weights
+    (:func:`hf_kbit.fitting.offset_blocks`, with ``offset_choice``; ``None``: this k's ``DEFAULT_SETTINGS``), its
+    code is searched on the weights less the offset, and ``block_scales`` holds int16 block records
+    (:func:`hf_kbit.format.block_records`). A stack gives what each of its weights gives alone (up to the
+    summation order of the lazy batches' matmuls).
     Runs on ``weight``'s device in float32 (float64 for a float64 weight, as the tests' references do; the code
     search always sees float32 weights). The module docstring has the algorithm.
     """
@@ -188,8 +200,12 @@ def gptq_quantize(
     table = fmt.e4m4_table(device)
     mids = ((cb[:, 1:] + cb[:, :-1]) / 2).to(dtype)  # [G, L - 1]
     codes = torch.zeros(g, n, k_pad // fmt.BLOCK_SIZE, dtype=torch.int64, device=device)
+    offset_codes = torch.zeros_like(codes) if offsets else None
+    if offsets and offset_choice is None:
+        offset_choice = fitting.DEFAULT_SETTINGS[bits].offset_choice
     indices = torch.empty(g, n, k_pad, dtype=torch.int64, device=device)
     scale = safe = None
+    shift = torch.zeros(g, n, device=device, dtype=dtype)  # the block's decoded offset
     step = min(lazy_columns, k_pad)
     for start in range(0, k_pad, step):
         stop = min(start + step, k_pad)
@@ -202,13 +218,22 @@ def gptq_quantize(
                 blk = col // fmt.BLOCK_SIZE
                 block = batch[..., j : j + fmt.BLOCK_SIZE].float().reshape(g, n, 1, fmt.BLOCK_SIZE)
                 block_mask = None if mask is None else mask[blk : blk + 1]
-                codes[..., blk] = fitting.search_codes(block, rows, cb, codes_below, codes_above, block_mask)[..., 0]
+                if offsets:
+                    chosen, _, found = fitting.offset_blocks(block, rows, cb, codes_below, codes_above, block_mask,
+                                                             offset_choice)
+                    offset_codes[..., blk] = chosen[..., 0]
+                    shift = (chosen[..., 0] * fmt.OFFSET_STEP * rows).to(dtype)
+                else:
+                    found = fitting.search_codes(block, rows, cb, codes_below, codes_above, block_mask)
+                codes[..., blk] = found[..., 0]
                 scale = table[codes[..., blk]] * rows  # [G, N]
                 safe = torch.where(scale > 0, scale, 1.0)
-            x = torch.where(scale > 0, batch[..., j] / safe, 0.0)
+            # The weight less its block's offset; K padding stays 0 (the index nearest 0, as quantize_fitted's).
+            value = batch[..., j] - shift if col < k else batch[..., j]
+            x = torch.where(scale > 0, value / safe, 0.0)
             idx = torch.searchsorted(mids, x.contiguous())
             indices[..., col] = idx
-            err = (batch[..., j] - (torch.gather(cb, 1, idx) * scale).to(dtype)) / u[:, j, j, None]
+            err = (value - (torch.gather(cb, 1, idx) * scale).to(dtype)) / u[:, j, j, None]
             batch[..., j:] -= err[..., None] * u[:, None, j, j:]
             errors[..., j] = err
         work[..., stop:] -= errors @ upper[:, start:stop, stop:]
@@ -216,7 +241,9 @@ def gptq_quantize(
     pad_index = torch.searchsorted(mids, torch.zeros(g, 1, device=device, dtype=dtype))  # [G, 1]
     indices = torch.cat([indices, pad_index[:, :, None].expand(g, n_pad - n, k_pad)], dim=1)
     codes = torch.nn.functional.pad(codes, (0, 0, 0, n_pad - n))
-    return fitting.pack_groups(indices.reshape(g, n_pad, -1, fmt.BLOCK_SIZE), codes, rows, bits, lead)
+    if offsets:
+        offset_codes = torch.nn.functional.pad(offset_codes, (0, 0, 0, n_pad - n))
+    return fitting.pack_groups(indices.reshape(g, n_pad, -1, fmt.BLOCK_SIZE), codes, rows, bits, lead, offset_codes)
 
 
 def calibrate_group(
@@ -234,7 +261,8 @@ def calibrate_group(
     calibration would choose it, so that siblings still fuse; with ``settings.weighted_codebook`` each element's
     error in that fit is weighted by the mean over the members of ``diag(H)``. Then each member is quantized by
     :func:`gptq_quantize` with its own Hessian; a member whose Hessian is None (it never ran on the text) is
-    quantized data-free (:func:`hf_kbit.fitting.quantize_fitted`) with the same codebook.
+    quantized data-free (:func:`hf_kbit.fitting.quantize_fitted`) with the same codebook. Block offsets as the
+    settings say (``block_offsets``, or an explicit ``fit``'s ``offsets``), in the codebook fit as without data.
     """
     settings = CalibrationSettings() if settings is None else settings
     if len(weights) != len(hessians) or not weights:
@@ -249,13 +277,15 @@ def calibrate_group(
         column_weights = torch.stack([torch.diagonal(h).float() for h in hessians]).mean(0)
     codebook = fitting.group_codebook(weights, bits, fit, settings.initial_codebook(), column_weights)
     below, above = (fit.codes_below, fit.codes_above) if fit is not None else (0, 0)
+    offsets, choice = (fit.offsets, fit.offset_choice) if fit is not None else (False, None)
     out = []
     for i, (weight, hessian) in enumerate(zip(weights, hessians)):
         if hessian is None:
-            planes, block_scales, rows = fitting.quantize_fitted(weight, codebook, below, above)
+            planes, block_scales, rows = fitting.quantize_fitted(weight, codebook, below, above, offsets, choice)
         else:
             planes, block_scales, rows = gptq_quantize(
-                weight, hessian, codebook, below, above, settings.damp, settings.lazy_columns, settings.weighted_codes
+                weight, hessian, codebook, below, above, settings.damp, settings.lazy_columns, settings.weighted_codes,
+                offsets, choice,
             )
         # Each member its own copy of the codebook: tensors sharing storage cannot be saved as separate entries.
         out.append((planes, block_scales, rows, codebook if i == 0 else codebook.clone()))

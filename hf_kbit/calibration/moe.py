@@ -32,7 +32,7 @@ def calibrate_experts(
     if weight.dim() != 3:
         raise ValueError(f"weight must be a stack of expert weights [E, N, K], got shape {tuple(weight.shape)}")
     _check_pair(weight, hessian)
-    fit = settings.fit_settings(fitting.check_bits(bits))
+    fit = settings.fit_settings(fitting.check_bits(bits), offsets=False)  # experts keep uint8 scales
     codebook = fitting.group_codebook([weight], bits, fit, settings.initial_codebook())
     below, above = (fit.codes_below, fit.codes_above) if fit is not None else (0, 0)
     n_pad, k_pad = fmt.padded_shape(*weight.shape[1:])
@@ -50,7 +50,7 @@ def data_free_experts(
     """:func:`calibrate_experts` without data (every ``H = 0``): the same shared codebook, each expert quantized
     as :func:`hf_kbit.fitting.quantize_fitted` does, without the column loop. What ``rotation="auto"`` compares."""
     settings = CalibrationSettings() if settings is None else settings
-    fit = settings.fit_settings(fitting.check_bits(bits))
+    fit = settings.fit_settings(fitting.check_bits(bits), offsets=False)  # experts keep uint8 scales
     codebook = fitting.group_codebook([weight], bits, fit, settings.initial_codebook())
     below, above = (fit.codes_below, fit.codes_above) if fit is not None else (0, 0)
     return (*fitting.quantize_fitted(weight, codebook, below, above), codebook)

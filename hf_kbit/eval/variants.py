@@ -20,7 +20,7 @@ A variant spec is ``METHOD[BITS][:KEY=VALUE]...``; a list of them is comma-separ
   the last ``samples`` x ``seq_len`` tokens of ``corpus`` (default: the evaluated corpus, from the part after
   the evaluated prefix, so calibration and evaluation never share text; another corpus: its end). Options
   ``samples`` (128), ``seq_len`` (2048), ``corpus``, ``damp``, ``batch_size`` (sequences per calibration
-  forward, 8) and kbitfit's first three.
+  forward, 8) and kbitfit's (``offsets=1``: block offsets chosen as the error feedback reaches each block).
 
 A value is read as JSON when it parses (``false``, ``64``, ``[-1, 0, 1]``, ``"x"``), else as a string.
 ``name=...`` sets the label; the default label is the spec as written.
@@ -41,10 +41,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .anchors import ANCHOR_BITS, ANCHORS, DEFAULT_GROUP_SIZE, FIT_OPTIONS, KBIT_OPTIONS, Anchor
+from .anchors import ANCHOR_BITS, ANCHORS, DEFAULT_GROUP_SIZE, KBIT_OPTIONS, Anchor
 
 METHODS = ("bf16", "kbit", *ANCHORS, "kbitcal")
-# kbitcal's options besides kbitfit's (FIT_OPTIONS), with their defaults: GPTQ's customary 128 x 2048 tokens.
+# kbitcal's options besides kbitfit's (KBIT_OPTIONS["kbitfit"]), with their defaults: GPTQ's customary 128 x 2048
+# tokens.
 CAL_OPTIONS = {"samples": 128, "seq_len": 2048, "corpus": None, "damp": 0.01, "batch_size": 8,
                "weighted_codebook": False, "weighted_codes": False}
 LM_HEAD = "lm_head"  # the output projection's module name in transformers' causal LMs
@@ -77,7 +78,7 @@ class VariantSpec:
             if self.lm_head_bits is not None:
                 raise ValueError(f"variant {self.name!r}: lm_head_bits applies to kbit variants only")
             if self.method == "kbitcal":
-                allowed = {*FIT_OPTIONS, *CAL_OPTIONS}
+                allowed = {*KBIT_OPTIONS["kbitfit"], *CAL_OPTIONS}
             else:
                 allowed = set(KBIT_OPTIONS.get(self.method, ("group_size",)))
             unknown = sorted(set(self.options) - allowed)
@@ -118,7 +119,7 @@ class VariantSpec:
 
     def anchor(self) -> Anchor:
         if self.method == "kbitcal":  # its data-free part, and the checks of bits and fit options
-            fit = tuple(sorted((k, v) for k, v in self.options.items() if k in FIT_OPTIONS))
+            fit = tuple(sorted((k, v) for k, v in self.options.items() if k in KBIT_OPTIONS["kbitfit"]))
             return Anchor("kbitfit", self.bits, DEFAULT_GROUP_SIZE["kbitfit"], fit)
         if self.method in KBIT_OPTIONS:
             return Anchor(self.method, self.bits, DEFAULT_GROUP_SIZE[self.method], tuple(sorted(self.options.items())))
@@ -402,19 +403,16 @@ def calibration_tokens(folder: Path, spec: VariantSpec, evaluated: tuple[Any, in
 def apply_calibration(model, folder: Path, spec: VariantSpec, evaluated: tuple[Any, int] | None) -> dict[str, Any]:
     """kbitcal: calibrate the quantizable Linears of ``model`` in place (hf_kbit.calibration.calibrate_model), on
     the model's device; the summary of :func:`apply_anchor`, plus what the calibration read and its seconds."""
-    import dataclasses
-
     import torch
 
-    from hf_kbit import calibration, fitting
+    from hf_kbit import calibration
     from hf_kbit import format as fmt
     from hf_kbit.nn.fused import codebook_siblings
 
     start = time.perf_counter()
     batches, facts = calibration_tokens(folder, spec, evaluated)
     options = {**CAL_OPTIONS, **spec.options}
-    fit = dataclasses.replace(fitting.DEFAULT_SETTINGS[spec.bits],
-                              **{k: v for k, v in spec.options.items() if k in FIT_OPTIONS})
+    fit = spec.anchor().fit_settings()  # kbitfit's settings and offsets under kbitcal's options
     settings = calibration.CalibrationSettings(damp=options["damp"], fit=fit, weighted_codebook=options["weighted_codebook"],
                                                weighted_codes=options["weighted_codes"])
     names = quantizable_linears(model)
@@ -432,11 +430,12 @@ def apply_calibration(model, folder: Path, spec: VariantSpec, evaluated: tuple[A
     calibration.calibrate_model(model, batches, spec.bits, names, settings, on_quantized=measure, groups=groups)
     if next(model.parameters()).device.type == "cuda":
         torch.cuda.synchronize()
-    bits = sum(fmt.bits_per_weight(*model.get_submodule(n).weight.shape, spec.bits) * model.get_submodule(n).weight.numel()
-               for n in names)
+    bits = sum(fmt.bits_per_weight(*model.get_submodule(n).weight.shape, spec.bits, offsets=fit.offsets)
+               * model.get_submodule(n).weight.numel() for n in names)
+    version = fmt.OFFSETS_VERSION if fit.offsets else 1
     return {
         **_rewritten_summary(model, names, elems, bits, bits, error),
-        "anchor": (f"kbit format v1, k = {spec.bits}, calibrated by hf_kbit.calibration (GPTQ error feedback, damp "
+        "anchor": (f"kbit format v{version}, k = {spec.bits}, calibrated by hf_kbit.calibration (GPTQ error feedback, damp "
                    f"{settings.damp}, codebook and code window of {fit}, weighted codebook "
                    f"{settings.weighted_codebook}, weighted codes {settings.weighted_codes}), dequantized: bits/weight "
                    "as format.bits_per_weight"),

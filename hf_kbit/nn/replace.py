@@ -140,7 +140,8 @@ def _calibrate(
             check_weight(getattr(module, projection).detach(), f"{name}.{projection}")
     batches = calibration.config_batches(config, model)
     settings = calibration.CalibrationSettings(fitting=config.fitting, codebook=config.codebook,
-                                               rotation=config.rotation, rotation_seed=config.rotation_seed)
+                                               block_offsets=config.block_offsets, rotation=config.rotation,
+                                               rotation_seed=config.rotation_seed)
     shared = [group for group in groups if len(group) > 1]
     return calibration.calibrate_model(model, batches, bits, list(linears), settings, progress, groups=shared,
                                        experts=list(experts))

@@ -182,6 +182,20 @@ def test_kbitcal_calibrates_on_text_the_scoring_does_not_read(tiny_folder):
     assert fit_info["weight_sqnr_db"] - 3 < info["weight_sqnr_db"] < fit_info["weight_sqnr_db"]
 
 
+def test_kbitcal_offsets_count_the_records_as_kbitfit_offsets_does(tiny_folder):
+    from tiny_models import TINY_TEXT
+
+    from hf_kbit.eval.corpus import Corpus
+
+    corpus = Corpus("tiny", TINY_TEXT, {"name": "tiny"})
+    spec = V.parse_variant("kbitcal3:samples=2:seq_len=64:lloyd_iters=1:offsets=1")
+    _, info = V.load_variant(tiny_folder, spec, "cpu", torch.float32, evaluated=(corpus, 100))
+    _, fit_info = V.load_variant(tiny_folder, V.parse_variant("kbitfit3:lloyd_iters=1:offsets=1"), "cpu", torch.float32)
+    _, plain_info = V.load_variant(tiny_folder, V.parse_variant("kbitfit3:lloyd_iters=1"), "cpu", torch.float32)
+    assert info["bits_per_weight"] == fit_info["bits_per_weight"] > plain_info["bits_per_weight"]
+    assert info["anchor"].startswith("kbit format v4, k = 3, calibrated")
+
+
 def test_kbit_variants_take_the_rotation_through_kbitconfig(tiny_folder):
     """``kbit<k>:rotation=...`` quantizes through the shipped path (KbitConfig, the rotated modules), not a fake
     quantization: the summary counts the weights stored rotated and their sign words, the SQNR is measured on the
