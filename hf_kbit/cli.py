@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "'--head-rotation' alone is 'on'")
     q.add_argument("--block-offsets", action="store_true",
                    help="give each block of 32 of the Linear weights an offset as well as a scale (format v4, 8 more "
-                   "bits per block: +0.25 bits/weight); with --calibration-data too; fused MoE experts keep plain scales")
+                   "bits per block: +0.25 bits/weight); with --calibration-data too; fused MoE experts keep plain "
+                   "scales")
     q.add_argument(
         "--module-bits",
         action="append",

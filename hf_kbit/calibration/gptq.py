@@ -219,8 +219,8 @@ def gptq_quantize(
                 block = batch[..., j : j + fmt.BLOCK_SIZE].float().reshape(g, n, 1, fmt.BLOCK_SIZE)
                 block_mask = None if mask is None else mask[blk : blk + 1]
                 if offsets:
-                    chosen, _, found = fitting.offset_blocks(block, rows, cb, codes_below, codes_above, block_mask,
-                                                             offset_choice)
+                    chosen, _, found = fitting.offset_blocks(block, rows.float(), cb, codes_below, codes_above,
+                                                             block_mask, offset_choice)
                     offset_codes[..., blk] = chosen[..., 0]
                     shift = (chosen[..., 0] * fmt.OFFSET_STEP * rows).to(dtype)
                 else:
