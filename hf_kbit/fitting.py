@@ -353,10 +353,12 @@ def choose_offsets(blocks: torch.Tensor, rows: torch.Tensor, cb: torch.Tensor, c
 
 
 def offset_blocks(blocks: torch.Tensor, rows: torch.Tensor, cb: torch.Tensor, codes_below: int, codes_above: int,
-                  mask: torch.Tensor | None, choice: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  mask: torch.Tensor | None, choice: bool | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(offset codes, the blocks less their offsets, E4M4 codes)``, each ``[G, N, B]`` but the blocks: with
     ``choice`` :func:`choose_offsets`, else every block's :func:`block_offsets` and :func:`search_codes` on the
-    rest."""
+    rest; ``None``: the ``offset_choice`` of ``DEFAULT_SETTINGS`` at the codebook's k."""
+    if choice is None:
+        choice = DEFAULT_SETTINGS[cb.shape[-1].bit_length() - 1].offset_choice
     if choice:
         return choose_offsets(blocks, rows, cb, codes_below, codes_above, mask)
     offsets = block_offsets(blocks, rows, mask)
@@ -577,8 +579,6 @@ def quantize_fitted(
     mask = element_mask(k, blocks.shape[2], w.device)
     offset_codes = None
     if offsets:
-        if offset_choice is None:
-            offset_choice = DEFAULT_SETTINGS[bits].offset_choice
         offset_codes, blocks, codes = offset_blocks(blocks, rows_pad, cb, codes_below, codes_above, mask, offset_choice)
     else:
         codes = search_codes(blocks, rows_pad, cb, codes_below, codes_above, mask)

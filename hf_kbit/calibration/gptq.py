@@ -201,11 +201,9 @@ def gptq_quantize(
     mids = ((cb[:, 1:] + cb[:, :-1]) / 2).to(dtype)  # [G, L - 1]
     codes = torch.zeros(g, n, k_pad // fmt.BLOCK_SIZE, dtype=torch.int64, device=device)
     offset_codes = torch.zeros_like(codes) if offsets else None
-    if offsets and offset_choice is None:
-        offset_choice = fitting.DEFAULT_SETTINGS[bits].offset_choice
     indices = torch.empty(g, n, k_pad, dtype=torch.int64, device=device)
     scale = safe = None
-    shift = torch.zeros(g, n, device=device, dtype=dtype)  # the block's decoded offset
+    shift = None  # with offsets, the block's decoded offset [G, N]
     step = min(lazy_columns, k_pad)
     for start in range(0, k_pad, step):
         stop = min(start + step, k_pad)
@@ -229,7 +227,7 @@ def gptq_quantize(
                 scale = table[codes[..., blk]] * rows  # [G, N]
                 safe = torch.where(scale > 0, scale, 1.0)
             # The weight less its block's offset; K padding stays 0 (the index nearest 0, as quantize_fitted's).
-            value = batch[..., j] - shift if col < k else batch[..., j]
+            value = batch[..., j] if shift is None or col >= k else batch[..., j] - shift
             x = torch.where(scale > 0, value / safe, 0.0)
             idx = torch.searchsorted(mids, x.contiguous())
             indices[..., col] = idx
