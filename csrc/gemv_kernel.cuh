@@ -1138,11 +1138,14 @@ cudaError_t launch_gemv_table(const MmParams& p, int grid, cudaStream_t stream) 
   return launch_splitk_reduce<T>(p.workspace, p.out, p.m * p.n, p.splits, stream);
 }
 
-// A prologue (MmParams::prologue) is its own instantiation: the plain GEMV keeps none of its code.
-template <int BITS, typename T, int NT, bool kAbs, bool kRotate>
+// A prologue (MmParams::prologue) is its own instantiation: the plain GEMV keeps none of its code. kOffsets:
+// block records (launch_gemv_offsets); the prologue touches only the x staging and the epilogue's token scale,
+// the records only the weight's loads and decode, so the two flags combine freely.
+template <int BITS, typename T, int NT, bool kAbs, bool kRotate, bool kOffsets = false>
 cudaError_t launch_gemv_prologue(const MmParams& p, int grid, cudaStream_t stream) {
-  return p.prologue == kPrologueNone ? launch_gemv_table<BITS, T, NT, kAbs, false, kRotate>(p, grid, stream)
-                                     : launch_gemv_table<BITS, T, NT, kAbs, true, kRotate>(p, grid, stream);
+  return p.prologue == kPrologueNone
+             ? launch_gemv_table<BITS, T, NT, kAbs, false, kRotate, kOffsets>(p, grid, stream)
+             : launch_gemv_table<BITS, T, NT, kAbs, true, kRotate, kOffsets>(p, grid, stream);
 }
 
 // kRotate: the instantiation of rotated layers (p.rot_signs set), which stages x R; the host calls it
@@ -1156,15 +1159,15 @@ cudaError_t launch_gemv(const MmParams& p, int grid, cudaStream_t stream) {
                      : launch_gemv_prologue<BITS, T, NT, false, kRotate>(p, grid, stream);
 }
 
-// Block records (p.block_scales int16, format.py): the plain GEMV with kOffsets, unrotated and without a
-// prologue (generate_kernels.py builds it for the decode's token tiles; kbit_api.cu refuses the rest, and
-// every other path dequantizes records: hf_kbit/backends/cuda.py).
+// Block records (p.block_scales int16, format.py): the GEMV with kOffsets, unrotated (no rotated layer holds
+// records), with or without a prologue (generate_kernels.py builds it for the decode's token tiles; kbit_api.cu
+// refuses the rest, and every other path dequantizes records: hf_kbit/backends/cuda.py).
 template <int BITS, typename T, int NT>
 cudaError_t launch_gemv_offsets(const MmParams& p, int grid, cudaStream_t stream) {
-  if (p.prologue != kPrologueNone || p.rot_signs) return cudaErrorInvalidValue;
+  if (p.rot_signs) return cudaErrorInvalidValue;
   return p.abs_table && (BITS <= 4 || !p.cluster)
-             ? launch_gemv_table<BITS, T, NT, true, false, false, true>(p, grid, stream)
-             : launch_gemv_table<BITS, T, NT, false, false, false, true>(p, grid, stream);
+             ? launch_gemv_prologue<BITS, T, NT, true, false, true>(p, grid, stream)
+             : launch_gemv_prologue<BITS, T, NT, false, false, true>(p, grid, stream);
 }
 
 }  // namespace kbit

@@ -62,7 +62,8 @@ LAUNCHES = {
     "dequantize": Launch("dequantize_kernel.cuh", "launch_dequantize<{T}, {bits}>", "", "DequantizeParams"),
     # mma token tiles: 1 for M <= 8, 2 up to kGemvMaxM. Rotated: M <= 8, where staging x R in every CTA
     # can beat a standalone rotation's extra kernel (the rotated GEMV crossover, crossovers.json).
-    # Block records: the plain GEMV (unrotated, no prologue) at both tiles, the decode's M <= 16.
+    # Block records: the GEMV (unrotated; plain and with a prologue, launch_gemv_offsets dispatching p.prologue)
+    # at both tiles, the decode's M <= 16.
     "gemv": Launch("gemv_kernel.cuh", "launch_gemv<{bits}, {T}, {v}, {rot}>", ", int", "MmParams", (1, 2), (1,),
                    (1, 2), "launch_gemv_offsets<{bits}, {T}, {v}>"),
     # mma token tiles per CTA (gemm_nt).

@@ -19,9 +19,9 @@ namespace {
 
 using namespace kbit;
 
-// Unchanged by the block-records entries (kbit_gemv_offsets*, kbit_gemm_offsets*, kbit_dequantize_records): they
-// are new symbols, which a caller looks up before it declares them (hf_kbit/backends/cuda.py), as it does the other
-// optional entries.
+// Unchanged by the block-records entries (kbit_gemv_offsets*, kbit_gemv_prologue_offsets, kbit_gemm_offsets*,
+// kbit_dequantize_records): they are new symbols, which a caller looks up before it declares them
+// (hf_kbit/backends/cuda.py), as it does the other optional entries.
 constexpr int kAbiVersion = 10;
 
 thread_local char g_error[512] = "";
@@ -705,7 +705,8 @@ struct GemvCall {
 };
 
 // Checks of the weight and the problem shared by kbit_gemv, kbit_gemv_prologue, kbit_gemv_prepare and their
-// block-records forms (`offsets`: block_scales points at int16 records; unrotated, no prologue); fills the call.
+// block-records forms (`offsets`: block_scales points at int16 records; unrotated: their callers pass no
+// rot_signs); fills the call.
 int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* block_scales, const float* row_scales,
                const float* codebook, int bits, int64_t m, int64_t n, int64_t k, const uint32_t* rot_signs,
                bool prologue, GemvCall* call, int64_t* need, bool offsets = false) {
@@ -780,6 +781,40 @@ int gemv_launch(const GemvCall& call, const void* x, void* out, float* workspace
   }
   cudaError_t err = call.launch(p, call.grid, s);
   return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_gemv launch");
+}
+
+// kbit_gemv_prologue and kbit_gemv_prologue_offsets (`offsets`: block_scales points at int16 block records;
+// unrotated, rot_signs null).
+int gemv_prologue_call(int device, void* stream, int prologue, const void* x, int64_t x_stride, const void* x2,
+                       int64_t x2_stride, const void* norm_weight, float eps, void* sum_out, int dtype,
+                       const int32_t* planes, const uint8_t* block_scales, const float* row_scales,
+                       const float* codebook, int bits, int64_t m, int64_t n, int64_t k, void* out, float* workspace,
+                       int64_t workspace_size, const uint32_t* rot_signs, bool offsets) {
+  if (prologue < kPrologueSiluMul || prologue > kPrologueAddNorm)
+    return fail("prologue must be 1 (silu_mul), 2 (rmsnorm) or 3 (add_rmsnorm), got %d", prologue);
+  GemvCall call{};
+  int64_t need = 0;
+  if (int rc = gemv_setup(device, dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, rot_signs, true,
+                          &call, &need, offsets))
+    return rc;
+  if (n == 0) return KBIT_OK;
+  const bool uses_x2 = prologue != kPrologueNorm, norm = prologue != kPrologueSiluMul;
+  if (!x || !out || (uses_x2 && !x2)) return fail("x, out%s must be device pointers", uses_x2 ? " and x2" : "");
+  if (norm && !norm_weight) return fail("norm_weight must be a device pointer for the rmsnorm prologues");
+  if (prologue == kPrologueAddNorm && !sum_out) return fail("sum_out must be a device pointer for add_rmsnorm");
+  if (x_stride < k || (uses_x2 && x2_stride < k))
+    return fail("x_stride (%lld) and x2_stride (%lld) must be at least in_features (%lld)",
+                static_cast<long long>(x_stride), static_cast<long long>(x2_stride), static_cast<long long>(k));
+  if (int rc = check_gemv_workspace(need, workspace, workspace_size)) return rc;
+  MmParams& p = call.p;
+  p.prologue = prologue;
+  p.x2 = x2;
+  p.norm_weight = norm_weight;
+  p.eps = eps;
+  p.sum_out = sum_out;
+  p.x_stride = x_stride;
+  p.x2_stride = x2_stride;
+  return gemv_launch(call, x, out, workspace, stream);
 }
 
 // kbit_gemm and kbit_gemm_offsets (`offsets`: block_scales points at int16 block records, which only the wgmma
@@ -860,31 +895,9 @@ int kbit_gemv_prologue(int device, void* stream, int prologue, const void* x, in
                        const int32_t* planes, const uint8_t* block_scales, const float* row_scales,
                        const float* codebook, int bits, int64_t m, int64_t n, int64_t k, void* out, float* workspace,
                        int64_t workspace_size, const uint32_t* rot_signs) {
-  if (prologue < kPrologueSiluMul || prologue > kPrologueAddNorm)
-    return fail("prologue must be 1 (silu_mul), 2 (rmsnorm) or 3 (add_rmsnorm), got %d", prologue);
-  GemvCall call{};
-  int64_t need = 0;
-  if (int rc = gemv_setup(device, dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, rot_signs, true,
-                          &call, &need))
-    return rc;
-  if (n == 0) return KBIT_OK;
-  const bool uses_x2 = prologue != kPrologueNorm, norm = prologue != kPrologueSiluMul;
-  if (!x || !out || (uses_x2 && !x2)) return fail("x, out%s must be device pointers", uses_x2 ? " and x2" : "");
-  if (norm && !norm_weight) return fail("norm_weight must be a device pointer for the rmsnorm prologues");
-  if (prologue == kPrologueAddNorm && !sum_out) return fail("sum_out must be a device pointer for add_rmsnorm");
-  if (x_stride < k || (uses_x2 && x2_stride < k))
-    return fail("x_stride (%lld) and x2_stride (%lld) must be at least in_features (%lld)",
-                static_cast<long long>(x_stride), static_cast<long long>(x2_stride), static_cast<long long>(k));
-  if (int rc = check_gemv_workspace(need, workspace, workspace_size)) return rc;
-  MmParams& p = call.p;
-  p.prologue = prologue;
-  p.x2 = x2;
-  p.norm_weight = norm_weight;
-  p.eps = eps;
-  p.sum_out = sum_out;
-  p.x_stride = x_stride;
-  p.x2_stride = x2_stride;
-  return gemv_launch(call, x, out, workspace, stream);
+  return gemv_prologue_call(device, stream, prologue, x, x_stride, x2, x2_stride, norm_weight, eps, sum_out, dtype,
+                            planes, block_scales, row_scales, codebook, bits, m, n, k, out, workspace, workspace_size,
+                            rot_signs, false);
 }
 
 int kbit_gemv_plan(int device, int64_t m, int64_t n, int64_t k, int* splits, int* chunk_kt, int* grid, int* mode) {
@@ -956,6 +969,16 @@ int kbit_gemv_prepare_offsets(int device, int dtype, const int32_t* planes, cons
   *static_cast<GemvCall*>(call) = c;
   *workspace_size = need;
   return KBIT_OK;
+}
+
+int kbit_gemv_prologue_offsets(int device, void* stream, int prologue, const void* x, int64_t x_stride,
+                               const void* x2, int64_t x2_stride, const void* norm_weight, float eps, void* sum_out,
+                               int dtype, const int32_t* planes, const int16_t* block_records,
+                               const float* row_scales, const float* codebook, int bits, int64_t m, int64_t n,
+                               int64_t k, void* out, float* workspace, int64_t workspace_size) {
+  return gemv_prologue_call(device, stream, prologue, x, x_stride, x2, x2_stride, norm_weight, eps, sum_out, dtype,
+                            planes, reinterpret_cast<const uint8_t*>(block_records), row_scales, codebook, bits, m, n,
+                            k, out, workspace, workspace_size, nullptr, true);
 }
 
 int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const int64_t* expert_ids,

@@ -183,11 +183,12 @@ KBIT_API int kbit_gemv_run(const void* call, const void* x, void* out, float* wo
 
 /* Block records (hf_kbit/format.py: block_scales as int16 [nt, kt, 16, 4], the E4M4 code in the low byte and a
  * signed offset code o in the high byte, each block decoding to (codebook * e4m4 + 0.125 o) * row_scale). Only
- * the plain GEMV (unrotated, no prologue, m <= kbit_gemv_offsets_max_m(bits, dtype); 0: none for that bits and
- * dtype), the wgmma GEMM (unrotated, sm_90a: kbit_gemm_offsets_serves) and kbit_dequantize_records read them.
- * Every other entry here takes uint8 codes only: dequantize records first. kbit_gemv_offsets is kbit_gemv on
+ * the GEMV (unrotated, with or without a prologue, m <= kbit_gemv_offsets_max_m(bits, dtype); 0: none for that
+ * bits and dtype), the wgmma GEMM (unrotated, sm_90a: kbit_gemm_offsets_serves) and kbit_dequantize_records read
+ * them. Every other entry here takes uint8 codes only: dequantize records first. kbit_gemv_offsets is kbit_gemv on
  * records, its workspace kbit_gemv_workspace_size(..., 0); kbit_gemv_prepare_offsets writes a call record for
- * kbit_gemv_run as kbit_gemv_prepare does. */
+ * kbit_gemv_run as kbit_gemv_prepare does; kbit_gemv_prologue_offsets is kbit_gemv_prologue on records (no
+ * rot_signs: no rotated layer holds records). */
 KBIT_API int kbit_gemv_offsets_max_m(int bits, int dtype);
 KBIT_API int kbit_gemv_offsets(int device, void* stream, const void* x, int dtype, const int32_t* planes,
                                const int16_t* block_records, const float* row_scales, const float* codebook, int bits,
@@ -195,6 +196,11 @@ KBIT_API int kbit_gemv_offsets(int device, void* stream, const void* x, int dtyp
 KBIT_API int kbit_gemv_prepare_offsets(int device, int dtype, const int32_t* planes, const int16_t* block_records,
                                        const float* row_scales, const float* codebook, int bits, int64_t m, int64_t n,
                                        int64_t k, void* call, int64_t* workspace_size);
+KBIT_API int kbit_gemv_prologue_offsets(int device, void* stream, int prologue, const void* x, int64_t x_stride,
+                                        const void* x2, int64_t x2_stride, const void* norm_weight, float eps,
+                                        void* sum_out, int dtype, const int32_t* planes, const int16_t* block_records,
+                                        const float* row_scales, const float* codebook, int bits, int64_t m,
+                                        int64_t n, int64_t k, void* out, float* workspace, int64_t workspace_size);
 
 /* 1 when kbit_gemm_offsets serves this problem on `device`: its GEMM plan there is the wgmma GEMM (kbit_gemm_plan's
  * kernel 1: sm_90a, not overridden by kbit_set_gemm_kernel or HF_KBIT_GEMM_KERNEL) and the library holds the

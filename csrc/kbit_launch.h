@@ -48,7 +48,7 @@ cudaError_t launch_dequantize(const DequantizeParams& p, cudaStream_t stream);
 template <int BITS, typename T, int M, bool kRotate>
 cudaError_t launch_gemv(const MmParams& p, int grid, cudaStream_t stream);
 
-// Block records (int16 block_scales with offsets, format.py): the plain GEMV (unrotated, no prologue).
+// Block records (int16 block_scales with offsets, format.py): the GEMV, unrotated, with or without a prologue.
 template <int BITS, typename T, int NT>
 cudaError_t launch_gemv_offsets(const MmParams& p, int grid, cudaStream_t stream);
 

@@ -26,8 +26,8 @@ constexpr int kRotMultiple = 64;
 // Block records (format.py, format v4): block_scales as int16, the E4M4 code in the low
 // byte and a signed offset code o (|o| <= 127) in the high byte; the block's elements are
 // (codebook[index] * e4m4(code) + kOffsetStep * o) * row_scale (format.OFFSET_STEP). Read by the kOffsets
-// instantiations of the GEMV, the wgmma GEMM and dequantize (kbit_gemv_offsets, kbit_gemm_offsets,
-// kbit_dequantize_records); the other kernels read uint8 codes only.
+// instantiations of the GEMV (its prologues included), the wgmma GEMM and dequantize (kbit_gemv_offsets,
+// kbit_gemv_prologue_offsets, kbit_gemm_offsets, kbit_dequantize_records); the other kernels read uint8 codes only.
 constexpr float kOffsetStep = 0.125f;
 
 // Activation dtypes the kernels take (values fixed: they cross the C ABI).
