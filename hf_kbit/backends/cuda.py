@@ -33,14 +33,16 @@ Only ``dequantize`` itself returns the weight unrotated, ``W' R^T``. The eager f
 ``module.rotation_signs``.
 
 Block records (``block_scales`` int16, format v4, :mod:`hf_kbit.format`: an offset per block):
-``mm`` takes :func:`records_plan`'s path: the plain GEMV on records (``kbit_gemv_offsets``: unrotated, no prologue,
-M up to :func:`gemv_offsets_max_m`) whatever the planner would take for uint8 codes; above it the wgmma GEMM on
-records (``kbit_gemm_offsets``: unrotated, sm_90a) where the planner takes the wgmma GEMM for uint8 codes; else
-dequantize + matmul. The dequantize kernel on records (``kbit_dequantize_records``, bit-exact with
-``format.dequantize``) serves ``dequantize``, that last path (a rotated layer's too: ``x R`` times the stored weight)
-and the gradient; the prologue ops run unfused on records (the reference's prologue, then ``mm``). What no kernel
-reads records for (``dequantize`` of a rotated layer, ``grouped_mm``) takes the reference (``format.dequantize`` as
-torch ops on the GPU) and warns once; no kernel that reads uint8 codes is ever handed records.
+``mm`` takes :func:`records_plan`'s path: the GEMV on records (``kbit_gemv_offsets``: unrotated, M up to
+:func:`gemv_offsets_max_m`) whatever the planner would take for uint8 codes; above it the wgmma GEMM on records
+(``kbit_gemm_offsets``: unrotated, sm_90a) where the planner takes the wgmma GEMM for uint8 codes; else
+dequantize + matmul. The prologue ops (``mm_silu_mul``, ``mm_rmsnorm``, ``mm_add_rmsnorm``) take the GEMV on records
+with their prologue (``kbit_gemv_prologue_offsets``) over the same M, and above it (or in a library without that
+entry) run unfused (the reference's prologue, then ``mm``). The dequantize kernel on records
+(``kbit_dequantize_records``, bit-exact with ``format.dequantize``) serves ``dequantize``, the dequantize + matmul
+path (a rotated layer's too: ``x R`` times the stored weight) and the gradient. What no kernel reads records for
+(``dequantize`` of a rotated layer, ``grouped_mm``) takes the reference (``format.dequantize`` as torch ops on the
+GPU) and warns once; no kernel that reads uint8 codes is ever handed records.
 """
 
 from __future__ import annotations
@@ -193,6 +195,13 @@ if _HAS_OFFSETS:
     _LIB.kbit_gemv_prepare_offsets.argtypes = [_c_int, _c_int, _c_vp, _c_vp, _c_vp, _c_vp, _c_int, _c_i64, _c_i64,
                                                _c_i64, _c_vp, ctypes.POINTER(_c_i64)]
     _LIB.kbit_gemv_prepare_offsets.restype = _c_int
+# The block-records GEMV with a prologue (a later entry than kbit_gemv_offsets: a library may hold that one alone).
+_HAS_PROLOGUE_OFFSETS = hasattr(_LIB, "kbit_gemv_prologue_offsets")
+if _HAS_PROLOGUE_OFFSETS:
+    _LIB.kbit_gemv_prologue_offsets.argtypes = [_c_int, _c_vp, _c_int, _c_vp, _c_i64, _c_vp, _c_i64, _c_vp,
+                                                ctypes.c_float, _c_vp, _c_int, _c_vp, _c_vp, _c_vp, _c_vp, _c_int,
+                                                _c_i64, _c_i64, _c_i64, _c_vp, _c_vp, _c_i64]
+    _LIB.kbit_gemv_prologue_offsets.restype = _c_int
 _HAS_GEMM_OFFSETS = hasattr(_LIB, "kbit_gemm_offsets")
 if _HAS_GEMM_OFFSETS:
     _LIB.kbit_gemm_offsets_serves.argtypes = [_c_int, _c_i64, _c_i64, _c_i64, _c_int, _c_int]
@@ -218,6 +227,12 @@ def gemv_offsets_max_m(bits: int, dtype: torch.dtype) -> int:
 def offsets_gemv_serves(m: int, bits: int, dtype: torch.dtype, signs=None) -> bool:
     """True when the block-records GEMV serves ``x [m, k]`` in ``dtype``: unrotated, M within its tiles."""
     return signs is None and 1 <= m <= gemv_offsets_max_m(bits, dtype)
+
+
+def offsets_prologue_serves(m: int, bits: int, dtype: torch.dtype, signs=None) -> bool:
+    """True when the block-records GEMV with a prologue (``kbit_gemv_prologue_offsets``) serves ``x [m, k]`` in
+    ``dtype``: where the plain one does (:func:`offsets_gemv_serves`) and the library has the entry."""
+    return _HAS_PROLOGUE_OFFSETS and offsets_gemv_serves(m, bits, dtype, signs)
 
 
 @functools.cache  # a layer repeats one problem; set_gemm_kernel and set_wgmma_ws_plan clear it (_forget_plans)
@@ -443,19 +458,27 @@ _HAS_PROLOGUE = hasattr(_LIB, "kbit_gemv_prologue")
 
 def _gemv_prologue(kind, x, x2, norm_weight, eps, planes, block_scales, row_scales, codebook, k, signs=None):
     """``(out, sum)`` from the GEMV with prologue ``kind`` when it serves this call, else None (a norm
-    weight of another dtype than x, e.g. kept in float32, takes the reference: its product is float32; so do block
-    records, whose GEMV has no prologue: the reference's kbit::mm then takes it)."""
-    if not _HAS_PROLOGUE or x.dtype not in _GEMV_DTYPES or row_scales.dim() != 1 or has_records(block_scales):
+    weight of another dtype than x, e.g. kept in float32, takes the reference: its product is float32). Block
+    records take the block-records GEMV with the prologue (``kbit_gemv_prologue_offsets``) up to
+    :func:`gemv_offsets_max_m`, whatever the planner takes for uint8 codes (as :func:`records_plan` does); beyond
+    it, rotated, or in a library without that entry, the reference (its prologue, then kbit::mm)."""
+    if not _HAS_PROLOGUE or x.dtype not in _GEMV_DTYPES or row_scales.dim() != 1:
         return None
     if norm_weight is not None and norm_weight.dtype != x.dtype:
         return None
+    records = has_records(block_scales)
     n, bits = row_scales.shape[0], planes.shape[-3]
     lead = x.shape[:-1]
     xr = _rows(x, k)
     m = xr.shape[0]
-    if m == 0 or n == 0 or k == 0 or mm_path(m, n, k, bits, x.device.index, x.dtype, signs is not None) != "gemv":
+    if m == 0 or n == 0 or k == 0:
         return None
-    if signs is not None and gemv_rotate_plan(m, bits, x.dtype, True) is None:
+    if records:
+        if not offsets_prologue_serves(m, bits, x.dtype, signs):
+            return None
+    elif mm_path(m, n, k, bits, x.device.index, x.dtype, signs is not None) != "gemv":
+        return None
+    elif signs is not None and gemv_rotate_plan(m, bits, x.dtype, True) is None:
         return None  # only the staging sees the prologue's output: beyond the rotated GEMV, unfused
     _check_packed_once(planes, block_scales, row_scales, codebook, k)
     _same_device(x, planes=planes, block_scales=block_scales, row_scales=row_scales, codebook=codebook)
@@ -467,14 +490,16 @@ def _gemv_prologue(kind, x, x2, norm_weight, eps, planes, block_scales, row_scal
     ws_size = _gemv_workspace(x.device.index, m, n, k, bits, sp is not None)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ws = torch.empty(ws_size, dtype=torch.float32, device=x.device) if ws_size > 0 else None
-    rc = _LIB.kbit_gemv_prologue(
+    args = (
         x.device.index, _stream(x.device), _PROLOGUES[kind], xr.data_ptr(), xr.stride(0) if m > 1 else k,
         x2r.data_ptr() if x2r is not None else None, (x2r.stride(0) if m > 1 else k) if x2r is not None else k,
         weight.data_ptr() if weight is not None else None, float(eps),
         total.data_ptr() if total is not None else None, _DTYPE_CODE[x.dtype], planes.data_ptr(),
         block_scales.data_ptr(), row_scales.data_ptr(), codebook.data_ptr(), bits, m, n, k, out.data_ptr(),
-        ws.data_ptr() if ws is not None else None, ws_size, sp,
+        ws.data_ptr() if ws is not None else None, ws_size,
     )
+    # The records' entry takes no rot_signs (no rotated layer reaches it).
+    rc = _LIB.kbit_gemv_prologue_offsets(*args) if records else _LIB.kbit_gemv_prologue(*args, sp)
     _lib.check(rc, f"mm_{kind}")
     return out.reshape(*lead, n), (total.reshape(x.shape) if total is not None else None)
 
