@@ -1,11 +1,12 @@
 """GPU tests of block records (int16 ``block_scales``: an E4M4 code and a signed offset code per block,
 hf_kbit/format.py) on the CUDA backend. The kernels that read records (the kOffsets instantiations): the GEMV
-(csrc/gemv_kernel.cuh) and the sm_90a wgmma GEMM (csrc/wgmma_kernel.cuh) against the float32 reference
-(``format.dequantize`` then a float64 product), each bit-exact with its uint8 kernel where every offset is zero,
-under CUDA-graph replay, and where the dispatch takes them; the dequantize kernel (csrc/dequantize_kernel.cuh)
-bit for bit against ``format.dequantize``. The other paths (larger M, float32 x, the prologues, a rotated layer,
-the gradient: the dequantize kernel and a matmul; grouped_mm and a rotated layer's dequantize: the reference,
-with a warning) against the same reference. No kernel that reads uint8 codes may be handed records.
+(csrc/gemv_kernel.cuh), plain and with each prologue (kbit::mm_silu_mul, mm_rmsnorm, mm_add_rmsnorm), and the
+sm_90a wgmma GEMM (csrc/wgmma_kernel.cuh) against the float32 reference (``format.dequantize`` then a float64
+product), each bit-exact with its uint8 kernel where every offset is zero, under CUDA-graph replay, and where the
+dispatch takes them; the dequantize kernel (csrc/dequantize_kernel.cuh) bit for bit against ``format.dequantize``.
+The other paths (larger M, float32 x, the prologues beyond the GEMV, a rotated layer, the gradient: the dequantize
+kernel and a matmul; grouped_mm and a rotated layer's dequantize: the reference, with a warning) against the same
+reference. No kernel that reads uint8 codes may be handed records.
 
 Run on the GPU machine: ``python -m pytest -m gpu tests/gpu/test_offsets_gpu.py -q``.
 """
@@ -215,6 +216,161 @@ def test_offsets_entries_refuse_what_they_do_not_serve():
     with pytest.raises(ValueError, match="2-byte aligned"):
         _lib.check(lib.kbit_gemv_offsets(0, None, ptr, 2, ptr, ctypes.c_void_p(257), ptr, ptr, 4, 1, 16, 128, ptr,
                                          None, 0), "mm")
+
+
+# ---------------------------------------------------------------------------- the block-records GEMV with a prologue
+
+PROLOGUES = ("silu_mul", "rmsnorm", "add_rmsnorm")
+PROLOGUE_MS = (1, 5, 8, 16)
+# (N, K): partial row tiles, K tiles and blocks, the norm's scalar pass (K % 256 != 0: 4100 x 2000); its vectorized
+# pass (1024 x 4096); split-K (40 x 8200); fewer rows and columns than a tile, rows not 16-byte aligned (5 x 33).
+PROLOGUE_SHAPES = [(4100, 2000), (1024, 4096), (40, 8200), (5, 33)]
+EPS = 1e-5
+
+
+def prologue_inputs(m: int, k: int, dtype: torch.dtype, seed: int):
+    """``(a, b, norm_weight)``: a and b the strided halves of one ``[m, 2k]`` tensor (as a fused gate/up output is),
+    the norm weight in [0.5, 1.5)."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    wide = torch.randn(m, 2 * k, device=DEVICE, generator=g).to(dtype)
+    w = (torch.rand(k, device=DEVICE, generator=g) + 0.5).to(dtype)
+    return wide[:, :k], wide[:, k:], w
+
+
+def run_prologue(kind: str, a, b, w, packed, k: int):
+    """``(out, sum)`` of the op with prologue ``kind`` (sum: add_rmsnorm's a + b, else None)."""
+    if kind == "silu_mul":
+        return torch.ops.kbit.mm_silu_mul(a, b, *packed, k), None
+    if kind == "rmsnorm":
+        return torch.ops.kbit.mm_rmsnorm(a, w, EPS, *packed, k), None
+    return torch.ops.kbit.mm_add_rmsnorm(a, b, w, EPS, *packed, k)
+
+
+def prologue_reference(kind: str, a, b, w) -> torch.Tensor:
+    """The reference prologue (hf_kbit._ops: its roundings in x's dtype), the x the product multiplies."""
+    if kind == "silu_mul":
+        return _ops.silu_mul(a, b)
+    return _ops.rms_norm(a if kind == "rmsnorm" else a + b, w, EPS)
+
+
+def check_prologue(kind, a, b, w, out, total, wq, dtype) -> None:
+    """``out`` (and add_rmsnorm's ``total``) against the reference prologue times the reference weight."""
+    assert out.dtype == dtype and out.shape == (a.shape[0], wq.shape[0])
+    assert rel_err(out, prologue_reference(kind, a, b, w).double() @ wq.double().T) < MM_REL_TOL[dtype], kind
+    if kind == "add_rmsnorm":
+        assert torch.equal(total, a + b)
+
+
+@pytest.mark.parametrize("m", PROLOGUE_MS, ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("shape", PROLOGUE_SHAPES, ids=lambda s: f"N{s[0]}K{s[1]}")
+@pytest.mark.parametrize("kind", PROLOGUES)
+@pytest.mark.parametrize("bits,dtype", table_cases("gemv"))
+def test_prologue_gemv_on_records_matches_reference(bits, dtype, kind, shape, m, spy):
+    """The prologue ops on records take the block-records GEMV with the prologue folded into its x staging
+    (kbit_gemv_prologue_offsets), within MM_REL_TOL of the reference prologue times format.dequantize's weight."""
+    n, k = shape
+    packed, _, wq = packed_records(n, k, bits)
+    a, b, w = prologue_inputs(m, k, dtype, n + k + m)
+    out, total = run_prologue(kind, a, b, w, packed, k)
+    check_prologue(kind, a, b, w, out, total, wq, dtype)
+    assert "kbit_gemv_prologue_offsets" in spy.calls, "the block-records GEMV with a prologue did not serve"
+    assert_no_code_reader(spy)
+
+
+@pytest.mark.parametrize("kind", PROLOGUES)
+@pytest.mark.parametrize("bits,dtype", [pytest.param(4, torch.bfloat16, id="k4-bf16"),
+                                        pytest.param(5, torch.float16, id="k5-fp16"),
+                                        pytest.param(2, torch.bfloat16, id="k2-bf16")])
+@pytest.mark.parametrize("case", PLAN_CASES, ids=lambda c: "N{}K{}M{}".format(*c))
+def test_prologue_gemv_on_records_every_plan_mode(case, bits, dtype, kind, spy):
+    """Every GEMV plan mode (balanced, cluster and workspace split-K, balanced cluster) with a prologue on records:
+    the kPrologue x kOffsets instantiations of every (abs table, balanced cluster) combination the host launches."""
+    n, k, m = case
+    packed, _, wq = packed_records(n, k, bits)
+    a, b, w = prologue_inputs(m, k, dtype, n + k + m)
+    out, total = run_prologue(kind, a, b, w, packed, k)
+    check_prologue(kind, a, b, w, out, total, wq, dtype)
+    assert "kbit_gemv_prologue_offsets" in spy.calls
+    assert_no_code_reader(spy)
+
+
+@pytest.mark.parametrize("m", PROLOGUE_MS, ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("shape", PROLOGUE_SHAPES, ids=lambda s: f"N{s[0]}K{s[1]}")
+@pytest.mark.parametrize("kind", PROLOGUES)
+@pytest.mark.parametrize("bits,dtype", table_cases("gemv"))
+def test_zero_offsets_prologue_equal_the_uint8_prologue_gemv(bits, dtype, kind, shape, m, spy):
+    """Records whose offsets are all zero: bit for bit the uint8 GEMV's output with the same prologue (the same plan
+    and staging; the packed fma with a +0 offset rounds as the packed multiply)."""
+    n, k = shape
+    packed, codes, _ = packed_records(n, k, bits, zero=True)
+    planes, _, rs, cb = packed
+    a, b, w = prologue_inputs(m, k, dtype, n + k + m)
+    out, total = run_prologue(kind, a, b, w, packed, k)
+    out_codes, total_codes = run_prologue(kind, a, b, w, (planes, codes, rs, cb), k)
+    assert "kbit_gemv_prologue_offsets" in spy.calls and "kbit_gemv_prologue" in spy.calls, "not both fused"
+    assert torch.equal(out, out_codes)
+    if kind == "add_rmsnorm":
+        assert torch.equal(total, total_codes)
+
+
+@pytest.mark.parametrize("m", [17, 64, 300], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("shape", [(1000, 2048), (4100, 2000)], ids=lambda s: f"N{s[0]}K{s[1]}")
+@pytest.mark.parametrize("kind", PROLOGUES)
+def test_prologue_ops_on_records_beyond_the_gemv_run_unfused(kind, shape, m, spy):
+    """Beyond the block-records GEMV's M the prologue ops run unfused: the reference's prologue, then kbit::mm on
+    records, which takes records_plan's path (the block-records wgmma GEMM where the planner takes the wgmma GEMM,
+    else dequantize + matmul)."""
+    (n, k), bits, dtype = shape, 4, torch.bfloat16
+    packed, _, wq = packed_records(n, k, bits)
+    a, b, w = prologue_inputs(m, k, dtype, n + k + m)
+    out, total = run_prologue(kind, a, b, w, packed, k)
+    check_prologue(kind, a, b, w, out, total, wq, dtype)
+    assert "kbit_gemv_prologue_offsets" not in spy.calls
+    path = backend().records_plan(m, n, k, bits, torch.cuda.current_device(), dtype)[0]
+    assert path in ("gemm", "dequant") and PATH_ENTRIES[path] in spy.calls
+    assert_no_code_reader(spy)
+
+
+@pytest.mark.parametrize("kind", PROLOGUES)
+@pytest.mark.parametrize("bits,m", [(4, 1), (3, 5), (5, 8), (2, 16)], ids=lambda v: str(v))
+def test_prologue_gemv_on_records_cuda_graph_replay(bits, m, kind, spy):
+    """A captured prologue op on records replays on new inputs like an eager call (split-K and cluster plans
+    included)."""
+    dtype = torch.bfloat16
+    for n, k in ((4100, 2000), (40, 8200)):
+        packed, _, wq = packed_records(n, k, bits)
+        a, b, w = prologue_inputs(m, k, dtype, n + k + m)
+        graph, (out, total) = capture_cuda_graph(lambda: run_prologue(kind, a, b, w, packed, k))
+        for _ in range(2):
+            a.copy_(torch.randn(m, k, device=DEVICE))
+            b.copy_(torch.randn(m, k, device=DEVICE))
+            graph.replay()
+            torch.cuda.synchronize()
+            eager, eager_total = run_prologue(kind, a, b, w, packed, k)
+            assert torch.equal(out, eager)
+            if kind == "add_rmsnorm":
+                assert torch.equal(total, eager_total)
+            check_prologue(kind, a, b, w, out, total, wq, dtype)
+    assert "kbit_gemv_prologue_offsets" in spy.calls
+    assert_no_code_reader(spy)
+
+
+def test_prologue_offsets_entry_refuses_what_it_does_not_serve():
+    """kbit_gemv_prologue_offsets refuses m beyond the block-records GEMV, float32 x, misaligned records and an
+    unknown prologue, naming them, before a launch."""
+    backend()  # declares the entries' argument types
+    lib = _lib.load()
+    ptr = ctypes.c_void_p(256)
+
+    def call(prologue=1, dtype=2, records=ptr, m=1):
+        return lib.kbit_gemv_prologue_offsets(0, None, prologue, ptr, 128, ptr, 128, None, 0.0, None, dtype, ptr,
+                                              records, ptr, ptr, 4, m, 16, 128, ptr, None, 0)
+
+    for kwargs, pattern in (({"m": 17}, "1..16"), ({"dtype": 0}, "kernel=gemv, bits=4, dtype=float32"),
+                            ({"records": ctypes.c_void_p(257)}, "block_records must be 2-byte aligned"),
+                            ({"prologue": 0}, "prologue must be 1")):
+        with pytest.raises(ValueError, match=pattern):
+            _lib.check(call(**kwargs), "mm_silu_mul")  # each call's error before the next one's
 
 
 # ---------------------------------------------------------------------------- the block-records dequantize
@@ -479,33 +635,6 @@ def test_forced_paths_refuse_records_where_no_kernel_serves():
     for path, rows in (("gemv", 4), ("gemm", 64)):
         with pytest.raises(ValueError, match="block records"):
             backend().run_path(path, x[:rows], *packed, k, None, signs)
-
-
-@pytest.mark.parametrize("m", [1, 8, 17], ids=lambda m: f"M{m}")
-@pytest.mark.parametrize("kind", ["rmsnorm", "add_rmsnorm", "silu_mul"])
-def test_prologue_ops_run_unfused(kind, m, spy):
-    """The prologue ops run unfused on records (the GEMV with a prologue reads codes): the reference's
-    prologue, then kbit::mm, which takes the block-records GEMV up to M = 16 and, beyond, the planner's path for
-    this 2 M-element weight (dequantize + matmul)."""
-    n, k, dtype = 1000, 2048, torch.bfloat16
-    packed, _, wq = packed_records(n, k, 4)
-    x = torch.randn(m, k, device=DEVICE, dtype=dtype)
-    x2 = torch.randn(m, k, device=DEVICE, dtype=dtype)
-    w = (torch.rand(k, device=DEVICE) + 0.5).to(dtype)
-    eps = 1e-6
-    if kind == "rmsnorm":
-        out = torch.ops.kbit.mm_rmsnorm(x, w, eps, *packed, k)
-        h = _ops.rms_norm(x, w, eps)
-    elif kind == "add_rmsnorm":
-        out, total = torch.ops.kbit.mm_add_rmsnorm(x, x2, w, eps, *packed, k)
-        assert torch.equal(total, x + x2)
-        h = _ops.rms_norm(x + x2, w, eps)
-    else:
-        out = torch.ops.kbit.mm_silu_mul(x, x2, *packed, k)
-        h = _ops.silu_mul(x, x2)
-    assert rel_err(out, h.double() @ wq.double().T) < MM_REL_TOL[dtype]
-    assert_no_code_reader(spy)
-    assert ("kbit_gemv_offsets" if m <= 16 else "kbit_dequantize_records") in spy.calls
 
 
 @pytest.mark.parametrize("m", [1, 8, 300], ids=lambda m: f"M{m}")
