@@ -25,7 +25,8 @@ device copy bandwidth measured in the same run). Writes JSON and a markdown tabl
     python scripts/bench_kernels.py --offsets --out benchmarks/results/h200_offsets
                                                  # the GEMV on block records (int16 block_scales, random
                                                  # offsets) vs the same weight with uint8 codes, Llama-3-8B
-                                                 # shapes, k = 3..5, M 1..16; add --ms 1 16 64 256 512 for
+                                                 # shapes, k = 3..5, M 1..16 (at M = 1 also the GEMV with
+                                                 # the add_rmsnorm prologue); add --ms 1 16 64 256 512 for
                                                  # the wgmma GEMM on records beyond the GEMV
 """
 
@@ -81,6 +82,9 @@ OFFSETS_SHAPES = {
 OFFSETS_MS = (1, 2, 4, 8, 16)
 OFFSETS_BITS = (3, 4, 5)
 OFFSETS_ROUNDS = ROTATION_ROUNDS
+# --offsets: the fused decode step's prologue timed on codes and records too (kbit::mm_add_rmsnorm, the GEMV with the
+# add_rmsnorm prologue), at the decode's M = 1.
+OFFSETS_PROLOGUE, OFFSETS_PROLOGUE_M = "add_rmsnorm", 1
 BITS = SUPPORTED_BITS
 COLD_BYTES = 400 * 2**20  # weight copies per timed graph: 8x the H100's 50 MB L2
 MIN_CALLS = 24
@@ -382,11 +386,15 @@ def bench_offsets(name, k, n, ms, bits_list, results):
     """The GEMV on the same packed weights with uint8 E4M4 codes and with int16 block records (the codes and
     random offset codes over [-127, 127]), cold L2, cuBLAS bf16 in the same run: the price of offsets at decode.
     Both through run_path("gemv"): the uint8 GEMV and the block-records GEMV (kOffsets) on the same plan. M above
-    the GEMV: both through run_path("gemm") where the block-records wgmma GEMM serves (sm_90a), else skipped."""
+    the GEMV: both through run_path("gemm") where the block-records wgmma GEMM serves (sm_90a), else skipped. At
+    M = OFFSETS_PROLOGUE_M also kbit::mm_add_rmsnorm (path "gemv+add_rmsnorm": the GEMV with the prologue on codes
+    and on records), where both fuse."""
     from hf_kbit import format as fmt
     from hf_kbit.backends import cuda as backend
 
     xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in ms}
+    residual = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in ms}
+    norm_weight = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)
     bf16 = bf16_times(xs, n, k)
     for bits in bits_list:
         packs, ncalls = cold_packs(n, k, bits)
@@ -404,20 +412,26 @@ def bench_offsets(name, k, n, ms, bits_list, results):
                 path = "gemm"
             else:
                 continue
-            calls = {kind: [lambda p=weights[i % ncopy], x=x: backend.run_path(path, x, *p, k) for i in range(ncalls)]
-                     for kind, weights in (("codes", packs), ("records", records))}
-            times = {kind: [] for kind in calls}
-            for _ in range(OFFSETS_ROUNDS):
-                for kind in calls:
-                    times[kind].append(time_calls(calls[kind]))
-            row = {"shape": name, "K": k, "N": n, "M": m, "bits": bits, "path": path, "bf16_us": bf16[m],
-                   "us": min(times["codes"]),
-                   "records_us": min(times["records"]), "bytes_pct": 100 * extra_bytes}
-            row["cost_pct"] = 100 * (row["records_us"] / row["us"] - 1)
-            results.append(row)
-            print(f"{name:30s} k={bits} M={m:3d} {path} bf16={row['bf16_us']:7.1f}us  codes={row['us']:7.1f}us  "
-                  f"records={row['records_us']:7.1f}us  cost={row['cost_pct']:+5.1f}%  bytes={row['bytes_pct']:+5.1f}%",
-                  flush=True)
+            runs = {path: lambda p, x=x: backend.run_path(path, x, *p, k)}
+            if m == OFFSETS_PROLOGUE_M and backend.offsets_prologue_serves(m, bits, x.dtype) and \
+                    backend.mm_path(m, n, k, bits, x.device.index, x.dtype) == "gemv":  # fused on codes and records
+                runs[f"gemv+{OFFSETS_PROLOGUE}"] = lambda p, x=x, r=residual[m]: torch.ops.kbit.mm_add_rmsnorm(
+                    x, r, norm_weight, 1e-5, *p, k)
+            for label, run in runs.items():
+                calls = {kind: [lambda p=weights[i % ncopy]: run(p) for i in range(ncalls)]
+                         for kind, weights in (("codes", packs), ("records", records))}
+                times = {kind: [] for kind in calls}
+                for _ in range(OFFSETS_ROUNDS):
+                    for kind in calls:
+                        times[kind].append(time_calls(calls[kind]))
+                row = {"shape": name, "K": k, "N": n, "M": m, "bits": bits, "path": label, "bf16_us": bf16[m],
+                       "us": min(times["codes"]),
+                       "records_us": min(times["records"]), "bytes_pct": 100 * extra_bytes}
+                row["cost_pct"] = 100 * (row["records_us"] / row["us"] - 1)
+                results.append(row)
+                print(f"{name:30s} k={bits} M={m:3d} {label} bf16={row['bf16_us']:7.1f}us  codes={row['us']:7.1f}us  "
+                      f"records={row['records_us']:7.1f}us  cost={row['cost_pct']:+5.1f}%  "
+                      f"bytes={row['bytes_pct']:+5.1f}%", flush=True)
         del packs, records
         torch.cuda.empty_cache()
 
@@ -428,22 +442,29 @@ def markdown_offsets(results, meta) -> str:
               "alternating rounds; us per call (bf16 activations). The same packed weights with uint8 E4M4 codes "
               "(the GEMV; above its M the wgmma GEMM) and with int16 block records, the codes and random offset codes "
               "(their kOffsets instantiations, csrc/gemv_kernel.cuh and wgmma_kernel.cuh); cost = records / codes - 1; "
-              "bytes = the records' extra packed bytes (format.bits_per_weight)."), "",
+              "bytes = the records' extra packed bytes (format.bits_per_weight). gemv+add_rmsnorm: "
+              "kbit::mm_add_rmsnorm, the GEMV with the add_rmsnorm prologue (bf16 us: the plain product's)."), "",
              "| shape (K x N) | k | M | path | bf16 us | codes us | records us | cost | bytes |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['shape']} | {r['bits']} | {r['M']} | {r['path']} | {r['bf16_us']:.1f} | {r['us']:.1f} | "
                      f"{r['records_us']:.1f} | {r['cost_pct']:+.1f}% | {r['bytes_pct']:+.1f}% |")
-    shapes = list(dict.fromkeys(r["shape"] for r in results))
-    bits = sorted({r["bits"] for r in results})
-    ms = sorted({r["M"] for r in results})
-    cost = {(r["shape"], r["bits"], r["M"]): r["cost_pct"] for r in results}
+    plain = [r for r in results if r["path"] in ("gemv", "gemm")]
+    fused = [r for r in results if r["path"] not in ("gemv", "gemm")]
+    shapes = list(dict.fromkeys(r["shape"] for r in plain))
+    bits = sorted({r["bits"] for r in plain})
+    ms = sorted({r["M"] for r in plain})
+    cost = {(r["shape"], r["bits"], r["M"]): r["cost_pct"] for r in plain}
     lines += ["", "Cost by M (records / codes - 1):", "",
               "| shape (K x N) | k | " + " | ".join(f"M={m}" for m in ms) + " |", "|---|---|" + "---|" * len(ms)]
     for shape in shapes:
         for b in bits:
             cells = [f"{cost[shape, b, m]:+.1f}%" if (shape, b, m) in cost else "-" for m in ms]
             lines.append(f"| {shape} | {b} | " + " | ".join(cells) + " |")
+    if fused:
+        lines += ["", "With a prologue (records / codes - 1):", "", "| shape (K x N) | k | M | path | cost |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['shape']} | {r['bits']} | {r['M']} | {r['path']} | {r['cost_pct']:+.1f}% |" for r in fused]
     return "\n".join(lines) + "\n"
 
 

@@ -1,5 +1,5 @@
 """bench_kernels.py's CPU-side pieces: the --gemm-kernels table (one column per kernel, its ratio to cuBLAS bf16
-from the same row) and the refusal of unknown kernel names. The timing itself needs a GPU
+from the same row), the --offsets table and the refusal of unknown kernel names. The timing itself needs a GPU
 (tests/gpu, and the committed results under benchmarks/results)."""
 
 from __future__ import annotations
@@ -27,6 +27,22 @@ def test_gemm_kernels_table_has_a_column_per_kernel_with_its_ratio():
     assert "| s 4096x14336 | 4 | 64 | 33.6 | 30.4 (1.11x) | 29.5 (1.14x) |" in lines
     assert "| s 4096x14336 | 4 | 256 | 44.2 | 64.4 (0.69x) | 59.0 (0.75x) |" in lines
     assert meta["command"] in md
+
+
+def test_offsets_table_keeps_the_prologue_rows_out_of_the_cost_by_m():
+    """--offsets: the plain GEMV's and the prologue GEMV's rows at the same (shape, k, M) each keep their cost; the
+    cost-by-M summary takes the plain ones, the prologue rows get a table of their own."""
+    base = {"shape": "s 4096x4096", "K": 4096, "N": 4096, "M": 1, "bits": 4, "bf16_us": 10.0, "bytes_pct": 5.9}
+    rows = [{**base, "path": "gemv", "us": 4.0, "records_us": 4.1, "cost_pct": 2.5},
+            {**base, "path": "gemv+add_rmsnorm", "us": 5.0, "records_us": 5.2, "cost_pct": 4.0}]
+    meta = {"device": "GPU", "command": "python scripts/bench_kernels.py --offsets", "torch": "x"}
+    lines = bench_kernels.markdown_offsets(rows, meta).splitlines()
+    assert "| s 4096x4096 | 4 | 1 | gemv+add_rmsnorm | 10.0 | 5.0 | 5.2 | +4.0% | +5.9% |" in lines
+    summary = lines.index("Cost by M (records / codes - 1):")
+    assert lines[summary + 2] == "| shape (K x N) | k | M=1 |"
+    assert lines[summary + 4] == "| s 4096x4096 | 4 | +2.5% |"
+    fused = lines.index("With a prologue (records / codes - 1):")
+    assert lines[fused + 4] == "| s 4096x4096 | 4 | 1 | gemv+add_rmsnorm | +4.0% |"
 
 
 def test_unknown_gemm_kernel_is_named():
