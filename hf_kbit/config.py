@@ -101,8 +101,8 @@ class KbitConfig(QuantizationConfigMixin):
             as the error feedback reaches the block (:mod:`hf_kbit.calibration`); fused MoE experts keep plain scales
             either way. Measured in
             docs/format.md#block-offsets. The CUDA GEMV and the sm_90a GEMM read the records (2-5% slower per call
-            than uint8 scales at decode, docs/kernels.md); the fused prologues do not yet. ``False`` (default): uint8
-            scales, format v1/v3.
+            than uint8 scales at decode, docs/kernels.md), and so does the GEMV with the fused prologues (not yet
+            run on a GPU). ``False`` (default): uint8 scales, format v1/v3.
         format_version: version of the packed format; a checkpoint newer than this library
             is refused. ``None``: 1, which quantization raises to 3 once a layer is stored rotated and to 4 once
             one holds block records.
