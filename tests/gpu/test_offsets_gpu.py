@@ -332,11 +332,11 @@ def test_prologue_ops_on_records_beyond_the_gemv_run_unfused(kind, shape, m, spy
 
 
 @pytest.mark.parametrize("kind", PROLOGUES)
-@pytest.mark.parametrize("bits,m", [(4, 1), (3, 5), (5, 8), (2, 16)], ids=lambda v: str(v))
-def test_prologue_gemv_on_records_cuda_graph_replay(bits, m, kind, spy):
+@pytest.mark.parametrize("bits,m,dtype", [(4, 1, torch.bfloat16), (3, 5, torch.float16), (5, 8, torch.bfloat16),
+                                          (2, 16, torch.float16)], ids=lambda v: str(v).replace("torch.", ""))
+def test_prologue_gemv_on_records_cuda_graph_replay(bits, m, dtype, kind, spy):
     """A captured prologue op on records replays on new inputs like an eager call (split-K and cluster plans
-    included)."""
-    dtype = torch.bfloat16
+    included), in both activation dtypes."""
     for n, k in ((4100, 2000), (40, 8200)):
         packed, _, wq = packed_records(n, k, bits)
         a, b, w = prologue_inputs(m, k, dtype, n + k + m)
