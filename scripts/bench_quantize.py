@@ -9,13 +9,15 @@ load with ``KbitConfig(bits, calibration_data=..., calibration_samples=S, calibr
 (the default fitting): the model has no tokenizer, so the calibration text is S x L tokens drawn at
 random from the vocabulary (seeded), which costs what real text of that length costs. ``--rotation on,auto``
 adds a load per value with ``KbitConfig(bits, rotation=...)`` (format v3; "auto" quantizes every group both
-ways), counting the weights it stored rotated. Each entry records the peak GPU memory on CUDA. Results go to
+ways), counting the weights it stored rotated; ``--block-offsets`` a load with ``KbitConfig(bits, block_offsets=True)``
+(format v4). Each entry records the peak GPU memory on CUDA. Results go to
 ``--out`` as JSON with the exact command.
 
     python scripts/bench_quantize.py --preset llama3-8b --device cuda --out results/quantize_on_load_llama3-8b_h100.json
     python scripts/bench_quantize.py --preset llama3-8b --device cuda --bits 3 --calibration 128x2048 \
         --out results/calibrate_llama3-8b_h100.json
     python scripts/bench_quantize.py --preset llama3-8b --device cuda --rotation on,auto
+    python scripts/bench_quantize.py --preset llama3-8b --device cuda --block-offsets
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ def _timed_load(folder: Path, device: str, config) -> dict:
 
 
 def run(preset: str, layers: int | None, bits: int, device: str, workdir: Path,
-        calibration: tuple[int, int] | None = None, rotations: list[str] = ()) -> dict:
+        calibration: tuple[int, int] | None = None, rotations: list[str] = (), block_offsets: bool = False) -> dict:
     import torch
 
     import hf_kbit
@@ -118,6 +120,10 @@ def run(preset: str, layers: int | None, bits: int, device: str, workdir: Path,
         timed = _timed_load(folder, device, hf_kbit.KbitConfig(bits=bits, rotation=ROTATIONS[name]))
         results.append({"variant": f"kbit{bits}", "rotation": ROTATIONS[name], **timed})
         print(f"kbit{bits} rotation={name}: {timed['seconds']:.1f} s", file=sys.stderr)
+    if block_offsets:
+        timed = _timed_load(folder, device, hf_kbit.KbitConfig(bits=bits, block_offsets=True))
+        results.append({"variant": f"kbit{bits}", "block_offsets": True, **timed})
+        print(f"kbit{bits} block_offsets: {timed['seconds']:.1f} s", file=sys.stderr)
     if calibration is not None:
         samples, seq_len = calibration
         cal = hf_kbit.KbitConfig(bits=bits, calibration_data="x" * (samples * seq_len), calibration_samples=samples,
@@ -145,10 +151,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time a load calibrated on this many random tokens, e.g. 128x2048 (default: none)")
     parser.add_argument("--rotation", type=parse_rotations, default=[], metavar="on,auto",
                         help="also time loads with KbitConfig(rotation=...) for each value (default: none)")
+    parser.add_argument("--block-offsets", action="store_true",
+                        help="also time a load with KbitConfig(block_offsets=True) (format v4; default: none)")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here (default: print it)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        payload = run(args.preset, args.layers, args.bits, args.device, Path(tmp), args.calibration, args.rotation)
+        payload = run(args.preset, args.layers, args.bits, args.device, Path(tmp), args.calibration, args.rotation,
+                      args.block_offsets)
     payload["command"] = "python scripts/bench_quantize.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text = json.dumps(payload, indent=2) + "\n"
     if args.out is None:

@@ -31,12 +31,12 @@ def unquantized_expert_params(model) -> int:
 
 
 def quantize(model, bits: int, lm_head: bool = False, fuse_projections: bool = True, fusion_pass: bool = True,
-             rotation: bool | str = False):
+             rotation: bool | str = False, block_offsets: bool = False):
     import hf_kbit
 
     skip = [] if lm_head else ["lm_head"]
     config = hf_kbit.KbitConfig(bits=bits, fuse_projections=fuse_projections, fusion_pass=fusion_pass,
-                                rotation=rotation)
+                                rotation=rotation, block_offsets=block_offsets)
     return hf_kbit.quantize_model(model, config, modules_to_not_convert=skip)
 
 
@@ -79,6 +79,7 @@ def settings(
     fusion_pass: bool | None = None,
     attention: str = "sdpa",
     rotation: bool | str = False,
+    block_offsets: bool = False,
 ) -> dict[str, Any]:
     """What a run measures, and under which settings, as its JSON records it (all but the results): what
     ``run`` measures under and ``--resume`` compares. ValueError for settings that cannot run together."""
@@ -121,6 +122,7 @@ def settings(
         "combo_kernels": fusion.compile_options().get("combo_kernels", False) and fusion_pass is not False,
         "attention": attention,  # transformers attention implementation of every variant
         "rotation": rotation,  # KbitConfig.rotation of the kbit variants (format v3: weights stored rotated along K)
+        "block_offsets": block_offsets,  # KbitConfig.block_offsets of the kbit variants (format v4: int16 block records)
         # TORCHINDUCTOR_ENABLE_PDL=1: inductor's Triton kernels launch as programmatic dependents (None: no such config)
         "inductor_pdl": getattr(inductor_config.triton, "enable_pdl", None),
         "graph_step": None if not graph_step else {
@@ -224,7 +226,8 @@ def run(
             info.update({"bits_per_weight": 16.0, "quantized_fraction": 0.0})
         else:
             model = quantize(model, bits, lm_head=head["lm_head_quantized"], fuse_projections=head["fused_projections"],
-                             fusion_pass=head["fusion_pass"] is not False, rotation=head["rotation"])
+                             fusion_pass=head["fusion_pass"] is not False, rotation=head["rotation"],
+                             block_offsets=head["block_offsets"])
             info.update(kbit_summary(model))
         # as this variant's generate() compiles by default (kbit: KbitConfig.fusion_pass), unless told otherwise
         fusion_pass = head["fusion_pass"] if head["fusion_pass"] is not None else bits is not None

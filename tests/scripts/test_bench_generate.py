@@ -186,6 +186,17 @@ def test_rotation_quantizes_the_kbit_variants_rotated():
         decode.run("tiny-llama", [4], "cpu", torch.float32, rotation="on", **kwargs)
 
 
+def test_block_offsets_quantize_the_kbit_variants_with_block_records():
+    kwargs = dict(layers=1, batch_sizes=(1,), prompt_len=4, new_tokens=3, repeats=1, log=lambda *_: None)
+    with_offsets = decode.run("tiny-llama", [4], "cpu", torch.float32, block_offsets=True, **kwargs)
+    plain = decode.run("tiny-llama", [4], "cpu", torch.float32, **kwargs)
+    assert with_offsets["block_offsets"] is True and plain["block_offsets"] is False
+    rows = {r["variant"]: r for r in with_offsets["results"]}
+    plain_rows = {r["variant"]: r for r in plain["results"]}
+    # one more byte per block of 32 weights: +0.25 bits/weight on every Linear of the layer
+    assert rows["kbit4"]["bits_per_weight"] - plain_rows["kbit4"]["bits_per_weight"] == pytest.approx(0.25, abs=1e-9)
+
+
 def test_a_stopped_run_keeps_its_variants_and_resume_finishes_it(tmp_path, monkeypatch, capsys):
     import plot_results
 

@@ -40,3 +40,13 @@ def test_times_rotated_loads(tmp_path):
     assert rotated[0]["rotated_modules"] == 2 * 7 >= rotated[1]["rotated_modules"]  # K = 256 and 512: every Linear
     with pytest.raises(argparse.ArgumentTypeError, match="comma-separated list"):
         bench_quantize.parse_rotations("sometimes")
+
+
+def test_times_a_load_with_block_offsets(tmp_path):
+    out = tmp_path / "q.json"
+    assert bench_quantize.main(["--preset", "tiny-llama", "--device", "cpu", "--bits", "4", "--block-offsets",
+                                "--out", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    rows = [r for r in payload["results"] if r.get("block_offsets")]
+    assert len(rows) == 1 and rows[0]["variant"] == "kbit4" and rows[0]["seconds"] > 0
+    assert "--block-offsets" in payload["command"]
