@@ -206,13 +206,26 @@ template <typename T> __device__ __forceinline__ uint32_t scale_pair(uint32_t co
   return pack2<T>(s, s);
 }
 
-// A block record's offset (kOffsets; the record sign-extended, so bits 8 and up are the offset code o) as a
-// pair of the activation dtype: kOffsetStep * o, exact in both (|o| <= 127: 7 significant bits, exponents
-// 2^-3 .. 2^3). Computed (a shift, a conversion, a multiply, a pack) rather than looked up: shared-memory
-// loads are the decode's busiest pipe, and the scale pair already takes one per record.
-template <typename T> __device__ __forceinline__ uint32_t offset_pair(uint32_t record) {
-  const float o = kOffsetStep * static_cast<float>(static_cast<int32_t>(record) >> 8);
-  return pack2<T>(o, o);
+// A block record's offset (kOffsets; the record sign-extended, so byte 1 is the offset code o in two's complement)
+// as a pair of the activation dtype: kOffsetStep * o, exact in both (|o| <= 127: 7 significant bits, exponents
+// 2^-3 .. 2^3). Built from the bits, three full-rate instructions and no int-to-float: fp16 puts o + 128 into the
+// mantissa of 1024 (byte 1 into each half, its sign bit flipped, exponent 0x64) and one packed fma takes the 1152
+// away while it scales; bf16's 8-bit significand cannot hold o + 128, so o goes into float32's 2^23 + 2^22 (one
+// shift-add of the record), one fma takes that away while it scales, one pack rounds (exactly) to the pair. Computed
+// rather than looked up: shared-memory loads are the decode's busiest pipe, and the scale pair already takes one per
+// record.
+static_assert(kOffsetStep == 0.125f, "offset_pair's constants assume kOffsetStep = 1/8 (format.OFFSET_STEP)");
+template <typename T> __device__ __forceinline__ uint32_t offset_pair(uint32_t record);
+template <> __device__ __forceinline__ uint32_t offset_pair<__half>(uint32_t record) {
+  const uint32_t biased = __byte_perm(record, 0u, 0x4141u) ^ 0x64806480u;  // 1152 + o in each half
+  const __half2 o = __hfma2(*reinterpret_cast<const __half2*>(&biased), __float2half2_rn(kOffsetStep),
+                            __float2half2_rn(-1152.f * kOffsetStep));
+  return *reinterpret_cast<const uint32_t*>(&o);
+}
+template <> __device__ __forceinline__ uint32_t offset_pair<__nv_bfloat16>(uint32_t record) {
+  const float biased = __int_as_float(0x4B400000 + (static_cast<int32_t>(record) >> 8));  // 2^23 + 2^22 + o
+  const float o = __fmaf_rn(biased, kOffsetStep, -12582912.f * kOffsetStep);
+  return pack2<__nv_bfloat16>(o, o);
 }
 
 template <int BITS> struct TileWords {
