@@ -122,7 +122,7 @@ def settings(
         "combo_kernels": fusion.compile_options().get("combo_kernels", False) and fusion_pass is not False,
         "attention": attention,  # transformers attention implementation of every variant
         "rotation": rotation,  # KbitConfig.rotation of the kbit variants (format v3: weights stored rotated along K)
-        "block_offsets": block_offsets,  # KbitConfig.block_offsets of the kbit variants (format v4: int16 block records)
+        "block_offsets": block_offsets,  # KbitConfig.block_offsets of the kbit variants (format v4: block records)
         # TORCHINDUCTOR_ENABLE_PDL=1: inductor's Triton kernels launch as programmatic dependents (None: no such config)
         "inductor_pdl": getattr(inductor_config.triton, "enable_pdl", None),
         "graph_step": None if not graph_step else {
