@@ -100,9 +100,9 @@ class KbitConfig(QuantizationConfigMixin):
             too). 8 more bits per block (+0.25 bits/weight). With ``calibration_data`` each block's offset is chosen
             as the error feedback reaches the block (:mod:`hf_kbit.calibration`); fused MoE experts keep plain scales
             either way. Measured in
-            docs/format.md#block-offsets. The CUDA GEMV and the sm_90a GEMM read the records (2-5% slower per call
-            than uint8 scales at decode, docs/kernels.md), and so does the GEMV with the fused prologues (not yet
-            run on a GPU). ``False`` (default): uint8 scales, format v1/v3.
+            docs/format.md#block-offsets. The CUDA GEMV (with or without the fused prologues) and the sm_90a GEMM
+            read the records (2-5% slower per call than uint8 scales at decode, docs/kernels.md). ``False``
+            (default): uint8 scales, format v1/v3.
         format_version: version of the packed format; a checkpoint newer than this library
             is refused. ``None``: 1, which quantization raises to 3 once a layer is stored rotated and to 4 once
             one holds block records.

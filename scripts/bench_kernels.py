@@ -418,7 +418,7 @@ def bench_offsets(name, k, n, ms, bits_list, results):
                 runs[f"gemv+{OFFSETS_PROLOGUE}"] = lambda p, x=x, r=residual[m]: torch.ops.kbit.mm_add_rmsnorm(
                     x, r, norm_weight, 1e-5, *p, k)
             for label, run in runs.items():
-                calls = {kind: [lambda p=weights[i % ncopy]: run(p) for i in range(ncalls)]
+                calls = {kind: [lambda p=weights[i % ncopy], run=run: run(p) for i in range(ncalls)]
                          for kind, weights in (("codes", packs), ("records", records))}
                 times = {kind: [] for kind in calls}
                 for _ in range(OFFSETS_ROUNDS):

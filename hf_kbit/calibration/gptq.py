@@ -204,6 +204,7 @@ def gptq_quantize(
     indices = torch.empty(g, n, k_pad, dtype=torch.int64, device=device)
     scale = safe = None
     shift = None  # with offsets, the block's decoded offset [G, N]
+    rows32 = rows.float()  # the offset rule reads float32 row scales, as the data-free rule does
     step = min(lazy_columns, k_pad)
     for start in range(0, k_pad, step):
         stop = min(start + step, k_pad)
@@ -217,7 +218,7 @@ def gptq_quantize(
                 block = batch[..., j : j + fmt.BLOCK_SIZE].float().reshape(g, n, 1, fmt.BLOCK_SIZE)
                 block_mask = None if mask is None else mask[blk : blk + 1]
                 if offsets:
-                    chosen, _, found = fitting.offset_blocks(block, rows.float(), cb, codes_below, codes_above,
+                    chosen, _, found = fitting.offset_blocks(block, rows32, cb, codes_below, codes_above,
                                                              block_mask, offset_choice)
                     offset_codes[..., blk] = chosen[..., 0]
                     shift = (chosen[..., 0] * fmt.OFFSET_STEP * rows).to(dtype)
