@@ -11,13 +11,15 @@ random from the vocabulary (seeded), which costs what real text of that length c
 adds a load per value with ``KbitConfig(bits, rotation=...)`` (format v3; "auto" quantizes every group both
 ways), counting the weights it stored rotated; ``--block-offsets`` a load with ``KbitConfig(bits, block_offsets=True)``
 (format v4). Each entry records the peak GPU memory on CUDA. Results go to
-``--out`` as JSON with the exact command.
+``--out`` as JSON with the exact command. ``--rules`` picks the fitting rules timed (default all; ``--rules fit
+--block-offsets`` times the default rule and format v4 only). On CUDA the random model is built on the GPU (its
+initialization on the CPU takes minutes at 8B); each setup stage and each load is reported on stderr as it ends.
 
     python scripts/bench_quantize.py --preset llama3-8b --device cuda --out results/quantize_on_load_llama3-8b_h100.json
     python scripts/bench_quantize.py --preset llama3-8b --device cuda --bits 3 --calibration 128x2048 \
         --out results/calibrate_llama3-8b_h100.json
     python scripts/bench_quantize.py --preset llama3-8b --device cuda --rotation on,auto
-    python scripts/bench_quantize.py --preset llama3-8b --device cuda --block-offsets
+    python scripts/bench_quantize.py --preset llama3-8b --device cuda --rules fit --block-offsets
 """
 
 from __future__ import annotations
@@ -65,6 +67,14 @@ def parse_calibration(value: str) -> tuple[int, int]:
     return int(samples), int(seq_len)
 
 
+def parse_rules(value: str) -> list[str]:
+    """``"absmax,fit"`` -> ["absmax", "fit"]; ``""`` -> [] (time no fitting rule, only the other loads asked for)."""
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if any(n not in RULES for n in names):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {list(RULES)} (or none), got {value!r}")
+    return names
+
+
 def parse_rotations(value: str) -> list[str]:
     """``"on,auto"`` -> ["on", "auto"]."""
     names = [v.strip() for v in value.split(",") if v.strip()]
@@ -98,39 +108,52 @@ def _timed_load(folder: Path, device: str, config) -> dict:
     return result
 
 
+def _stage(what: str, start: float) -> None:
+    print(f"{what}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+
+
 def run(preset: str, layers: int | None, bits: int, device: str, workdir: Path,
-        calibration: tuple[int, int] | None = None, rotations: list[str] = (), block_offsets: bool = False) -> dict:
+        calibration: tuple[int, int] | None = None, rotations: list[str] = (), block_offsets: bool = False,
+        rules: list[str] = RULES) -> dict:
     import torch
 
     import hf_kbit
 
     config = make_config(preset, layers)
-    model = build_model(config, "cpu", torch.bfloat16)
+    start = time.perf_counter()
+    model = build_model(config, device if device.startswith("cuda") else "cpu", torch.bfloat16)
+    _stage(f"built the random {preset} model ({config.num_hidden_layers} layers)", start)
     folder = workdir / "bf16"
+    start = time.perf_counter()
     model.save_pretrained(folder)
     del model
     gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
     _read_all(folder)
+    _stage("saved it as a bf16 checkpoint and read that once", start)
     results = [{"variant": "bf16", **_timed_load(folder, device, None)}]
-    for rule in RULES:
+    print(f"bf16: {results[0]['seconds']:.1f} s", file=sys.stderr, flush=True)
+    for rule in rules:
         timed = _timed_load(folder, device, hf_kbit.KbitConfig(bits=bits, fitting=rule))
         results.append({"variant": f"kbit{bits}", "fitting": rule, **timed})
-        print(f"kbit{bits} fitting={rule}: {timed['seconds']:.1f} s", file=sys.stderr)
+        print(f"kbit{bits} fitting={rule}: {timed['seconds']:.1f} s", file=sys.stderr, flush=True)
     for name in rotations:
         timed = _timed_load(folder, device, hf_kbit.KbitConfig(bits=bits, rotation=ROTATIONS[name]))
         results.append({"variant": f"kbit{bits}", "rotation": ROTATIONS[name], **timed})
-        print(f"kbit{bits} rotation={name}: {timed['seconds']:.1f} s", file=sys.stderr)
+        print(f"kbit{bits} rotation={name}: {timed['seconds']:.1f} s", file=sys.stderr, flush=True)
     if block_offsets:
         timed = _timed_load(folder, device, hf_kbit.KbitConfig(bits=bits, block_offsets=True))
         results.append({"variant": f"kbit{bits}", "block_offsets": True, **timed})
-        print(f"kbit{bits} block_offsets: {timed['seconds']:.1f} s", file=sys.stderr)
+        print(f"kbit{bits} block_offsets: {timed['seconds']:.1f} s", file=sys.stderr, flush=True)
     if calibration is not None:
         samples, seq_len = calibration
         cal = hf_kbit.KbitConfig(bits=bits, calibration_data="x" * (samples * seq_len), calibration_samples=samples,
                                  calibration_seq_len=seq_len, calibration_tokenizer=RandomTokens(config.vocab_size))
         timed = _timed_load(folder, device, cal)
         results.append({"variant": f"kbit{bits}", "calibration": cal.calibration_record(), **timed})
-        print(f"kbit{bits} calibrated on {samples}x{seq_len} tokens: {timed['seconds']:.1f} s", file=sys.stderr)
+        print(f"kbit{bits} calibrated on {samples}x{seq_len} tokens: {timed['seconds']:.1f} s", file=sys.stderr,
+              flush=True)
     return {
         "schema": "hf_kbit.bench_quantize/1",
         "preset": preset,
@@ -147,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers (default: all)")
     parser.add_argument("--bits", type=int, default=4, choices=(2, 3, 4, 5), help="bits per weight (default 4)")
     parser.add_argument("--device", default="cuda", help="device_map of the loads (default cuda)")
+    parser.add_argument("--rules", type=parse_rules, default=list(RULES), metavar="absmax,fit",
+                        help=f"the fitting rules to time, comma-separated (default {','.join(RULES)}; '' for none)")
     parser.add_argument("--calibration", type=parse_calibration, default=None, metavar="SAMPLESxSEQ_LEN",
                         help="also time a load calibrated on this many random tokens, e.g. 128x2048 (default: none)")
     parser.add_argument("--rotation", type=parse_rotations, default=[], metavar="on,auto",
@@ -157,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         payload = run(args.preset, args.layers, args.bits, args.device, Path(tmp), args.calibration, args.rotation,
-                      args.block_offsets)
+                      args.block_offsets, args.rules)
     payload["command"] = "python scripts/bench_quantize.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text = json.dumps(payload, indent=2) + "\n"
     if args.out is None:
