@@ -12,8 +12,8 @@ adds a load per value with ``KbitConfig(bits, rotation=...)`` (format v3; "auto"
 ways), counting the weights it stored rotated; ``--block-offsets`` a load with ``KbitConfig(bits, block_offsets=True)``
 (format v4). Each entry records the peak GPU memory on CUDA. Results go to
 ``--out`` as JSON with the exact command. ``--rules`` picks the fitting rules timed (default all; ``--rules fit
---block-offsets`` times the default rule and format v4 only). On CUDA the random model is built on the GPU (its
-initialization on the CPU takes minutes at 8B); each setup stage and each load is reported on stderr as it ends.
+--block-offsets`` times the default rule and format v4 only). With ``--device cuda`` the random model is built on
+the GPU; each setup stage and each load is reported on stderr as it ends.
 
     python scripts/bench_quantize.py --preset llama3-8b --device cuda --out results/quantize_on_load_llama3-8b_h100.json
     python scripts/bench_quantize.py --preset llama3-8b --device cuda --bits 3 --calibration 128x2048 \
