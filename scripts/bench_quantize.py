@@ -67,20 +67,22 @@ def parse_calibration(value: str) -> tuple[int, int]:
     return int(samples), int(seq_len)
 
 
+def _parse_names(value: str, allowed, allow_none: bool) -> list[str]:
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if (not names and not allow_none) or any(n not in allowed for n in names):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {sorted(allowed)}"
+                                         f"{' (or none)' if allow_none else ''}, got {value!r}")
+    return names
+
+
 def parse_rules(value: str) -> list[str]:
     """``"absmax,fit"`` -> ["absmax", "fit"]; ``""`` -> [] (time no fitting rule, only the other loads asked for)."""
-    names = [v.strip() for v in value.split(",") if v.strip()]
-    if any(n not in RULES for n in names):
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {list(RULES)} (or none), got {value!r}")
-    return names
+    return _parse_names(value, RULES, allow_none=True)
 
 
 def parse_rotations(value: str) -> list[str]:
     """``"on,auto"`` -> ["on", "auto"]."""
-    names = [v.strip() for v in value.split(",") if v.strip()]
-    if not names or any(n not in ROTATIONS for n in names):
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {sorted(ROTATIONS)}, got {value!r}")
-    return names
+    return _parse_names(value, ROTATIONS, allow_none=False)
 
 
 def _timed_load(folder: Path, device: str, config) -> dict:
@@ -108,8 +110,8 @@ def _timed_load(folder: Path, device: str, config) -> dict:
     return result
 
 
-def _stage(what: str, start: float) -> None:
-    print(f"{what}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+def _report(what: str, seconds: float) -> None:
+    print(f"{what}: {seconds:.1f} s", file=sys.stderr, flush=True)
 
 
 def run(preset: str, layers: int | None, bits: int, device: str, workdir: Path,
@@ -119,47 +121,47 @@ def run(preset: str, layers: int | None, bits: int, device: str, workdir: Path,
 
     import hf_kbit
 
+    cuda = device.startswith("cuda")
     config = make_config(preset, layers)
     start = time.perf_counter()
-    model = build_model(config, device if device.startswith("cuda") else "cpu", torch.bfloat16)
-    _stage(f"built the random {preset} model ({config.num_hidden_layers} layers)", start)
+    model = build_model(config, device if cuda else "cpu", torch.bfloat16)
+    _report(f"built the random {preset} model ({config.num_hidden_layers} layers)", time.perf_counter() - start)
     folder = workdir / "bf16"
     start = time.perf_counter()
     model.save_pretrained(folder)
     del model
     gc.collect()
-    if device.startswith("cuda"):
+    if cuda:
         torch.cuda.empty_cache()
     _read_all(folder)
-    _stage("saved it as a bf16 checkpoint and read that once", start)
+    _report("saved it as a bf16 checkpoint and read that once", time.perf_counter() - start)
     results = [{"variant": "bf16", **_timed_load(folder, device, None)}]
-    print(f"bf16: {results[0]['seconds']:.1f} s", file=sys.stderr, flush=True)
+    _report("bf16", results[0]["seconds"])
     for rule in rules:
         timed = _timed_load(folder, device, hf_kbit.KbitConfig(bits=bits, fitting=rule))
         results.append({"variant": f"kbit{bits}", "fitting": rule, **timed})
-        print(f"kbit{bits} fitting={rule}: {timed['seconds']:.1f} s", file=sys.stderr, flush=True)
+        _report(f"kbit{bits} fitting={rule}", timed["seconds"])
     for name in rotations:
         timed = _timed_load(folder, device, hf_kbit.KbitConfig(bits=bits, rotation=ROTATIONS[name]))
         results.append({"variant": f"kbit{bits}", "rotation": ROTATIONS[name], **timed})
-        print(f"kbit{bits} rotation={name}: {timed['seconds']:.1f} s", file=sys.stderr, flush=True)
+        _report(f"kbit{bits} rotation={name}", timed["seconds"])
     if block_offsets:
         timed = _timed_load(folder, device, hf_kbit.KbitConfig(bits=bits, block_offsets=True))
         results.append({"variant": f"kbit{bits}", "block_offsets": True, **timed})
-        print(f"kbit{bits} block_offsets: {timed['seconds']:.1f} s", file=sys.stderr, flush=True)
+        _report(f"kbit{bits} block_offsets", timed["seconds"])
     if calibration is not None:
         samples, seq_len = calibration
         cal = hf_kbit.KbitConfig(bits=bits, calibration_data="x" * (samples * seq_len), calibration_samples=samples,
                                  calibration_seq_len=seq_len, calibration_tokenizer=RandomTokens(config.vocab_size))
         timed = _timed_load(folder, device, cal)
         results.append({"variant": f"kbit{bits}", "calibration": cal.calibration_record(), **timed})
-        print(f"kbit{bits} calibrated on {samples}x{seq_len} tokens: {timed['seconds']:.1f} s", file=sys.stderr,
-              flush=True)
+        _report(f"kbit{bits} calibrated on {samples}x{seq_len} tokens", timed["seconds"])
     return {
         "schema": "hf_kbit.bench_quantize/1",
         "preset": preset,
         "layers": config.num_hidden_layers,
         "bits": bits,
-        "device": torch.cuda.get_device_name() if device.startswith("cuda") else device,
+        "device": torch.cuda.get_device_name() if cuda else device,
         "results": results,
     }
 
