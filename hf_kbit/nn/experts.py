@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import transformers.activations
 from torch import nn
 
 from .. import _ops
@@ -239,10 +240,19 @@ class KbitExperts(KbitModule):
             setattr(self, key, value)
         for child_name, child in experts.named_children():
             self.add_module(child_name, child)
-        self._model_apply_gate = getattr(type(experts), "_apply_gate", None)
+        self._model_apply_gate = model_gating(type(experts))
         self.source_class = type(experts)
 
     # ------------------------------------------------------------------ format contract
+
+    def linear_shape(self, projection: str) -> tuple[int, int]:
+        """``(out_features, in_features)`` of one expert's ``projection``, from the module's own ints. The forward
+        reads these rather than ``layout``'s: dynamo cannot tell that an object such as ``layout`` stays unchanged,
+        and one it must check makes every compiled call evaluate this module's guards, where plain ints and dicts
+        let it skip them while the module's dicts are unchanged (torch's recursive dict tags)."""
+        if projection == "gate_up_proj":
+            return 2 * self.intermediate_size, self.hidden_size
+        return self.hidden_size, self.intermediate_size
 
     def packed_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shape of each format tensor (the checkpoint contract, see hf_kbit.checkpoint)."""
@@ -322,7 +332,7 @@ class KbitExperts(KbitModule):
     def format_layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         layout = {}
         for projection, prefix in PROJECTIONS.items():
-            n, k = self.layout.linear_shape(projection)
+            n, k = self.linear_shape(projection)
             for t, (dtype, shape) in format_layout(n, k, self.bits[projection], self.rotated[projection]).items():
                 lead = (self.num_experts,) if t in FORMAT_TENSORS[:3] else ()
                 layout[f"{prefix}_{t}"] = (dtype, lead + shape)
@@ -332,7 +342,7 @@ class KbitExperts(KbitModule):
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The model's gating of ``gate_up [S, 2I] -> [S, I]`` (default: ``act_fn(gate) * up``)."""
-        return apply_gate(self, gate_up, self._model_apply_gate)
+        return apply_gate(self, gate_up)
 
     def _project(self, projection: str, x: torch.Tensor, expert_ids: torch.Tensor, routing,
                  x_repeat: int = 1) -> torch.Tensor:
@@ -346,7 +356,7 @@ class KbitExperts(KbitModule):
             x,
             expert_ids,
             *tensors,
-            self.layout.linear_shape(projection)[1],
+            self.linear_shape(projection)[1],
             *(routing or (None, None)),
             signs,
             x_repeat,
@@ -392,7 +402,7 @@ class KbitExperts(KbitModule):
             getattr(self, f"{prefix}_block_scales"),
             getattr(self, f"{prefix}_row_scales"),
             getattr(self, f"{prefix}_codebook"),
-            self.layout.linear_shape(projection)[1],
+            self.linear_shape(projection)[1],
             dtype,
             self.rotation_signs(projection),
         )
@@ -484,15 +494,21 @@ def chosen_basis(candidates: list[Basis]) -> Basis:
     return rotated if rotation_policy.keeps_rotated(error(rotated), error(plain)) else plain
 
 
-def apply_gate(module: nn.Module, gate_up: torch.Tensor, model_apply_gate=None) -> torch.Tensor:
+def model_gating(cls: type):
+    """``cls``'s own ``_apply_gate`` (gpt_oss's clamped, interleaved GLU), or None where it has none or has
+    transformers' default, ``act_fn(gate) * up``."""
+    gate = getattr(cls, "_apply_gate", None)
+    return None if gate is None or _is_default_gate(gate) else gate
+
+
+def apply_gate(module: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
     """The gating of an experts module (the model's own or a :class:`KbitExperts`) on ``gate_up [S, 2I]`` (the
-    gate/up projection's output in Linear layout) -> ``[S, I]``: its class's ``_apply_gate`` (gpt_oss's clamped,
-    interleaved GLU; ``model_apply_gate`` for a KbitExperts, which keeps the model's), else ``act_fn(gate) * up``
-    (transformers' default ``_apply_gate``), which a SiLU ``act_fn`` computes as one op, ``kbit::silu_glu``."""
-    if model_apply_gate is None and not isinstance(module, KbitExperts):
-        model_apply_gate = getattr(type(module), "_apply_gate", None)
-    if model_apply_gate is not None and not _is_default_gate(model_apply_gate):
-        return model_apply_gate(module, gate_up)
+    gate/up projection's output in Linear layout) -> ``[S, I]``: its class's own ``_apply_gate`` (a KbitExperts
+    keeps the model's, :func:`model_gating` when built), else ``act_fn(gate) * up`` (transformers' default
+    ``_apply_gate``), which a SiLU ``act_fn`` computes as one op, ``kbit::silu_glu``."""
+    gate = module._model_apply_gate if isinstance(module, KbitExperts) else model_gating(type(module))
+    if gate is not None:
+        return gate(module, gate_up)
     if _is_silu(module.act_fn) and gate_up.dim() == 2 and not gate_up.requires_grad:
         return torch.ops.kbit.silu_glu(gate_up)  # one launch on CUDA, the same roundings
     gate, up = gate_up.chunk(2, dim=-1)
@@ -507,11 +523,14 @@ def _is_default_gate(fn) -> bool:
         "transformers.integrations.moe", "_default_apply_gate")
 
 
+_SILU_CLASSES = tuple(c for c in (nn.SiLU, getattr(transformers.activations, "SiLUActivation", None)) if c is not None)
+
+
 def _is_silu(act_fn) -> bool:
-    """``act_fn`` computes ``F.silu``: torch's ``nn.SiLU`` or transformers' ``SiLUActivation`` (``ACT2FN["silu"]``)."""
-    cls = type(act_fn)
-    return (cls.__module__, cls.__qualname__) in (
-        ("torch.nn.modules.activation", "SiLU"), ("transformers.activations", "SiLUActivation"))
+    """``act_fn`` computes ``F.silu``: torch's ``nn.SiLU`` or transformers' ``SiLUActivation`` (``ACT2FN["silu"]``).
+    By class (an isinstance check traces as a guard on the type alone, which dynamo's recursive dict tags can skip;
+    one on the class's ``__qualname__`` cannot be)."""
+    return isinstance(act_fn, _SILU_CLASSES)
 
 
 # ---------------------------------------------------------------------- model-level helpers

@@ -388,7 +388,9 @@ class KbitLinear(KbitModule):
         self.pack_storage()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = packed_matmul(self, x) if self.fused_into is None else fused_output(self, x)
+        # fused_group, not fused_into: the siblings reach one fused module, and reading it through each of them
+        # would make dynamo guard that they are the same object (a Python guard per sibling, run at every call).
+        out = packed_matmul(self, x) if self.fused_group < 0 else fused_output(self, x)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out
