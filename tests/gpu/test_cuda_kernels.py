@@ -325,6 +325,24 @@ def test_gemm_offset_x_and_packed_views():
     assert rel_err(aligned, x.double() @ wq.double().T) < MM_REL_TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("m", [1, 16], ids=lambda m: f"M{m}")
+def test_gemv_block_scales_off_16_byte_boundaries(m):
+    """block_scales 4, 8 or 12 bytes past a 16-byte boundary (the C entry takes 4-byte aligned ones; on sm_90 the
+    GEMV's weight ring copies them from the boundary below) give the aligned result bit for bit."""
+    from hf_kbit.backends import cuda as backend
+
+    n, k, bits = 1000, 4096, 4
+    (planes, scales, rs, cb), wq = packed_reference(n, k, bits)
+    x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+    aligned = backend.run_path("gemv", x, planes, scales, rs, cb, k)
+    assert rel_err(aligned, x.double() @ wq.double().T) < MM_REL_TOL[torch.bfloat16]
+    for shift in (4, 8, 12):
+        flat = torch.cat([torch.zeros(shift, dtype=torch.uint8, device=DEVICE), scales.flatten()])
+        shifted = flat[shift:].view(scales.shape)
+        assert shifted.data_ptr() % 16 == shift
+        assert torch.equal(backend.run_path("gemv", x, planes, shifted, rs, cb, k), aligned), shift
+
+
 @pytest.mark.parametrize("lead", [(2, 3), (1,), (4, 1, 2)], ids=str)
 def test_mm_leading_dims_and_noncontiguous(lead):
     n, k, bits = 300, 700, 4

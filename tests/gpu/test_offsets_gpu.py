@@ -153,6 +153,22 @@ def test_offsets_gemv_every_plan_mode(case, bits, dtype):
     assert rel_err(out, x.double() @ wq.double().T) < MM_REL_TOL[dtype]
 
 
+@pytest.mark.parametrize("m", [1, 16], ids=lambda m: f"M{m}")
+def test_offsets_gemv_records_off_16_byte_boundaries(m):
+    """Records 2 to 14 bytes past a 16-byte boundary (the C entry takes 2-byte aligned ones; on sm_90 the GEMV's
+    weight ring copies them from the boundary below) give the aligned result bit for bit."""
+    n, k, bits = 1000, 4096, 4
+    (planes, records, rs, cb), _, wq = packed_records(n, k, bits)
+    x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+    aligned = backend().run_path("gemv", x, planes, records, rs, cb, k)
+    assert rel_err(aligned, x.double() @ wq.double().T) < MM_REL_TOL[torch.bfloat16]
+    for shift in range(2, 16, 2):
+        flat = torch.cat([torch.zeros(shift // 2, dtype=records.dtype, device=DEVICE), records.flatten()])
+        shifted = flat[shift // 2:].view(records.shape)
+        assert shifted.data_ptr() % 16 == shift
+        assert torch.equal(backend().run_path("gemv", x, planes, shifted, rs, cb, k), aligned), shift
+
+
 @pytest.mark.parametrize("m", GEMV_MS, ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("shape", [(4100, 2000), (40, 8200), (5, 33)], ids=lambda s: f"N{s[0]}K{s[1]}")
 @pytest.mark.parametrize("bits,dtype", table_cases("gemv"))
