@@ -265,7 +265,7 @@ class KbitExperts(KbitModule):
             self.rotated = {**self.rotated, projection: rotated}
 
     def rotation_in_features(self) -> dict[str, int]:
-        return {f"{prefix}_{ROTATION_SIGNS}": self.layout.linear_shape(p)[1] for p, prefix in PROJECTIONS.items()}
+        return {f"{prefix}_{ROTATION_SIGNS}": self.linear_shape(p)[1] for p, prefix in PROJECTIONS.items()}
 
     def rotation_signs(self, projection: str) -> torch.Tensor | None:
         """``projection``'s sign words (the buffer ``<prefix>_rotation_signs``), None when it is not rotated."""

@@ -396,8 +396,8 @@ def _guard_managers(manager):
         yield from _guard_managers(child)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_compiled_forward_can_skip_the_modules_guards(family):
+@pytest.mark.parametrize("family, rotation", [("qwen3_moe", False), ("gpt_oss", False), ("qwen3_moe", True)])
+def test_compiled_forward_can_skip_the_modules_guards(family, rotation):
     """The forward reads only ints, dicts, tensors and the model's gating function of the module, so dynamo's
     recursive dict tags (``use_recursive_dict_tags_for_guards``) can skip its guards while its dicts are unchanged:
     its guard manager is tag safe. An object attribute (such as the layout dataclass) or a class's ``__qualname__``
@@ -406,7 +406,8 @@ def test_compiled_forward_can_skip_the_modules_guards(family):
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     name, experts = _float_experts(family)
-    kbit = KbitExperts.from_experts(experts, name=name).to(torch.bfloat16)
+    kbit = KbitExperts.from_experts(experts, name=name, rotation=rotation).to(torch.bfloat16)
+    assert any(kbit.rotated.values()) == rotation
 
     class Block(torch.nn.Module):
         def __init__(self):
