@@ -69,9 +69,14 @@ class ExpertsLayout:
 
     def linear_shape(self, projection: str) -> tuple[int, int]:
         """``(out_features, in_features)`` of one expert's ``projection``."""
-        if projection == "gate_up_proj":
-            return 2 * self.intermediate_size, self.hidden_size
-        return self.hidden_size, self.intermediate_size
+        return linear_shape(projection, self.hidden_size, self.intermediate_size)
+
+
+def linear_shape(projection: str, hidden_size: int, intermediate_size: int) -> tuple[int, int]:
+    """``(out_features, in_features)`` of one expert's ``projection`` in an experts module of these sizes."""
+    if projection == "gate_up_proj":
+        return 2 * intermediate_size, hidden_size
+    return hidden_size, intermediate_size
 
 
 def fused_experts_layout(module: nn.Module, name: str = "experts") -> ExpertsLayout | None:
@@ -250,9 +255,7 @@ class KbitExperts(KbitModule):
         reads these rather than ``layout``'s: dynamo cannot tell that an object such as ``layout`` stays unchanged,
         and one it must check makes every compiled call evaluate this module's guards, where plain ints and dicts
         let it skip them while the module's dicts are unchanged (torch's recursive dict tags)."""
-        if projection == "gate_up_proj":
-            return 2 * self.intermediate_size, self.hidden_size
-        return self.hidden_size, self.intermediate_size
+        return linear_shape(projection, self.hidden_size, self.intermediate_size)
 
     def packed_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shape of each format tensor (the checkpoint contract, see hf_kbit.checkpoint)."""
@@ -523,7 +526,7 @@ def _is_default_gate(fn) -> bool:
         "transformers.integrations.moe", "_default_apply_gate")
 
 
-_SILU_CLASSES = tuple(c for c in (nn.SiLU, getattr(transformers.activations, "SiLUActivation", None)) if c is not None)
+_SILU_CLASSES = (nn.SiLU, transformers.activations.SiLUActivation)
 
 
 def _is_silu(act_fn) -> bool:

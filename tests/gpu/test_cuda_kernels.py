@@ -327,8 +327,8 @@ def test_gemm_offset_x_and_packed_views():
 
 @pytest.mark.parametrize("m", [1, 16], ids=lambda m: f"M{m}")
 def test_gemv_block_scales_off_16_byte_boundaries(m):
-    """block_scales 4, 8 or 12 bytes past a 16-byte boundary (the C entry takes 4-byte aligned ones; on sm_90 the
-    GEMV's weight ring copies them from the boundary below) give the aligned result bit for bit."""
+    """block_scales 4, 8 or 12 bytes past a 16-byte boundary (the C entry takes 4-byte aligned ones, and run_path
+    passes the view as it is) give the aligned result bit for bit."""
     from hf_kbit.backends import cuda as backend
 
     n, k, bits = 1000, 4096, 4

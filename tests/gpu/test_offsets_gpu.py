@@ -155,8 +155,8 @@ def test_offsets_gemv_every_plan_mode(case, bits, dtype):
 
 @pytest.mark.parametrize("m", [1, 16], ids=lambda m: f"M{m}")
 def test_offsets_gemv_records_off_16_byte_boundaries(m):
-    """Records 2 to 14 bytes past a 16-byte boundary (the C entry takes 2-byte aligned ones; on sm_90 the GEMV's
-    weight ring copies them from the boundary below) give the aligned result bit for bit."""
+    """Records 2 to 14 bytes past a 16-byte boundary (the C entry takes 2-byte aligned ones, and run_path passes
+    the view as it is) give the aligned result bit for bit."""
     n, k, bits = 1000, 4096, 4
     (planes, records, rs, cb), _, wq = packed_records(n, k, bits)
     x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
