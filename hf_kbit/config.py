@@ -99,10 +99,14 @@ class KbitConfig(QuantizationConfigMixin):
             weights whose blocks are not centred on zero (zero-point formats such as GGUF Q4_1 and HQQ store one
             too). 8 more bits per block (+0.25 bits/weight). With ``calibration_data`` each block's offset is chosen
             as the error feedback reaches the block (:mod:`hf_kbit.calibration`); fused MoE experts keep plain scales
-            either way. Measured in
-            docs/format.md#block-offsets. The CUDA GEMV (with or without the fused prologues) and the sm_90a GEMM
-            read the records (2-5% slower per call than uint8 scales at decode, docs/kernels.md). ``False``
-            (default): uint8 scales, format v1/v3.
+            either way. ``None`` (default): on, except with ``rotation`` or ``fitting="absmax"``
+            (:meth:`resolved_block_offsets`; no kernel reads records rotated, and absmax is the format's plain
+            rule); with them k = 3 and 4 measure below HQQ 3- and 4-bit g64 at equal bits on both offline models'
+            prose (a tie at k = 4 on Qwen's code) and k = 5 within 1% of bf16 (docs/format.md#block-offsets).
+            The CUDA GEMV (with or without the fused prologues), the sm_90a GEMM and the dequantize kernel read
+            the records; a decode call costs 2-5% more than on uint8 scales (docs/kernels.md). ``False``: uint8
+            scales, format v1/v3. A quantized model's config records what was done; a pre-quantized checkpoint
+            without the field has none.
         format_version: version of the packed format; a checkpoint newer than this library
             is refused. ``None``: 1, which quantization raises to 3 once a layer is stored rotated and to 4 once
             one holds block records.
@@ -151,7 +155,7 @@ class KbitConfig(QuantizationConfigMixin):
         rotation: bool | str = False,
         rotation_seed: int = 0,
         head_rotation: bool | None = None,
-        block_offsets: bool = False,
+        block_offsets: bool | None = None,
         **kwargs: Any,
     ):
         self.quant_method = QUANT_METHOD
@@ -230,11 +234,12 @@ class KbitConfig(QuantizationConfigMixin):
             )
         if self.fitting is not None and self.fitting not in FITTINGS:
             raise ValueError(f"KbitConfig.fitting must be one of {FITTINGS} or None, got {self.fitting!r}")
-        for field in ("fuse_projections", "fusion_pass", "block_offsets"):
+        for field in ("fuse_projections", "fusion_pass"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"KbitConfig.{field} must be a bool, got {getattr(self, field)!r}")
-        if self.head_rotation is not None and not isinstance(self.head_rotation, bool):
-            raise TypeError(f"KbitConfig.head_rotation must be a bool or None, got {self.head_rotation!r}")
+        for field in ("head_rotation", "block_offsets"):
+            if getattr(self, field) is not None and not isinstance(getattr(self, field), bool):
+                raise TypeError(f"KbitConfig.{field} must be a bool or None, got {getattr(self, field)!r}")
         check_rotation(self.rotation)
         check_seed(self.rotation_seed)
         if self.rotation is False and self.rotation_seed != 0:
@@ -323,6 +328,15 @@ class KbitConfig(QuantizationConfigMixin):
             return self.calibration
         samples, seq_len = self.calibration_shape()
         return {"method": CALIBRATION_METHOD, "samples": samples, "seq_len": seq_len, "tokens": samples * seq_len}
+
+    def resolved_block_offsets(self, pre_quantized: bool = False) -> bool:
+        """Whether quantization with this config gives blocks offsets: ``block_offsets`` ``True`` or ``False`` as
+        given; ``None``: on unless ``rotation`` is on (no kernel reads block records rotated) or ``fitting`` is
+        ``"absmax"`` (the format's plain rule). A pre-quantized checkpoint without the field has none: ``None`` is
+        ``False`` there."""
+        if self.block_offsets is not None or pre_quantized:
+            return bool(self.block_offsets)
+        return self.rotation is False and self.fitting != "absmax"
 
     def bits_for(self, module_name: str) -> int:
         """Bits of the module called ``module_name`` (``module_bits`` first, then ``bits``)."""

@@ -53,9 +53,11 @@ FAST_DECODING = ('AutoModelForCausalLM.from_pretrained(repo, attn_implementation
                  'then model.generate(..., cache_implementation="static")')
 FAST_LM_HEAD = ("--skip-modules with no names quantizes the LM head too (faster decoding, some perplexity; "
                 "--module-bits '^lm_head$=5' keeps more of it)")
-# The accuracy choice at low k (kbit-convert prints it when it wrote k <= 3 tensors unrotated).
-LOW_BIT_ROTATION = ("--rotation inputs stores the input projections rotated: at k = 3 it measured below HQQ 3-bit's "
-                    "perplexity on both offline models, for about 5% of decode speed (docs/format.md#rotation)")
+# The accuracy choices at low k (kbit-convert prints them when it wrote k <= 3 tensors unrotated and without block
+# offsets: --fitting absmax or --block-offsets off).
+LOW_BIT_ROTATION = ("block offsets (the default with the fitted rule: --fitting fit, --block-offsets on) or --rotation "
+                    "inputs: at k = 3 each measured below HQQ 3-bit's perplexity on both offline models, for 2-5% of "
+                    "decode speed (docs/format.md#block-offsets, #rotation)")
 
 
 def template_path() -> Path:

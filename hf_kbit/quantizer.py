@@ -40,7 +40,7 @@ class KbitHfQuantizer(HfQuantizer):
     quantization_config: KbitConfig
 
     def __init__(self, quantization_config: KbitConfig, **kwargs: Any):
-        # A copy: loading settles fields on it (head_rotation, format_version) that the caller's config, which may
+        # A copy: loading settles fields on it (head_rotation, block_offsets, format_version) that the caller's config, which may
         # load another model next, must not inherit. transformers saves this copy as the model's config.
         super().__init__(copy.copy(quantization_config), **kwargs)
         self.modules_to_not_convert: list[str] = []
@@ -97,6 +97,7 @@ class KbitHfQuantizer(HfQuantizer):
         self.modules_to_not_convert = self.skipped_modules(model)
         config = self.quantization_config
         config.head_rotation = head_rotation.resolve(config, model, self.pre_quantized)
+        config.block_offsets = config.resolved_block_offsets(self.pre_quantized)
         if not self.pre_quantized:
             check_quantizable(config)
         if self.calibrates:  # loaded unquantized; _process_model_after_weight_loading calibrates and quantizes

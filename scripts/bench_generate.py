@@ -19,9 +19,9 @@ prefetched before the programmatic-dependent wait), against the same run without
 
     python scripts/bench_generate.py --preset llama3-8b --bits 3 --batch-sizes 1,8 --rotation on
 
-and what block offsets (format v4's int16 block records) cost it, against a run without them:
+and what block offsets (format v4's int16 block records, on by default) cost it, against a run without them:
 
-    python scripts/bench_generate.py --preset llama3-8b --bits 4 --block-offsets
+    python scripts/bench_generate.py --preset llama3-8b --bits 4 --block-offsets off
 
 Host and device time per token are reported apart (``device_ms_per_token``, ``host_ms_per_token``):
 the device time of a decode step is the graph step's (below: the compiled step captured in a CUDA graph,
@@ -156,9 +156,10 @@ def main(argv: list[str] | None = None) -> int:
                         "every weight whose in_features is a multiple of 64, 'inputs' those of the input projections "
                         "(not o/down), 'auto' where it lowers the weight error; "
                         "the random weights make 'auto' a test of the decision, not of a real model (default off)")
-    parser.add_argument("--block-offsets", action="store_true",
-                        help="the kbit variants with KbitConfig(block_offsets=True) (format v4, "
-                             "docs/format.md#block-offsets; default off)")
+    parser.add_argument("--block-offsets", nargs="?", const="on", choices=("on", "off"), default=None,
+                        help="the kbit variants' KbitConfig.block_offsets (format v4's block records, "
+                             "docs/format.md#block-offsets; default: KbitConfig's, on unless rotated; the flag alone "
+                             "is 'on')")
     parser.add_argument("--recommended", action="store_true",
                         help="the recommended settings: --attention kbit_decode and --quantize-lm-head")
     parser.add_argument("--attention", default="sdpa", choices=ATTENTIONS,
@@ -189,12 +190,13 @@ def main(argv: list[str] | None = None) -> int:
         kernel_breakdown=args.kernel_breakdown,
         fuse_projections=not args.no_fuse_projections, fusion_pass=args.fusion_pass, attention=args.attention,
         rotation={"off": False, "on": True, "inputs": "inputs", "auto": "auto"}[args.rotation],
-        block_offsets=args.block_offsets,
+        block_offsets=None if args.block_offsets is None else args.block_offsets == "on",
     )
     head = "_lmhead" if args.quantize_lm_head else ""
     attention = "" if args.attention == "sdpa" else f"_{args.attention}"
     suffix = ("_recommended" if args.recommended else f"{head}{attention}") + (
-        "" if args.rotation == "off" else f"_rotation_{args.rotation}") + ("_offsets" if args.block_offsets else "")
+        "" if args.rotation == "off" else f"_rotation_{args.rotation}") + (
+        "" if args.block_offsets is None else f"_offsets_{args.block_offsets}")
     out = args.out or f"results/bench_generate_{args.preset}_{device.split(':')[0]}{suffix}.json"
     machine = environment()
     kept = None

@@ -9,17 +9,18 @@ load with ``KbitConfig(bits, calibration_data=..., calibration_samples=S, calibr
 (the default fitting): the model has no tokenizer, so the calibration text is S x L tokens drawn at
 random from the vocabulary (seeded), which costs what real text of that length costs. ``--rotation on,auto``
 adds a load per value with ``KbitConfig(bits, rotation=...)`` (format v3; "auto" quantizes every group both
-ways), counting the weights it stored rotated; ``--block-offsets`` a load with ``KbitConfig(bits, block_offsets=True)``
-(format v4). Each entry records the peak GPU memory on CUDA. Results go to
-``--out`` as JSON with the exact command. ``--rules`` picks the fitting rules timed (default all; ``--rules fit
---block-offsets`` times the default rule and format v4 only). With ``--device cuda`` the random model is built on
+ways), counting the weights it stored rotated; ``--without-offsets`` a load with ``KbitConfig(bits, block_offsets=False)``
+(format v1's uint8 scales; the default rule gives blocks offsets, format v4). Each entry records the block offsets
+its load gave (``block_offsets``) and the peak GPU memory on CUDA. Results go to
+``--out`` as JSON with the exact command. ``--rules`` picks the fitting rules timed (default all; ``--rules fit``
+times the default rule only). With ``--device cuda`` the random model is built on
 the GPU; each setup stage and each load is reported on stderr as it ends.
 
     python scripts/bench_quantize.py --preset llama3-8b --device cuda --out results/quantize_on_load_llama3-8b_h100.json
     python scripts/bench_quantize.py --preset llama3-8b --device cuda --bits 3 --calibration 128x2048 \
         --out results/calibrate_llama3-8b_h100.json
     python scripts/bench_quantize.py --preset llama3-8b --device cuda --rotation on,auto
-    python scripts/bench_quantize.py --preset llama3-8b --device cuda --rules fit --block-offsets
+    python scripts/bench_quantize.py --preset llama3-8b --device cuda --rules fit --without-offsets
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ def _timed_load(folder: Path, device: str, config) -> dict:
     result = {"seconds": round(time.perf_counter() - start, 2)}
     if cuda:
         result["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+    if config is not None:  # as the load settled it (KbitConfig.block_offsets=None: the default rule)
+        result["block_offsets"] = model.config.quantization_config.block_offsets
     if config is not None and config.rotation is not False:
         from hf_kbit.nn.linear import KbitModule
 
@@ -115,7 +118,7 @@ def _report(what: str, seconds: float) -> None:
 
 
 def run(preset: str, layers: int | None, bits: int, device: str, workdir: Path,
-        calibration: tuple[int, int] | None = None, rotations: list[str] = (), block_offsets: bool = False,
+        calibration: tuple[int, int] | None = None, rotations: list[str] = (), without_offsets: bool = False,
         rules: list[str] = RULES) -> dict:
     import torch
 
@@ -145,10 +148,10 @@ def run(preset: str, layers: int | None, bits: int, device: str, workdir: Path,
         timed = _timed_load(folder, device, hf_kbit.KbitConfig(bits=bits, rotation=ROTATIONS[name]))
         results.append({"variant": f"kbit{bits}", "rotation": ROTATIONS[name], **timed})
         _report(f"kbit{bits} rotation={name}", timed["seconds"])
-    if block_offsets:
-        timed = _timed_load(folder, device, hf_kbit.KbitConfig(bits=bits, block_offsets=True))
-        results.append({"variant": f"kbit{bits}", "block_offsets": True, **timed})
-        _report(f"kbit{bits} block_offsets", timed["seconds"])
+    if without_offsets:
+        timed = _timed_load(folder, device, hf_kbit.KbitConfig(bits=bits, block_offsets=False))
+        results.append({"variant": f"kbit{bits}", **timed})
+        _report(f"kbit{bits} block_offsets=False", timed["seconds"])
     if calibration is not None:
         samples, seq_len = calibration
         cal = hf_kbit.KbitConfig(bits=bits, calibration_data="x" * (samples * seq_len), calibration_samples=samples,
@@ -178,13 +181,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time a load calibrated on this many random tokens, e.g. 128x2048 (default: none)")
     parser.add_argument("--rotation", type=parse_rotations, default=[], metavar="on,auto",
                         help="also time loads with KbitConfig(rotation=...) for each value (default: none)")
-    parser.add_argument("--block-offsets", action="store_true",
-                        help="also time a load with KbitConfig(block_offsets=True) (format v4; default: none)")
+    parser.add_argument("--without-offsets", action="store_true",
+                        help="also time a load with KbitConfig(block_offsets=False) (format v1; default: none)")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here (default: print it)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         payload = run(args.preset, args.layers, args.bits, args.device, Path(tmp), args.calibration, args.rotation,
-                      args.block_offsets, args.rules)
+                      args.without_offsets, args.rules)
     payload["command"] = "python scripts/bench_quantize.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text = json.dumps(payload, indent=2) + "\n"
     if args.out is None:

@@ -153,14 +153,17 @@ PERPLEXITY_METHOD = (
     "default rule, `fitting=\"fit\"` (block codes searched by reconstruction error, a Lloyd-fitted codebook per "
     "layer, shared by the siblings that fuse: q/k/v, gate/up, each member weighing alike in its fit at k <= 4) "
     "and, at k <= 4, v_proj and o_proj turned per attention head (docs/format.md#head-rotation; "
-    "`:head_rotation=false` rows without); "
+    "`:head_rotation=false` rows without), and an 8-bit offset per block of 32 (format v4's block records, +0.25 "
+    "bits/weight; at k = 5 only where it lowers the block's error; docs/format.md#block-offsets; "
+    "`:block_offsets=false` rows without: format v1); "
     "`kbit<k>:rotation=true`, `:rotation=inputs` and `:rotation=auto` add rotation (docs/format.md#rotation, "
     "segments of 8) on every layer, on the input projections only (not o/down), or on the groups whose weight "
     "error it lowers, with v/o turned as well (`:head_rotation=true`, which the default leaves off with "
     "rotation; docs/format.md#rotation gives both); `kbit<k>-absmax` quantizes with "
-    "`fitting=\"absmax\"`, the format's plain rule. `kbitfit<k>` is the same fitting per layer (no sharing), "
-    "fake-quantized like the anchors (`-scales`: the code search alone); against `kbit<k>` it prices the "
-    "siblings' shared codebook. `kbitcal<k>` is the same format calibrated (`hf_kbit.calibration`, "
+    "`fitting=\"absmax\"`, the format's plain rule (no offsets, as with rotation). `kbitfit<k>` is the same "
+    "fitting per layer (no sharing), fake-quantized like the anchors (`-scales`: the code search alone); against "
+    "`kbit<k>` it prices the siblings' shared codebook. `kbitcal<k>` is the same format calibrated "
+    "(`hf_kbit.calibration`, block offsets chosen as the error feedback reaches each block, "
     "GPTQ-style error feedback, 128 sequences of 2048 tokens taken from the corpus after the scored prefix, so "
     "no calibration token is scored; v and o are not turned). The `_calibrated` janeausten files are the "
     "calibration runs (the same windows); the plot takes only their kbitcal rows. Every variant quantizes the same "
@@ -195,6 +198,8 @@ def bench_labels(p: dict[str, Any]) -> list[str]:
         labels.append("kbit default compile")
     if p.get("rotation"):  # KbitConfig.rotation of the kbit variants (True, "inputs" or "auto")
         labels.append(f"kbit rotation={p['rotation']}")
+    if p.get("block_offsets"):  # KbitConfig.block_offsets as quantization settled it (format v4's block records)
+        labels.append("kbit block offsets")
     return labels + ([f"{p['attention']} attention"] if p.get("attention", "sdpa") != "sdpa" else [])
 
 
@@ -278,6 +283,18 @@ def _pm(v: float | None, se: float | None) -> str:
     return f"{v:+{spec}}" + ("" if se is None else f" ± {se:{spec}}")
 
 
+def _before_default_offsets(r: dict[str, Any]) -> bool:
+    """Whether a perplexity row was quantized without the block offsets its spec gives today: a kbit row without a
+    count of records (summaries before the default changed) whose config now resolves to offsets, or a fitted row
+    (kbitfit, kbitcal) whose anchor is format v1 without asking for it."""
+    from hf_kbit import KbitConfig
+
+    options = r.get("options", {})
+    if _method(r) == "kbit":
+        return "block_records_weights" not in r and KbitConfig(bits=r["bits"], **options).resolved_block_offsets()
+    return r.get("anchor", "").startswith("kbit format v1") and "offsets" not in options
+
+
 def perplexity_markdown(p: dict[str, Any]) -> str:
     paired = any("delta_ppl_se" in r for r in p["results"])  # schema 2: paired SEs, SQNR, anchors
     against_hqq = vs_hqq(p) if paired else {}
@@ -300,6 +317,10 @@ def perplexity_markdown(p: dict[str, Any]) -> str:
     table = format_table(headers, rows)
     w, t = p["windows"], p["tokenization"]
     heads = sorted({r["lm_head_bits"] for r in p["results"] if r.get("lm_head_bits")})
+    v1 = [r["variant"] for r in p["results"] if _before_default_offsets(r)]
+    about_v1 = [] if not v1 else [
+        (f"Rows quantized before block offsets became the default ({', '.join(f'`{v}`' for v in v1)}) hold uint8 "
+         "block scales: what `:block_offsets=false` (kbit) and `:offsets=0` (kbitfit, kbitcal) give now."), ""]
     about_heads = [] if not heads else [
         f"`kbit<k>-head<h>`: the LM head quantized too, at k = h "
         f"(`KbitConfig(bits=k, modules_to_not_convert=[], module_bits={{'^lm_head$': h}})`); bits/weight and "
@@ -314,6 +335,7 @@ def perplexity_markdown(p: dict[str, Any]) -> str:
         f"{next((r['kbit_forward'] for r in p['results'] if _method(r) == 'kbit'), '-')}. From `results/{p['_file']}`.",
         "",
         *about_heads,
+        *about_v1,
         table,
         "",
         "```bash",

@@ -80,6 +80,22 @@ def test_head_rotation_flag(capsys, llama_fp32, tmp_path, flags, turned):
     assert ("| Rotation | none along K; v_proj and o_proj turned per attention head" in card) is turned
 
 
+def test_convert_gives_block_offsets_by_default(capsys, llama_fp32, tmp_path):
+    """Without --block-offsets the fitted rule writes block records (format v4), and no k <= 3 hint is printed;
+    --block-offsets off writes format v1 and prints it."""
+    code, stdout, _ = run(capsys, llama_fp32, "--bits", "3", "--out", tmp_path / "on", "--no-progress")
+    assert code == 0, stdout
+    qc = json.loads((tmp_path / "on" / "config.json").read_text())["quantization_config"]
+    assert qc["block_offsets"] is True and qc["format_version"] == 4 and "k <= 3" not in stdout
+    assert "| Block offsets | an 8-bit offset per block of 32" in (tmp_path / "on" / "README.md").read_text()
+    code, stdout, _ = run(capsys, llama_fp32, "--bits", "3", "--out", tmp_path / "off", "--no-progress",
+                          "--block-offsets", "off")
+    assert code == 0, stdout
+    qc = json.loads((tmp_path / "off" / "config.json").read_text())["quantization_config"]
+    assert "block_offsets" not in qc and qc["format_version"] == 1
+    assert "k <= 3, unrotated, without block offsets" in stdout
+
+
 def test_convert_end_to_end(capsys, llama_fp32, tmp_path):
     out = tmp_path / "out"
     code, stdout, _ = run(capsys, llama_fp32, "--bits", "3", "--module-bits", r"mlp\.down_proj=5", "--out", out,
@@ -89,7 +105,8 @@ def test_convert_end_to_end(capsys, llama_fp32, tmp_path):
     # one line each for the user's choices: the decode attention (card too) and the LM head kept in bf16 by default
     assert 'fastest decoding: AutoModelForCausalLM.from_pretrained(repo, attn_implementation="kbit_decode")' in stdout
     assert "LM head: kept in full precision; --skip-modules with no names quantizes" in stdout
-    assert "k <= 3, unrotated: --rotation inputs stores the input projections rotated" in stdout  # the accuracy choice
+    # the accuracy choices, since absmax gives no block offsets
+    assert "k <= 3, unrotated, without block offsets: block offsets (the default with the fitted rule" in stdout
     assert 'attn_implementation="kbit_decode"' in (out / "README.md").read_text()
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["bits"] == 3 and qc["module_bits"] == {r"mlp\.down_proj": 5} and qc["fitting"] == "absmax"

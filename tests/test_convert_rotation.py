@@ -75,7 +75,8 @@ def test_moe_convert_streaming_experts_matches_quantize_on_load(rotatable_moe, t
 
 
 def test_unrotated_convert_is_format_v1_without_rotation_fields(llama_fp32, tmp_path):  # noqa: F811
-    result = convert(llama_fp32, tmp_path / "out", hf_kbit.KbitConfig(bits=4, head_rotation=False), progress=False)
+    result = convert(llama_fp32, tmp_path / "out", hf_kbit.KbitConfig(bits=4, head_rotation=False, block_offsets=False),
+                     progress=False)
     qc = json.loads((result.out / "config.json").read_text())["quantization_config"]
     assert qc["format_version"] == 1 and "rotation" not in qc and "rotation_seed" not in qc
     assert not any(k.endswith("rotation_signs") for k in saved_keys(result.out))

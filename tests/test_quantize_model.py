@@ -159,7 +159,9 @@ def test_calibration_packs_what_calibrate_model_gives_with_siblings_sharing_a_co
     reference = tiny_dense_model("llama", dtype=torch.float32)
     groups = [[f"model.layers.{i}.self_attn.{p}_proj" for p in "qkv"] for i in range(2)]
     groups += [[f"model.layers.{i}.mlp.{p}_proj" for p in ("gate", "up")] for i in range(2)]
-    want = calibration.calibrate_model(reference, calibration.config_batches(config, reference), 3, progress=False,
+    # the Linears with block records (KbitConfig's default), as quantize_model asks for them
+    want = calibration.calibrate_model(reference, calibration.config_batches(config, reference), 3,
+                                       settings=calibration.CalibrationSettings(block_offsets=True), progress=False,
                                        groups=groups)
     assert sorted(want) == sorted(n for n, m in model.named_modules() if isinstance(m, KbitLinear))
     for name, tensors in want.items():
@@ -185,7 +187,8 @@ def test_calibration_packs_moe_experts_with_calibrate_model(family):
     linears = [n for n, m in reference.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
     experts = list(_experts(reference))
     want = calibration.calibrate_model(reference, calibration.config_batches(config, reference), 4, linears,
-                                       progress=False, groups=_sibling_groups(linears), experts=experts)
+                                       calibration.CalibrationSettings(block_offsets=True), progress=False,
+                                       groups=_sibling_groups(linears), experts=experts)
     for name in experts:
         module = model.get_submodule(name)
         assert isinstance(module, KbitExperts)

@@ -84,7 +84,7 @@ def test_records_are_the_fitting_rule_and_beat_plain_scales_on_shifted_blocks(so
     for got, want in zip((down.planes, down.block_scales, down.row_scales, down.codebook), (planes, records, rows, cb)):
         assert torch.equal(got, want)
     plain = AutoModelForCausalLM.from_pretrained(sources["llama"], quantization_config=KbitConfig(
-        bits=3, fuse_projections=False), dtype=torch.float32).model.layers[0].mlp.down_proj
+        bits=3, block_offsets=False, fuse_projections=False), dtype=torch.float32).model.layers[0].mlp.down_proj
     err = (down.dequantize_weight() - w).square().sum()
     assert err < 0.7 * (plain.dequantize_weight() - w).square().sum()  # blocks shifted by one std: about half
 
@@ -126,19 +126,64 @@ def test_siblings_fuse_only_with_the_same_scales_dtype(sources):
 
 @pytest.mark.parametrize("kwargs", [dict(block_offsets=1), dict(block_offsets="yes")])
 def test_config_refuses_non_bool(kwargs):
-    with pytest.raises(TypeError, match="block_offsets must be a bool"):
+    with pytest.raises(TypeError, match="block_offsets must be a bool or None"):
         KbitConfig(**kwargs)
 
 
 def test_config_round_trip_and_default():
-    assert "block_offsets" not in KbitConfig().to_dict()
+    assert KbitConfig().block_offsets is None and "block_offsets" not in KbitConfig().to_dict()
     config = KbitConfig(bits=3, block_offsets=True)
     assert KbitConfig.from_dict(config.to_dict()) == config
 
 
-def test_checkpoint_without_records_under_a_records_config_is_refused(sources, tmp_path):
+@pytest.mark.parametrize(("kwargs", "want"), [
+    ({}, True),
+    ({"bits": 2}, True),
+    ({"bits": 5}, True),
+    ({"calibration_data": "some text"}, True),
+    ({"rotation": True}, False),
+    ({"rotation": "inputs"}, False),
+    ({"rotation": "auto"}, False),
+    ({"fitting": "absmax"}, False),
+    ({"block_offsets": False}, False),
+    ({"block_offsets": True, "rotation": True}, True),
+    ({"block_offsets": True, "fitting": "absmax"}, True),
+])
+def test_default_gives_offsets_unless_rotated_or_absmax(kwargs, want):
+    assert KbitConfig(**kwargs).resolved_block_offsets() is want
+    assert KbitConfig(**kwargs).resolved_block_offsets(pre_quantized=True) is bool(kwargs.get("block_offsets"))
+
+
+def test_default_quantizes_with_records_and_records_it(sources, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(sources["llama"], quantization_config=KbitConfig(bits=4),
                                                  dtype=torch.float32)
+    linears = [m for m in model.modules() if isinstance(m, KbitLinear)]
+    assert linears and all(m.block_offsets and m.block_scales.dtype == torch.int16 for m in linears)
+    assert model.config.quantization_config.block_offsets is True
+    model.save_pretrained(tmp_path / "kbit")
+    saved = json.loads((tmp_path / "kbit" / "config.json").read_text())["quantization_config"]
+    assert saved["block_offsets"] is True and saved["format_version"] == fmt.OFFSETS_VERSION
+    rotated = AutoModelForCausalLM.from_pretrained(sources["llama"], quantization_config=KbitConfig(
+        bits=4, rotation=True), dtype=torch.float32)
+    assert not any(m.block_offsets for m in rotated.modules() if isinstance(m, KbitLinear))
+
+
+def test_a_checkpoint_without_the_field_loads_without_records(sources, tmp_path):
+    """A format v1 checkpoint (written before block offsets were the default, or with block_offsets=False) has
+    no field: pre-quantized, None means none."""
+    model = AutoModelForCausalLM.from_pretrained(sources["llama"], quantization_config=KbitConfig(
+        bits=4, block_offsets=False), dtype=torch.float32)
+    model.save_pretrained(tmp_path / "kbit")
+    saved = json.loads((tmp_path / "kbit" / "config.json").read_text())["quantization_config"]
+    assert "block_offsets" not in saved and saved["format_version"] == 1
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "kbit", dtype=torch.float32)
+    assert not any(m.block_offsets for m in again.modules() if isinstance(m, KbitLinear))
+    torch.testing.assert_close(logits(again), logits(model), rtol=0, atol=0)
+
+
+def test_checkpoint_without_records_under_a_records_config_is_refused(sources, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(sources["llama"], quantization_config=KbitConfig(
+        bits=4, block_offsets=False), dtype=torch.float32)
     model.save_pretrained(tmp_path / "kbit")
     config_path = tmp_path / "kbit" / "config.json"
     config = json.loads(config_path.read_text())

@@ -76,9 +76,11 @@ def plan_conversion(
             f"({type(e).__name__}: {_first_line(e)}); fix or download config.json again"
         ) from None
     quantizer = model._kbit_quantizer
-    # The plan's own config, with head_rotation as quantize-on-load settles it (the caller's stays as given).
+    # The plan's own config, with head_rotation and block_offsets as quantize-on-load settles them (the caller's
+    # stays as given).
     kbit_config = copy.copy(kbit_config)
     kbit_config.head_rotation = quantizer.quantization_config.head_rotation
+    kbit_config.block_offsets = quantizer.quantization_config.block_offsets
     model_tensors = {k: (tuple(t.shape), t.dtype) for k, t in _model_tensors(model).items()}
     quantized = {
         name: _bits_of(model, name)
@@ -382,6 +384,7 @@ def _skeleton(model_cls, hf_config, dtype: torch.dtype, kbit_config: KbitConfig)
     if kbit_config.calibrates:  # the same modules are quantized, only later (after loading): plan them as such
         planned = KbitConfig.from_dict({k: v for k, v in kbit_config.to_dict().items() if k != "calibration"})
         planned.head_rotation = head_rotation.resolve(kbit_config, model)  # as calibrating, not data-free
+        planned.block_offsets = kbit_config.resolved_block_offsets()
     quantizer = KbitHfQuantizer(planned)
     quantizer.pre_quantized = False
     quantizer._process_model_before_weight_loading(model)

@@ -26,10 +26,11 @@ bits per weight, metadata included:
   ``lloyd_iters`` override ``fitting.DEFAULT_SETTINGS[k]``), dequantized with :func:`hf_kbit.format.dequantize`:
   what the kbit kernels would compute with, before that quantizer is wired into quantize-on-load. Bits:
   :func:`hf_kbit.format.bits_per_weight`, the same as ``kbit<k>``.
-  ``offsets=1``: format v4's block offsets (``FitSettings.offsets``: each block's midrange in steps of 1/8 row
-  scale, on every block or where it lowers the block's error as the k's ``FitSettings.offset_choice`` says, int16
-  block records; what ``kbit<k>:block_offsets=true`` quantizes on load, here without sibling codebooks or the v/o
-  turn). Bits: :func:`hf_kbit.format.bits_per_weight` with ``offsets``, 8 more per block.
+  ``offsets=1`` (the default, as ``KbitConfig``'s): format v4's block offsets (``FitSettings.offsets``: each
+  block's midrange in steps of 1/8 row scale, on every block or where it lowers the block's error as the k's
+  ``FitSettings.offset_choice`` says, int16 block records; what ``kbit<k>`` quantizes on load, here without
+  sibling codebooks or the v/o turn); ``offsets=0``: none (format v1, ``kbit<k>:block_offsets=false``). Bits:
+  :func:`hf_kbit.format.bits_per_weight` with ``offsets``, 8 more per block.
 
 Rotation (format v3) is not an anchor: ``kbit<k>:rotation=true`` (or ``=auto``) quantizes through the shipped
 path, ``KbitConfig(rotation=...)``, whose modules rotate the activations as the kernels do.
@@ -52,6 +53,7 @@ ANCHOR_BITS = {"hqq": (2, 3, 4, 5, 8), "rtn": (2, 3, 4, 5, 8), "nf": (4,), "kbit
 DEFAULT_GROUP_SIZE = {"hqq": 64, "rtn": 128, "nf": 64, "kbitfit": fmt.BLOCK_SIZE}
 FIT_OPTIONS = ("codes_below", "codes_above", "lloyd_iters")  # kbitfit's overrides of fitting.FitSettings
 OFFSET_OPTION = "offsets"  # kbitfit: 1 gives each block an offset (module docstring; FitSettings.offsets); 0: none
+DEFAULT_OFFSETS = 1  # as KbitConfig.block_offsets=None quantizes unrotated weights
 KBIT_OPTIONS = {"kbitfit": (*FIT_OPTIONS, OFFSET_OPTION)}  # options per fitted method
 FP16_BITS = 16  # scale and zero of RTN and HQQ
 FP32_BITS = 32  # NF4 absmax
@@ -207,7 +209,7 @@ class Anchor:
             if self.group_size != fmt.BLOCK_SIZE:
                 raise ValueError(f"{self.method}: the format's block is {fmt.BLOCK_SIZE} elements, "
                                  f"got group_size={self.group_size}")
-            offset = dict(self.fit).get(OFFSET_OPTION, 0)
+            offset = dict(self.fit).get(OFFSET_OPTION, DEFAULT_OFFSETS)
             if offset not in (0, 1) or isinstance(offset, bool):
                 raise ValueError(f"{self.method}: {OFFSET_OPTION} must be 0 (none) or 1 (an offset per block), "
                                  f"got {offset!r}")
@@ -229,7 +231,7 @@ class Anchor:
     @property
     def offsets(self) -> bool:
         """kbitfit: whether each block gets an offset (module docstring)."""
-        return bool(dict(self.fit).get(OFFSET_OPTION, 0))
+        return bool(dict(self.fit).get(OFFSET_OPTION, DEFAULT_OFFSETS))
 
     def fake_quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, float]:
         """``(reconstructed weight float32, stored bits per weight as the format would hold it)``."""

@@ -31,7 +31,7 @@ def unquantized_expert_params(model) -> int:
 
 
 def quantize(model, bits: int, lm_head: bool = False, fuse_projections: bool = True, fusion_pass: bool = True,
-             rotation: bool | str = False, block_offsets: bool = False):
+             rotation: bool | str = False, block_offsets: bool | None = None):
     import hf_kbit
 
     skip = [] if lm_head else ["lm_head"]
@@ -79,13 +79,13 @@ def settings(
     fusion_pass: bool | None = None,
     attention: str = "sdpa",
     rotation: bool | str = False,
-    block_offsets: bool = False,
+    block_offsets: bool | None = None,
 ) -> dict[str, Any]:
     """What a run measures, and under which settings, as its JSON records it (all but the results): what
     ``run`` measures under and ``--resume`` compares. ValueError for settings that cannot run together."""
     import torch._inductor.config as inductor_config
 
-    from hf_kbit import fusion
+    from hf_kbit import KbitConfig, fusion
 
     cuda = device.startswith("cuda")
     if graph_step and steps_per_graph < 1:
@@ -122,7 +122,8 @@ def settings(
         "combo_kernels": fusion.compile_options().get("combo_kernels", False) and fusion_pass is not False,
         "attention": attention,  # transformers attention implementation of every variant
         "rotation": rotation,  # KbitConfig.rotation of the kbit variants (format v3: weights stored rotated along K)
-        "block_offsets": block_offsets,  # KbitConfig.block_offsets of the kbit variants (format v4: block records)
+        # KbitConfig.block_offsets of the kbit variants as quantization settles it (format v4: block records)
+        "block_offsets": KbitConfig(rotation=rotation, block_offsets=block_offsets).resolved_block_offsets(),
         # TORCHINDUCTOR_ENABLE_PDL=1: inductor's Triton kernels launch as programmatic dependents (None: no such config)
         "inductor_pdl": getattr(inductor_config.triton, "enable_pdl", None),
         "graph_step": None if not graph_step else {

@@ -12,15 +12,16 @@ A variant spec is ``METHOD[BITS][:KEY=VALUE]...``; a list of them is comma-separ
 - ``hqq<b>``, ``rtn<b>``, ``nf4``: anchors (hf_kbit.eval.anchors), fake-quantized Linears; option
   ``group_size`` (the NF4 block size for ``nf4``).
 - ``kbitfit<k>``: the kbit format fitted by hf_kbit.fitting, fake-quantized the same way; options
-  ``codes_below``, ``codes_above``, ``lloyd_iters``, and ``offsets=1`` (an offset per block, format v4;
-  hf_kbit.eval.anchors).
+  ``codes_below``, ``codes_above``, ``lloyd_iters``, and ``offsets`` (1, the default as ``KbitConfig``'s: an offset
+  per block, format v4; 0: none, format v1; hf_kbit.eval.anchors).
 - ``kbitcal<k>``: the kbit format calibrated by hf_kbit.calibration (GPTQ-style error feedback with the fitted
   codebook and block scales, decoder layer by decoder layer; q/k/v and gate/up share a codebook as
   quantize-on-load with ``KbitConfig(calibration_data=...)`` gives them), fake-quantized the same way. Calibration text:
   the last ``samples`` x ``seq_len`` tokens of ``corpus`` (default: the evaluated corpus, from the part after
   the evaluated prefix, so calibration and evaluation never share text; another corpus: its end). Options
   ``samples`` (128), ``seq_len`` (2048), ``corpus``, ``damp``, ``batch_size`` (sequences per calibration
-  forward, 8) and kbitfit's (``offsets=1``: block offsets chosen as the error feedback reaches each block).
+  forward, 8) and kbitfit's (``offsets=1``, the default: block offsets chosen as the error feedback reaches each
+  block; ``offsets=0``: none).
 
 A value is read as JSON when it parses (``false``, ``64``, ``[-1, 0, 1]``, ``"x"``), else as a string.
 ``name=...`` sets the label; the default label is the spec as written.
@@ -271,14 +272,16 @@ def _stored_bits(module) -> int:
 
 def kbit_summary(model) -> dict[str, Any]:
     """Storage of a kbit model: average bits/weight of its quantized weights (every KbitLinear and every
-    KbitExperts, all format metadata included), share of parameters quantized, and which modules they are."""
+    KbitExperts, all format metadata included), share of parameters quantized, which modules they are, and how many
+    are stored rotated or with block records."""
     from hf_kbit.nn import KbitExperts, KbitLinear
 
-    quantized_elems, quantized_bits, names, rotated = 0, 0, [], 0
+    quantized_elems, quantized_bits, names, rotated, records = 0, 0, [], 0, 0
     for name, module in model.named_modules():
         if isinstance(module, KbitLinear):
             quantized_elems += module.out_features * module.in_features
             rotated += module.rotated
+            records += module.block_offsets
         elif isinstance(module, KbitExperts):
             quantized_elems += module.num_experts * sum(
                 math.prod(module.layout.linear_shape(p)) for p in module.bits)
@@ -295,6 +298,7 @@ def kbit_summary(model) -> dict[str, Any]:
         "quantized_modules": len(names),
         "quantized_modules_sha256": _names_sha256(names),
         "rotated_weights": rotated,  # KbitLinears and experts projections stored rotated (format v3)
+        "block_records_weights": records,  # KbitLinears with block offsets (format v4; experts keep uint8 scales)
     }
 
 

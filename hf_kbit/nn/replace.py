@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -79,6 +81,7 @@ def quantize_model(
     attention's v and o are first turned per head, in place (:mod:`hf_kbit.head_rotation`).
     With ``config.rotation`` each group of siblings (q/k/v, gate/up: they share one codebook and one basis) and
     each experts projection is quantized rotated where the config says (:mod:`hf_kbit.rotation_policy`).
+    The Linears' blocks get offsets as :meth:`KbitConfig.resolved_block_offsets` says (the default: unless rotated).
     With ``config.calibration_data`` the Linears are calibrated (:func:`hf_kbit.calibration.calibrate_model`, on
     the model's device, a tqdm bar unless ``progress`` is False), the fused experts of the decoder layers too;
     what quantize-on-load with calibration and ``kbit-convert --calibration-data`` run.
@@ -86,8 +89,9 @@ def quantize_model(
     (:func:`~hf_kbit.nn.fuse_projections`); with ``config.fusion_pass`` (default) ``generate()`` compiles
     with :func:`hf_kbit.fusion.compile_config` (:func:`hf_kbit.fusion.use_as_default`).
     """
-    config = config or KbitConfig()
+    config = copy.copy(config or KbitConfig())
     check_quantizable(config)
+    config.block_offsets = config.resolved_block_offsets()
     if head_rotation.resolve(config, model):  # in place, before calibration reads the activations
         head_rotation.apply(model)
     skip = modules_to_not_convert if modules_to_not_convert is not None else (config.modules_to_not_convert or [])

@@ -140,7 +140,7 @@ def test_kbitfit_is_the_fitted_format_dequantized():
 
     torch.manual_seed(0)
     w = torch.randn(48, 200) * torch.rand(48, 1)
-    anchor = anchors.Anchor("kbitfit", 3, fmt.BLOCK_SIZE, (("lloyd_iters", 2),))
+    anchor = anchors.Anchor("kbitfit", 3, fmt.BLOCK_SIZE, (("lloyd_iters", 2), ("offsets", 0)))
     approx, bits = anchor.fake_quantize(w)
     settings = fitting.DEFAULT_SETTINGS[3]
     packed = fitting.fit_quantize(w, 3, fitting.FitSettings(settings.codes_below, settings.codes_above, 2))
@@ -165,9 +165,10 @@ def test_kbitfit_with_offsets_is_the_fitted_format_with_offsets_and_counts_their
     from hf_kbit import format as fmt
 
     w = torch.randn(32, 200, generator=torch.Generator().manual_seed(0)) + 0.3
-    plain = anchors.Anchor("kbitfit", 4, fmt.BLOCK_SIZE)
-    anchor = anchors.Anchor("kbitfit", 4, fmt.BLOCK_SIZE, (("offsets", 1),))
-    assert anchor.fit_settings() == dataclasses.replace(fitting.DEFAULT_SETTINGS[4], offsets=True)
+    plain = anchors.Anchor("kbitfit", 4, fmt.BLOCK_SIZE, (("offsets", 0),))
+    anchor = anchors.Anchor("kbitfit", 4, fmt.BLOCK_SIZE)  # offsets by default, as KbitConfig's
+    assert anchor.offsets and anchor.fit_settings() == dataclasses.replace(fitting.DEFAULT_SETTINGS[4], offsets=True)
+    assert anchors.Anchor("kbitfit", 4, fmt.BLOCK_SIZE, (("offsets", 1),)).fit_settings() == anchor.fit_settings()
     approx, bits = anchor.fake_quantize(w)
     planes, records, rows, cb = fitting.fit_quantize(w, 4, anchor.fit_settings())
     assert records.dtype == fmt.RECORD_DTYPE

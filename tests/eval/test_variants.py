@@ -126,7 +126,8 @@ def test_run_refuses_variants_that_quantize_different_linears():
 
 def test_kbit_summary_counts_fused_experts():
     """A MoE model's routed experts are most of its weights: bits/weight and the share quantized count them, at
-    their own bits (down_proj at 5 here), with one codebook per projection, not per expert."""
+    their own bits (down_proj at 5 here), with one codebook per projection, not per expert, and plain scales (the
+    Linears take block records by default)."""
     from tiny_models import tiny_moe_model
 
     import hf_kbit
@@ -140,7 +141,7 @@ def test_kbit_summary_counts_fused_experts():
     hf_kbit.quantize_model(model, config, modules_to_not_convert=["lm_head"])
 
     elems = sum(n * k for n, k in linears.values())
-    bits = sum(fmt.bits_per_weight(n, k, 4) * n * k for n, k in linears.values())
+    bits = sum(fmt.bits_per_weight(n, k, 4, offsets=True) * n * k for n, k in linears.values())
     for (e, two_i, h), (_, _, i) in experts.values():
         for (n, k), b in (((two_i, h), 4), ((h, i), 5)):
             elems += e * n * k
@@ -191,7 +192,10 @@ def test_kbitcal_offsets_count_the_records_as_kbitfit_offsets_does(tiny_folder):
     spec = V.parse_variant("kbitcal3:samples=2:seq_len=64:lloyd_iters=1:offsets=1")
     _, info = V.load_variant(tiny_folder, spec, "cpu", torch.float32, evaluated=(corpus, 100))
     _, fit_info = V.load_variant(tiny_folder, V.parse_variant("kbitfit3:lloyd_iters=1:offsets=1"), "cpu", torch.float32)
-    _, plain_info = V.load_variant(tiny_folder, V.parse_variant("kbitfit3:lloyd_iters=1"), "cpu", torch.float32)
+    _, plain_info = V.load_variant(tiny_folder, V.parse_variant("kbitfit3:lloyd_iters=1:offsets=0"), "cpu",
+                                   torch.float32)
+    _, default_info = V.load_variant(tiny_folder, V.parse_variant("kbitfit3:lloyd_iters=1"), "cpu", torch.float32)
+    assert default_info["bits_per_weight"] == fit_info["bits_per_weight"]  # offsets by default
     assert info["bits_per_weight"] == fit_info["bits_per_weight"] > plain_info["bits_per_weight"]
     assert info["anchor"].startswith("kbit format v4, k = 3, calibrated")
 
@@ -206,7 +210,8 @@ def test_kbit_variants_take_the_rotation_through_kbitconfig(tiny_folder):
     with pytest.raises(ValueError, match="rotation must be one of"):
         V.parse_variant("kbit3:rotation=sometimes")
     reference = V.reference_weights(tiny_folder)
-    _, plain = V.load_variant(tiny_folder, V.parse_variant("kbit3"), "cpu", torch.float32, reference=reference)
+    _, plain = V.load_variant(tiny_folder, V.parse_variant("kbit3:block_offsets=false"), "cpu", torch.float32,
+                              reference=reference)
     _, rotated = V.load_variant(tiny_folder, seeded, "cpu", torch.float32, reference=reference)
     assert plain["rotated_weights"] == 0 and rotated["rotated_weights"] == rotated["quantized_modules"] == 14
     assert rotated["bits_per_weight"] > plain["bits_per_weight"]  # the sign words: K/8 bytes per weight

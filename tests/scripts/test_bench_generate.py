@@ -188,9 +188,11 @@ def test_rotation_quantizes_the_kbit_variants_rotated():
 
 def test_block_offsets_quantize_the_kbit_variants_with_block_records():
     kwargs = dict(layers=1, batch_sizes=(1,), prompt_len=4, new_tokens=3, repeats=1, log=lambda *_: None)
-    with_offsets = decode.run("tiny-llama", [4], "cpu", torch.float32, block_offsets=True, **kwargs)
-    plain = decode.run("tiny-llama", [4], "cpu", torch.float32, **kwargs)
+    with_offsets = decode.run("tiny-llama", [4], "cpu", torch.float32, **kwargs)  # KbitConfig's default
+    plain = decode.run("tiny-llama", [4], "cpu", torch.float32, block_offsets=False, **kwargs)
     assert with_offsets["block_offsets"] is True and plain["block_offsets"] is False
+    rotated = decode.settings("tiny-llama", ["kbit4"], "cpu", torch.float32, rotation=True, layers=1)
+    assert rotated["block_offsets"] is False  # the default gives rotated weights none
     rows = {r["variant"]: r for r in with_offsets["results"]}
     plain_rows = {r["variant"]: r for r in plain["results"]}
     # one more byte per block of 32 weights: +0.25 bits/weight on every Linear of the layer

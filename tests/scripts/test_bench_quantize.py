@@ -42,24 +42,25 @@ def test_times_rotated_loads(tmp_path):
         bench_quantize.parse_rotations("sometimes")
 
 
-def test_times_a_load_with_block_offsets(tmp_path):
+def test_times_a_load_without_block_offsets(tmp_path):
     out = tmp_path / "q.json"
-    assert bench_quantize.main(["--preset", "tiny-llama", "--device", "cpu", "--bits", "4", "--block-offsets",
+    assert bench_quantize.main(["--preset", "tiny-llama", "--device", "cpu", "--bits", "4", "--without-offsets",
                                 "--out", str(out)]) == 0
     payload = json.loads(out.read_text())
-    rows = [r for r in payload["results"] if r.get("block_offsets")]
-    assert len(rows) == 1 and rows[0]["variant"] == "kbit4" and rows[0]["seconds"] > 0
-    assert "--block-offsets" in payload["command"]
+    rows = [r for r in payload["results"] if r.get("block_offsets") is False]
+    assert len(rows) == 2 and rows[-1] == {"variant": "kbit4", "seconds": rows[-1]["seconds"], "block_offsets": False}
+    assert rows[0]["fitting"] == "absmax" and rows[-1]["seconds"] > 0  # absmax: the plain rule, no offsets
+    assert "--without-offsets" in payload["command"]
 
 
 def test_rules_pick_the_fitting_rules_timed(tmp_path):
     out = tmp_path / "q.json"
-    argv = ["--preset", "tiny-llama", "--device", "cpu", "--bits", "4", "--rules", "fit", "--block-offsets",
+    argv = ["--preset", "tiny-llama", "--device", "cpu", "--bits", "4", "--rules", "fit", "--without-offsets",
             "--out", str(out)]
     assert bench_quantize.main(argv) == 0
     results = json.loads(out.read_text())["results"]
     assert [(r["variant"], r.get("fitting"), r.get("block_offsets")) for r in results] == [
-        ("bf16", None, None), ("kbit4", "fit", None), ("kbit4", None, True)]
+        ("bf16", None, None), ("kbit4", "fit", True), ("kbit4", None, False)]
     assert bench_quantize.parse_rules("") == [] and bench_quantize.parse_rules("fit, absmax") == ["fit", "absmax"]
     with pytest.raises(argparse.ArgumentTypeError, match="comma-separated list"):
         bench_quantize.parse_rules("gptq")

@@ -85,6 +85,11 @@ def test_results_markdown_matches_json(payload, tmp_path):
         assert f"| {r['variant']} | {r['bits_per_weight']:.3f} |" in text
         assert plot_results._ppl(r["ppl"]) in text
     assert "Δppl (± SE)" in text and "hf_kbit.eval" in text
+    assert all(r["block_records_weights"] > 0 for r in payload["results"] if r["method"] == "kbit")  # the default
+    assert "Rows quantized before block offsets" not in text
+    # a run from before block offsets were the default (no count of records) says what its kbit rows hold
+    old = {**p, "results": [{k: v for k, v in r.items() if k != "block_records_weights"} for r in p["results"]]}
+    assert "(`kbit5`, `kbit4:codebook=nf`) hold uint8 block scales" in plot_results.perplexity_markdown(old)
     png = plot_results.plot_perplexity([p], tmp_path / "ppl.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
