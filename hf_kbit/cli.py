@@ -322,8 +322,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"fastest decoding: {hub.FAST_DECODING}")
     if args.skip_modules is None:  # the default kept the LM head in full precision
         print(f"LM head: kept in full precision; {hub.FAST_LM_HEAD}")
-    if args.rotation == "off" and stats["format_version"] == 1 and any(bits <= 3 for bits in stats["quantized_by_bits"]):
-        print(f"k <= 3, unrotated, without block offsets: {hub.LOW_BIT_ROTATION}")
+    plain = args.rotation == "off" and stats["format_version"] == 1  # neither rotation nor block offsets
+    if plain and any(bits <= 3 for bits in stats["quantized_by_bits"]):
+        print(f"k <= 3, unrotated, without block offsets: {hub.LOW_BIT_LEVERS}")
     if args.push_to_hub:
         return _push(hub, result.out, args)
     return 0

@@ -55,7 +55,7 @@ FAST_LM_HEAD = ("--skip-modules with no names quantizes the LM head too (faster 
                 "--module-bits '^lm_head$=5' keeps more of it)")
 # The accuracy choices at low k (kbit-convert prints them when it wrote k <= 3 tensors unrotated and without block
 # offsets: --fitting absmax or --block-offsets off).
-LOW_BIT_ROTATION = ("block offsets (the default with the fitted rule: --fitting fit, --block-offsets on) or --rotation "
+LOW_BIT_LEVERS = ("block offsets (the default with the fitted rule: --fitting fit, --block-offsets on) or --rotation "
                     "inputs: at k = 3 each measured below HQQ 3-bit's perplexity on both offline models, for 2-5% of "
                     "decode speed (docs/format.md#block-offsets, #rotation)")
 

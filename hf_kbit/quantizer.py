@@ -40,8 +40,8 @@ class KbitHfQuantizer(HfQuantizer):
     quantization_config: KbitConfig
 
     def __init__(self, quantization_config: KbitConfig, **kwargs: Any):
-        # A copy: loading settles fields on it (head_rotation, block_offsets, format_version) that the caller's config, which may
-        # load another model next, must not inherit. transformers saves this copy as the model's config.
+        # A copy: loading settles fields on it (head_rotation, block_offsets, format_version) that the caller's config,
+        # which may load another model next, must not inherit. transformers saves this copy as the model's config.
         super().__init__(copy.copy(quantization_config), **kwargs)
         self.modules_to_not_convert: list[str] = []
         # Quantize-on-load of siblings that share a codebook fitted on all of them (nn.fused.codebook_siblings):
