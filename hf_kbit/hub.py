@@ -56,8 +56,8 @@ FAST_LM_HEAD = ("--skip-modules with no names quantizes the LM head too (faster 
 # The accuracy choices at low k (kbit-convert prints them when it wrote k <= 3 tensors unrotated and without block
 # offsets: --fitting absmax or --block-offsets off).
 LOW_BIT_LEVERS = ("block offsets (the default with the fitted rule: --fitting fit, --block-offsets on) or --rotation "
-                    "inputs: at k = 3 each measured below HQQ 3-bit's perplexity on both offline models, for 2-5% of "
-                    "decode speed (docs/format.md#block-offsets, #rotation)")
+                  "inputs: at k = 3 each measured below HQQ 3-bit's perplexity on both offline models, for 2-5% of "
+                  "decode speed (docs/format.md#block-offsets, #rotation)")
 
 
 def template_path() -> Path:
