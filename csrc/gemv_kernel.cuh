@@ -424,6 +424,14 @@ template <int kSecond> __device__ __forceinline__ uint4 load_run(const void* p) 
   return make_uint4(lo.x, lo.y, hi.x, hi.y);
 }
 
+// silu(g) * u with the unfused ops' arithmetic and roundings: the SiLU in float32 as torch's kernel
+// computes it (x / (1 + exp(-x)), IEEE division, the CUDA math library's expf), rounded to T, then the
+// product, so a staged element equals the unfused ops' bit for bit.
+template <typename T> __device__ __forceinline__ T silu_times(T g, T u) {
+  const float f = to_float(g);
+  return from_float<T>(to_float(from_float<T>(f / (1.f + expf(-f)))) * to_float(u));
+}
+
 // A prologue's element source (MmParams::prologue): the runs of the activation the GEMV multiplies,
 // computed from x (and x2, norm_weight) as the staging reads them.
 template <typename T> struct XPrologue {
@@ -445,13 +453,10 @@ template <typename T> struct XPrologue {
   }
   // x + x2 rounded to T, as the unfused add stores it.
   __device__ __forceinline__ static float add(T a, T b) { return to_float(from_float<T>(to_float(a) + to_float(b))); }
-  // One element from its inputs: silu(g) * u in float32 with the unfused ops' roundings, or the norm
-  // weight times x (x + x2); the token's rsqrt(mean + eps) scales its sums (gemv_kernel).
+  // One element from its inputs: silu(g) * u (silu_times), or the norm weight times x (x + x2); the
+  // token's rsqrt(mean + eps) scales its sums (gemv_kernel).
   __device__ __forceinline__ T apply(T a, T b, T wk) const {
-    if (kind == kPrologueSiluMul) {
-      const float g = to_float(a);
-      return from_float<T>(to_float(from_float<T>(g / (1.f + __expf(-g)))) * to_float(b));
-    }
+    if (kind == kPrologueSiluMul) return silu_times(a, b);
     return from_float<T>(to_float(wk) * (kind == kPrologueAddNorm ? add(a, b) : to_float(a)));
   }
   // The run of token tok at element kk: kk + 0..3 and kk + kSecond + 0..3, zero beyond k.

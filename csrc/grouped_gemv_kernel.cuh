@@ -25,6 +25,57 @@
 
 namespace kbit {
 
+// A SiLU-gated activation (p.x2 set, kbit_grouped_gemv_silu_mul): element i of x row r is
+// silu_times(x[r, i], x2[r, i]), rows at a pitch of x_stride elements (the halves of an experts layer's
+// gate_up output), so the down projection stages the gated rows without the separate kernel and its
+// [rows, k] round trip. row_of: the kernel's x row of a unit's token.
+template <typename T, typename RowOf> struct GatedX {
+  union Run { uint4 u; T e[8]; };
+  const T* gate;
+  const T* up;
+  int64_t stride;
+  RowOf row_of;
+  bool vec_ok;  // 16-byte aligned rows: vector loads
+
+  __device__ GatedX(const GroupedParams& p, RowOf rows)
+      : gate(static_cast<const T*>(p.x)), up(static_cast<const T*>(p.x2)), stride(p.x_stride), row_of(rows) {
+    const auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+    vec_ok = p.k % 8 == 0 && stride % 8 == 0 && aligned(gate) && aligned(up);
+  }
+  // The run of token tok at element kk: kk + 0..3 and kk + kSecond + 0..3, zero beyond k.
+  template <int kSecond> __device__ __forceinline__ uint4 run(int tok, int64_t kk, int64_t k) const {
+    const int64_t at = row_of(tok) * stride + kk;
+    Run out;
+    if (vec_ok && kk + 4 + kSecond <= k) {
+      Run g, u;
+      g.u = load_run<kSecond>(gate + at);
+      u.u = load_run<kSecond>(up + at);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) out.e[e] = silu_times(g.e[e], u.e[e]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const int o = e < 4 ? e : e - 4 + kSecond;
+        out.e[e] = kk + o < k ? silu_times(gate[at + o], up[at + o]) : from_float<T>(0.f);
+      }
+    }
+    return out.u;
+  }
+};
+
+// stage_x of a grouped kernel: x itself, or the gated rows where p.x2 is set (per-row mode only, kGated:
+// the grouped mode's NT = 4 instantiations spill registers with a second staging inlined).
+template <int BITS, typename T, int kUnroll, bool kRotate, bool kGated, typename RowOf>
+__device__ __forceinline__ void stage_grouped_x(const GroupedParams& p, int m, RowOf row_of, uint32_t* xs, int64_t kc0,
+                                                int64_t kc1) {
+  const T* x = static_cast<const T*>(p.x);
+  if (kGated && p.x2)
+    stage_x<BITS, T, kUnroll, kRotate>(x, p.k, m, row_of, xs, kc0, kc1, GatedX<T, RowOf>(p, row_of), NoWork{},
+                                       p.rot_signs);
+  else
+    stage_x<BITS, T, kUnroll, kRotate>(x, p.k, m, row_of, xs, kc0, kc1, PlainX{}, NoWork{}, p.rot_signs);
+}
+
 template <int BITS, typename T, int NT, bool kRotate>
 __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) grouped_gemv_kernel(GroupedParams p) {
   constexpr int kDepth = kGemvDepth;
@@ -90,7 +141,6 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) grouped_gemv_ker
   const int64_t units = work * groups;
   const int expert_tiles = static_cast<int>(n_tiles * k_tiles);
   const uint32_t lane_word = table_lane_word<BITS, false>(lane, 0);
-  const T* x = static_cast<const T*>(p.x);
   const int64_t x_repeat = p.x_repeat;  // row s reads x row s / x_repeat (an experts layer's token rows, top-k each)
   T* out = static_cast<T*>(p.out);
 
@@ -146,7 +196,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) grouped_gemv_ker
         if (active && ktd < ke) load_tile<BITS>(planes, scales, static_cast<int>(tile_base + ktd), lane, buf[d]);
       }
       __syncthreads();  // the previous pass's / unit's readers are done with xs and red
-      stage_x<BITS, T, 2, kRotate>(x, p.k, m, x_row_of, xs, ks, ke, PlainX{}, NoWork{}, p.rot_signs);
+      stage_grouped_x<BITS, T, 2, kRotate, NT == 1>(p, m, x_row_of, xs, ks, ke);
       __syncthreads();
       if (!active) continue;
       for (int64_t kt = kt0; kt < ke; kt += kDepth * k_warps) {
@@ -267,10 +317,9 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) grouped_gemv_row
 #pragma unroll
   for (int d = 0; d < kDepth - 1; ++d) advance_load(buf[d]);
 
-  const T* x = static_cast<const T*>(p.x);
   const int64_t x_repeat = p.x_repeat;  // row s reads x row s / x_repeat (an experts layer's token rows, top-k each)
   const auto x_row_of = [&](int tok) -> int64_t { return (s0 + tok) / x_repeat; };
-  stage_x<BITS, T, 4, kRotate>(x, p.k, m, x_row_of, xs, 0, k_tiles, PlainX{}, NoWork{}, p.rot_signs);
+  stage_grouped_x<BITS, T, 4, kRotate, true>(p, m, x_row_of, xs, 0, k_tiles);
   __syncthreads();
 
   const uint32_t lane_word = table_lane_word<BITS, false>(lane, 0);

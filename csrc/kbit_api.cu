@@ -981,12 +981,17 @@ int kbit_gemv_prologue_offsets(int device, void* stream, int prologue, const voi
                             k, out, workspace, workspace_size, nullptr, true);
 }
 
-int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const int64_t* expert_ids,
-                      const int64_t* order, const int64_t* offsets, const int32_t* planes,
-                      const uint8_t* block_scales, const float* row_scales, const float* codebook, int bits,
-                      int64_t s, int64_t e, int64_t n, int64_t k, void* out, const uint32_t* rot_signs,
-                      int64_t x_repeat) {
+// kbit_grouped_gemv and kbit_grouped_gemv_silu_mul (`up` set: x is the gate, x_stride both rows' pitch).
+static int grouped_gemv_call(int device, void* stream, const void* x, const void* up, int64_t x_stride, int dtype,
+                             const int64_t* expert_ids, const int64_t* order, const int64_t* offsets,
+                             const int32_t* planes, const uint8_t* block_scales, const float* row_scales,
+                             const float* codebook, int bits, int64_t s, int64_t e, int64_t n, int64_t k, void* out,
+                             const uint32_t* rot_signs, int64_t x_repeat) {
   if (int rc = check_common(kGroupedGemv, bits, dtype, n, k)) return rc;
+  if (up && order) return fail("the SiLU-gated grouped GEMV serves per-row mode: give expert_ids, no order/offsets");
+  if (up && x_stride < k)
+    return fail("x_stride must be >= in_features (%lld), got %lld", static_cast<long long>(k),
+                static_cast<long long>(x_stride));
   if (int rc = check_rotation(rot_signs, k)) return rc;
   if (s < 0 || e < 1 || e > (1 << 20)) return fail("need s >= 0 and 1 <= e <= 2^20, got s=%lld e=%lld",
                                                     static_cast<long long>(s), static_cast<long long>(e));
@@ -1016,6 +1021,8 @@ int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const 
   p.expert_ids = expert_ids;
   p.rot_signs = rot_signs;
   p.x_repeat = x_repeat;
+  p.x2 = up;
+  p.x_stride = up ? x_stride : k;
   const int64_t k_tiles = ceil_div(k, kTileK);
   const SmemLimits lim = smem_limits(device);
   int ctas = 0;
@@ -1077,6 +1084,25 @@ int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const 
   if (!launch) return unsupported(kGroupedGemv, bits, dtype);
   cudaError_t err = launch(p, static_cast<int>(grid), st);
   return err == cudaSuccess ? KBIT_OK : cuda_fail(err, "kbit_grouped_gemv launch");
+}
+
+int kbit_grouped_gemv(int device, void* stream, const void* x, int dtype, const int64_t* expert_ids,
+                      const int64_t* order, const int64_t* offsets, const int32_t* planes,
+                      const uint8_t* block_scales, const float* row_scales, const float* codebook, int bits,
+                      int64_t s, int64_t e, int64_t n, int64_t k, void* out, const uint32_t* rot_signs,
+                      int64_t x_repeat) {
+  return grouped_gemv_call(device, stream, x, nullptr, k, dtype, expert_ids, order, offsets, planes, block_scales,
+                           row_scales, codebook, bits, s, e, n, k, out, rot_signs, x_repeat);
+}
+
+int kbit_grouped_gemv_silu_mul(int device, void* stream, const void* gate, const void* up, int64_t x_stride,
+                               int dtype, const int64_t* expert_ids, const int64_t* order, const int64_t* offsets,
+                               const int32_t* planes, const uint8_t* block_scales, const float* row_scales,
+                               const float* codebook, int bits, int64_t s, int64_t e, int64_t n, int64_t k, void* out,
+                               const uint32_t* rot_signs) {
+  if (!up) return fail("up must be a device pointer");
+  return grouped_gemv_call(device, stream, gate, up, x_stride, dtype, expert_ids, order, offsets, planes,
+                           block_scales, row_scales, codebook, bits, s, e, n, k, out, rot_signs, 1);
 }
 
 int64_t kbit_grouped_gemm_workspace_size(int64_t s, int64_t e) {

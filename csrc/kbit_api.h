@@ -230,6 +230,18 @@ KBIT_API int kbit_grouped_gemv(int device, void* stream, const void* x, int dtyp
                                int bits, int64_t s, int64_t e, int64_t n, int64_t k, void* out,
                                const uint32_t* rot_signs, int64_t x_repeat);
 
+/* kbit_grouped_gemv of a SiLU-gated input, as an experts layer's down projection reads its gate_up
+ * output: row r of the problem multiplies silu(gate[r, :]) * up[r, :] (float32, the SiLU rounded to
+ * the dtype, then the product, as the unfused ops round), gate and up [s, k] at a row pitch of
+ * x_stride elements (the two halves of a [s, 2k] tensor: up = gate + k, x_stride = 2k), computed as the
+ * kernel stages x. Per-row mode only (order and offsets NULL: decode's few rows; grouped mode: run the
+ * gating, then kbit_grouped_gemv); otherwise kbit_grouped_gemv's arguments (x_repeat 1). */
+KBIT_API int kbit_grouped_gemv_silu_mul(int device, void* stream, const void* gate, const void* up, int64_t x_stride,
+                                        int dtype, const int64_t* expert_ids, const int64_t* order,
+                                        const int64_t* offsets, const int32_t* planes, const uint8_t* block_scales,
+                                        const float* row_scales, const float* codebook, int bits, int64_t s,
+                                        int64_t e, int64_t n, int64_t k, void* out, const uint32_t* rot_signs);
+
 #if KBIT_TRACE
 /* KBIT_TRACE=1 builds only (a diagnostic: scripts/trace_gemv.py): every later GEMV launch appends
  * per-warp timer stamps to `buffer` (device memory, uint64: [0] the record count, zeroed by the

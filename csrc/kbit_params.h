@@ -147,9 +147,12 @@ struct GroupedParams {
   int64_t cta_rows;
   int row_span;
   const uint32_t* rot_signs;    // rotated experts: the sign words [k / 32] of R (rotation.cuh), else nullptr
-  // Warp-specialized grouped GEMM only (wgmma_ws_kernel.cuh): x is sorted by expert (row r of x is
-  // row order[r] of the call's x, out row order[r]) at a row pitch of x_stride elements, and
-  // tile_list (ws_group_tiles_words(s, e) words of workspace) receives its tiles.
+  // Grouped GEMV in per-row mode, SiLU-gated input (kbit_grouped_gemv_silu_mul), else nullptr: element i
+  // of x row r is silu(x[r, i]) * x2[r, i] (GatedX), x and x2 rows at a pitch of x_stride elements.
+  const void* x2;
+  // x2 set, and the warp-specialized grouped GEMM (wgmma_ws_kernel.cuh), whose x is sorted by expert
+  // (row r of x is row order[r] of the call's x, out row order[r]): x's row pitch in elements. The
+  // GEMM's tile_list (ws_group_tiles_words(s, e) words of workspace) receives its tiles.
   int64_t x_stride;
   int32_t* tile_list;
 };

@@ -38,6 +38,12 @@ _lib.define(
     "int x_repeat=1) -> Tensor"
 )
 
+_lib.define(
+    "grouped_mm_silu_mul(Tensor gate, Tensor up, Tensor expert_ids, Tensor planes, Tensor block_scales, "
+    "Tensor row_scales, Tensor codebook, SymInt in_features, Tensor? order=None, Tensor? offsets=None, "
+    "Tensor? signs=None) -> Tensor"
+)
+
 # By device type: rows (token, expert pairs) above which an experts layer groups its rows by
 # expert once (expert_offsets) and hands the routing to both of its grouped_mm calls. A backend
 # whose grouped_mm serves few rows each on its own (no sort) registers its threshold with its
@@ -606,6 +612,25 @@ def _grouped_mm_fake(x, expert_ids, planes, block_scales, row_scales, codebook, 
     _check_routing(expert_ids, order, offsets, row_scales.shape[0])
     _check_signs(signs, in_features, planes)
     return x.new_empty((expert_ids.shape[0], row_scales.shape[-1]))
+
+
+@torch.library.impl(_lib, "grouped_mm_silu_mul", "CompositeExplicitAutograd")
+def _grouped_mm_silu_mul_ref(gate, up, expert_ids, planes, block_scales, row_scales, codebook, in_features,
+                             order=None, offsets=None, signs=None):
+    """``grouped_mm(silu_mul(gate, up), ...)``: an experts layer's down projection of its gated gate_up output
+    (``gate``, ``up``: the two halves, ``[S, I]`` each). Inference only: the op has no backward (an experts layer
+    under gradients gates with its own ops and calls ``grouped_mm``)."""
+    _check_prologue("up", gate, up)
+    return torch.ops.kbit.grouped_mm(silu_mul(gate, up), expert_ids, planes, block_scales, row_scales, codebook,
+                                     in_features, order, offsets, signs)
+
+
+@torch.library.register_fake("kbit::grouped_mm_silu_mul")
+def _grouped_mm_silu_mul_fake(gate, up, expert_ids, planes, block_scales, row_scales, codebook, in_features,
+                              order=None, offsets=None, signs=None):
+    _check_prologue("up", gate, up)
+    return _grouped_mm_fake(gate, expert_ids, planes, block_scales, row_scales, codebook, in_features, order, offsets,
+                            signs)
 
 
 # ---------------------------------------------------------------------------- gradients

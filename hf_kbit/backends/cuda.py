@@ -716,6 +716,51 @@ def _grouped_mm_cuda(x, expert_ids, planes, block_scales, row_scales, codebook, 
     return out
 
 
+# The grouped GEMV with a SiLU-gated input (a later entry than kbit_grouped_gemv: a library may lack it).
+_HAS_GROUPED_SILU_MUL = hasattr(_LIB, "kbit_grouped_gemv_silu_mul")
+if _HAS_GROUPED_SILU_MUL:
+    _LIB.kbit_grouped_gemv_silu_mul.argtypes = [_c_int, _c_vp, _c_vp, _c_vp, _c_i64, _c_int, _c_vp, _c_vp, _c_vp,
+                                                _c_vp, _c_vp, _c_vp, _c_vp, _c_int, _c_i64, _c_i64, _c_i64, _c_i64,
+                                                _c_vp, _c_vp]
+    _LIB.kbit_grouped_gemv_silu_mul.restype = _c_int
+
+
+@torch.library.impl(_ops._lib, "grouped_mm_silu_mul", "CUDA")
+def _grouped_mm_silu_mul_cuda(gate, up, expert_ids, planes, block_scales, row_scales, codebook, in_features,
+                              order=None, offsets=None, signs=None):
+    """Rows up to ``GROUP_ROWS_ABOVE`` (per-row mode, decode): the grouped GEMV staging silu(gate) * up itself
+    (``kbit_grouped_gemv_silu_mul``), where ``grouped_mm`` would take the GEMV and gate and up share a row pitch.
+    Elsewhere (grouped mode, what ``grouped_mm`` serves with the reference) the unfused ops."""
+    _ops._check_prologue("up", gate, up)
+    s = expert_ids.shape[0]
+    num_experts, n = row_scales.shape
+    fused = (_HAS_GROUPED_SILU_MUL and 0 < s <= GROUP_ROWS_ABOVE and n > 0 and in_features > 0
+             and codebook.dim() == 1 and gate.dtype in _GEMV_DTYPES and not has_records(block_scales)
+             and gate.dim() == 2 and gate.stride(-1) == up.stride(-1) == 1 and gate.stride(0) == up.stride(0))
+    if not fused:
+        return torch.ops.kbit.grouped_mm(_ops.silu_mul(gate, up), expert_ids, planes, block_scales, row_scales,
+                                         codebook, in_features, order, offsets, signs)
+    _ops._check_mm_input(gate, in_features)
+    _check_packed_once(planes, block_scales, row_scales, codebook, in_features)
+    _ops._check_grouped(gate, expert_ids, row_scales, codebook)
+    _ops._check_routing(expert_ids, order, offsets, num_experts)
+    _same_device(gate, up=up, expert_ids=expert_ids, planes=planes, block_scales=block_scales, row_scales=row_scales,
+                 codebook=codebook)
+    sp = _signs_ptr(signs, in_features, gate.device)
+    out = torch.empty((s, n), dtype=gate.dtype, device=gate.device)
+    ids = expert_ids.to(torch.int64).contiguous()
+    planes, block_scales = planes.contiguous(), block_scales.contiguous()
+    row_scales, codebook = row_scales.contiguous(), codebook.contiguous()
+    rc = _LIB.kbit_grouped_gemv_silu_mul(
+        gate.device.index, _stream(gate.device), gate.data_ptr(), up.data_ptr(), gate.stride(0),
+        _GEMV_DTYPES[gate.dtype], ids.data_ptr(), None, None, planes.data_ptr(), block_scales.data_ptr(),
+        row_scales.data_ptr(), codebook.data_ptr(), planes.shape[-3], s, num_experts, n, in_features, out.data_ptr(),
+        sp,
+    )
+    _lib.check(rc, "grouped_mm_silu_mul")
+    return out
+
+
 def _grouped_gemm_ws(x, order, offsets, planes, block_scales, row_scales, codebook, in_features, out,
                      x_repeat: int = 1) -> None:
     """Grouped mode on the warp-specialized GEMM (set_gemm_kernel("wgmma_ws")): the problem's rows sorted by

@@ -348,22 +348,19 @@ class KbitExperts(KbitModule):
         return apply_gate(self, gate_up)
 
     def _project(self, projection: str, x: torch.Tensor, expert_ids: torch.Tensor, routing,
-                 x_repeat: int = 1) -> torch.Tensor:
+                 x_repeat: int = 1, up: torch.Tensor | None = None) -> torch.Tensor:
+        """``projection`` of each (token, expert) row; ``up`` given, of ``silu(x) * up`` (x the gate half)."""
         prefix = PROJECTIONS[projection]
         names, signs = tuple(f"{prefix}_{t}" for t in FORMAT_TENSORS), None
         if self.rotated[projection]:  # its experts share x, and so the sign words
             *tensors, signs = self.format_tensors((*names, f"{prefix}_{ROTATION_SIGNS}"), x.device)
         else:
             tensors = self.format_tensors(names, x.device)
-        out = torch.ops.kbit.grouped_mm(
-            x,
-            expert_ids,
-            *tensors,
-            self.linear_shape(projection)[1],
-            *(routing or (None, None)),
-            signs,
-            x_repeat,
-        )
+        in_features, routing = self.linear_shape(projection)[1], routing or (None, None)
+        if up is None:
+            out = torch.ops.kbit.grouped_mm(x, expert_ids, *tensors, in_features, *routing, signs, x_repeat)
+        else:
+            out = torch.ops.kbit.grouped_mm_silu_mul(x, up, expert_ids, *tensors, in_features, *routing, signs)
         bias = getattr(self, f"{projection}_bias")
         if bias is not None:
             out = out + bias[expert_ids.clamp(0, self.num_experts - 1)].to(out.dtype)
@@ -383,8 +380,14 @@ class KbitExperts(KbitModule):
         if expert_ids.shape[0] > _ops.GROUP_ROWS_ABOVE.get(expert_ids.device.type, 0):
             routing = _ops.expert_offsets(expert_ids, self.num_experts)
         # gate_up reads token s // k for row s itself (x_repeat): no copy of the tokens k times.
-        h = self._apply_gate(self._project("gate_up_proj", hidden_states, expert_ids, routing, top_k))
-        out = self._project("down_proj", h, expert_ids, routing)
+        gate_up = self._project("gate_up_proj", hidden_states, expert_ids, routing, top_k)
+        if not routing and self._model_apply_gate is None and _is_silu(self.act_fn) and not gate_up.requires_grad:
+            # Few rows (decode): transformers' default SiLU gating staged by the down projection itself, one launch
+            # less (the grouped GEMV's per-row mode); many rows: the gating's own op, then the grouped mode.
+            gate, up = gate_up.chunk(2, dim=-1)
+            out = self._project("down_proj", gate, expert_ids, routing, up=up)
+        else:
+            out = self._project("down_proj", self._apply_gate(gate_up), expert_ids, routing)
         if getattr(self, "has_post_expert_norm", False):
             out = self.post_expert_norm(out)
         # Each token's weighted sum of its k experts (sentinel ids weigh 0), float32 accumulation.

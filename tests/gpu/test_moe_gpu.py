@@ -341,6 +341,40 @@ def test_grouped_mm_on_cuda_x_repeat_equals_repeated_rows(bits, dtype, tokens):
                        torch.ops.kbit.grouped_mm(repeated, ids, *packed, k, order, offsets))
 
 
+@pytest.mark.parametrize("rows", (1, 8, 64, 65, 300), ids=lambda s: f"S{s}")  # per-row mode to 64, grouped above
+@pytest.mark.parametrize("k", (576, 515), ids=lambda k: f"K{k}")  # K % 8 != 0: the staging's scalar loads
+@pytest.mark.parametrize("bits,dtype", table_cases("grouped_gemv"))
+def test_grouped_mm_silu_mul_on_cuda_equals_the_unfused_ops(bits, dtype, k, rows):
+    """The down projection staging silu(gate) * up itself (the two halves of a gate_up output, one row pitch)
+    gives the unfused ops' result bit for bit, with and without the layer's routing; rows of no expert are zeros."""
+    num_experts, n = 16, 200
+    packed = _to(DEVICE, *_packed_experts(num_experts, n, k, bits))
+    g = torch.Generator().manual_seed(rows + k + bits)
+    gate_up = (torch.randn(rows, 2 * k, generator=g) * 3).to(dtype).to(DEVICE)
+    gate, up = gate_up.chunk(2, dim=-1)
+    ids = _expert_ids(rows, num_experts, seed=rows).to(DEVICE)
+    expected = torch.ops.kbit.grouped_mm(torch.ops.kbit.silu_glu(gate_up), ids, *packed, k)
+    _poison_allocator(rows * n, dtype)
+    out = torch.ops.kbit.grouped_mm_silu_mul(gate, up, ids, *packed, k)
+    assert torch.equal(out, expected)
+    order, offsets = _ops.expert_offsets(ids, num_experts)
+    assert torch.equal(torch.ops.kbit.grouped_mm_silu_mul(gate, up, ids, *packed, k, order, offsets), expected)
+
+
+def test_grouped_mm_silu_mul_on_cuda_fallbacks():
+    """Where the fused staging does not serve, the unfused ops: gate and up of different row pitches, float32."""
+    num_experts, n, k, rows = 6, 96, 256, 5
+    packed = _to(DEVICE, *_packed_experts(num_experts, n, k, 4))
+    ids = _expert_ids(rows, num_experts, seed=3).to(DEVICE)
+    gate = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16)
+    up = torch.randn(rows, 2 * k, device=DEVICE, dtype=torch.bfloat16)[:, :k]
+    expected = torch.ops.kbit.grouped_mm(_ops.silu_mul(gate, up), ids, *packed, k)
+    assert torch.equal(torch.ops.kbit.grouped_mm_silu_mul(gate, up, ids, *packed, k), expected)
+    gate32, up32 = gate.float(), up.float()
+    expected = torch.ops.kbit.grouped_mm(_ops.silu_mul(gate32, up32), ids, *packed, k)
+    assert torch.equal(torch.ops.kbit.grouped_mm_silu_mul(gate32, up32, ids, *packed, k), expected)
+
+
 def _poison_allocator(numel: int, dtype: torch.dtype) -> None:
     """Leave NaN in the caching allocator's next block of ``numel`` elements (the next allocation of that size
     reuses it), so an output that is not written everywhere shows it."""

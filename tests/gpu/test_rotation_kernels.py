@@ -460,6 +460,28 @@ def test_rotated_grouped_mm(bits, dtype, s):
         assert torch.equal(torch.ops.kbit.grouped_mm(tokens, ids, *weights, k, None, None, signs, 7), expected)
 
 
+@pytest.mark.parametrize("s", [1, 7, 64, 65, 300], ids=lambda s: f"S{s}")
+@pytest.mark.parametrize("bits,dtype", table_cases("grouped_gemv"))
+def test_rotated_grouped_mm_silu_mul(bits, dtype, s):
+    """Rotated experts' down projection of a gated gate_up output: per-row mode stages silu(gate) * up, then
+    rotates it; grouped mode runs the unfused ops (x R must exist before the grouping). Both bit for bit as the
+    unfused ops."""
+    from hf_kbit import _ops
+
+    e, n, k = 6, 200, 576
+    weights, _, signs = rotated_packed(n, k, bits, experts=e)
+    g = torch.Generator(device=DEVICE).manual_seed(s + bits)
+    gate_up = torch.randn(s, 2 * k, device=DEVICE, generator=g).to(dtype)
+    ids = torch.randint(0, e, (s,), device=DEVICE, generator=g)
+    ids[0] = -1
+    expected = torch.ops.kbit.grouped_mm(torch.ops.kbit.silu_glu(gate_up), ids, *weights, k, None, None, signs)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(torch.ops.kbit.grouped_mm_silu_mul(gate, up, ids, *weights, k, None, None, signs), expected)
+    order, offsets = _ops.expert_offsets(ids, e)
+    assert torch.equal(torch.ops.kbit.grouped_mm_silu_mul(gate, up, ids, *weights, k, order, offsets, signs),
+                       expected)
+
+
 def test_rotated_grouped_mm_reference_fallbacks():
     """float32 x and per-expert codebooks take the reference, on x R (the standalone rotation)."""
     e, n, k, bits = 3, 64, 320, 4

@@ -234,6 +234,28 @@ def test_grouped_mm_opcheck():
                           (x_tokens, ids, planes, block_scales, row_scales, codebook, 64, None, None, None, 2))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_grouped_mm_silu_mul_is_grouped_mm_of_the_gated_rows(dtype):
+    """The down projection of a gated gate_up output: grouped_mm of silu(gate) * up (kbit::silu_glu's roundings),
+    bit for bit, with and without the layer's routing; its fake impl and schema pass opcheck."""
+    planes, block_scales, row_scales, codebook = _packed_experts(3, 32, 64, 4)
+    g = torch.Generator().manual_seed(4)
+    gate_up = (torch.randn(7, 128, generator=g) * 3).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    ids = torch.tensor([2, 0, -1, 1, 2, 2, 0])
+    packed = (planes, block_scales, row_scales, codebook)
+    expected = torch.ops.kbit.grouped_mm(torch.ops.kbit.silu_glu(gate_up), ids, *packed, 64)
+    torch.testing.assert_close(torch.ops.kbit.grouped_mm_silu_mul(gate, up, ids, *packed, 64), expected, rtol=0,
+                               atol=0)
+    routing = hf_kbit._ops.expert_offsets(ids, 3)
+    torch.testing.assert_close(torch.ops.kbit.grouped_mm_silu_mul(gate, up, ids, *packed, 64, *routing), expected,
+                               rtol=0, atol=0)
+    torch.library.opcheck(torch.ops.kbit.grouped_mm_silu_mul, (gate, up, ids, *packed, 64),
+                          test_utils=("test_schema", "test_faketensor"))
+    with pytest.raises(RuntimeError, match="up must match x"):
+        torch.ops.kbit.grouped_mm_silu_mul(gate, up[:6], ids, *packed, 64)
+
+
 def test_expert_offsets_group_rows_without_host_sizes():
     ids = torch.tensor([2, 0, 5, 2, -1, 1, 0])
     order, offsets = hf_kbit._ops.expert_offsets(ids, 3)
@@ -287,13 +309,20 @@ class _RecordOps(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("per_row", [True, False], ids=["per-row", "grouped"])
 @pytest.mark.parametrize("family, silu", [("qwen3_moe", True), ("mixtral", True), ("gpt_oss", False)])
-def test_module_runs_silu_gating_and_the_weighted_sum_as_one_op_each(family, silu):
-    """A SiLU act_fn's gating is kbit::silu_glu (one launch on CUDA); a model's own _apply_gate (gpt_oss's clamped
-    GLU) runs as it is; every family's weighted sum is kbit::experts_combine. With gradients: the torch ops."""
+def test_module_runs_silu_gating_and_the_weighted_sum_as_one_op_each(family, silu, per_row, monkeypatch):
+    """A SiLU act_fn's gating: where the rows are not grouped (a backend's per-row mode, decode), staged by the down
+    projection, kbit::grouped_mm_silu_mul (no gated copy, one launch less on CUDA); grouped, kbit::silu_glu. A
+    model's own _apply_gate (gpt_oss's clamped GLU) runs as it is, then kbit::grouped_mm; every family's weighted
+    sum is kbit::experts_combine. With gradients: the torch ops and kbit::grouped_mm. All give the same result."""
     from transformers.activations import ACT2FN
 
+    from hf_kbit import _ops
     from hf_kbit.nn.experts import _is_silu
+
+    if per_row:  # as the CUDA backend registers: up to 64 rows not grouped
+        monkeypatch.setitem(_ops.GROUP_ROWS_ABOVE, "cpu", 64)
 
     assert _is_silu(ACT2FN["silu"]) and _is_silu(torch.nn.SiLU())
     assert not _is_silu(ACT2FN["gelu"]) and not _is_silu(ACT2FN["relu"])
@@ -304,11 +333,13 @@ def test_module_runs_silu_gating_and_the_weighted_sum_as_one_op_each(family, sil
     index, weights = _routing(3, 8, 2, g)
     with torch.no_grad(), _RecordOps() as ops:
         out = kbit(x, index, weights)
-    assert ("kbit.silu_glu" in ops.names) == silu and ops.names.count("kbit.experts_combine") == 1
+    fused = silu and per_row
+    assert ("kbit.grouped_mm_silu_mul" in ops.names) == fused and ("kbit.silu_glu" in ops.names) == (silu and not fused)
+    assert ops.names.count("kbit.grouped_mm") == (1 if fused else 2) and ops.names.count("kbit.experts_combine") == 1
     x.requires_grad_(True)
     with _RecordOps() as ops:
         trained = kbit(x, index, weights)
-    assert "kbit.silu_glu" not in ops.names and "kbit.experts_combine" not in ops.names
+    assert "kbit.grouped_mm_silu_mul" not in ops.names and "kbit.experts_combine" not in ops.names
     assert torch.equal(trained.detach(), out)
 
 
