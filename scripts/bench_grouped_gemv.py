@@ -3,7 +3,9 @@ MoE families at decode: the fraction of HBM bandwidth it reaches on the expert b
 
 For each family (published config values: hidden size, expert intermediate size, experts, top-k), each
 projection as an experts layer calls it (gate_up: [2 I, H] reading the T tokens once for their top-k rows,
-``x_repeat`` = top-k; down: [H, I] on the T * top-k rows) and each T: T tokens routed to top-k distinct
+``x_repeat`` = top-k; down: [H, I] on the T * top-k rows; down_gated: the same weight as a SiLU-gated layer calls it
+at decode, ``torch.ops.kbit.grouped_mm_silu_mul`` on the two halves of a gate_up output, the gating staged by the
+GEMV in per-row mode and its own kernel before it in grouped mode) and each T: T tokens routed to top-k distinct
 random experts each (seeded), the op timed alone.
 
 * Bytes per call: the packed bytes (planes, block scales, row scales) of the distinct experts the call
@@ -61,8 +63,8 @@ SEED = 0
 
 
 def projections(hidden: int, inter: int) -> list[tuple[str, int, int]]:
-    """(name, N, K) of an experts layer's two grouped calls."""
-    return [("gate_up", 2 * inter, hidden), ("down", hidden, inter)]
+    """(name, N, K) of an experts layer's two grouped calls, and of its down projection on the gated halves."""
+    return [("gate_up", 2 * inter, hidden), ("down", hidden, inter), ("down_gated", hidden, inter)]
 
 
 def expert_bytes(n: int, k: int, bits: int) -> int:
@@ -101,9 +103,14 @@ def bench_projection(family: str, proj: str, n: int, k: int, num_experts: int, t
             ids = routed_ids(t, num_experts, top_k, g)
             distinct.append(ids.unique().numel())
             repeat = top_k if proj == "gate_up" else 1  # gate_up reads each token once for its top-k rows
-            x = torch.randn(t * top_k // repeat, k, generator=g).to(torch.bfloat16).to(device)
-            calls.append(lambda p=packs[i % copies], ids=ids.to(device), x=x, r=repeat:
-                         torch.ops.kbit.grouped_mm(x, ids, *p, k, None, None, None, r))
+            width = 2 * k if proj == "down_gated" else k  # gate and up: the halves of a gate_up output
+            x = torch.randn(t * top_k // repeat, width, generator=g).to(torch.bfloat16).to(device)
+            if proj == "down_gated":
+                calls.append(lambda p=packs[i % copies], ids=ids.to(device), x=x:
+                             torch.ops.kbit.grouped_mm_silu_mul(*x.chunk(2, dim=-1), ids, *p, k))
+            else:
+                calls.append(lambda p=packs[i % copies], ids=ids.to(device), x=x, r=repeat:
+                             torch.ops.kbit.grouped_mm(x, ids, *p, k, None, None, None, r))
         if cuda:
             torch.cuda.synchronize()
             time.sleep(0.2)  # settle the clocks between cells (bench_kernels.py: the power cap)

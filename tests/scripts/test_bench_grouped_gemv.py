@@ -29,7 +29,7 @@ def test_smoke_writes_json_with_every_field(smoke):
     assert meta["bandwidth_GBps"] is None and "no claims" in meta["method"]
     hidden, inter, experts, top_k = bench.SMOKE_SHAPE
     cells = [(r["projection"], r["bits"], r["T"]) for r in payload["results"]]
-    assert cells == [(p, b, t) for p in ("gate_up", "down") for b in (3, 4) for t in (1, 3)]
+    assert cells == [(p, b, t) for p in ("gate_up", "down", "down_gated") for b in (3, 4) for t in (1, 3)]
     for r in payload["results"]:
         n, k = (2 * inter, hidden) if r["projection"] == "gate_up" else (hidden, inter)
         assert (r["N"], r["K"], r["experts"], r["top_k"], r["rows"]) == (n, k, experts, top_k, r["T"] * top_k)
@@ -44,6 +44,7 @@ def test_smoke_writes_markdown_table(smoke):
     md = prefix.with_suffix(".md").read_text()
     assert "`python scripts/bench_grouped_gemv.py " + " ".join(argv) + "`" in md
     assert md.count("| tiny | gate_up (80 x 96) |") == 4 and md.count("| tiny | down (96 x 40) |") == 4
+    assert md.count("| tiny | down_gated (96 x 40) |") == 4
 
 
 def test_expert_bytes_count_planes_scales_and_row_scales():
