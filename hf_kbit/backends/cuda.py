@@ -749,8 +749,7 @@ def _grouped_mm_silu_mul_cuda(gate, up, expert_ids, planes, block_scales, row_sc
     sp = _signs_ptr(signs, in_features, gate.device)
     out = torch.empty((s, n), dtype=gate.dtype, device=gate.device)
     ids = expert_ids.to(torch.int64).contiguous()
-    planes, block_scales = planes.contiguous(), block_scales.contiguous()
-    row_scales, codebook = row_scales.contiguous(), codebook.contiguous()
+    planes, block_scales, row_scales, codebook = _dense(planes, block_scales, row_scales, codebook)
     rc = _LIB.kbit_grouped_gemv_silu_mul(
         gate.device.index, _stream(gate.device), gate.data_ptr(), up.data_ptr(), gate.stride(0),
         _GEMV_DTYPES[gate.dtype], ids.data_ptr(), None, None, planes.data_ptr(), block_scales.data_ptr(),
