@@ -238,6 +238,37 @@ def test_group_shares_the_data_free_codebook_and_runs_each_member_through_gptq(b
         calibration.calibrate_group(weights, [h], bits)
 
 
+@pytest.mark.parametrize("offsets", [False, True], ids=["codes", "records"])
+def test_siblings_with_one_hessian_run_as_one_weight(monkeypatch, offsets):
+    """q/k/v-like siblings (whole tiles of rows, equal Hessians) take one gptq_quantize call over their stacked rows,
+    and each gets what it gets alone (float64: the lazy batches' matmuls cannot flip a near-tie); a member with
+    another Hessian, or with a partial tile, sends every member through its own call."""
+    weights = [heavy_tailed((n, 192), seed=n).double() for n in (48, 16, 16)]
+    h = correlated_hessian(192, seed=5).double()
+    settings = calibration.CalibrationSettings(block_offsets=offsets)
+    fit = settings.fit_settings(4)
+    codebook = fitting.group_codebook(weights, 4, fit)
+    alone = [calibration.gptq_quantize(w, h, codebook, fit.codes_below, fit.codes_above, offsets=fit.offsets,
+                                       offset_choice=fit.offset_choice) for w in weights]
+    calls = []
+    real = calibration.gptq.gptq_quantize
+    monkeypatch.setattr(calibration.gptq, "gptq_quantize", lambda w, *a, **k: calls.append(w.shape) or real(w, *a, **k))
+    got = calibration.calibrate_group(weights, [h, h.clone(), h.clone()], 4, settings)
+    assert calls == [(80, 192)]
+    for (planes, scales, rows, cb), want in zip(got, alone):
+        assert torch.equal(cb, codebook)
+        assert all(torch.equal(a, b) for a, b in zip((planes, scales, rows), want))
+    storages = {t.untyped_storage().data_ptr() for packed in got for t in packed[:3]}
+    assert len(storages) == 9  # each member's tensors are its own, as a checkpoint saves them
+
+    calls.clear()
+    calibration.calibrate_group(weights, [h, h * 2, h], 4, settings)
+    assert calls == [(48, 192), (16, 192), (16, 192)]
+    calls.clear()
+    calibration.calibrate_group([heavy_tailed((20, 192), seed=1).double(), *weights[1:]], [h, h, h], 4, settings)
+    assert calls == [(20, 192), (16, 192), (16, 192)]
+
+
 @pytest.mark.parametrize("bits", [2, 3], ids=lambda b: f"k{b}")
 def test_absmax_fitting_keeps_the_configured_codebook_and_absmax_codes(bits):
     """KbitConfig(fitting="absmax"): the codebook as configured and each block's absmax code, so with a diagonal H

@@ -259,9 +259,12 @@ def calibrate_group(
     members' rows stacked, or the configured codebook under ``"absmax"``), as quantize-on-load without
     calibration would choose it, so that siblings still fuse; with ``settings.weighted_codebook`` each element's
     error in that fit is weighted by the mean over the members of ``diag(H)``. Then each member is quantized by
-    :func:`gptq_quantize` with its own Hessian; a member whose Hessian is None (it never ran on the text) is
-    quantized data-free (:func:`hf_kbit.fitting.quantize_fitted`) with the same codebook. Block offsets as the
-    settings say (``block_offsets``, or an explicit ``fit``'s ``offsets``), in the codebook fit as without data.
+    :func:`gptq_quantize` with its own Hessian; members whose Hessians are equal (siblings fed one input) and whose
+    rows are whole tiles run as one weight, their rows stacked: one column loop for the group, each row's result
+    its own (up to the summation order of the lazy batches' matmuls). A member whose Hessian is None (it never ran
+    on the text) is quantized data-free (:func:`hf_kbit.fitting.quantize_fitted`) with the same codebook. Block
+    offsets as the settings say (``block_offsets``, or an explicit ``fit``'s ``offsets``), in the codebook fit as
+    without data.
     """
     settings = CalibrationSettings() if settings is None else settings
     if len(weights) != len(hessians) or not weights:
@@ -277,18 +280,36 @@ def calibrate_group(
     codebook = fitting.group_codebook(weights, bits, fit, settings.initial_codebook(), column_weights)
     below, above = (fit.codes_below, fit.codes_above) if fit is not None else (0, 0)
     offsets, choice = (fit.offsets, fit.offset_choice) if fit is not None else (False, None)
-    out = []
+
+    def calibrated(weight: torch.Tensor, hessian: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return gptq_quantize(weight, hessian, codebook, below, above, settings.damp, settings.lazy_columns,
+                             settings.weighted_codes, offsets, choice)
+
+    packed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * len(weights)
+    together = _shared_hessian(weights, hessians)
+    if together:  # one column loop for the members instead of one each (q/k/v: a third of the steps)
+        stacked = calibrated(torch.cat([weights[i] for i in together]), hessians[together[0]])
+        rows = [weights[i].shape[0] for i in together]
+        tiles = [n // fmt.TILE_N for n in rows]
+        pieces = zip(stacked[0].split(tiles), stacked[1].split(tiles), stacked[2].split(rows))
+        for i, piece in zip(together, pieces):
+            packed[i] = tuple(t.clone() for t in piece)  # own storage: each is saved as its own tensor
     for i, (weight, hessian) in enumerate(zip(weights, hessians)):
-        if hessian is None:
-            planes, block_scales, rows = fitting.quantize_fitted(weight, codebook, below, above, offsets, choice)
-        else:
-            planes, block_scales, rows = gptq_quantize(
-                weight, hessian, codebook, below, above, settings.damp, settings.lazy_columns, settings.weighted_codes,
-                offsets, choice,
-            )
-        # Each member its own copy of the codebook: tensors sharing storage cannot be saved as separate entries.
-        out.append((planes, block_scales, rows, codebook if i == 0 else codebook.clone()))
-    return out
+        if packed[i] is None:
+            packed[i] = (fitting.quantize_fitted(weight, codebook, below, above, offsets, choice) if hessian is None
+                         else calibrated(weight, hessian))
+    # Each member its own copy of the codebook: tensors sharing storage cannot be saved as separate entries.
+    return [(*p, codebook if i == 0 else codebook.clone()) for i, p in enumerate(packed)]
+
+
+def _shared_hessian(weights: Sequence[torch.Tensor], hessians: Sequence[torch.Tensor | None]) -> list[int]:
+    """The members :func:`calibrate_group` quantizes as one weight: every member with a Hessian, when there are
+    two or more, their Hessians are equal (siblings fed one input) and each has whole tiles of rows; else []."""
+    members = [i for i, h in enumerate(hessians) if h is not None]
+    if len(members) < 2 or any(weights[i].dim() != 2 or weights[i].shape[0] % fmt.TILE_N for i in members):
+        return []
+    first = hessians[members[0]]
+    return members if all(torch.equal(hessians[i], first) for i in members[1:]) else []
 
 
 def calibrate_quantize(
