@@ -252,7 +252,12 @@ def test_siblings_with_one_hessian_run_as_one_weight(monkeypatch, offsets):
                                        offset_choice=fit.offset_choice) for w in weights]
     calls = []
     real = calibration.gptq.gptq_quantize
-    monkeypatch.setattr(calibration.gptq, "gptq_quantize", lambda w, *a, **k: calls.append(w.shape) or real(w, *a, **k))
+
+    def counted(weight, *args, **kwargs):
+        calls.append(weight.shape)
+        return real(weight, *args, **kwargs)
+
+    monkeypatch.setattr(calibration.gptq, "gptq_quantize", counted)
     got = calibration.calibrate_group(weights, [h, h.clone(), h.clone()], 4, settings)
     assert calls == [(80, 192)]
     for (planes, scales, rows, cb), want in zip(got, alone):

@@ -28,8 +28,9 @@ the same codebook and code window (tested).
 layer's Linears collecting ``H`` from inputs that come through the already quantized layers before it, then
 quantized, written back (dequantized) into the model, and the layer run again to give the next one its
 inputs. A tqdm bar counts the Linears. Siblings (q/k/v, gate/up) read the same input, so they get the same
-``H``, computed once, and run as one weight, their rows stacked (one column loop for the group). Fused MoE experts (``calibrate_model(experts=...)``) collect one ``H`` per expert from
-the tokens routed to it, and are quantized stacked, a few experts at a time (:func:`calibrate_experts`).
+``H``, computed once, and run as one weight, their rows stacked (one column loop for the group). Fused MoE
+experts (``calibrate_model(experts=...)``) collect one ``H`` per expert from the tokens routed to it, and are
+quantized stacked, a few experts at a time (:func:`calibrate_experts`).
 
 Cost: one forward of the calibration tokens per decoder layer (twice: once with hooks), ``H`` in float32 on the
 model's device (``K x K`` per distinct input), and a Python loop over columns whose steps are whole-row tensor
