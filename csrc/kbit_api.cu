@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 
 #include "kbit_kernel_table.h"
 
@@ -22,7 +23,7 @@ using namespace kbit;
 // Unchanged by the block-records entries (kbit_gemv_offsets*, kbit_gemv_prologue_offsets, kbit_gemm_offsets*,
 // kbit_dequantize_records): they are new symbols, which a caller looks up before it declares them
 // (hf_kbit/backends/cuda.py), as it does the other optional entries.
-constexpr int kAbiVersion = 10;
+constexpr int kAbiVersion = 11;
 
 thread_local char g_error[512] = "";
 
@@ -209,7 +210,15 @@ constexpr int64_t kBalancedMaxSplits = 8;
 constexpr double kBalancedSplitMargin = 0.1;  // K-split balanced plans must win by this much
 constexpr double kBalancedClusterTiles = 1.7;  // cluster barrier and distributed shared-memory sums
 
+// kbit_set_gemv_plan's mode and splits, -1 and 0 for the cost's choice (tests and benchmarks).
+int g_gemv_mode = -1, g_gemv_splits = 0;
+
 GemvPlan plan_gemv(int64_t m, int64_t n, int64_t k, int sms, const GemvSmem& smem, const ClusterCtas& clusters) {
+  // A forced plan (kbit_set_gemv_plan) takes only candidates of its mode and splits, whatever they cost.
+  const bool forced = g_gemv_mode >= 0;
+  const auto wanted = [&](int mode, int64_t splits) {
+    return !forced || (mode == g_gemv_mode && (g_gemv_splits == 0 || splits == g_gemv_splits));
+  };
   const int64_t k_tiles = ceil_div(k, kTileK), n_tiles = ceil_div(n, kTileN);
   const int64_t slots = static_cast<int64_t>(sms) * smem.ctas_per_sm;
   const int64_t x_tile = gemv_x_tile_bytes(static_cast<int>(m));
@@ -220,7 +229,7 @@ GemvPlan plan_gemv(int64_t m, int64_t n, int64_t k, int sms, const GemvSmem& sme
   const auto consider = [&](GemvPlan& into, double& into_cost, int64_t splits, int64_t chunk, int64_t per_split,
                             double weight, bool cluster) {
     const double cost = static_cast<double>(ceil_div(n_tiles, per_split * kGemvWarps) * chunk) * weight;
-    if (into.splits != 0 && cost >= into_cost - 1e-9) return;
+    if (!wanted(cluster ? 1 : 0, splits) || (into.splits != 0 && cost >= into_cost - 1e-9)) return;
     into_cost = cost;
     into.splits = static_cast<int>(splits);
     into.chunk_kt = static_cast<int>(chunk);
@@ -238,6 +247,7 @@ GemvPlan plan_gemv(int64_t m, int64_t n, int64_t k, int sms, const GemvSmem& sme
         chunk * x_tile + gemv_cluster_bytes(static_cast<int>(m), static_cast<int>(splits)) <= smem.x_budget)
       consider(best_cluster, best_cluster_cost, splits, chunk, per_cluster, kClusterSplitCost, true);
   }
+  if (forced && g_gemv_mode <= 1) return g_gemv_mode == 1 ? best_cluster : best;
   if (best_cluster.splits != 0 && best_cluster_cost < best_cost - 1e-9 &&
       best_cluster.grid * 100 >= kClusterMinCtaPercent * best.grid)
     best = best_cluster;
@@ -249,10 +259,15 @@ GemvPlan plan_gemv(int64_t m, int64_t n, int64_t k, int sms, const GemvSmem& sme
     return splits > 1 ? kReduceKernelTiles + kPartialTilesPerMb * static_cast<double>(splits * m * n * 4) / (1 << 20)
                       : 0.0;
   };
-  const int64_t per_split = best.grid / best.splits;
-  const double tiles = static_cast<double>(ceil_div(n_tiles, per_split * kGemvWarps) * best.chunk_kt);
-  double chosen = best.cluster ? cost(kClusterTileCost * tiles, best.chunk_kt)
-                               : cost(tiles, best.chunk_kt) + sum_splits(best.splits);
+  double chosen = std::numeric_limits<double>::infinity();
+  if (forced) {
+    best = GemvPlan{};
+  } else {
+    const int64_t per_split = best.grid / best.splits;
+    const double tiles = static_cast<double>(ceil_div(n_tiles, per_split * kGemvWarps) * best.chunk_kt);
+    chosen = best.cluster ? cost(kClusterTileCost * tiles, best.chunk_kt)
+                          : cost(tiles, best.chunk_kt) + sum_splits(best.splits);
+  }
   const auto take_balanced = [&](double c, int64_t splits, int64_t chunk, int64_t ctas_per_split, bool cluster) {
     chosen = c;
     best = GemvPlan{};
@@ -268,11 +283,12 @@ GemvPlan plan_gemv(int64_t m, int64_t n, int64_t k, int sms, const GemvSmem& sme
     const int64_t ctas = std::min(slots / splits, n_tiles);  // per split
     const double c = cost(static_cast<double>(ceil_div(ceil_div(n_tiles, ctas) * chunk, kGemvWarps)), chunk) +
                      sum_splits(splits);
-    if (c < chosen - (splits > 1 ? kBalancedSplitMargin : 0.0) - 1e-9) take_balanced(c, splits, chunk, ctas, false);
+    if (wanted(2, splits) && c < chosen - (splits > 1 ? kBalancedSplitMargin : 0.0) - 1e-9)
+      take_balanced(c, splits, chunk, ctas, false);
   }
   // Balanced cluster plans: the K splits of a row range sum through distributed shared memory.
   for (int64_t splits = std::max<int64_t>(2, min_splits);
-       best.splits > 1 && splits <= std::min<int64_t>(k_tiles, kGemvClusterMax); ++splits) {
+       (forced || best.splits > 1) && splits <= std::min<int64_t>(k_tiles, kGemvClusterMax); ++splits) {
     const int64_t chunk = ceil_div(k_tiles, splits);
     if (ceil_div(k_tiles, chunk) != splits || chunk > max_chunk || smem.ctas_per_sm != 1) continue;
     const int64_t ctas = std::min<int64_t>(clusters.ctas[splits] / splits, n_tiles);  // per split
@@ -281,7 +297,7 @@ GemvPlan plan_gemv(int64_t m, int64_t n, int64_t k, int sms, const GemvSmem& sme
     const int recv_slots = gemv_balanced_cluster_slots(static_cast<int>(splits), static_cast<int>(rows));
     if (chunk * x_tile + gemv_slot_bytes(static_cast<int>(m), recv_slots) > smem.x_budget) continue;
     const double c = cost(static_cast<double>(ceil_div(rows * chunk, kGemvWarps)), chunk) + kBalancedClusterTiles;
-    if (c < chosen - 1e-9) take_balanced(c, splits, chunk, ctas, true);
+    if (wanted(3, splits) && c < chosen - 1e-9) take_balanced(c, splits, chunk, ctas, true);
   }
   return best;
 }
@@ -723,6 +739,9 @@ int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* bloc
     return fail("weight of %lld x %lld is too large for the GEMV's 32-bit tile indexing", static_cast<long long>(n),
                 static_cast<long long>(k));
   const GemvPlan plan = device_gemv_plan(device, m, n, k);
+  if (plan.splits == 0)
+    return fail("kbit_set_gemv_plan's mode %d with %d splits has no plan for m=%lld n=%lld k=%lld", g_gemv_mode,
+                g_gemv_splits, static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k));
   const GemvRotate rotate = rot_signs ? gemv_rotate_mode(bits, dtype, m, prologue) : kGemvRotateStaging;
   if (rotate == kGemvRotateNone)
     return fail("a rotated layer's GEMV with a prologue takes m <= 8 (the rotated instantiations), got m=%lld: "
@@ -1170,6 +1189,15 @@ int kbit_gemm_plan(int device, int64_t m, int64_t n, int64_t k, int bits, int* w
   *block_m = plan.kernel == kGemmMma ? gemm_block_m(plan.tile) : plan.tile * kWgmmaTokens;
   *splits = plan.splits;
   *ctas = static_cast<int>(plan.grid.x * plan.grid.y * plan.grid.z);
+  return KBIT_OK;
+}
+
+int kbit_set_gemv_plan(int mode, int splits) {
+  if (mode < -1 || mode > 3)
+    return fail("mode must be -1 (the planner's) or 0..3 (kbit_gemv_plan's modes), got %d", mode);
+  if (splits < 0 || splits > 64) return fail("splits must be 0 (any) or 1..64, got %d", splits);
+  g_gemv_mode = mode;
+  g_gemv_splits = mode < 0 ? 0 : splits;
   return KBIT_OK;
 }
 

@@ -21,7 +21,7 @@ from pathlib import Path
 LIBRARY_NAME = "libhf_kbit_cuda.so"
 LIBRARY_ENV = "HF_KBIT_LIBRARY"  # an explicit path to the library; no search when set
 _PACKAGE_DIR = Path(__file__).resolve().parent
-ABI_VERSION = 10
+ABI_VERSION = 11
 
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
@@ -122,6 +122,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kbit_gemm_kernel.restype = c_int
     lib.kbit_set_wgmma_ws_plan.argtypes = [c_int, c_int]
     lib.kbit_set_wgmma_ws_plan.restype = c_int
+    lib.kbit_set_gemv_plan.argtypes = [c_int, c_int]
+    lib.kbit_set_gemv_plan.restype = c_int
     lib.kbit_set_mm_crossovers.argtypes = [c_int, c_int, c_int, c_int, c_i64p, c_i64p]
     lib.kbit_set_mm_crossovers.restype = c_int
     lib.kbit_mm_plan.argtypes = [c_int, c_i64, c_i64, c_i64, c_int, c_int, c_int, c_ip, c_ip, c_i64p]

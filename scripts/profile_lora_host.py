@@ -53,6 +53,7 @@ int kbit_gemv_plan(void) { return 0; }
 int kbit_set_gemm_kernel(int gemm) { return 0; }
 int kbit_gemm_kernel(int device) { return 0; }
 int kbit_set_wgmma_ws_plan(int nb, int splits) { return 0; }
+int kbit_set_gemv_plan(int mode, int splits) { return 0; }
 int kbit_set_mm_crossovers(void) { return 0; }
 int kbit_gemv_prologue(void) { return 0; }
 int kbit_gemv_prepare(void) { return 0; }

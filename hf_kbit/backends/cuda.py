@@ -113,6 +113,7 @@ def _forget_plans() -> None:
     gemm_workspace.cache_clear()
     gemm_kernel.cache_clear()
     gemm_offsets_serves.cache_clear()
+    _gemv_workspace.cache_clear()
 
 
 def set_gemm_kernel(name: str | None) -> None:
@@ -138,6 +139,15 @@ def set_wgmma_ws_plan(nb: int | None = None, splits: int | None = None) -> None:
     (1..8) from now on, process-wide, instead of its cost model's choice (``None``: the model's): tests cover
     every tile with it, benchmarks time each plan to fit the model."""
     _lib.check(_LIB.kbit_set_wgmma_ws_plan(nb or 0, splits or 0), "set_wgmma_ws_plan")
+    _forget_plans()
+
+
+def set_gemv_plan(mode: int | None = None, splits: int | None = None) -> None:
+    """Plan the GEMV in ``mode`` (``kbit_gemv_plan``'s: 0 one split or splits through a workspace, 1 splits
+    through a cluster, 2 balanced, 3 balanced in a cluster) with ``splits`` K splits (``None``: the cheapest of
+    that mode) from now on, process-wide, instead of its cost model's choice (``mode=None``: the model's): a
+    problem with no such plan fails to launch. For tests and benchmarks that time every plan."""
+    _lib.check(_LIB.kbit_set_gemv_plan(-1 if mode is None else mode, splits or 0), "set_gemv_plan")
     _forget_plans()
 
 

@@ -9,7 +9,7 @@ import torch
 from hf_kbit import _lib, _ops
 from hf_kbit.eval.timing import capture_cuda_graph
 
-from test_cuda_kernels import GEMV_PLAN_CASES, MM_REL_TOL, packed_reference, rel_err
+from test_cuda_kernels import GEMV_MODES, GEMV_PLAN_CASES, MM_REL_TOL, gemv_plan, packed_reference, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -57,6 +57,40 @@ def test_prologue_matches_the_unfused_ops(case, bits, kind, dtype):
         torch.testing.assert_close(total, a + b, rtol=0, atol=0)
     assert out.shape == (m, n) and out.dtype == dtype
     assert rel_err(out, ref) < MM_REL_TOL[dtype], kind
+
+
+# (N, K, M) forced into every plan mode (kbit_set_gemv_plan): Llama-3-8B's down projection and fused q/k/v at M = 1,
+# and partial row and K tiles at two token tiles.
+FORCED_CASES = [(4096, 14336, 1), (6144, 4096, 1), (1000, 4100, 13)]
+
+
+@pytest.mark.parametrize("mode", sorted(GEMV_MODES), ids=lambda v: f"mode{v}")
+@pytest.mark.parametrize("kind", ["silu_mul", "add_rmsnorm"])
+@pytest.mark.parametrize("case", FORCED_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_prologue_under_every_plan_mode(case, kind, mode):
+    """Each prologue in each plan mode the problem has (kbit_set_gemv_plan), against the unfused ops."""
+    from hf_kbit.backends import cuda as backend
+
+    n, k, m = case
+    bits, dtype = 4, torch.bfloat16
+    weights, _ = packed_reference(n, k, bits)
+    g = torch.Generator(device=DEVICE).manual_seed(n + k + m)
+    a, b = torch.randn(2, m, k, device=DEVICE, generator=g).to(dtype)
+    w = (torch.rand(k, device=DEVICE, generator=g) + 0.5).to(dtype)
+    ref = reference(kind, a, b, w, weights, k)
+    backend.set_gemv_plan(mode)
+    try:
+        plan = gemv_plan(n, k, m)
+        if plan["splits"] == 0:
+            pytest.skip(f"no {GEMV_MODES[mode]} plan for this problem")
+        assert plan["mode"] == mode, plan
+        if kind == "silu_mul":
+            out = torch.ops.kbit.mm_silu_mul(a, b, *weights, k)
+        else:
+            out, _ = torch.ops.kbit.mm_add_rmsnorm(a, b, w, EPS, *weights, k)
+    finally:
+        backend.set_gemv_plan(None)
+    assert rel_err(out, ref) < MM_REL_TOL[dtype], plan
 
 
 def test_float32_norm_weight_takes_the_reference():
