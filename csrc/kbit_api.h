@@ -125,7 +125,7 @@ KBIT_API int kbit_set_wgmma_ws_plan(int nb, int splits);
 /* The GEMV's plan from now on, process-wide, instead of its cost model's choice (tests and benchmarks): mode
  * as kbit_gemv_plan reports it (0..3; -1: the model's again) and splits (1..64; 0: the cheapest of that mode).
  * A problem with no plan of that mode and splits then reports splits 0 (kbit_gemv_plan) and fails to launch,
- * naming them. */
+ * naming them. Call records written before (kbit_gemv_prepare) keep the plan they hold. */
 KBIT_API int kbit_set_gemv_plan(int mode, int splits);
 
 /* The path planner's data: measured crossovers (hf_kbit/backends/crossovers.json, written by

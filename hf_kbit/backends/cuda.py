@@ -146,7 +146,8 @@ def set_gemv_plan(mode: int | None = None, splits: int | None = None) -> None:
     """Plan the GEMV in ``mode`` (``kbit_gemv_plan``'s: 0 one split or splits through a workspace, 1 splits
     through a cluster, 2 balanced, 3 balanced in a cluster) with ``splits`` K splits (``None``: the cheapest of
     that mode) from now on, process-wide, instead of its cost model's choice (``mode=None``: the model's): a
-    problem with no such plan fails to launch. For tests and benchmarks that time every plan."""
+    problem with no such plan fails to launch. Calls prepared before (a module's eager fast path, whose call record
+    holds its plan) keep theirs. For tests and benchmarks that time every plan."""
     _lib.check(_LIB.kbit_set_gemv_plan(-1 if mode is None else mode, splits or 0), "set_gemv_plan")
     _forget_plans()
 
