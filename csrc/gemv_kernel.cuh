@@ -34,7 +34,7 @@
 // input w * (a [+ b]) whose per-token rsqrt(mean + eps) scales the sums in the epilogue (XPrologue,
 // RowSquares).
 // Rotated layers (kRotate instantiations, MmParams::rot_signs): the staging turns what it would store into
-// x R (after the prologue) before the store, so the K loop is the unrotated kernel's (stage_x, rotate_run).
+// x R (after the prologue) before the store, so the K loop is the unrotated kernel's (stage_x, rotate_segment).
 // A template flag, not a runtime one: the unrotated instantiations compile to the code they had before
 // rotation existed (a runtime flag moved ptxas's register allocation in the K loop, 3-8% at M = 16).
 // Block records (kOffsets instantiations, launch_gemv_offsets; format.py): block_scales holds an int16 per
@@ -562,30 +562,25 @@ template <typename T> struct RowSquares {
   }
 };
 
-// Rotated layers: x R of one staging run (8 elements of a token, rotation.cuh). k = 2: the run is
-// elements 8q .. 8q + 7 of block t, one whole segment: strides 1, 2, 4 in registers. k >= 3: the runs
-// o .. o + 3 and o + 8 .. o + 11 (o = 16 (q / 2) + 4 (q % 2)), the halves of two segments whose other
-// halves sit in lane q ^ 1 (the next lane): strides 1, 2 in registers, 4 by one shuffle. Stages in the
-// reference's order (1, 2, 4), float32, one rounding. `sign_bits`: the sign word of the run's block
-// shifted to its first element; `mask`: the 16 lanes of the record.
+// Rotated layers: x R of one segment, 8 consecutive elements of a token in a thread's registers
+// (rotation.cuh): the butterfly stages of strides 1, 2, 4 in the reference's order, float32, one
+// rounding. `sign_bits`: the sign word of the segment's block shifted to its first element.
 // The signs flip the 16-bit sign bits before the conversion (exact, as the reference's multiply by
-// +-1): pair i of the run (elements 2i, 2i + 1: sign bits a and a + 1) XORs its word with
-// t * (2^(15 - a) + 2^(30 - a)) & 0x80008000, t the run's sign bits alone, which moves bit a to 15 and
-// a + 1 to 31 (the two shifted copies of t never overlap, so the product carries nothing): a multiply
-// and a LOP3 per pair, where a flip per float took a shift and a LOP3 per element.
-template <int BITS, typename T>
-__device__ __forceinline__ uint4 rotate_run(uint4 u, uint32_t sign_bits, unsigned mask) {
-  constexpr int kSecond = BITS == 2 ? 4 : 8;  // stage_x's run layout
+// +-1): pair i of the segment (elements 2i, 2i + 1: sign bits 2i and 2i + 1) XORs its word with
+// t * (2^(15 - 2i) + 2^(30 - 2i)) & 0x80008000, t the segment's sign bits alone, which moves bit 2i to 15
+// and 2i + 1 to 31 (the two shifted copies of t never overlap, so the product carries nothing): a
+// multiply and a LOP3 per pair, where a flip per float took a shift and a LOP3 per element.
+template <typename T>
+__device__ __forceinline__ uint4 rotate_segment(uint4 u, uint32_t sign_bits) {
   static_assert(sizeof(T) == 2, "the staging is 16-bit");
   union Run { uint4 u; uint32_t w[4]; T e[8]; };
   Run in;
   in.u = u;
-  const uint32_t t = sign_bits & (BITS == 2 ? 0xFFu : 0xF0Fu);  // the run's elements' bits (kSecond)
+  const uint32_t t = sign_bits & 0xFFu;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     constexpr uint32_t kSignBits = 0x80008000u;
-    const int a = 2 * i < 4 ? 2 * i : 2 * i - 4 + kSecond;
-    in.w[i] ^= (t * ((1u << (15 - a)) + (1u << (30 - a)))) & kSignBits;
+    in.w[i] ^= (t * ((1u << (15 - 2 * i)) + (1u << (30 - 2 * i)))) & kSignBits;
   }
   float v[8];
 #pragma unroll
@@ -601,8 +596,7 @@ __device__ __forceinline__ uint4 rotate_run(uint4 u, uint32_t sign_bits, unsigne
   }
   butterfly_regs<1>(v);
   butterfly_regs<2>(v);
-  if constexpr (BITS == 2) butterfly_regs<4>(v);
-  else butterfly_lanes<1>(v, mask);
+  butterfly_regs<4>(v);
   Run out;
 #pragma unroll
   for (int i = 0; i < 4; ++i) out.w[i] = pack2<T>(__fmul_rn(v[2 * i], kRotScale), __fmul_rn(v[2 * i + 1], kRotScale));
@@ -622,7 +616,10 @@ __device__ __forceinline__ uint4 rotate_run(uint4 u, uint32_t sign_bits, unsigne
 // NT = 4 instantiation spilled and ran 10-12% slower at 16-64 tokens on the H100). fetch: PlainX
 // (x itself, row_of(tok) rows of k) or an XPrologue, which computes each run from its inputs.
 // between(): called once by every thread while its first loads are in flight (the GEMV builds its
-// table there). kRotate: rot_signs are a rotated layer's sign words (rotate_run, before each store).
+// table there). kRotate: rot_signs are a rotated layer's sign words. Then thread (q, t) stages the
+// segment 8q .. 8q + 7 of the block (one 16-byte load, rotate_segment), whose halves belong to two
+// chunk pairs at k >= 3 (those of threads 2 (q / 2) and 2 (q / 2) + 1, words q % 2 and q % 2 + 2 of
+// each): four 4-byte stores, where the runs of two neighbouring threads would need a shuffle per element.
 struct NoWork {
   __device__ void operator()() const {}
 };
@@ -631,10 +628,12 @@ template <int BITS, typename T, int kUnroll, bool kRotate = false, typename RowO
 __device__ __forceinline__ void stage_x(const T* x, int64_t k, int m, RowOf row_of, uint32_t* xs, int64_t kc0,
                                         int64_t kc1, Fetch fetch = {}, Between between = {},
                                         const uint32_t* rot_signs = nullptr) {
-  constexpr int kSecond = BITS == 2 ? 4 : 8;  // element offset of the run's second half
+  // Runs of 8 consecutive elements at k = 2 and on rotated layers (a whole segment each).
+  constexpr bool kSegment = BITS == 2 || kRotate;
+  constexpr int kSecond = kSegment ? 4 : 8;  // element offset of the run's second half
   union Run { uint4 u; uint32_t w[4]; T e[8]; };
   const int q = threadIdx.x & 3, t = (threadIdx.x >> 2) & 3, step = blockDim.x >> 4;
-  const int e0 = 32 * t + (BITS == 2 ? 8 * q : 16 * (q >> 1) + 4 * (q & 1));
+  const int e0 = 32 * t + (kSegment ? 8 * q : 16 * (q >> 1) + 4 * (q & 1));
   const int recs = static_cast<int>(kc1 - kc0) * m;  // record rec = j * m + token
   const bool vec_ok = (k % 8 == 0) && (reinterpret_cast<uintptr_t>(x) % 16 == 0);
   int rec = threadIdx.x >> 4;
@@ -644,6 +643,7 @@ __device__ __forceinline__ void stage_x(const T* x, int64_t k, int m, RowOf row_
   do {  // the first pass by every thread, for between()
     uint4 v[kUnroll];
     int dst[kUnroll];
+    int swz[kRotate ? kUnroll : 1];  // the record's swizzle (rotated runs at k >= 3 store across chunk pairs)
     uint32_t sign_bits[kRotate ? kUnroll : 1];
 #pragma unroll
     for (int r = 0; r < kUnroll; ++r) dst[r] = -1;
@@ -656,7 +656,7 @@ __device__ __forceinline__ void stage_x(const T* x, int64_t k, int m, RowOf row_
       if constexpr (!std::is_same_v<Fetch, PlainX>) {
         run.u = fetch.template run<kSecond>(tok, kk, k);
       } else if (vec_ok && kk + 4 + kSecond <= k) {
-        if constexpr (BITS == 2) {
+        if constexpr (kSegment) {
           run.u = __ldg(reinterpret_cast<const uint4*>(src));
         } else {
           const uint2 lo = __ldg(reinterpret_cast<const uint2*>(src)), hi = __ldg(reinterpret_cast<const uint2*>(src + 8));
@@ -670,13 +670,14 @@ __device__ __forceinline__ void stage_x(const T* x, int64_t k, int m, RowOf row_
         }
       }
       if constexpr (kRotate) {
-        v[r] = run.u;  // words 0, 2, 1, 3 at the store, after the rotation
-        // k % 64 == 0: a run past k is zero, and so is its segment (no sign word to read).
+        v[r] = run.u;  // rotated, then stored in words 0, 2, 1, 3 (k = 2) or across two chunk pairs
+        // k % 64 == 0: a segment past k is zero (no sign word to read).
         sign_bits[r] = kk < k ? __ldg(rot_signs + (kk >> 5)) >> (kk & 31) : 0u;
       } else {
         v[r] = make_uint4(run.w[0], run.w[2], run.w[1], run.w[3]);
       }
       dst[r] = ((rec * 4 + t) * 4 + (q ^ x_swizzle(tok & 7, t))) * 4;
+      if constexpr (kRotate) swz[r] = x_swizzle(tok & 7, t);
       rec += step;
       j += dj;
       tok += dtok;
@@ -690,9 +691,21 @@ __device__ __forceinline__ void stage_x(const T* x, int64_t k, int m, RowOf row_
 #pragma unroll
     for (int r = 0; r < kUnroll; ++r) {
       if constexpr (kRotate) {
-        if (dst[r] >= 0) {  // uniform over the 16 threads of a record (the lanes rotate_run shuffles among)
-          const uint4 u = rotate_run<BITS, T>(v[r], sign_bits[r], 0xFFFFu << (threadIdx.x & 16));
-          *reinterpret_cast<uint4*>(xs + dst[r]) = make_uint4(u.x, u.z, u.y, u.w);
+        if (dst[r] >= 0) {
+          const uint4 u = rotate_segment<T>(v[r], sign_bits[r]);
+          if constexpr (BITS == 2) {
+            *reinterpret_cast<uint4*>(xs + dst[r]) = make_uint4(u.x, u.z, u.y, u.w);
+          } else {
+            // Elements 0-3 are the first run of chunk pair 2 (q / 2), 4-7 that of 2 (q / 2) + 1 (q even),
+            // or their second runs (q odd): words q % 2 and q % 2 + 2 of each.
+            uint32_t* record = xs + dst[r] - 4 * (q ^ swz[r]);
+            uint32_t* lo = record + 4 * ((q & 2) ^ swz[r]) + (q & 1);
+            uint32_t* hi = record + 4 * ((q | 1) ^ swz[r]) + (q & 1);
+            lo[0] = u.x;
+            lo[2] = u.y;
+            hi[0] = u.z;
+            hi[2] = u.w;
+          }
         }
       } else {
         if (dst[r] >= 0) *reinterpret_cast<uint4*>(xs + dst[r]) = v[r];

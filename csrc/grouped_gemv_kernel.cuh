@@ -16,7 +16,7 @@
 // per unit in K sub-chunks, the k_warps partial sums of a row tile are added in shared memory in
 // warp order (deterministic), and each output row is written once. Rotated experts (kRotate
 // instantiations, rot_signs: one rotation for all, they read the same x) stage x R, as the GEMV does
-// (stage_x, rotate_run): per unit and K pass, a few float32 operations per staged element against a
+// (stage_x, rotate_segment): per unit and K pass, a few float32 operations per staged element against a
 // unit's whole weight tile. The host takes it in per-row mode; in grouped mode, where every unit of a
 // row's expert would rotate the row again, it rotates x once with the standalone kernel (kbit_api.cu).
 #pragma once

@@ -8,10 +8,9 @@
 // or all past it, where x is zero and rotates to zeros.
 //
 // Why segments of 8: wherever the kernels stage x a thread holds 8 consecutive elements (the GEMM's
-// x rewrite, dequantize, the standalone rotation, the GEMV at k = 2) or two runs of 4 whose partners
-// sit in the neighbouring lane (the GEMV at k >= 3), so the transform is 3 butterfly stages in
-// registers (one of them a shuffle in the k >= 3 GEMV staging); longer segments need a shuffle per
-// further stage and measured no better by perplexity (docs/format.md#rotation).
+// x rewrite, dequantize, the standalone rotation, the GEMV's and grouped GEMV's staging), so the
+// transform is 3 butterfly stages in registers; longer segments need a shuffle per further stage and
+// measured no better by perplexity (docs/format.md#rotation).
 //
 // Arithmetic: float32, in the reference's order (rotation.rotate: sign, the butterfly stages of
 // strides 1, 2, 4, each a + b / a - b of the lower and upper element, then * float32(1 / sqrt(8))),
@@ -52,17 +51,6 @@ __device__ __forceinline__ void butterfly_regs(float (&v)[N]) {
       v[i + kH] = a - b;
     }
   }
-}
-
-// Butterfly stage across lanes lane ^ kXor (kXor < 32; `mask`: the lanes taking part, whole
-// groups of them): the lower lane keeps a + b, the upper a - b, element by element. One fma per
-// element, v * (+-1) + o: the product is exact, so it rounds as the add (a + b, or o - v = a - b)
-// does, where a select between two adds costs three instructions.
-template <int kXor, int N>
-__device__ __forceinline__ void butterfly_lanes(float (&v)[N], unsigned mask) {
-  const float sign = (threadIdx.x & kXor) != 0 ? -1.f : 1.f;
-#pragma unroll
-  for (int i = 0; i < N; ++i) v[i] = __fmaf_rn(sign, v[i], __shfl_xor_sync(mask, v[i], kXor));
 }
 
 // Prefetches sign words [w0, w1) into L1 (one instruction per 128-byte line, the block's threads
