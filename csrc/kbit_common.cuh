@@ -52,6 +52,16 @@ template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, f
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// Asks L1 for elements [e0, e1) of `base`, one instruction per 128-byte line, the block's threads in
+// turn. The GEMV issues it before griddepcontrol.wait for constants that its x staging reads after the
+// wait (rotation sign words, a norm prologue's weight), so that those loads hit L1 instead of adding a
+// trip to HBM to the staging's latency.
+template <typename E> __device__ __forceinline__ void prefetch_l1(const E* base, int64_t e0, int64_t e1) {
+  constexpr int64_t kLine = 128 / sizeof(E);
+  for (int64_t e = e0 + kLine * static_cast<int64_t>(threadIdx.x); e < e1; e += kLine * static_cast<int64_t>(blockDim.x))
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(base + e));
+}
+
 // Programmatic dependent launch (sm_90+): a kernel lets the next one launch early
 // (launch_dependents), and the next waits in griddepcontrol.wait until this grid has completed
 // and its writes are visible, so the next kernel's launch latency and prologue overlap this
