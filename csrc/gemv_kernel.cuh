@@ -644,7 +644,7 @@ __device__ __forceinline__ void stage_x(const T* x, int64_t k, int m, RowOf row_
     uint4 v[kUnroll];
     int dst[kUnroll];
     int swz[kRotate ? kUnroll : 1];  // the record's swizzle (rotated runs at k >= 3 store across chunk pairs)
-    uint32_t sign_bits[kRotate ? kUnroll : 1];
+    uint32_t sign_word[kRotate ? kUnroll : 1];  // the sign word of the record's segment
 #pragma unroll
     for (int r = 0; r < kUnroll; ++r) dst[r] = -1;
 #pragma unroll
@@ -671,8 +671,10 @@ __device__ __forceinline__ void stage_x(const T* x, int64_t k, int m, RowOf row_
       }
       if constexpr (kRotate) {
         v[r] = run.u;  // rotated, then stored in words 0, 2, 1, 3 (k = 2) or across two chunk pairs
-        // k % 64 == 0: a segment past k is zero (no sign word to read).
-        sign_bits[r] = kk < k ? __ldg(rot_signs + (kk >> 5)) >> (kk & 31) : 0u;
+        // k % 64 == 0: a segment past k is zero (no sign word to read). The segment's signs are bits
+        // 8q .. 8q + 7 of the word (kk % 32 == 8q), shifted out where it is rotated: a shift here would
+        // wait for the word before the next record's loads go out.
+        sign_word[r] = kk < k ? __ldg(rot_signs + (kk >> 5)) : 0u;
       } else {
         v[r] = make_uint4(run.w[0], run.w[2], run.w[1], run.w[3]);
       }
@@ -692,7 +694,7 @@ __device__ __forceinline__ void stage_x(const T* x, int64_t k, int m, RowOf row_
     for (int r = 0; r < kUnroll; ++r) {
       if constexpr (kRotate) {
         if (dst[r] >= 0) {
-          const uint4 u = rotate_segment<T>(v[r], sign_bits[r]);
+          const uint4 u = rotate_segment<T>(v[r], sign_word[r] >> (8 * q));
           if constexpr (BITS == 2) {
             *reinterpret_cast<uint4*>(xs + dst[r]) = make_uint4(u.x, u.z, u.y, u.w);
           } else {
