@@ -894,12 +894,12 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
   // loads and is built before the wait. The next kernel may launch only after the wait
   // (kbit_common.cuh).
   const float levels = codebook_lane<BITS>(p.codebook, lane);
-  // Rotated layers: this split's sign words, read by the staging (rotation.cuh, prefetch_signs).
+  // Constants the staging reads after the wait, this split's share, into L1 (prefetch_l1): a rotated layer's
+  // sign words, and a norm prologue's weight, a model parameter, which no kernel that lets its dependents
+  // launch early (ours, inductor's) writes. Between two calls of a layer a decode step streams the LM head
+  // and every other layer through L2.
   if constexpr (kRotate)
-    prefetch_signs(p.rot_signs, int64_t{kc0} * kBlocksPerTile, min(int64_t{kc1} * kBlocksPerTile, p.k / kBlockSize));
-  // A norm prologue's weight, this split's share, likewise: a model parameter, which no kernel that lets
-  // its dependents launch early (ours, inductor's) writes. Each CTA stages all of it after the wait, and
-  // between two calls of a layer a decode step streams the LM head and every other layer through L2.
+    prefetch_l1(p.rot_signs, int64_t{kc0} * kBlocksPerTile, min(int64_t{kc1} * kBlocksPerTile, p.k / kBlockSize));
   if constexpr (kPrologue)
     if (p.prologue >= kPrologueNorm)
       prefetch_l1(static_cast<const T*>(p.norm_weight), int64_t{kc0} * kTileK, min(int64_t{kc1} * kTileK, p.k));

@@ -53,13 +53,6 @@ __device__ __forceinline__ void butterfly_regs(float (&v)[N]) {
   }
 }
 
-// Prefetches sign words [w0, w1) into L1 (prefetch_l1): the kernels whose x loads wait for the previous
-// kernel (programmatic dependent launch) issue it before that wait, since the words are constant like the
-// weight, so that the staging's loads of them hit instead of adding a trip to HBM to the x loads' latency.
-__device__ __forceinline__ void prefetch_signs(const uint32_t* rot_signs, int64_t w0, int64_t w1) {
-  prefetch_l1(rot_signs, w0, w1);
-}
-
 // One 8-element segment in a thread's registers: the rotation of x (sign first) or the unrotation of
 // a weight row (sign last); `sign_bits`: the segment's signs at bits 0..7.
 __device__ __forceinline__ void hadamard8(float (&v)[8]) {
