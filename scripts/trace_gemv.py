@@ -89,9 +89,10 @@ def summarize(records: list[list[int]], weights: list[int], nbytes: int) -> dict
 
 def trace_shape(k: int, n: int, bits: int, m: int, between: str, trace, lib) -> dict[str, Any]:
     import torch
-    from bench_kernels import capture, packed_bytes, random_packed
+    from bench_kernels import packed_bytes, random_packed
 
     from hf_kbit.backends import cuda as kbit_cuda
+    from hf_kbit.eval.timing import capture_cuda_graph
 
     nbytes = packed_bytes(n, k, bits)
     calls = min(MAX_CALLS, max(8, math.ceil(COLD_BYTES / nbytes)))
@@ -107,7 +108,7 @@ def trace_shape(k: int, n: int, bits: int, m: int, between: str, trace, lib) -> 
     # The launches read the buffer's address at capture: set it first.
     lib.kbit_trace_set(ctypes.c_void_p(trace.data_ptr()))
     try:
-        graph = capture(body)
+        graph, _ = capture_cuda_graph(body)
         for _ in range(3):  # the last replay's records are kept
             trace.zero_()
             graph.replay()
