@@ -210,7 +210,7 @@ class KbitConfig(QuantizationConfigMixin):
         elif isinstance(self.codebook, list):
             if len(all_bits) != 1:
                 raise ValueError("KbitConfig.codebook as explicit values needs one bits for all modules (no module_bits)")
-            fmt.make_codebook(self.codebook, self.bits)  # validates
+            fmt.make_codebook(self.codebook, self.bits, "KbitConfig.codebook")  # validates
         else:
             raise TypeError(f"KbitConfig.codebook must be a str, a list of floats or None, got {type(self.codebook)}")
         if self.modules_to_not_convert is not None and not (

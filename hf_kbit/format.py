@@ -224,18 +224,19 @@ def normal_float_codebook(bits: int, zero: bool = True) -> torch.Tensor:
 DEFAULT_CODEBOOK = {2: "nf-sym", 3: "nf-sym", 4: "nf", 5: "nf"}
 
 
-def make_codebook(codebook: str | torch.Tensor | list[float] | None, bits: int) -> torch.Tensor:
-    """Resolve a codebook name, ``None`` (the default for ``bits``) or explicit values."""
+def make_codebook(codebook: str | torch.Tensor | list[float] | None, bits: int, name: str = "codebook") -> torch.Tensor:
+    """Resolve a codebook name, ``None`` (the default for ``bits``) or explicit values; ``name`` is the argument's
+    name in errors."""
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
     if codebook is None:
         codebook = DEFAULT_CODEBOOK[bits]
     if isinstance(codebook, str):
         if codebook not in CODEBOOKS:
-            raise ValueError(f"codebook must be one of {CODEBOOKS} or a list of values, got {codebook!r}")
+            raise ValueError(f"{name} must be one of {CODEBOOKS} or a list of values, got {codebook!r}")
         return normal_float_codebook(bits, zero=codebook == "nf")
     values = torch.as_tensor(codebook, dtype=torch.float32, device="cpu").flatten()
-    validate_codebook(values, bits)
+    validate_codebook(values, bits, name)
     return values
 
 
@@ -246,10 +247,15 @@ def validate_codebook(values: torch.Tensor, bits: int, name: str = "codebook") -
             f"{name} must be float32 of shape ({1 << bits},) for bits={bits}, "
             f"got {values.dtype} of shape {tuple(values.shape)}"
         )
-    if not bool(torch.isfinite(values).all()) or float(values.abs().max()) > 1.0:
-        raise ValueError(f"{name} values must be finite and within [-1, 1]")
-    if not bool((values[1:] > values[:-1]).all()):
-        raise ValueError(f"{name} values must be strictly increasing")
+    bad = ~(torch.isfinite(values) & (values.abs() <= 1.0))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"{name} values must be finite and within [-1, 1], got {values[i].item()} at index {i}")
+    rising = values[1:] > values[:-1]
+    if not bool(rising.all()):
+        i = int((~rising).nonzero()[0])
+        raise ValueError(f"{name} values must be strictly increasing, got {values[i].item()} at index {i} and "
+                         f"{values[i + 1].item()} at index {i + 1}")
 
 
 # ---------------------------------------------------------------------------- bit-planes

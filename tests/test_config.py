@@ -83,6 +83,7 @@ def test_module_bits_pattern():
         ({"bits": True}, "bits"),
         ({"codebook": "uniform"}, "codebook"),
         ({"codebook": [-1.0, 1.0]}, "codebook"),
+        ({"bits": 2, "codebook": [-1.0, 0.5, 0.5, 1.0]}, "codebook"),
         ({"module_bits": {"mlp": 7}}, "module_bits"),
         ({"module_bits": {"(": 4}}, "module_bits"),
         ({"modules_to_not_convert": "lm_head"}, "modules_to_not_convert"),
@@ -116,7 +117,7 @@ def test_module_bits_pattern():
     ids=lambda v: str(v) if isinstance(v, str) else None,
 )
 def test_invalid_fields_name_the_field(kwargs, field):
-    with pytest.raises((ValueError, TypeError), match=field):
+    with pytest.raises((ValueError, TypeError), match=rf"KbitConfig\.{field}\b"):
         KbitConfig(**kwargs)
 
 

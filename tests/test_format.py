@@ -243,8 +243,12 @@ def test_codebooks_valid(name, bits):
 def test_custom_codebook_and_errors():
     cb = fmt.make_codebook([-1.0, -0.3, 0.3, 1.0], 2)
     assert cb.dtype == torch.float32
-    with pytest.raises(ValueError, match="strictly increasing"):
+    with pytest.raises(ValueError, match=r"strictly increasing, got 0.3.* at index 1 and -0.3.* at index 2"):
         fmt.make_codebook([-1.0, 0.3, -0.3, 1.0], 2)
+    with pytest.raises(ValueError, match=r"finite and within \[-1, 1\], got nan at index 2"):
+        fmt.make_codebook([-1.0, 0.3, float("nan"), 1.0], 2)
+    with pytest.raises(ValueError, match=r"^KbitConfig.codebook values must be finite and within \[-1, 1\], got 1.5 "):
+        fmt.make_codebook([-1.0, 0.3, 0.5, 1.5], 2, "KbitConfig.codebook")
     with pytest.raises(ValueError, match="shape"):
         fmt.make_codebook([-1.0, 1.0], 2)
     with pytest.raises(ValueError, match="codebook must be one of"):
