@@ -745,7 +745,7 @@ __device__ __forceinline__ void send_row_tile(float4* slots, int j, int splits, 
 // timer at entry, after griddepcontrol.wait, after the x staging and at exit (the destructor, on
 // every path out), then appends a record of kTraceWords words to the buffer of kbit_trace_set:
 // word 0 counts the records (the caller zeroes it), records start at word kTraceWords.
-constexpr int kTraceWords = 8;  // weight address, CTA << 32 | warp, SM, entry, wait, staged, exit, unused
+constexpr int kTraceWords = 8;  // weight address, CTA << 32 | warp, SM, entry, wait, staged, exit, items
 constexpr unsigned long long kTraceRecords = 1 << 16;
 
 __device__ __forceinline__ unsigned long long global_ns() {
@@ -758,6 +758,7 @@ struct GemvTrace {
   unsigned long long* buffer;
   const void* weight;
   unsigned long long t[4];
+  unsigned long long items = 0;  // the warp's (row tile, K tile) items
   __device__ GemvTrace(unsigned long long* b, const void* w) : buffer(b), weight(w), t{global_ns(), 0, 0, 0} {}
   __device__ void stamp(int i) { t[i] = global_ns(); }
   __device__ ~GemvTrace() {
@@ -775,7 +776,7 @@ struct GemvTrace {
     r[4] = t[1];
     r[5] = t[2];
     r[6] = exit;
-    r[7] = 0;
+    r[7] = items;
   }
 };
 #endif
@@ -850,6 +851,9 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
         first_tile < n_tiles && chunk > 0 ? (n_tiles - first_tile + row_stride - 1) / row_stride : 0;
     items = my_tiles * chunk;
   }
+#if KBIT_TRACE
+  trace.items = static_cast<unsigned long long>(items);
+#endif
 
   // Load cursor (row tile, K tile) runs kDepth - 1 items ahead of the decode cursor. The first
   // loads (and the first row tile's scales, below) go out before the table build and the

@@ -7,14 +7,17 @@
 
 In that build every warp of the GEMV stamps the GPU's global timer at entry, after griddepcontrol.wait
 (its predecessor has completed and its writes are visible), after staging x and at exit, and appends
-the stamps to a trace buffer (csrc/gemv_kernel.cuh, GemvTrace). A CUDA graph runs GEMVs over cold copies
+the stamps and its item count (row tile, K tile) to a trace buffer (csrc/gemv_kernel.cuh, GemvTrace). A CUDA graph
+runs GEMVs over cold copies
 of a weight (DESIGN.md section 6), back to back (`none` between them: the next one's prologue overlaps
 the previous one's tail through programmatic dependent launch) or each after an elementwise kernel on
 its x (`elementwise`: torch's, an ordinary launch). Each call from the third on is timed from the end of
 the GEMV before it (its last warp's exit); the table gives, per phase, the median over those calls of
 the earliest / median / latest warp, in microseconds, and the rate at which the weight streamed from the
-median warp's staging to the last exit. The global timer ticks about every 0.25 us on an H100, so
-differences below that are noise.
+median warp's staging to the last exit. It also gives the balanced exit: when the call would end if the same
+items were shared so that every warp finished together, each warp streaming from its staging at the rate it
+measured (items over its staging-to-exit time); the latest exit less that is what the static shares cost. The
+global timer ticks about every 0.25 us on an H100, so differences below that are noise.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from hf_kbit.kernel_table import SUPPORTED_BITS  # noqa: E402
 
 SHAPES = ("4096x6144", "4096x4096", "4096x28672", "14336x4096")  # Llama-3-8B decode: qkv, o, gate_up, down
 BETWEEN = ("none", "elementwise")
-TRACE_WORDS = 8  # words per record, and the record count's slot (GemvTrace)
+TRACE_WORDS = 8  # words per record, and the record count's slot (GemvTrace): weight, CTA << 32 | warp, SM,
+#                 entry, wait, staged, exit (ns), items
 TRACE_RECORDS = 1 << 16  # the kernel's kTraceRecords
 COLD_BYTES = 200e6  # weight copies per graph: 4x the H100's 50 MB L2
 MAX_CALLS = 30  # records of 2112 warps each fit the buffer
@@ -53,6 +57,24 @@ def _quantile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def balanced_exit(staged: list[float], exits: list[float], items: list[int]) -> float | None:
+    """The time T at which warps starting at ``staged`` and streaming at their own measured rates
+    (items / (exit - staged)) would have done all the items together: sum over warps of rate * max(0, T - staged)
+    equals the items' sum. None where no warp has items (a trace build that does not count them)."""
+    warps = sorted((s, i / (e - s)) for s, e, i in zip(staged, exits, items) if i > 0 and e > s)
+    total = sum(items)
+    if not warps:
+        return None
+    rate = start_work = 0.0  # sum of the started warps' rates, and of rate * staged
+    for j, (s, r) in enumerate(warps):
+        rate += r
+        start_work += r * s
+        t = (total + start_work) / rate
+        if j + 1 == len(warps) or t <= warps[j + 1][0]:
+            return t
+    raise AssertionError("unreachable: the last warp's interval is unbounded")
+
+
 def summarize(records: list[list[int]], weights: list[int], nbytes: int) -> dict[str, float]:
     """Phase stamps of the GEMV calls, in microseconds from the end of the call before.
 
@@ -60,7 +82,8 @@ def summarize(records: list[list[int]], weights: list[int], nbytes: int) -> dict
     times in ns), ``weights``: the weight address of each call in launch order, ``nbytes``: the bytes
     one call reads. Calls from the third on (the first has no GEMV before it) give, per phase, the
     earliest / median / latest warp; the result is the median over calls, plus ``stream_GBps``: nbytes
-    over the time from the median warp's staging to the last exit.
+    over the time from the median warp's staging to the last exit, and ``balanced_exit`` (:func:`balanced_exit`;
+    None where the records count no items).
     """
     if len(weights) < 3:
         raise ValueError(f"summarize needs at least 3 calls, got {len(weights)}")
@@ -81,9 +104,11 @@ def summarize(records: list[list[int]], weights: list[int], nbytes: int) -> dict
                for q, f in (("min", min), ("median", statistics.median), ("max", max))}
         row["exit_p90"] = _quantile(col["exit"], 0.9)
         row["stream_GBps"] = nbytes / 1e3 / max(row["exit_max"] - row["staged_median"], 1e-3)
+        row["balanced_exit"] = balanced_exit(col["staged"], col["exit"], [r[7] for r in recs])
         rows.append(row)
         previous_end = max(r[6] for r in recs)
-    summary = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+    summary = {key: None if any(row[key] is None for row in rows) else statistics.median(row[key] for row in rows)
+               for key in rows[0]}
     return summary | {"calls": len(rows), "warps": statistics.median(len(by_weight[w]) for w in weights[2:])}
 
 
@@ -129,10 +154,13 @@ def render(rows: list[dict[str, Any]]) -> str:
     def three(r, phase):
         return f"{r[phase + '_min']:.2f} / {r[phase + '_median']:.2f} / {r[phase + '_max']:.2f}"
 
+    def balanced(r):
+        return "-" if r.get("balanced_exit") is None else f"{r['balanced_exit']:.2f}"
+
     headers = ["K x N", "k", "M", "between", "MB", "entry us", "wait us", "staged us (median)", "exit us",
-               "exit p90 us", "stream GB/s"]
+               "exit p90 us", "balanced exit us", "stream GB/s"]
     table = [[f"{r['K']}x{r['N']}", r["bits"], r["M"], r["between"], f"{r['MB']:.1f}", three(r, "entry"),
-              three(r, "wait"), f"{r['staged_median']:.2f}", three(r, "exit"), f"{r['exit_p90']:.2f}",
+              three(r, "wait"), f"{r['staged_median']:.2f}", three(r, "exit"), f"{r['exit_p90']:.2f}", balanced(r),
               f"{r['stream_GBps']:.0f}"] for r in rows]
     return format_table(headers, table)
 

@@ -3,8 +3,8 @@ import pytest
 import trace_gemv
 
 
-def record(weight, warp, entry, wait, staged, exit):
-    return [weight, warp, 0, entry, wait, staged, exit, 0]
+def record(weight, warp, entry, wait, staged, exit, items=0):
+    return [weight, warp, 0, entry, wait, staged, exit, items]
 
 
 def test_summarize_times_each_call_from_the_previous_calls_last_exit():
@@ -21,12 +21,33 @@ def test_summarize_times_each_call_from_the_previous_calls_last_exit():
     assert s["stream_GBps"] == pytest.approx(8_000_000 / 1e3 / (10.0 - 2.0))
 
 
+def test_balanced_exit_shares_the_items_so_that_every_warp_ends_together():
+    # Two warps at one item per us, staged at 0 and 2, 4 items each: 4 and 2 us of streaming left to the first
+    # once the second starts, so both end at 5 (5 + 3 = 8 items) instead of at 4 and 6.
+    assert trace_gemv.balanced_exit([0.0, 2.0], [4.0, 6.0], [4, 4]) == pytest.approx(5.0)
+    # A warp that starts after the others could have finished everything never starts.
+    assert trace_gemv.balanced_exit([0.0, 9.0], [4.0, 10.0], [4, 1]) == pytest.approx(5.0)
+    # Rates differ: 2 items/us from 0, 1 item/us from 1; 9 items end at 2 T + (T - 1) = 9, T = 10 / 3.
+    assert trace_gemv.balanced_exit([0.0, 1.0], [3.0, 4.0], [6, 3]) == pytest.approx(10 / 3)
+    # Warps without items (or a build that does not count them) give nothing to balance.
+    assert trace_gemv.balanced_exit([0.0, 1.0], [2.0, 3.0], [0, 0]) is None
+
+
+def test_summarize_reports_the_balanced_exit_from_the_previous_calls_end():
+    records = [record(w, warp, 0, 0, 0, end) for w, end in ((1, 1_000), (2, 2_000)) for warp in (0, 1)]
+    records += [record(3, 0, 2_000, 2_000, 2_000, 6_000, items=4), record(3, 1, 4_000, 4_000, 4_000, 8_000, items=4)]
+    s = trace_gemv.summarize(records, [1, 2, 3], nbytes=1)
+    assert (s["exit_max"], s["balanced_exit"]) == pytest.approx((6.0, 5.0))
+    assert "| 5.00 |" in trace_gemv.render([{"K": 1, "N": 1, "bits": 4, "M": 1, "between": "none", "MB": 0.0} | s])
+
+
 def test_summarize_takes_the_median_over_calls_and_ignores_other_records():
     records = [record(w, 0, 0, 0, 0, end) for w, end in ((1, 1_000), (2, 2_000), (3, 5_000), (4, 7_000))]
     records.append(record(99, 0, 0, 0, 0, 10**9))  # another weight's GEMV: not one of the calls
     s = trace_gemv.summarize(records, [1, 2, 3, 4], nbytes=1)
     assert s["calls"] == 2
     assert s["exit_max"] == pytest.approx(2.5)  # median of 3.0 (5000 - 2000) and 2.0 (7000 - 5000)
+    assert s["balanced_exit"] is None  # the records count no items
 
 
 def test_summarize_rejects_too_few_calls_and_untraced_calls():
@@ -55,4 +76,4 @@ def test_render_has_a_row_per_case():
     row["staged_median"] = 1.9
     text = trace_gemv.render([row])
     assert ("| 4096x4096 | 4 | 1 | none | 8.9 | 0.50 / 1.00 / 1.50 | 0.50 / 1.00 / 1.50 | 1.90 | 0.50 / 1.00 / 1.50 "
-            "| 6.20 | 1750 |") in text
+            "| 6.20 | - | 1750 |") in text
