@@ -4,6 +4,10 @@
         -DCMAKE_CUDA_FLAGS=-DKBIT_TRACE=1 && cmake --build build/trace -j16
     HF_KBIT_LIBRARY=$PWD/build/trace/csrc/libhf_kbit_cuda.so python scripts/trace_gemv.py
     ... python scripts/trace_gemv.py --shapes 4096x4096 --bits 2 4 --between elementwise
+    ... python scripts/trace_gemv.py --records --prologue add_rmsnorm --shapes 4096x6144 4096x28672
+
+`--records` traces the block-records GEMV (int16 block records, the default format's kernel) and `--prologue` the
+GEMV with a fused prologue (kbit::mm_add_rmsnorm or kbit::mm_silu_mul), as a compiled decode step runs them.
 
 In that build every warp of the GEMV stamps the GPU's global timer at entry, after griddepcontrol.wait
 (its predecessor has completed and its writes are visible), after staging x and at exit, and appends
@@ -37,6 +41,7 @@ from hf_kbit.kernel_table import SUPPORTED_BITS  # noqa: E402
 
 SHAPES = ("4096x6144", "4096x4096", "4096x28672", "14336x4096")  # Llama-3-8B decode: qkv, o, gate_up, down
 BETWEEN = ("none", "elementwise")
+PROLOGUES = ("none", "add_rmsnorm", "silu_mul")
 TRACE_WORDS = 8  # words per record, and the record count's slot (GemvTrace): weight, CTA << 32 | warp, SM,
 #                 entry, wait, staged, exit (ns), items
 TRACE_RECORDS = 1 << 16  # the kernel's kTraceRecords
@@ -112,23 +117,38 @@ def summarize(records: list[list[int]], weights: list[int], nbytes: int) -> dict
     return summary | {"calls": len(rows), "warps": statistics.median(len(by_weight[w]) for w in weights[2:])}
 
 
-def trace_shape(k: int, n: int, bits: int, m: int, between: str, trace, lib) -> dict[str, Any]:
+def trace_shape(k: int, n: int, bits: int, m: int, between: str, trace, lib, records: bool = False,
+                prologue: str = "none") -> dict[str, Any]:
     import torch
-    from bench_kernels import packed_bytes, random_packed
+    from bench_kernels import random_packed
 
+    from hf_kbit import format as fmt
     from hf_kbit.backends import cuda as kbit_cuda
     from hf_kbit.eval.timing import capture_cuda_graph
 
-    nbytes = packed_bytes(n, k, bits)
+    nbytes = int(fmt.bits_per_weight(n, k, bits, offsets=records) * n * k / 8)
     calls = min(MAX_CALLS, max(8, math.ceil(COLD_BYTES / nbytes)))
     weights = random_packed(n, k, bits, calls)
+    if records:  # the codes with random offset codes
+        weights = [(planes, fmt.pack_records(codes, torch.randint(-fmt.OFFSET_MAX, fmt.OFFSET_MAX + 1, codes.shape,
+                                                                  device=codes.device)), rs, cb)
+                   for planes, codes, rs, cb in weights]
     xs = [torch.randn(m, k, dtype=torch.bfloat16, device="cuda") for _ in range(calls)]
+    second = [torch.randn(m, k, dtype=torch.bfloat16, device="cuda") for _ in range(calls)]  # residual or up
+    norm_weight = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)
+
+    def call(x, x2, packed):
+        if prologue == "add_rmsnorm":
+            return torch.ops.kbit.mm_add_rmsnorm(x, x2, norm_weight, 1e-5, *packed, k)
+        if prologue == "silu_mul":
+            return torch.ops.kbit.mm_silu_mul(x, x2, *packed, k)
+        return kbit_cuda.run_path("gemv", x, *packed, k)
 
     def body():
-        for x, packed in zip(xs, weights):
+        for x, x2, packed in zip(xs, second, weights):
             if between == "elementwise":
                 x.mul_(1.0)
-            kbit_cuda.run_path("gemv", x, *packed, k)
+            call(x, x2, packed)
 
     # The launches read the buffer's address at capture: set it first.
     lib.kbit_trace_set(ctypes.c_void_p(trace.data_ptr()))
@@ -145,7 +165,8 @@ def trace_shape(k: int, n: int, bits: int, m: int, between: str, trace, lib) -> 
         raise RuntimeError(f"{count} trace records, the buffer holds {TRACE_RECORDS}: fewer calls")
     records = trace[TRACE_WORDS:TRACE_WORDS * (count + 1)].view(count, TRACE_WORDS).tolist()
     result = summarize(records, [packed[0].data_ptr() for packed in weights], nbytes)
-    return {"K": k, "N": n, "bits": bits, "M": m, "between": between, "MB": nbytes / 1e6, **result}
+    return {"K": k, "N": n, "bits": bits, "M": m, "format": "records" if records else "codes", "prologue": prologue,
+            "between": between, "MB": nbytes / 1e6, **result}
 
 
 def render(rows: list[dict[str, Any]]) -> str:
@@ -157,9 +178,10 @@ def render(rows: list[dict[str, Any]]) -> str:
     def balanced(r):
         return "-" if r.get("balanced_exit") is None else f"{r['balanced_exit']:.2f}"
 
-    headers = ["K x N", "k", "M", "between", "MB", "entry us", "wait us", "staged us (median)", "exit us",
-               "exit p90 us", "balanced exit us", "stream GB/s"]
-    table = [[f"{r['K']}x{r['N']}", r["bits"], r["M"], r["between"], f"{r['MB']:.1f}", three(r, "entry"),
+    headers = ["K x N", "k", "M", "format", "prologue", "between", "MB", "entry us", "wait us", "staged us (median)",
+               "exit us", "exit p90 us", "balanced exit us", "stream GB/s"]
+    table = [[f"{r['K']}x{r['N']}", r["bits"], r["M"], r.get("format", "codes"), r.get("prologue", "none"),
+              r["between"], f"{r['MB']:.1f}", three(r, "entry"),
               three(r, "wait"), f"{r['staged_median']:.2f}", three(r, "exit"), f"{r['exit_p90']:.2f}", balanced(r),
               f"{r['stream_GBps']:.0f}"] for r in rows]
     return format_table(headers, table)
@@ -171,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bits", type=int, nargs="+", choices=SUPPORTED_BITS, default=[4])
     ap.add_argument("--m", type=int, default=1, help="tokens per call (default 1)")
     ap.add_argument("--between", nargs="+", choices=BETWEEN, default=list(BETWEEN))
+    ap.add_argument("--records", action="store_true", help="int16 block records (the default format) for uint8 codes")
+    ap.add_argument("--prologue", choices=PROLOGUES, default="none", help="the GEMV with this fused prologue")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
     try:
@@ -194,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, n in shapes:
         for bits in args.bits:
             for between in args.between:
-                rows.append(trace_shape(k, n, bits, args.m, between, trace, lib))
+                rows.append(trace_shape(k, n, bits, args.m, between, trace, lib, args.records, args.prologue))
                 print(f"{k}x{n} k={bits} {between}: exit max {rows[-1]['exit_max']:.2f} us", flush=True)
     print(f"{torch.cuda.get_device_name()}: us from the end of the previous GEMV, earliest / median / latest warp")
     print(render(rows))

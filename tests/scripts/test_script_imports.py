@@ -16,10 +16,10 @@ def imported_names(path):
     """(module, name, line) of each `from module import name` in the file, at any depth, for modules of
     the project: sibling scripts and hf_kbit."""
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module in SCRIPT_MODULES or node.module.split(".")[0] == "hf_kbit":
-                for alias in node.names:
-                    yield node.module, alias.name, node.lineno
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
+                (node.module in SCRIPT_MODULES or node.module.split(".")[0] == "hf_kbit"):
+            for alias in node.names:
+                yield node.module, alias.name, node.lineno
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPT_MODULES))

@@ -62,6 +62,12 @@ def test_parse_shape(text, shape):
     assert trace_gemv.parse_shape(text) == shape
 
 
+def test_main_refuses_an_unknown_prologue(capsys):
+    with pytest.raises(SystemExit):
+        trace_gemv.main(["--prologue", "rmsnorm_add"])
+    assert "--prologue: invalid choice: 'rmsnorm_add'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("text", ["4096", "4096x0", "ax4", "1x2x3"])
 def test_parse_shape_names_the_flag(text):
     with pytest.raises(ValueError, match=f"--shapes takes KxN .* got '{text}'"):
@@ -75,5 +81,7 @@ def test_render_has_a_row_per_case():
         row |= {f"{phase}_min": 0.5, f"{phase}_median": 1.0, f"{phase}_max": 1.5}
     row["staged_median"] = 1.9
     text = trace_gemv.render([row])
-    assert ("| 4096x4096 | 4 | 1 | none | 8.9 | 0.50 / 1.00 / 1.50 | 0.50 / 1.00 / 1.50 | 1.90 | 0.50 / 1.00 / 1.50 "
-            "| 6.20 | - | 1750 |") in text
+    assert ("| 4096x4096 | 4 | 1 | codes | none | none | 8.9 | 0.50 / 1.00 / 1.50 | 0.50 / 1.00 / 1.50 | 1.90 "
+            "| 0.50 / 1.00 / 1.50 | 6.20 | - | 1750 |") in text
+    row |= {"format": "records", "prologue": "add_rmsnorm"}
+    assert "| 4096x4096 | 4 | 1 | records | add_rmsnorm | none | 8.9 |" in trace_gemv.render([row])
