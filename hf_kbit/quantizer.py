@@ -262,7 +262,11 @@ def _signed_weight(module_name: str, module, signs: str) -> str:
 def expect_stored_rotation(model, keys: list[str], config: KbitConfig) -> None:
     """Before a pre-quantized load: give each layer whose sign words the checkpoint holds (``keys``, model naming,
     :func:`hf_kbit.checkpoint.rotation_signs_keys`) a placeholder for them, so that it loads rotated. A
-    checkpoint whose config.json says ``rotation`` is off but which holds sign words is refused."""
+    checkpoint whose config.json says ``rotation`` is off but which holds sign words is refused, and so is one
+    that lacks the sign words of a weight its ``rotation`` (``True`` or ``"inputs"``, which decide by name and
+    in_features alone) stores rotated: without them that weight would load as unrotated ``W R``, and compute a
+    wrong product without an error. ``"auto"`` decided by the weights' values, which the checkpoint no longer
+    has."""
     if keys and config.rotation is False:
         raise checkpoint.KbitCheckpointError(
             f"the checkpoint holds sign words of rotated layers (e.g. '{keys[0]}'), but its quantization_config has "
@@ -280,6 +284,20 @@ def expect_stored_rotation(model, keys: list[str], config: KbitConfig) -> None:
                 except ValueError as e:
                     raise checkpoint.KbitCheckpointError(f"checkpoint tensor '{key}': {e}") from None
                 break
+    if config.rotation is True or config.rotation == "inputs":
+        for module_name, module in modules.items():
+            if not isinstance(module, KbitModule):
+                continue
+            for name, k in module.rotation_in_features().items():
+                weight = _signed_weight(module_name, module, name)
+                if fmt.rotatable(k) and rotation_policy.for_weights(config.rotation, [weight]) and \
+                        module._buffers.get(name) is None:
+                    raise checkpoint.KbitCheckpointError(
+                        f"checkpoint tensor '{module_name}.{name}' is missing: the quantization_config's "
+                        f"rotation={config.rotation!r} stores '{weight}' (in_features {k}) rotated, with its sign "
+                        "words, and without them it would compute a wrong product; the file is incomplete or "
+                        "config.json is not the one it was saved with"
+                    )
 
 
 def format_version_of(model) -> int:

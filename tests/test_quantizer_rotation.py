@@ -129,3 +129,26 @@ def test_sign_words_under_a_config_without_rotation_are_refused(sources, tmp_pat
     with pytest.raises(KbitCheckpointError, match=r"sign words of rotated layers \(e\.g\. 'model\.layers\.\d\.\S+"
                        r"\.rotation_signs'\), but its quantization_config has no rotation"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "kbit")
+
+
+@pytest.mark.parametrize("family, rotation, key", [
+    ("llama", True, "model.layers.1.self_attn.o_proj.rotation_signs"),
+    ("llama", "inputs", "model.layers.0.mlp.up_proj.rotation_signs"),
+    ("qwen3_moe", True, "model.layers.1.mlp.experts.down_rotation_signs"),
+    ("qwen3_moe", "inputs", "model.layers.0.mlp.experts.gate_up_rotation_signs"),
+], ids=["llama-on", "llama-inputs", "moe-on", "moe-inputs"])
+def test_a_missing_sign_word_tensor_is_refused_naming_it(sources, tmp_path, family, rotation, key):
+    """Without its sign words a rotated weight would load as an unrotated W R and compute a wrong product."""
+    from safetensors.torch import load_file, save_file
+
+    model = AutoModelForCausalLM.from_pretrained(sources[family], quantization_config=KbitConfig(
+        bits=3, rotation=rotation), dtype=torch.float32)
+    model.save_pretrained(tmp_path / "kbit")
+    AutoModelForCausalLM.from_pretrained(tmp_path / "kbit", dtype=torch.float32)  # complete: loads
+    path = tmp_path / "kbit" / "model.safetensors"
+    tensors = load_file(path)
+    del tensors[key]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(KbitCheckpointError, match=rf"checkpoint tensor '{key.replace('.', '[.]')}' is missing: the "
+                       rf"quantization_config's rotation={rotation!r} stores .* rotated"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "kbit", dtype=torch.float32)
