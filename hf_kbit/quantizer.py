@@ -266,7 +266,7 @@ def expect_stored_rotation(model, keys: list[str], config: KbitConfig) -> None:
     that lacks the sign words of a weight its ``rotation`` (``True`` or ``"inputs"``, which decide by name and
     in_features alone) stores rotated: without them that weight would load as unrotated ``W R``, and compute a
     wrong product without an error. ``"auto"`` decided by the weights' values, which the checkpoint no longer
-    has."""
+    has, but one decision for each group of siblings (q/k/v, gate/up): a group stored partly rotated is refused."""
     if keys and config.rotation is False:
         raise checkpoint.KbitCheckpointError(
             f"the checkpoint holds sign words of rotated layers (e.g. '{keys[0]}'), but its quantization_config has "
@@ -298,6 +298,16 @@ def expect_stored_rotation(model, keys: list[str], config: KbitConfig) -> None:
                         "words, and without them it would compute a wrong product; the file is incomplete or "
                         "config.json is not the one it was saved with"
                     )
+    elif config.rotation == "auto":
+        linears = {name: m for name, m in modules.items() if isinstance(m, KbitLinear) and fmt.rotatable(m.in_features)}
+        for group in set(codebook_siblings({name: (m.in_features, m.bits) for name, m in linears.items()}).values()):
+            rotated = [linears[name].stores_rotated() for name in group]
+            if any(rotated) and not all(rotated):
+                missing = next(name for name, r in zip(group, rotated) if not r)
+                raise checkpoint.KbitCheckpointError(
+                    f"checkpoint tensor '{missing}.{ROTATION_SIGNS}' is missing: its siblings {list(group)} share one "
+                    "rotation decision (rotation='auto'), and the checkpoint stores the others rotated"
+                )
 
 
 def format_version_of(model) -> int:

@@ -152,3 +152,25 @@ def test_a_missing_sign_word_tensor_is_refused_naming_it(sources, tmp_path, fami
     with pytest.raises(KbitCheckpointError, match=rf"checkpoint tensor '{key.replace('.', '[.]')}' is missing: the "
                        rf"quantization_config's rotation={rotation!r} stores .* rotated"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "kbit", dtype=torch.float32)
+
+
+def test_under_auto_a_sibling_group_stored_partly_rotated_is_refused(sources, tmp_path):
+    """'auto' decides per group of siblings, so q/k/v are all rotated or none; a rotation=True checkpoint is one
+    of its outcomes (every group rotated)."""
+    from safetensors.torch import load_file, save_file
+
+    model = AutoModelForCausalLM.from_pretrained(sources["llama"], quantization_config=KbitConfig(
+        bits=3, rotation=True), dtype=torch.float32)
+    model.save_pretrained(tmp_path / "kbit")
+    config_path = tmp_path / "kbit" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"]["rotation"] = "auto"
+    config_path.write_text(json.dumps(config))
+    AutoModelForCausalLM.from_pretrained(tmp_path / "kbit", dtype=torch.float32)  # complete: loads
+    path = tmp_path / "kbit" / "model.safetensors"
+    tensors = load_file(path)
+    del tensors["model.layers.0.self_attn.k_proj.rotation_signs"]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(KbitCheckpointError, match=r"checkpoint tensor 'model[.]layers[.]0[.]self_attn[.]k_proj[.]"
+                       r"rotation_signs' is missing: its siblings \['model.layers.0.self_attn.q_proj', "):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "kbit", dtype=torch.float32)
