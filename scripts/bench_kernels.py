@@ -177,10 +177,20 @@ def random_packed(n: int, k: int, bits: int, copies: int, experts: int | None = 
     return out
 
 
-def packed_bytes(n: int, k: int, bits: int) -> int:
+def with_records(packs):
+    """``random_packed``'s weights with their uint8 codes made int16 block records: the codes and random offset
+    codes over [-OFFSET_MAX, OFFSET_MAX]."""
     from hf_kbit import format as fmt
 
-    return int(fmt.bits_per_weight(n, k, bits) * n * k / 8)
+    return [(planes, fmt.pack_records(codes, torch.randint(-fmt.OFFSET_MAX, fmt.OFFSET_MAX + 1, codes.shape,
+                                                          device=codes.device)), rs, cb)
+            for planes, codes, rs, cb in packs]
+
+
+def packed_bytes(n: int, k: int, bits: int, offsets: bool = False) -> int:
+    from hf_kbit import format as fmt
+
+    return int(fmt.bits_per_weight(n, k, bits, offsets=offsets) * n * k / 8)
 
 
 def bench_shape(name, k, n, ms, bits_list, bw, results, int4=True):
@@ -398,10 +408,7 @@ def bench_offsets(name, k, n, ms, bits_list, results):
     bf16 = bf16_times(xs, n, k)
     for bits in bits_list:
         packs, ncalls = cold_packs(n, k, bits)
-        records = []
-        for planes, codes, rs, cb in packs:
-            offsets = torch.randint(-fmt.OFFSET_MAX, fmt.OFFSET_MAX + 1, codes.shape, device=codes.device)
-            records.append((planes, fmt.pack_records(codes, offsets), rs, cb))
+        records = with_records(packs)
         ncopy = len(packs)
         extra_bytes = fmt.bits_per_weight(n, k, bits, offsets=True) / fmt.bits_per_weight(n, k, bits) - 1
         for m in ms:

@@ -11,9 +11,8 @@ GEMV with a fused prologue (kbit::mm_add_rmsnorm or kbit::mm_silu_mul), as a com
 
 In that build every warp of the GEMV stamps the GPU's global timer at entry, after griddepcontrol.wait
 (its predecessor has completed and its writes are visible), after staging x and at exit, and appends
-the stamps and its item count (row tile, K tile) to a trace buffer (csrc/gemv_kernel.cuh, GemvTrace). A CUDA graph
-runs GEMVs over cold copies
-of a weight (DESIGN.md section 6), back to back (`none` between them: the next one's prologue overlaps
+the stamps and its item count (row tile, K tile) to a trace buffer (csrc/gemv_kernel.cuh, GemvTrace).
+A CUDA graph runs GEMVs over cold copies of a weight (DESIGN.md section 6), back to back (`none` between them: the next one's prologue overlaps
 the previous one's tail through programmatic dependent launch) or each after an elementwise kernel on
 its x (`elementwise`: torch's, an ordinary launch). Each call from the third on is timed from the end of
 the GEMV before it (its last warp's exit); the table gives, per phase, the median over those calls of
@@ -120,19 +119,16 @@ def summarize(records: list[list[int]], weights: list[int], nbytes: int) -> dict
 def trace_shape(k: int, n: int, bits: int, m: int, between: str, trace, lib, records: bool = False,
                 prologue: str = "none") -> dict[str, Any]:
     import torch
-    from bench_kernels import random_packed
+    from bench_kernels import packed_bytes, random_packed, with_records
 
-    from hf_kbit import format as fmt
     from hf_kbit.backends import cuda as kbit_cuda
     from hf_kbit.eval.timing import capture_cuda_graph
 
-    nbytes = int(fmt.bits_per_weight(n, k, bits, offsets=records) * n * k / 8)
+    nbytes = packed_bytes(n, k, bits, offsets=records)
     calls = min(MAX_CALLS, max(8, math.ceil(COLD_BYTES / nbytes)))
     weights = random_packed(n, k, bits, calls)
-    if records:  # the codes with random offset codes
-        weights = [(planes, fmt.pack_records(codes, torch.randint(-fmt.OFFSET_MAX, fmt.OFFSET_MAX + 1, codes.shape,
-                                                                  device=codes.device)), rs, cb)
-                   for planes, codes, rs, cb in weights]
+    if records:
+        weights = with_records(weights)
     xs = [torch.randn(m, k, dtype=torch.bfloat16, device="cuda") for _ in range(calls)]
     second = [torch.randn(m, k, dtype=torch.bfloat16, device="cuda") for _ in range(calls)]  # residual or up
     norm_weight = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)
