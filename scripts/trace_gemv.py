@@ -159,8 +159,8 @@ def trace_shape(k: int, n: int, bits: int, m: int, between: str, trace, lib, rec
     count = int(trace[0].item())
     if count > TRACE_RECORDS:
         raise RuntimeError(f"{count} trace records, the buffer holds {TRACE_RECORDS}: fewer calls")
-    records = trace[TRACE_WORDS:TRACE_WORDS * (count + 1)].view(count, TRACE_WORDS).tolist()
-    result = summarize(records, [packed[0].data_ptr() for packed in weights], nbytes)
+    stamps = trace[TRACE_WORDS:TRACE_WORDS * (count + 1)].view(count, TRACE_WORDS).tolist()
+    result = summarize(stamps, [packed[0].data_ptr() for packed in weights], nbytes)
     return {"K": k, "N": n, "bits": bits, "M": m, "format": "records" if records else "codes", "prologue": prologue,
             "between": between, "MB": nbytes / 1e6, **result}
 
