@@ -20,7 +20,10 @@ the earliest / median / latest warp, in microseconds, and the rate at which the 
 median warp's staging to the last exit. It also gives the balanced exit: when the call would end if the same
 items were shared so that every warp finished together, each warp streaming from its staging at the rate it
 measured (items over its staging-to-exit time); the latest exit less that is what the static shares cost. The
-global timer ticks about every 0.25 us on an H100, so differences below that are noise.
+CTA split says where that tail lies: the median CTA's spread of warp exits (which sharing items among a
+CTA's own warps could recover) and how long after the median CTA the latest one ends (which only sharing
+across CTAs could). The global timer ticks about every 0.25 us on an H100, so differences below that are
+noise.
 """
 
 from __future__ import annotations
@@ -79,15 +82,27 @@ def balanced_exit(staged: list[float], exits: list[float], items: list[int]) -> 
     raise AssertionError("unreachable: the last warp's interval is unbounded")
 
 
+def cta_split(records: list[list[int]]) -> tuple[float, float]:
+    """Where a call's tail lies, in microseconds: the median over CTAs of the spread of their warps' exits (what
+    sharing items among a CTA's own warps could recover), and how long after the median CTA's last warp the latest
+    CTA's last warp exits (what only sharing across CTAs could)."""
+    by_cta: dict[int, list[int]] = {}
+    for r in records:
+        by_cta.setdefault(r[1] >> 32, []).append(r[6])
+    ends = [max(exits) for exits in by_cta.values()]
+    spread = statistics.median(max(exits) - min(exits) for exits in by_cta.values())
+    return spread / 1000, (max(ends) - statistics.median(ends)) / 1000
+
+
 def summarize(records: list[list[int]], weights: list[int], nbytes: int) -> dict[str, float]:
     """Phase stamps of the GEMV calls, in microseconds from the end of the call before.
 
-    ``records``: trace records (weight address, CTA << 32 | warp, SM, entry, wait, staged, exit, unused;
+    ``records``: trace records (weight address, CTA << 32 | warp, SM, entry, wait, staged, exit, items;
     times in ns), ``weights``: the weight address of each call in launch order, ``nbytes``: the bytes
     one call reads. Calls from the third on (the first has no GEMV before it) give, per phase, the
     earliest / median / latest warp; the result is the median over calls, plus ``stream_GBps``: nbytes
-    over the time from the median warp's staging to the last exit, and ``balanced_exit`` (:func:`balanced_exit`;
-    None where the records count no items).
+    over the time from the median warp's staging to the last exit, ``balanced_exit`` (:func:`balanced_exit`;
+    None where the records count no items), and ``cta_spread`` and ``cta_tail`` (:func:`cta_split`).
     """
     if len(weights) < 3:
         raise ValueError(f"summarize needs at least 3 calls, got {len(weights)}")
@@ -109,6 +124,7 @@ def summarize(records: list[list[int]], weights: list[int], nbytes: int) -> dict
         row["exit_p90"] = _quantile(col["exit"], 0.9)
         row["stream_GBps"] = nbytes / 1e3 / max(row["exit_max"] - row["staged_median"], 1e-3)
         row["balanced_exit"] = balanced_exit(col["staged"], col["exit"], [r[7] for r in recs])
+        row["cta_spread"], row["cta_tail"] = cta_split(recs)
         rows.append(row)
         previous_end = max(r[6] for r in recs)
     summary = {key: None if any(row[key] is None for row in rows) else statistics.median(row[key] for row in rows)
@@ -174,12 +190,15 @@ def render(rows: list[dict[str, Any]]) -> str:
     def balanced(r):
         return "-" if r.get("balanced_exit") is None else f"{r['balanced_exit']:.2f}"
 
+    def cta(r):
+        return "-" if r.get("cta_spread") is None else f"{r['cta_spread']:.2f} / {r['cta_tail']:.2f}"
+
     headers = ["K x N", "k", "M", "format", "prologue", "between", "MB", "entry us", "wait us", "staged us (median)",
-               "exit us", "exit p90 us", "balanced exit us", "stream GB/s"]
+               "exit us", "exit p90 us", "balanced exit us", "CTA spread / tail us", "stream GB/s"]
     table = [[f"{r['K']}x{r['N']}", r["bits"], r["M"], r.get("format", "codes"), r.get("prologue", "none"),
               r["between"], f"{r['MB']:.1f}", three(r, "entry"),
               three(r, "wait"), f"{r['staged_median']:.2f}", three(r, "exit"), f"{r['exit_p90']:.2f}", balanced(r),
-              f"{r['stream_GBps']:.0f}"] for r in rows]
+              cta(r), f"{r['stream_GBps']:.0f}"] for r in rows]
     return format_table(headers, table)
 
 

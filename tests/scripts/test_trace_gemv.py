@@ -41,6 +41,23 @@ def test_summarize_reports_the_balanced_exit_from_the_previous_calls_end():
     assert "| 5.00 |" in trace_gemv.render([{"K": 1, "N": 1, "bits": 4, "M": 1, "between": "none", "MB": 0.0} | s])
 
 
+def test_cta_split_separates_the_spread_within_ctas_from_the_latest_cta():
+    # CTA 0: warps exit at 1 and 3 us; CTA 1: 2 and 2.5; CTA 2: 6 and 6. Spreads 2, 0.5, 0: median 0.5; CTA ends
+    # 3, 2.5, 6: the latest is 3 us after the median.
+    exits = {(0, 0): 1_000, (0, 1): 3_000, (1, 0): 2_000, (1, 1): 2_500, (2, 0): 6_000, (2, 1): 6_000}
+    records = [record(7, cta << 32 | warp, 0, 0, 0, end) for (cta, warp), end in exits.items()]
+    assert trace_gemv.cta_split(records) == pytest.approx((0.5, 3.0))
+
+
+def test_summarize_reports_the_cta_split_and_render_shows_it():
+    records = [record(w, 0, 0, 0, 0, end) for w, end in ((1, 1_000), (2, 2_000))]
+    records += [record(3, cta << 32, 0, 0, 0, end) for cta, end in ((0, 5_000), (1, 6_000), (2, 9_000))]
+    s = trace_gemv.summarize(records, [1, 2, 3], nbytes=1)
+    assert (s["cta_spread"], s["cta_tail"]) == pytest.approx((0.0, 3.0))
+    assert "| 0.00 / 3.00 |" in trace_gemv.render([{"K": 1, "N": 1, "bits": 4, "M": 1, "between": "none", "MB": 0.0}
+                                                   | s])
+
+
 def test_summarize_takes_the_median_over_calls_and_ignores_other_records():
     records = [record(w, 0, 0, 0, 0, end) for w, end in ((1, 1_000), (2, 2_000), (3, 5_000), (4, 7_000))]
     records.append(record(99, 0, 0, 0, 0, 10**9))  # another weight's GEMV: not one of the calls
@@ -82,6 +99,6 @@ def test_render_has_a_row_per_case():
     row["staged_median"] = 1.9
     text = trace_gemv.render([row])
     assert ("| 4096x4096 | 4 | 1 | codes | none | none | 8.9 | 0.50 / 1.00 / 1.50 | 0.50 / 1.00 / 1.50 | 1.90 "
-            "| 0.50 / 1.00 / 1.50 | 6.20 | - | 1750 |") in text
+            "| 0.50 / 1.00 / 1.50 | 6.20 | - | - | 1750 |") in text  # rows of older traces: no balanced exit, no CTA split
     row |= {"format": "records", "prologue": "add_rmsnorm"}
     assert "| 4096x4096 | 4 | 1 | records | add_rmsnorm | none | 8.9 |" in trace_gemv.render([row])
