@@ -291,7 +291,7 @@ def expect_stored_rotation(model, keys: list[str], config: KbitConfig) -> None:
             for name, k in module.rotation_in_features().items():
                 weight = _signed_weight(module_name, module, name)
                 if fmt.rotatable(k) and rotation_policy.for_weights(config.rotation, [weight]) and \
-                        module._buffers.get(name) is None:
+                        not module.stores_rotated(name):
                     raise checkpoint.KbitCheckpointError(
                         f"checkpoint tensor '{module_name}.{name}' is missing: the quantization_config's "
                         f"rotation={config.rotation!r} stores '{weight}' (in_features {k}) rotated, with its sign "

@@ -101,9 +101,11 @@ class KbitModule(nn.Module):
         """``{sign-words buffer name: in_features of its weight}`` for every weight of the module (format v3)."""
         return {}
 
-    def stores_rotated(self) -> bool:
-        """Whether one of the module's own weights is stored rotated (its sign words are there)."""
-        return any(self._buffers.get(name) is not None for name in self.rotation_in_features())
+    def stores_rotated(self, name: str | None = None) -> bool:
+        """Whether the weight of the sign words ``name`` (by default any of the module's own weights) is stored
+        rotated: its sign words are there."""
+        names = self.rotation_in_features() if name is None else (name,)
+        return any(self._buffers.get(n) is not None for n in names)
 
     def expect_rotation(self, name: str) -> None:
         """Give the sign words ``name`` an empty placeholder (int32 ``[K / 32]``, on the format tensors' device) for a
