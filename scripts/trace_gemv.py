@@ -12,9 +12,9 @@ GEMV with a fused prologue (kbit::mm_add_rmsnorm or kbit::mm_silu_mul), as a com
 In that build every warp of the GEMV stamps the GPU's global timer at entry, after griddepcontrol.wait
 (its predecessor has completed and its writes are visible), after staging x and at exit, and appends
 the stamps and its item count (row tile, K tile) to a trace buffer (csrc/gemv_kernel.cuh, GemvTrace).
-A CUDA graph runs GEMVs over cold copies of a weight (DESIGN.md section 6), back to back (`none` between them: the next one's prologue overlaps
-the previous one's tail through programmatic dependent launch) or each after an elementwise kernel on
-its x (`elementwise`: torch's, an ordinary launch). Each call from the third on is timed from the end of
+A CUDA graph runs GEMVs over cold copies of a weight (DESIGN.md section 6), back to back (`none` between
+them: the next one's prologue overlaps the previous one's tail through programmatic dependent launch) or
+each after an elementwise kernel on its x (`elementwise`: torch's, an ordinary launch). Each call from the third on is timed from the end of
 the GEMV before it (its last warp's exit); the table gives, per phase, the median over those calls of
 the earliest / median / latest warp, in microseconds, and the rate at which the weight streamed from the
 median warp's staging to the last exit. It also gives the balanced exit: when the call would end if the same
@@ -146,8 +146,10 @@ def trace_shape(k: int, n: int, bits: int, m: int, between: str, trace, lib, rec
     if records:
         weights = with_records(weights)
     xs = [torch.randn(m, k, dtype=torch.bfloat16, device="cuda") for _ in range(calls)]
-    second = [torch.randn(m, k, dtype=torch.bfloat16, device="cuda") for _ in range(calls)]  # residual or up
-    norm_weight = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)
+    # The prologue's second input (residual or up); a plain GEMV reads none.
+    second = [torch.randn(m, k, dtype=torch.bfloat16, device="cuda") for _ in range(calls)] if prologue != "none" \
+        else xs
+    norm_weight = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16) if prologue == "add_rmsnorm" else None
 
     def call(x, x2, packed):
         if prologue == "add_rmsnorm":
