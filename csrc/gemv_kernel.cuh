@@ -33,6 +33,13 @@
 // Prologues (kPrologue instantiations, hf_kbit.fusion): the staging computes silu(g) * u, or an RMSNorm
 // input w * (a [+ b]) whose per-token rsqrt(mean + eps) scales the sums in the epilogue (XPrologue,
 // RowSquares).
+// The GLU epilogue (kGlu instantiations, MmParams::glu; records, a prologue, the absolute table): the weight is a
+// gated MLP's fused gate/up projection and the kernel writes silu(gate) * up, so the down projection after it
+// stages a plain x instead of computing the SiLU-mul in every CTA. Its plan (glu_gemv_plan) is balanced and of
+// one split, in pairs of row tiles: logical row tile 2j is gate tile j, 2j + 1 up tile j, so a CTA's range holds
+// whole pairs; each finished row tile's scaled sums go to shared memory, and after the balanced epilogue's
+// barriers the CTA writes each pair's silu_times of the two sums rounded to T (the unfused ops' roundings).
+// A template flag: the row jump that alternates between the halves costs instructions in the K loop.
 // Rotated layers (kRotate instantiations, MmParams::rot_signs): the staging turns what it would store into
 // x R (after the prologue) before the store, so the K loop is the unrotated kernel's (stage_x, rotate_segment).
 // A template flag, not a runtime one: the unrotated instantiations compile to the code they had before
@@ -790,8 +797,9 @@ struct GemvTrace {
 // kRotate: a rotated layer's instantiation (x R staged; the host picks it, rotation.cuh). kOffsets: a
 // layer with block records (p.block_scales points at int16 records: launch_gemv_offsets).
 template <int BITS, typename T, int NT, bool kAbs, bool kBalancedCluster, bool kPrologue, bool kRotate,
-          bool kOffsets = false>
+          bool kOffsets = false, bool kGlu = false>
 __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmParams p) {
+  static_assert(!kGlu || !kBalancedCluster, "GLU plans are balanced plans of one split");
   constexpr int kDepth = kGemvDepth;
   extern __shared__ float4 smem_f4[];
   char* table = reinterpret_cast<char*>(smem_f4);
@@ -825,6 +833,10 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
   int first_tile, items, kt_start = 0, row_stride;
   // Balanced plans: the CTA's row tiles [r0, r0 + cta_items / chunk) and its warps' shares.
   int r0 = 0, cta_items = 0;
+  // kGlu: logical row tile 2j is the gate tile j (physical j), 2j + 1 its up tile (physical half + j),
+  // so that a CTA's range holds whole (gate, up) pairs.
+  const int half = n_tiles / 2;
+  const auto physical = [&](int tile) { return kGlu ? (tile & 1 ? half + (tile >> 1) : tile >> 1) : tile; };
   const auto share_begin = [&](int w) { return w * cta_items / kGemvWarps; };
   if (p.balanced) {
     // CTA c of split c % splits is CTA c / splits of that split's grid / splits. The first
@@ -834,9 +846,11 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
     // a CTA that starts late waits on.
     const int cta = p.splits == 1 ? static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x / p.splits);
     const int ctas = p.splits == 1 ? static_cast<int>(gridDim.x) : static_cast<int>(gridDim.x / p.splits);
-    const int per_cta = p.cta_rows, extra = n_tiles - per_cta * ctas;
-    const int rows = per_cta + (cta < extra);
-    r0 = cta * per_cta + min(cta, extra);
+    // kGlu counts in pairs of row tiles (cta_rows is pairs per CTA).
+    constexpr int unit = kGlu ? 1 : 0;
+    const int per_cta = p.cta_rows, extra = (n_tiles >> unit) - per_cta * ctas;
+    const int rows = (per_cta + (cta < extra)) << unit;
+    r0 = (cta * per_cta + min(cta, extra)) << unit;
     cta_items = rows * chunk;
     const int i0 = share_begin(warp);
     first_tile = r0 + warp * rows / kGemvWarps;  // r0 + i0 / chunk: floor(floor(a / b) / c) = floor(a / (b c))
@@ -858,8 +872,16 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
   // Load cursor (row tile, K tile) runs kDepth - 1 items ahead of the decode cursor. The first
   // loads (and the first row tile's scales, below) go out before the table build and the
   // staging, so their latency overlaps that prologue.
-  int load_tile_idx = first_tile * k_tiles + kc0 + kt_start, load_kt = kc0 + kt_start, load_i = 0;
-  const int row_jump = row_stride * k_tiles - chunk;  // from the end of a row tile's range to the next's start
+  int load_tile_idx = physical(first_tile) * k_tiles + kc0 + kt_start, load_kt = kc0 + kt_start, load_i = 0;
+  // From the end of a row tile's range to the next's start: row_jump, or under kGlu (one split, row_stride 1)
+  // alternately from gate tile j to up tile j and from up tile j to gate tile j + 1.
+  const int row_jump = row_stride * k_tiles - chunk;
+  int next_jump = row_jump, later_jump = row_jump;
+  if constexpr (kGlu) {
+    const int to_up = (half - 1) * k_tiles, to_gate = -half * k_tiles;
+    next_jump = first_tile & 1 ? to_gate : to_up;
+    later_jump = first_tile & 1 ? to_up : to_gate;
+  }
   TileWords<BITS> buf[kDepth];
   auto advance_load = [&](TileWords<BITS>& dst) {
     if (load_i < items) load_tile<BITS, kOffsets>(p.planes, p.block_scales, load_tile_idx, lane, dst);
@@ -867,7 +889,12 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
     ++load_tile_idx;
     if (++load_kt == kc1) {
       load_kt = kc0;
-      load_tile_idx += row_jump;
+      load_tile_idx += next_jump;
+      if constexpr (kGlu) {
+        const int jump = next_jump;
+        next_jump = later_jump;
+        later_jump = jump;
+      }
     }
   };
 #pragma unroll
@@ -877,7 +904,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
   auto load_row_scales = [&](int tile) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int row = tile * kTileN + g + 8 * h;
+      const int row = physical(tile) * kTileN + g + 8 * h;
       rs[h] = items > 0 && row < n ? __ldg(p.row_scales + row) : 0.f;
     }
   };
@@ -966,18 +993,26 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
         acc[1][nt][e] = 0.f;
       }
   };
+  // kGlu: a row tile's scaled sums wait in the CTA's slots for the other tile of their pair.
+  float4* glu_slots = cluster_slots(xs, p.chunk_kt, m);
   const auto store = [&](int tile, const float (&y)[NT][4]) {
+    if constexpr (kGlu) {
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+      for (int nt = 0; nt < NT; ++nt)
+        glu_slots[((tile - r0) * NT + nt) * 32 + lane] = make_float4(y[nt][0], y[nt][1], y[nt][2], y[nt][3]);
+    } else {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int tok = nt * 8 + 2 * t + (e & 1);
-        const int row = tile * kTileN + g + 8 * (e >> 1);
-        if (tok < m && row < n) {
-          if (ws) ws[tok * n + row] = y[nt][e];
-          else out[tok * n + row] = from_float<T>(y[nt][e]);
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tok = nt * 8 + 2 * t + (e & 1);
+          const int row = tile * kTileN + g + 8 * (e >> 1);
+          if (tok < m && row < n) {
+            if (ws) ws[tok * n + row] = y[nt][e];
+            else out[tok * n + row] = from_float<T>(y[nt][e]);
+          }
         }
-      }
+    }
   };
   // Under a norm prologue each token's rsqrt(mean(x^2) + eps), else 1: lane (g, t)'s tokens 8 nt + 2t + b.
   float token_scale[NT][2];
@@ -1077,6 +1112,23 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
         send_row_tile(cluster_slots(xs, p.chunk_kt, m), rt - r0, p.splits, split, lane, y, waited);
       else store(rt, y);
     }
+    if constexpr (kGlu) {
+      // silu(gate) * up of each pair of the range, rounded as the unfused ops round: the GEMV's output
+      // to T, then silu_times. Lane ln's element e of pair r0 / 2 + j: rows and tokens as store's.
+      __syncthreads();
+      const int pairs = cta_items / chunk / 2, out_n = n / 2;
+      for (int u = threadIdx.x; u < pairs * NT * 32; u += kGemvThreads) {
+        const int j = u / (NT * 32), nt = u / 32 % NT, ln = u % 32;
+        const float4 gv = glu_slots[(2 * j * NT + nt) * 32 + ln], uv = glu_slots[((2 * j + 1) * NT + nt) * 32 + ln];
+        const float gate[4] = {gv.x, gv.y, gv.z, gv.w}, up[4] = {uv.x, uv.y, uv.z, uv.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tok = nt * 8 + 2 * (ln & 3) + (e & 1);
+          const int row = (r0 / 2 + j) * kTileN + (ln >> 2) + 8 * (e >> 1);
+          if (tok < m && row < out_n) out[tok * out_n + row] = silu_times(from_float<T>(gate[e]), from_float<T>(up[e]));
+        }
+      }
+    }
   }
   if constexpr (kBalancedCluster) {
     if (!waited) cluster_wait();
@@ -1156,9 +1208,9 @@ cudaError_t launch_splitk_reduce(const float* ws, void* out, int64_t mn, int spl
 }
 
 template <int BITS, typename T, int NT, bool kAbs, bool kBalancedCluster, bool kPrologue, bool kRotate,
-          bool kOffsets = false>
+          bool kOffsets = false, bool kGlu = false>
 cudaError_t launch_gemv_kernel(const MmParams& p, int grid, int cluster_slots, cudaStream_t stream) {
-  constexpr auto kernel = gemv_kernel<BITS, T, NT, kAbs, kBalancedCluster, kPrologue, kRotate, kOffsets>;
+  constexpr auto kernel = gemv_kernel<BITS, T, NT, kAbs, kBalancedCluster, kPrologue, kRotate, kOffsets, kGlu>;
   const int smem = gemv_smem_bytes(static_cast<int>(p.m), p.chunk_kt, kAbs, cluster_slots);
   cudaError_t err = raise_smem_limit<kernel>(smem);
   if (err != cudaSuccess) return err;
@@ -1205,9 +1257,17 @@ cudaError_t launch_gemv(const MmParams& p, int grid, cudaStream_t stream) {
 // Block records (p.block_scales int16, format.py): the GEMV with kOffsets, unrotated (no rotated layer holds
 // records), with or without a prologue (generate_kernels.py builds it for the decode's token tiles; kbit_api.cu
 // refuses the rest, and every other path dequantizes records: hf_kbit/backends/cuda.py).
+// p.glu (glu_gemv_plan in kbit_api.cu): the kGlu instantiation, with a prologue, the table at its absolute
+// address, balanced and one split: the decode's gate/up projection after its RMSNorm, where the plan is that.
 template <int BITS, typename T, int NT>
 cudaError_t launch_gemv_offsets(const MmParams& p, int grid, cudaStream_t stream) {
   if (p.rot_signs) return cudaErrorInvalidValue;
+  if (p.glu) {
+    if (!p.abs_table || !p.balanced || p.cluster || p.splits != 1 || p.prologue == kPrologueNone)
+      return cudaErrorInvalidValue;
+    return launch_gemv_kernel<BITS, T, NT, true, false, true, false, true, true>(p, grid, gemv_glu_slots(p.cta_rows),
+                                                                                 stream);
+  }
   return p.abs_table && (BITS <= 4 || !p.cluster)
              ? launch_gemv_prologue<BITS, T, NT, true, false, true>(p, grid, stream)
              : launch_gemv_prologue<BITS, T, NT, false, false, true>(p, grid, stream);

@@ -310,6 +310,26 @@ GemvPlan device_gemv_plan(int device, int64_t m, int64_t n, int64_t k) {
   return plan;
 }
 
+// The GEMV plan with the GLU epilogue (MmParams::glu): balanced, one split, each CTA whole pairs of row tiles
+// (a gate tile and its up tile), the table at its absolute address; splits 0 where there is none (K too long to
+// stage at once, or a GPU without the absolute table).
+GemvPlan glu_gemv_plan(int device, int64_t m, int64_t n, int64_t k) {
+  const GemvSmem smem = gemv_smem(device, m);
+  const int64_t k_tiles = ceil_div(k, kTileK), pairs = ceil_div(n, kTileN) / 2;
+  const int64_t ctas = std::min<int64_t>(static_cast<int64_t>(sm_count(device)) * smem.ctas_per_sm, pairs);
+  GemvPlan plan{};
+  if (!smem.abs_table || ctas < 1) return plan;
+  const int slots = gemv_glu_slots(static_cast<int>(pairs / ctas));
+  if (k_tiles * gemv_x_tile_bytes(static_cast<int>(m)) + gemv_slot_bytes(static_cast<int>(m), slots) > smem.x_budget)
+    return plan;
+  plan.splits = 1;
+  plan.chunk_kt = static_cast<int>(k_tiles);
+  plan.grid = static_cast<int>(ctas);
+  plan.balanced = true;
+  plan.abs_table = true;
+  return plan;
+}
+
 // mma token tiles of the GEMV: one serves 8 tokens.
 int gemv_tiles(int64_t m) { return m <= 8 ? 1 : 2; }
 
@@ -725,7 +745,7 @@ struct GemvCall {
 // rot_signs); fills the call.
 int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* block_scales, const float* row_scales,
                const float* codebook, int bits, int64_t m, int64_t n, int64_t k, const uint32_t* rot_signs,
-               bool prologue, GemvCall* call, int64_t* need, bool offsets = false) {
+               bool prologue, GemvCall* call, int64_t* need, bool offsets = false, bool glu = false) {
   if (int rc = check_common(kGemv, bits, dtype, n, k)) return rc;
   if (int rc = check_rotation(rot_signs, k)) return rc;
   if (m < 1 || m > kGemvMaxM) return fail("x has %lld rows, the GEMV takes 1..%d", static_cast<long long>(m), kGemvMaxM);
@@ -738,7 +758,13 @@ int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* bloc
   if (ceil_div(n, kTileN) * ceil_div(k, kTileK) * bits * 64 >= (int64_t{1} << 31))
     return fail("weight of %lld x %lld is too large for the GEMV's 32-bit tile indexing", static_cast<long long>(n),
                 static_cast<long long>(k));
-  const GemvPlan plan = device_gemv_plan(device, m, n, k);
+  if (glu && (!offsets || rot_signs || n % (2 * kTileN) != 0))
+    return fail("the GLU epilogue takes unrotated block records with out_features a multiple of %d, got n=%lld%s",
+                2 * kTileN, static_cast<long long>(n), rot_signs ? " rotated" : "");
+  const GemvPlan plan = glu ? glu_gemv_plan(device, m, n, k) : device_gemv_plan(device, m, n, k);
+  if (plan.splits == 0 && glu)
+    return fail("the GLU epilogue has no plan for m=%lld n=%lld k=%lld on device %d (kbit_gemv_glu_serves)",
+                static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k), device);
   if (plan.splits == 0)
     return fail("kbit_set_gemv_plan's mode %d with %d splits has no plan for m=%lld n=%lld k=%lld", g_gemv_mode,
                 g_gemv_splits, static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k));
@@ -755,6 +781,8 @@ int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* bloc
   p.cluster = plan.cluster;
   p.balanced = plan.balanced;
   p.cta_rows = plan.balanced ? static_cast<int>(ceil_div(n, kTileN) / (plan.grid / plan.splits)) : 0;
+  if (glu) p.cta_rows = static_cast<int>(n / (2 * kTileN) / plan.grid);  // pairs of row tiles
+  p.glu = glu;
   p.rot_signs = rot_signs;
   call->device = device;
   call->grid = plan.grid;
@@ -809,12 +837,15 @@ int gemv_prologue_call(int device, void* stream, int prologue, const void* x, in
                        const int32_t* planes, const uint8_t* block_scales, const float* row_scales,
                        const float* codebook, int bits, int64_t m, int64_t n, int64_t k, void* out, float* workspace,
                        int64_t workspace_size, const uint32_t* rot_signs, bool offsets) {
+  const bool glu = (prologue & kGemvGlu) != 0;
+  prologue &= ~kGemvGlu;
   if (prologue < kPrologueSiluMul || prologue > kPrologueAddNorm)
-    return fail("prologue must be 1 (silu_mul), 2 (rmsnorm) or 3 (add_rmsnorm), got %d", prologue);
+    return fail("prologue must be 1 (silu_mul), 2 (rmsnorm) or 3 (add_rmsnorm), with or without kGemvGlu (%d), got %d",
+                kGemvGlu, prologue | (glu ? kGemvGlu : 0));
   GemvCall call{};
   int64_t need = 0;
   if (int rc = gemv_setup(device, dtype, planes, block_scales, row_scales, codebook, bits, m, n, k, rot_signs, true,
-                          &call, &need, offsets))
+                          &call, &need, offsets, glu))
     return rc;
   if (n == 0) return KBIT_OK;
   const bool uses_x2 = prologue != kPrologueNorm, norm = prologue != kPrologueSiluMul;
@@ -960,6 +991,11 @@ int kbit_gemv_offsets_max_m(int bits, int dtype) {
   for (int64_t m = kGemvMaxM; m >= 1; --m)
     if (find_gemv_offsets(bits, dtype, gemv_tiles(m))) return static_cast<int>(m);
   return 0;
+}
+
+int kbit_gemv_glu_serves(int device, int64_t m, int64_t n, int64_t k, int bits, int dtype) {
+  if (m < 1 || m > kbit_gemv_offsets_max_m(bits, dtype) || n < 1 || n % (2 * kTileN) != 0 || k < 1) return 0;
+  return glu_gemv_plan(device, m, n, k).splits == 1 ? 1 : 0;
 }
 
 int kbit_gemv_offsets(int device, void* stream, const void* x, int dtype, const int32_t* planes,

@@ -208,6 +208,13 @@ KBIT_API int kbit_gemv_prologue_offsets(int device, void* stream, int prologue, 
                                         const float* row_scales, const float* codebook, int bits, int64_t m,
                                         int64_t n, int64_t k, void* out, float* workspace, int64_t workspace_size);
 
+/* The GLU epilogue: kbit_gemv_prologue_offsets with prologue | 16 multiplies x by a gated MLP's fused gate/up weight
+ * (rows [0, n/2) the gate projection, [n/2, n) the up projection: n % 32 == 0) and writes out [m, n/2] =
+ * silu(gate) * up, the GEMV's outputs rounded to dtype, then silu_mul's roundings (the SiLU in float32, rounded,
+ * times up, rounded). It serves where kbit_gemv_glu_serves is 1 (its own plan: balanced, one split; unrotated block
+ * records, m <= kbit_gemv_offsets_max_m); elsewhere run the prologue GEMV, then silu_mul. */
+KBIT_API int kbit_gemv_glu_serves(int device, int64_t m, int64_t n, int64_t k, int bits, int dtype);
+
 /* 1 when kbit_gemm_offsets serves this problem on `device`: its GEMM plan there is the wgmma GEMM (kbit_gemm_plan's
  * kernel 1: sm_90a, not overridden by kbit_set_gemm_kernel or HF_KBIT_GEMM_KERNEL) and the library holds the
  * block-records instantiation for bits and dtype; else 0. */

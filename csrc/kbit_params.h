@@ -76,6 +76,8 @@ struct RotateParams {
 // GEMM (gemm_kernel.cuh).
 // MmParams::prologue: what the GEMV's x staging reads instead of x (gemv_kernel.cuh, XPrologue).
 enum XPrologueKind : int { kPrologueNone = 0, kPrologueSiluMul = 1, kPrologueNorm = 2, kPrologueAddNorm = 3 };
+// The GLU epilogue (MmParams::glu), or-ed into kbit_gemv_prologue_offsets' prologue argument.
+constexpr int kGemvGlu = 16;
 
 struct MmParams {
   const void* x;               // [m, k] row-major, dtype `dtype`
@@ -117,6 +119,10 @@ struct MmParams {
   float eps;
   void* sum_out;
   int64_t x_stride, x2_stride;  // row strides (elements) of x and x2 under a prologue
+  // GEMV only, balanced one-split plans (glu_gemv_plan): rows [0, n/2) of the weight are a gated MLP's gate
+  // projection and rows [n/2, n) its up projection; out [m, n/2] is silu(gate) * up, each rounded as the
+  // unfused ops round (gemv_kernel.cuh). cta_rows then counts pairs of row tiles.
+  bool glu;
   // Rotated layers (rotation.cuh): the sign words [k / 32] of R; the kernels multiply x R (after the
   // prologue), rounded once to the activation dtype. nullptr: x as it is.
   const uint32_t* rot_signs;
@@ -189,6 +195,9 @@ constexpr int gemv_cluster_slots(int splits) { return splits > 1 ? (kGemvWarps +
 constexpr int gemv_balanced_cluster_slots(int splits, int rows) { return (rows + splits - 1) / splits * splits; }
 constexpr int gemv_slot_bytes(int m, int slots) { return slots * 32 * 16 * (m <= 8 ? 1 : 2); }
 constexpr int gemv_cluster_bytes(int m, int splits) { return gemv_slot_bytes(m, gemv_cluster_slots(splits)); }
+// GLU plans (MmParams::glu): a CTA's scaled row tiles, at most two per pair of its range, until the pairs
+// are complete.
+constexpr int gemv_glu_slots(int cta_pairs) { return 2 * (cta_pairs + 1); }
 // Balanced plans: each warp's head segment (32 lanes x 16 bytes per mma token tile), in the
 // pair table's place once the main loop is done.
 static_assert(kGemvWarps * 2 * 32 * 16 <= kGemvTableBytes, "the balanced GEMV's head sums fit the table");

@@ -205,14 +205,16 @@ def _mm_fake(x, planes, block_scales, row_scales, codebook, in_features, signs=N
 # What inductor would otherwise run as a kernel of its own right before a kbit projection (hf_kbit.fusion
 # rewrites compiled graphs to these). The references reproduce the roundings of the unfused ops (those of
 # transformers' RMSNorm and SiLU-gated MLPs), so a rewrite changes no result beyond float32 summation
-# order; a backend may fold the prologue into its kernel's x staging.
+# order; a backend may fold the prologue into its kernel's x staging. ``glu=True`` (the norm ops) adds what
+# follows a gated MLP's fused gate/up projection: the weight's first half of rows is the gate projection, its
+# second half the up projection, and the op returns ``silu_mul(gate, up)`` ([..., out_features / 2]).
 _lib.define(
     "mm_rmsnorm(Tensor x, Tensor norm_weight, float eps, Tensor planes, Tensor block_scales, Tensor row_scales, "
-    "Tensor codebook, SymInt in_features, Tensor? signs=None) -> Tensor"
+    "Tensor codebook, SymInt in_features, Tensor? signs=None, bool glu=False) -> Tensor"
 )
 _lib.define(
     "mm_add_rmsnorm(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor planes, Tensor block_scales, "
-    "Tensor row_scales, Tensor codebook, SymInt in_features, Tensor? signs=None) -> (Tensor, Tensor)"
+    "Tensor row_scales, Tensor codebook, SymInt in_features, Tensor? signs=None, bool glu=False) -> (Tensor, Tensor)"
 )
 _lib.define(
     "mm_silu_mul(Tensor gate, Tensor up, Tensor planes, Tensor block_scales, Tensor row_scales, Tensor codebook, "
@@ -231,6 +233,19 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate.float()).to(gate.dtype) * up
 
 
+def silu_mul_halves(y: torch.Tensor) -> torch.Tensor:
+    """``silu_mul(gate, up)`` of a fused gate/up output ``y = [gate, up]`` (halves of its last dim)."""
+    gate, up = y.chunk(2, dim=-1)
+    return silu_mul(gate, up)
+
+
+def _check_glu(row_scales: torch.Tensor) -> None:
+    torch._check(
+        row_scales.shape[-1] % 2 == 0,
+        lambda: f"glu=True takes a fused gate/up weight of an even out_features, got {row_scales.shape[-1]}",
+    )
+
+
 def _check_prologue(name: str, x: torch.Tensor, other: torch.Tensor) -> None:
     torch._check(
         other.shape == x.shape and other.dtype == x.dtype,
@@ -245,37 +260,55 @@ def _check_norm_weight(norm_weight: torch.Tensor, in_features) -> None:
     )
 
 
+def _glu_fake(out: torch.Tensor, glu: bool) -> torch.Tensor:
+    return out.new_empty((*out.shape[:-1], out.shape[-1] // 2)) if glu else out
+
+
 @torch.library.impl(_lib, "mm_rmsnorm", "CompositeExplicitAutograd")
-def _mm_rmsnorm_ref(x, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features, signs=None):
-    """``rms_norm(x, norm_weight, eps) @ W.T``."""
+def _mm_rmsnorm_ref(x, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features, signs=None,
+                    glu=False):
+    """``rms_norm(x, norm_weight, eps) @ W.T`` (``glu``: then :func:`silu_mul_halves`)."""
     _check_norm_weight(norm_weight, in_features)
+    if glu:
+        _check_glu(row_scales)
     h = rms_norm(x, norm_weight, eps)
-    return torch.ops.kbit.mm(h, planes, block_scales, row_scales, codebook, in_features, signs)
+    out = torch.ops.kbit.mm(h, planes, block_scales, row_scales, codebook, in_features, signs)
+    return silu_mul_halves(out) if glu else out
 
 
 @torch.library.register_fake("kbit::mm_rmsnorm")
-def _mm_rmsnorm_fake(x, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features, signs=None):
+def _mm_rmsnorm_fake(x, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features, signs=None,
+                     glu=False):
     _check_norm_weight(norm_weight, in_features)
-    return _mm_fake(x, planes, block_scales, row_scales, codebook, in_features, signs)
+    if glu:
+        _check_glu(row_scales)
+    return _glu_fake(_mm_fake(x, planes, block_scales, row_scales, codebook, in_features, signs), glu)
 
 
 @torch.library.impl(_lib, "mm_add_rmsnorm", "CompositeExplicitAutograd")
 def _mm_add_rmsnorm_ref(x, residual, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features,
-                        signs=None):
-    """``(rms_norm(x + residual, norm_weight, eps) @ W.T, x + residual)``: the sum goes on as the residual."""
+                        signs=None, glu=False):
+    """``(rms_norm(x + residual, norm_weight, eps) @ W.T, x + residual)``: the sum goes on as the residual
+    (``glu``: the product then goes through :func:`silu_mul_halves`)."""
     _check_prologue("residual", x, residual)
     _check_norm_weight(norm_weight, in_features)
+    if glu:
+        _check_glu(row_scales)
     total = x + residual
     h = rms_norm(total, norm_weight, eps)
-    return torch.ops.kbit.mm(h, planes, block_scales, row_scales, codebook, in_features, signs), total
+    out = torch.ops.kbit.mm(h, planes, block_scales, row_scales, codebook, in_features, signs)
+    return (silu_mul_halves(out) if glu else out), total
 
 
 @torch.library.register_fake("kbit::mm_add_rmsnorm")
 def _mm_add_rmsnorm_fake(x, residual, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features,
-                         signs=None):
+                         signs=None, glu=False):
     _check_prologue("residual", x, residual)
     _check_norm_weight(norm_weight, in_features)
-    return _mm_fake(x, planes, block_scales, row_scales, codebook, in_features, signs), torch.empty_like(x)
+    if glu:
+        _check_glu(row_scales)
+    out = _mm_fake(x, planes, block_scales, row_scales, codebook, in_features, signs)
+    return _glu_fake(out, glu), torch.empty_like(x)
 
 
 @torch.library.impl(_lib, "mm_silu_mul", "CompositeExplicitAutograd")

@@ -38,7 +38,8 @@ Block records (``block_scales`` int16, format v4, :mod:`hf_kbit.format`: an offs
 (``kbit_gemm_offsets``: unrotated, sm_90a) where the planner takes the wgmma GEMM for uint8 codes; else
 dequantize + matmul. The prologue ops (``mm_silu_mul``, ``mm_rmsnorm``, ``mm_add_rmsnorm``) take the GEMV on records
 with their prologue (``kbit_gemv_prologue_offsets``) over the same M, and above it (or in a library without that
-entry) run unfused (the reference's prologue, then ``mm``). The dequantize kernel on records
+entry) run unfused (the reference's prologue, then ``mm``). With ``glu=True`` the norm ops' SiLU-gated product is
+the GEMV's GLU epilogue where :func:`glu_serves` (its own plan), else ``silu_mul_halves`` after the product. The dequantize kernel on records
 (``kbit_dequantize_records``, bit-exact with ``format.dequantize``) serves ``dequantize``, the dequantize + matmul
 path (a rotated layer's too: ``x R`` times the stored weight) and the gradient. What no kernel reads records for
 (``dequantize`` of a rotated layer, ``grouped_mm``) takes the reference (``format.dequantize`` as torch ops on the
@@ -213,6 +214,11 @@ if _HAS_PROLOGUE_OFFSETS:
                                                 ctypes.c_float, _c_vp, _c_int, _c_vp, _c_vp, _c_vp, _c_vp, _c_int,
                                                 _c_i64, _c_i64, _c_i64, _c_vp, _c_vp, _c_i64]
     _LIB.kbit_gemv_prologue_offsets.restype = _c_int
+# The GLU epilogue of the records GEMV with a prologue (a later entry again).
+_HAS_GLU = _HAS_PROLOGUE_OFFSETS and hasattr(_LIB, "kbit_gemv_glu_serves")
+if _HAS_GLU:
+    _LIB.kbit_gemv_glu_serves.argtypes = [_c_int, _c_i64, _c_i64, _c_i64, _c_int, _c_int]
+    _LIB.kbit_gemv_glu_serves.restype = _c_int
 _HAS_GEMM_OFFSETS = hasattr(_LIB, "kbit_gemm_offsets")
 if _HAS_GEMM_OFFSETS:
     _LIB.kbit_gemm_offsets_serves.argtypes = [_c_int, _c_i64, _c_i64, _c_i64, _c_int, _c_int]
@@ -244,6 +250,16 @@ def offsets_prologue_serves(m: int, bits: int, dtype: torch.dtype, signs=None) -
     """True when the block-records GEMV with a prologue (``kbit_gemv_prologue_offsets``) serves ``x [m, k]`` in
     ``dtype``: where the plain one does (:func:`offsets_gemv_serves`) and the library has the entry."""
     return _HAS_PROLOGUE_OFFSETS and offsets_gemv_serves(m, bits, dtype, signs)
+
+
+@functools.cache  # a layer repeats one problem
+def glu_serves(m: int, n: int, k: int, bits: int, device: int, dtype: torch.dtype) -> bool:
+    """True when the records GEMV with a prologue serves ``glu=True`` itself (``kbit_gemv_glu_serves``: its GLU
+    plan, balanced and one split, exists for ``x [m, k]`` times the fused ``[n, k]`` gate/up weight on device index
+    ``device``); elsewhere the prologue GEMV runs and :func:`hf_kbit._ops.silu_mul_halves` after it."""
+    if not _HAS_GLU or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    return bool(_LIB.kbit_gemv_glu_serves(device, m, n, k, bits, _DTYPE_CODE[dtype]))
 
 
 @functools.cache  # a layer repeats one problem; set_gemm_kernel and set_wgmma_ws_plan clear it (_forget_plans)
@@ -464,15 +480,19 @@ def run_path(path: str, x2, planes, block_scales, row_scales, codebook, k: int,
 # ---------------------------------------------------------------------------- mm with a prologue
 
 _PROLOGUES = {"silu_mul": 1, "rmsnorm": 2, "add_rmsnorm": 3}
+_GLU = 16  # or-ed into the prologue: the GLU epilogue (kbit_gemv_glu_serves)
 _HAS_PROLOGUE = hasattr(_LIB, "kbit_gemv_prologue")
 
 
-def _gemv_prologue(kind, x, x2, norm_weight, eps, planes, block_scales, row_scales, codebook, k, signs=None):
+def _gemv_prologue(kind, x, x2, norm_weight, eps, planes, block_scales, row_scales, codebook, k, signs=None,
+                   glu=False):
     """``(out, sum)`` from the GEMV with prologue ``kind`` when it serves this call, else None (a norm
     weight of another dtype than x, e.g. kept in float32, takes the reference: its product is float32). Block
     records take the block-records GEMV with the prologue (``kbit_gemv_prologue_offsets``) up to
     :func:`gemv_offsets_max_m`, whatever the planner takes for uint8 codes (as :func:`records_plan` does); beyond
-    it, rotated, or in a library without that entry, the reference (its prologue, then kbit::mm)."""
+    it, rotated, or in a library without that entry, the reference (its prologue, then kbit::mm). ``glu``: out is
+    ``silu_mul_halves`` of the product, from the GEMV's GLU epilogue where :func:`glu_serves`, else from the
+    product after the kernel."""
     if not _HAS_PROLOGUE or x.dtype not in _GEMV_DTYPES or row_scales.dim() != 1:
         return None
     if norm_weight is not None and norm_weight.dtype != x.dtype:
@@ -493,16 +513,18 @@ def _gemv_prologue(kind, x, x2, norm_weight, eps, planes, block_scales, row_scal
         return None  # only the staging sees the prologue's output: beyond the rotated GEMV, unfused
     _check_packed_once(planes, block_scales, row_scales, codebook, k)
     _same_device(x, planes=planes, block_scales=block_scales, row_scales=row_scales, codebook=codebook)
+    fold = glu and records and glu_serves(m, n, k, bits, x.device.index, x.dtype)
     sp = _signs_ptr(signs, k, x.device)
     x2r = _rows(x2, k) if x2 is not None else None
     weight = norm_weight.contiguous() if norm_weight is not None else None
     planes, block_scales, row_scales, codebook = _dense(planes, block_scales, row_scales, codebook)
     total = torch.empty((m, k), dtype=x.dtype, device=x.device) if kind == "add_rmsnorm" else None
     ws_size = _gemv_workspace(x.device.index, m, n, k, bits, sp is not None)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n // 2 if fold else n), dtype=x.dtype, device=x.device)
     ws = torch.empty(ws_size, dtype=torch.float32, device=x.device) if ws_size > 0 else None
     args = (
-        x.device.index, _stream(x.device), _PROLOGUES[kind], xr.data_ptr(), xr.stride(0) if m > 1 else k,
+        x.device.index, _stream(x.device), _PROLOGUES[kind] | (_GLU if fold else 0), xr.data_ptr(),
+        xr.stride(0) if m > 1 else k,
         x2r.data_ptr() if x2r is not None else None, (x2r.stride(0) if m > 1 else k) if x2r is not None else k,
         weight.data_ptr() if weight is not None else None, float(eps),
         total.data_ptr() if total is not None else None, _DTYPE_CODE[x.dtype], planes.data_ptr(),
@@ -512,7 +534,9 @@ def _gemv_prologue(kind, x, x2, norm_weight, eps, planes, block_scales, row_scal
     # The records' entry takes no rot_signs (no rotated layer reaches it).
     rc = _LIB.kbit_gemv_prologue_offsets(*args) if records else _LIB.kbit_gemv_prologue(*args, sp)
     _lib.check(rc, f"mm_{kind}")
-    return out.reshape(*lead, n), (total.reshape(x.shape) if total is not None else None)
+    if glu and not fold:
+        out = _ops.silu_mul_halves(out)
+    return out.reshape(*lead, out.shape[-1]), (total.reshape(x.shape) if total is not None else None)
 
 
 # Where the GEMV does not serve, the references run the unfused prologue (their roundings) and then kbit::mm,
@@ -530,26 +554,32 @@ def _mm_silu_mul_cuda(gate, up, planes, block_scales, row_scales, codebook, in_f
 
 
 @torch.library.impl(_ops._lib, "mm_rmsnorm", "CUDA")
-def _mm_rmsnorm_cuda(x, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features, signs=None):
+def _mm_rmsnorm_cuda(x, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features, signs=None,
+                     glu=False):
     _ops._check_norm_weight(norm_weight, in_features)
+    if glu:
+        _ops._check_glu(row_scales)
     served = _gemv_prologue("rmsnorm", x, None, norm_weight, eps, planes, block_scales, row_scales, codebook,
-                            in_features, signs)
+                            in_features, signs, glu)
     if served is not None:
         return served[0]
-    return _ops._mm_rmsnorm_ref(x, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features, signs)
+    return _ops._mm_rmsnorm_ref(x, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features, signs,
+                                glu)
 
 
 @torch.library.impl(_ops._lib, "mm_add_rmsnorm", "CUDA")
 def _mm_add_rmsnorm_cuda(x, residual, norm_weight, eps, planes, block_scales, row_scales, codebook, in_features,
-                         signs=None):
+                         signs=None, glu=False):
     _ops._check_prologue("residual", x, residual)
     _ops._check_norm_weight(norm_weight, in_features)
+    if glu:
+        _ops._check_glu(row_scales)
     served = _gemv_prologue("add_rmsnorm", x, residual, norm_weight, eps, planes, block_scales, row_scales, codebook,
-                            in_features, signs)
+                            in_features, signs, glu)
     if served is not None:
         return served
     return _ops._mm_add_rmsnorm_ref(x, residual, norm_weight, eps, planes, block_scales, row_scales, codebook,
-                                    in_features, signs)
+                                    in_features, signs, glu)
 
 
 # ---------------------------------------------------------------------------- eager fast path

@@ -371,6 +371,115 @@ def test_prologue_gemv_on_records_cuda_graph_replay(bits, m, dtype, kind, spy):
     assert_no_code_reader(spy)
 
 
+# ---------------------------------------------------------------------------- the GLU epilogue
+
+# (N, K) of fused gate/up weights (N = 2 I, I % 16 == 0): Llama-3-8B's (28672 x 4096); pairs of row tiles not a
+# multiple of the CTAs and a partial last K tile and block (2016 x 2000); one pair, one CTA (32 x 515); Qwen2.5-0.5B's
+# (9728 x 896).
+GLU_SHAPES = [(28672, 4096), (2016, 2000), (32, 515), (9728, 896)]
+GLU_KINDS = ("rmsnorm", "add_rmsnorm")
+
+
+def glu_inputs(m: int, k: int, dtype: torch.dtype, seed: int):
+    """prologue_inputs with the norm weight in [0.05, 0.15): products of about 40 at most, so that silu(gate) * up
+    stays within float16 (as a real model's activations do; there the unfused ops would overflow too)."""
+    a, b, w = prologue_inputs(m, k, dtype, seed)
+    return a, b, w / 10
+
+
+def run_glu(kind: str, a, b, w, packed, k: int, glu: bool):
+    if kind == "rmsnorm":
+        return torch.ops.kbit.mm_rmsnorm(a, w, EPS, *packed, k, glu=glu), None
+    return torch.ops.kbit.mm_add_rmsnorm(a, b, w, EPS, *packed, k, glu=glu)
+
+
+@pytest.mark.parametrize("m", PROLOGUE_MS, ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("shape", GLU_SHAPES, ids=lambda s: f"N{s[0]}K{s[1]}")
+@pytest.mark.parametrize("kind", GLU_KINDS)
+@pytest.mark.parametrize("bits,dtype", table_cases("gemv"))
+def test_glu_epilogue_matches_reference(bits, dtype, kind, shape, m, spy):
+    """glu=True on records: silu(gate) * up of the fused gate/up product from the GEMV's GLU epilogue where
+    glu_serves says so (its own plan), else from the product after the prologue GEMV, against silu_mul_halves of
+    the plain prologue GEMV (itself held to the float64 reference above): they differ where the two plans' float32
+    sums round to neighbouring values. At M = 1 every shape here is served on an sm_90 GPU (the pair table's
+    absolute mode)."""
+    n, k = shape
+    packed, _, _ = packed_records(n, k, bits)
+    a, b, w = glu_inputs(m, k, dtype, n + k + m)
+    out, total = run_glu(kind, a, b, w, packed, k, glu=True)
+    plain, _ = run_glu(kind, a, b, w, packed, k, glu=False)
+    assert out.dtype == dtype and out.shape == (m, n // 2)
+    assert rel_err(out, _ops.silu_mul_halves(plain)) < MM_REL_TOL[dtype]
+    if kind == "add_rmsnorm":
+        assert torch.equal(total, a + b)
+    served = backend().glu_serves(m, n, k, bits, torch.cuda.current_device(), dtype)
+    if m == 1 and torch.cuda.get_device_capability()[0] >= 9:
+        assert served, "the GLU epilogue does not serve the decode's gate/up projection"
+    assert "kbit_gemv_prologue_offsets" in spy.calls
+    assert_no_code_reader(spy)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("kind", GLU_KINDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_glu_epilogue_rounds_as_the_unfused_ops(dtype, kind, m):
+    """With one nonzero weight per row (a scaled identity: every output a single product, the same bits in any
+    plan and summation order) the GLU epilogue equals silu_mul_halves of the plain prologue GEMV bit for bit: the
+    product rounded to the dtype, the SiLU in float32 rounded, times up rounded. Gate row i reads x_i and up row i
+    x_{i + I}, so a wrong pairing of row tiles cannot pass."""
+    k, inter, bits = 4096, 2048, 4
+    eye = torch.eye(k) * torch.linspace(0.5, 2.0, k)[:, None]
+    cb = fmt.make_codebook(None, bits).to(DEVICE)
+    planes, codes, rs = torch.ops.kbit.quantize(eye.to(DEVICE), cb)
+    records = fmt.pack_records(codes, torch.zeros_like(codes, dtype=torch.int64))
+    packed = (planes, records, rs, cb)
+    nonzero = (fmt.dequantize(*packed, k, torch.float32) != 0).sum(1)
+    assert torch.equal(nonzero.cpu(), torch.ones(k, dtype=nonzero.dtype)), "not one nonzero per row"
+    a, b, w = glu_inputs(m, k, dtype, m)
+    assert backend().glu_serves(m, k, k, bits, torch.cuda.current_device(), dtype)
+    out, _ = run_glu(kind, a, b, w, packed, k, glu=True)
+    plain, _ = run_glu(kind, a, b, w, packed, k, glu=False)
+    assert out.shape == (m, inter)
+    assert torch.equal(out, _ops.silu_mul_halves(plain))
+
+
+def test_glu_epilogue_cuda_graph_replay(spy):
+    """A captured glu=True op replays on new inputs like an eager call."""
+    (n, k), m, dtype = GLU_SHAPES[0], 1, torch.bfloat16
+    packed, _, _ = packed_records(n, k, 4)
+    a, b, w = glu_inputs(m, k, dtype, n + k + m)
+    graph, (out, total) = capture_cuda_graph(lambda: run_glu("add_rmsnorm", a, b, w, packed, k, glu=True))
+    for _ in range(2):
+        a.copy_(torch.randn(m, k, device=DEVICE))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager, eager_total = run_glu("add_rmsnorm", a, b, w, packed, k, glu=True)
+        assert torch.equal(out, eager) and torch.equal(total, eager_total)
+        plain, _ = run_glu("add_rmsnorm", a, b, w, packed, k, glu=False)
+        assert rel_err(out, _ops.silu_mul_halves(plain)) < MM_REL_TOL[dtype]
+
+
+def test_glu_entry_refuses_what_it_does_not_serve():
+    """The GLU flag on the prologue entries: uint8 codes, an out_features not a multiple of 32, and kbit_gemv_glu_serves
+    for those and for M beyond the block-records GEMV."""
+    cuda = backend()
+    lib = _lib.load()
+    ptr = ctypes.c_void_p(256)
+
+    def call(entry, n=64):
+        return getattr(lib, entry)(0, None, 2 | 16, ptr, 128, ptr, 128, ptr, 1e-5, None, 2, ptr, ptr, ptr, ptr, 4, 1,
+                                   n, 128, ptr, None, 0, *(() if entry.endswith("offsets") else (None,)))
+
+    with pytest.raises(ValueError, match="GLU epilogue takes unrotated block records"):
+        _lib.check(call("kbit_gemv_prologue"), "mm_rmsnorm")
+    with pytest.raises(ValueError, match="out_features a multiple of 32, got n=48"):
+        _lib.check(call("kbit_gemv_prologue_offsets", n=48), "mm_rmsnorm")
+    dev = torch.cuda.current_device()
+    assert not cuda.glu_serves(1, 48, 128, 4, dev, torch.bfloat16)
+    assert not cuda.glu_serves(17, 64, 128, 4, dev, torch.bfloat16)
+    assert not cuda.glu_serves(1, 64, 128, 4, dev, torch.float32)
+
+
 def test_prologue_offsets_entry_refuses_what_it_does_not_serve():
     """kbit_gemv_prologue_offsets refuses m beyond the block-records GEMV, float32 x, misaligned records and an
     unknown prologue, naming them, before a launch."""
