@@ -9,7 +9,10 @@ takes the op's inputs instead:
 - ``kbit.mm(rms_norm(a + b))`` -> ``kbit.mm_add_rmsnorm(a, b)``, whose second output (the sum) takes
   over every other use of ``a + b`` (the residual stream);
 - ``kbit.mm(rms_norm(h))`` -> ``kbit.mm_rmsnorm(h)``;
-- ``kbit.mm(silu_mul(gate, up))`` -> ``kbit.mm_silu_mul(gate, up)``.
+- ``kbit.mm(silu_mul(gate, up))`` -> ``kbit.mm_silu_mul(gate, up)``;
+- where gate and up are the two halves of one norm op's product (a fused gate/up projection after its
+  RMSNorm): ``kbit.mm(silu_mul(gate, up))`` -> ``kbit.mm(gate_up_op(..., glu=True))``, the SiLU-mul done once
+  per element where gate/up writes its output instead of in every CTA of the down projection's staging.
 
 A projection's packed tensors, ``in_features`` and ``signs`` (a rotated layer's sign words) go to the fused op as
 they are: with signs, the prologue's output is rotated before it meets the weight, as ``kbit.mm`` rotates x.
@@ -23,7 +26,8 @@ decompositions, and only where their intermediates have no other use. Use it thr
 
 On CUDA the GEMV serves the fused ops at M <= 16: its x staging computes the prologue, the norm's
 sum of squares over the whole row is loaded beside the staging, and the per-token rsqrt(mean + eps)
-scales the sums in the epilogue (the rounding differs from the unfused ops at bf16-noise level).
+scales the sums in the epilogue (the rounding differs from the unfused ops at bf16-noise level); on block
+records ``glu=True`` is its GLU epilogue where ``hf_kbit.backends.cuda.glu_serves``.
 Other paths (M > 16) and devices run the references (the prologue in PyTorch, then ``kbit.mm``),
 which launch more kernels than inductor's own. The pass is meant for batch-1 decoding: by default it
 rewrites only projections of a static single token (``max_tokens``; ``DEFAULT_MAX_TOKENS`` says why).
@@ -151,6 +155,85 @@ def _match_silu_mul(x: fx.Node):
     return None
 
 
+def _last_dim(node: fx.Node, dim) -> bool:
+    val = _val(node)
+    return isinstance(val, torch.Tensor) and dim in (-1, val.dim() - 1)
+
+
+def _halves(gate: fx.Node, up: fx.Node):
+    """``gate, up`` as the first and second half of one tensor's last dim, through ``split`` / ``split_with_sizes``
+    or two slices, each used only once (by the SiLU-mul): (that tensor, the nodes to drop), else None."""
+    if len(gate.users) != 1 or len(up.users) != 1:
+        return None
+    if _call(gate, operator.getitem) and _call(up, operator.getitem) and gate.args[0] is up.args[0] \
+            and (gate.args[1], up.args[1]) == (0, 1):
+        split = gate.args[0]
+        if not _call(split, aten.split_with_sizes.default, aten.split.Tensor) or set(split.users) != {gate, up}:
+            return None
+        source, sizes = split.args[0], split.args[1]
+        dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+        if set(source.users) != {split}:
+            return None
+        width = _val(source).shape[-1] if isinstance(_val(source), torch.Tensor) else None
+        if not _last_dim(source, dim) or width is None or width % 2:
+            return None
+        if sizes not in ([width // 2, width // 2], width // 2):
+            return None
+        return source, [gate, up, split]
+    if _call(gate, aten.slice.Tensor) and _call(up, aten.slice.Tensor) and gate.args[0] is up.args[0]:
+        source = gate.args[0]
+        val = _val(source)
+        if not isinstance(val, torch.Tensor) or val.shape[-1] % 2 or set(source.users) != {gate, up}:
+            return None
+        half = val.shape[-1] // 2
+        g_args, u_args = (tuple(n.args) + (0, None, None, 1)[len(n.args) - 1:] for n in (gate, up))  # defaults
+        if not (_last_dim(source, g_args[1]) and _last_dim(source, u_args[1])):
+            return None
+        if g_args[2] in (0, None) and g_args[3] == half and g_args[4] == 1 and u_args[2] == half \
+                and (u_args[3] is None or u_args[3] >= 2 * half) and u_args[4] == 1:
+            return source, [gate, up]
+    return None
+
+
+def _glu_producer(source: fx.Node) -> fx.Node | None:
+    """The norm op whose product ``source`` is (``mm_rmsnorm`` itself, or output 0 of ``mm_add_rmsnorm``) when it can
+    take ``glu=True``, else None."""
+    if _call(source, kbit.mm_rmsnorm.default):
+        op = source
+    elif _call(source, operator.getitem) and source.args[1] == 0 and _call(source.args[0], kbit.mm_add_rmsnorm.default):
+        op = source.args[0]
+    else:
+        return None
+    return op if not op.kwargs.get("glu") and _glu_folds(op) else None
+
+
+def _glu_folds(op: fx.Node) -> bool:
+    """Whether ``glu=True`` on ``op`` becomes the GEMV's GLU epilogue, so that the rewrite saves work: block records,
+    no sign words, and on CUDA a GLU plan for the call (``hf_kbit.backends.cuda.glu_serves``); elsewhere the op would
+    run the SiLU-mul as torch ops after its product (on the CPU, the references, both ways alike)."""
+    from torch.fx.operator_schemas import normalize_function
+
+    from . import format as fmt
+
+    bound = normalize_function(op.target, op.args, op.kwargs, normalize_to_only_use_kwargs=True)
+    if bound is None:
+        return False
+    args = bound.kwargs
+    x, planes, block_scales, row_scales = (_val(args[name]) for name in ("x", "planes", "block_scales", "row_scales"))
+    if args.get("signs") is not None or not isinstance(block_scales, torch.Tensor) \
+            or block_scales.dtype != fmt.RECORD_DTYPE:
+        return False
+    if x.device.type != "cuda":
+        return x.device.type == "cpu"
+    dims = (*x.shape, row_scales.shape[-1], args["in_features"], planes.shape[-3])
+    if not all(isinstance(d, int) for d in dims):
+        return False
+    from .backends import cuda as backend
+
+    m, device = math.prod(x.shape[:-1]), x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return backend.glu_serves(m, row_scales.shape[-1], args["in_features"], planes.shape[-3], device, x.dtype)
+
+
 def _defined_before(graph: fx.Graph, inputs, node: fx.Node) -> bool:
     order = {n: i for i, n in enumerate(graph.nodes)}
     return all(not isinstance(i, fx.Node) or order[i] < order[node] for i in inputs)
@@ -211,9 +294,11 @@ def fuse(graph: fx.Graph, max_tokens: int | None = DEFAULT_MAX_TOKENS) -> dict[s
 
     Only projections whose input has a static token count <= ``max_tokens`` (None: any) are rewritten.
     A norm read by several projections (siblings not fused into one weight) goes into each of them:
-    the first one that adds takes the sum out, the others read that sum.
+    the first one that adds takes the sum out, the others read that sum. A SiLU-mul of the two halves of a
+    fused gate/up projection's norm op goes into that op (``glu=True``), and the projection after it becomes
+    a plain ``kbit.mm`` (counted as ``glu``).
     """
-    made = {"mm_add_rmsnorm": 0, "mm_rmsnorm": 0, "mm_silu_mul": 0}
+    made = dict.fromkeys(REWRITES, 0)
     hoist_input_views(graph)
     erased: set[fx.Node] = set()
     for mm in list(graph.nodes):
@@ -262,7 +347,22 @@ def fuse(graph: fx.Graph, max_tokens: int | None = DEFAULT_MAX_TOKENS) -> dict[s
                 continue
         elif (gated := _match_silu_mul(x)) is not None:
             dropped, gate, up = gated
-            for p in projections:
+            halves = _halves(gate, up) if len(projections) == 1 else None
+            producer = _glu_producer(halves[0]) if halves is not None else None
+            if producer is not None:
+                source, (p,) = halves[0], projections
+                producer.kwargs = {**producer.kwargs, "glu": True}
+                gated_val = _val(x)  # [..., I]: the op's product now
+                source.meta["val"] = gated_val
+                if _call(producer, kbit.mm_add_rmsnorm.default):
+                    producer.meta["val"] = (gated_val, producer.meta["val"][1])
+                with graph.inserting_before(p):
+                    out = graph.call_function(kbit.mm.default, (source, *p.args[1:]), dict(p.kwargs))
+                out.meta["val"] = _val(p)
+                replaced.append((p, out))
+                dropped.extend(halves[1])
+                made["glu"] += 1
+            for p in projections if producer is None else ():
                 with graph.inserting_before(p):
                     out = graph.call_function(kbit.mm_silu_mul.default, (gate, up, *p.args[1:]), dict(p.kwargs))
                 out.meta["val"] = _val(p)
@@ -278,6 +378,10 @@ def fuse(graph: fx.Graph, max_tokens: int | None = DEFAULT_MAX_TOKENS) -> dict[s
             graph.erase_node(node)
             erased.add(node)
     return made
+
+
+# What :func:`fuse` counts.
+REWRITES = ("mm_add_rmsnorm", "mm_rmsnorm", "mm_silu_mul", "glu")
 
 
 def _pass_class():
@@ -302,7 +406,7 @@ def _pass_class():
 
         def __init__(self, max_tokens: int | None) -> None:
             self.max_tokens = max_tokens
-            self.rewrites = {"mm_add_rmsnorm": 0, "mm_rmsnorm": 0, "mm_silu_mul": 0}
+            self.rewrites = dict.fromkeys(REWRITES, 0)
 
         def __call__(self, graph: fx.Graph) -> None:
             for name, count in fuse(graph, self.max_tokens).items():

@@ -39,6 +39,13 @@ def packed(n, k, bits=4):
     return (*torch.ops.kbit.quantize(torch.randn(n, k), cb), cb)
 
 
+def packed_records(n, k, bits=4):
+    """packed() with its codes made block records (format v4's default), random offsets."""
+    planes, codes, rs, cb = packed(n, k, bits)
+    offsets = torch.randint(-fmt.OFFSET_MAX, fmt.OFFSET_MAX + 1, codes.shape, generator=torch.Generator().manual_seed(1))
+    return planes, fmt.pack_records(codes, offsets), rs, cb
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_opcheck_fused_ops(dtype):
     n, k = 20, 130
@@ -93,10 +100,10 @@ def test_fused_ops_name_what_does_not_match():
 # layer 1's and the final one (before the LM head, quantized here) the sum at the end of a layer. gemma3
 # normalizes with (1 + weight) and gates with GELU: left alone.
 EXPECTED = {
-    "llama": {"mm_add_rmsnorm": 4, "mm_rmsnorm": 3, "mm_silu_mul": 2},
-    "qwen3": {"mm_add_rmsnorm": 4, "mm_rmsnorm": 3, "mm_silu_mul": 2},
-    "mistral": {"mm_add_rmsnorm": 4, "mm_rmsnorm": 3, "mm_silu_mul": 2},
-    "gemma3_text": {"mm_add_rmsnorm": 0, "mm_rmsnorm": 0, "mm_silu_mul": 0},
+    "llama": {"mm_add_rmsnorm": 4, "mm_rmsnorm": 3, "mm_silu_mul": 2, "glu": 0},
+    "qwen3": {"mm_add_rmsnorm": 4, "mm_rmsnorm": 3, "mm_silu_mul": 2, "glu": 0},
+    "mistral": {"mm_add_rmsnorm": 4, "mm_rmsnorm": 3, "mm_silu_mul": 2, "glu": 0},
+    "gemma3_text": {"mm_add_rmsnorm": 0, "mm_rmsnorm": 0, "mm_silu_mul": 0, "glu": 0},
 }
 
 
@@ -122,21 +129,23 @@ def test_the_pass_rewrites_a_compiled_forward_and_keeps_its_result(family):
 
 
 def test_the_pass_follows_fused_gate_up_and_leaves_a_bf16_lm_head():
-    # gate/up in whole tiles: one fused weight, whose output SiLU-mul reads through a split; the final
-    # norm feeds the bf16 LM head (not a kbit projection): not rewritten.
+    # gate/up in whole tiles: one fused weight, whose output SiLU-mul reads through a split: the SiLU-mul goes
+    # into the gate/up norm op (glu) and down_proj stays a plain kbit.mm; the final norm feeds the bf16 LM head
+    # (not a kbit projection): not rewritten.
     model = tiny_dense_model("llama", intermediate_size=192)
     model = hf_kbit.quantize_model(model, hf_kbit.KbitConfig(bits=4), modules_to_not_convert=["lm_head"])
     assert hasattr(model.model.layers[0].mlp, "gate_up_proj")
-    _compile_and_compare(model, {"mm_add_rmsnorm": 3, "mm_rmsnorm": 1, "mm_silu_mul": 2})
+    _compile_and_compare(model, {"mm_add_rmsnorm": 3, "mm_rmsnorm": 1, "mm_silu_mul": 0, "glu": 2})
 
 
 def test_the_pass_hands_rotated_projections_their_sign_words():
     """With rotation, every projection's sign words go into its fused op: the compiled result stays the eager one
-    (which rotates x after the norm / SiLU-mul). K = 128 and 192: every kbit Linear rotates, the LM head too."""
+    (which rotates x after the norm / SiLU-mul). K = 128 and 192: every kbit Linear rotates, the LM head too. A
+    rotated gate/up keeps its SiLU-mul in down_proj's prologue (no GLU epilogue on rotated layers)."""
     model = tiny_dense_model("llama", hidden_size=128, intermediate_size=192)
     model = hf_kbit.quantize_model(model, hf_kbit.KbitConfig(bits=4, rotation=True))
     assert all(m.rotated for m in model.modules() if isinstance(m, hf_kbit.KbitLinear))
-    _compile_and_compare(model, {"mm_add_rmsnorm": 4, "mm_rmsnorm": 1, "mm_silu_mul": 2})
+    _compile_and_compare(model, {"mm_add_rmsnorm": 4, "mm_rmsnorm": 1, "mm_silu_mul": 2, "glu": 0})
 
 
 def test_compile_config_runs_the_pass_in_generate():
@@ -312,7 +321,7 @@ def test_fuse_takes_the_add_and_hands_its_sum_on():
         return torch.ops.kbit.mm(_ops.rms_norm(h, w, 1e-6), *weights, K), h * 2
 
     made, targets = rewrite_and_run(fn, a, b, w, *weights)
-    assert made == {"mm_add_rmsnorm": 1, "mm_rmsnorm": 0, "mm_silu_mul": 0}
+    assert made == {"mm_add_rmsnorm": 1, "mm_rmsnorm": 0, "mm_silu_mul": 0, "glu": 0}
     assert "kbit.mm.default" not in targets and "aten.rsqrt.default" not in targets
 
 
@@ -364,8 +373,87 @@ def test_fuse_leaves_a_norm_whose_parts_are_used_elsewhere():
 
     for fn in (normed_used_twice, float_used_twice, gemma_norm, gelu_gate):
         made, targets = rewrite_and_run(fn, a, b, w, *weights)
-        assert made == {"mm_add_rmsnorm": 0, "mm_rmsnorm": 0, "mm_silu_mul": 0}, fn.__name__
+        assert made == {"mm_add_rmsnorm": 0, "mm_rmsnorm": 0, "mm_silu_mul": 0, "glu": 0}, fn.__name__
         assert "kbit.mm.default" in targets
+
+
+GATE_UP_SPLITS = {
+    "split": lambda y, i: y.split([i, i], -1),
+    "split_int": lambda y, i: y.split(i, dim=-1),
+    "chunk": lambda y, i: y.chunk(2, -1),
+    "slices": lambda y, i: (y[..., :i], y[..., i:]),
+}
+
+
+@pytest.mark.parametrize("norm", ["add_rmsnorm", "rmsnorm"])
+@pytest.mark.parametrize("split", sorted(GATE_UP_SPLITS))
+def test_fuse_folds_a_fused_gate_ups_silu_mul_into_its_norm_op(split, norm):
+    """A SiLU-mul of the two halves of a gate/up projection on block records goes into its norm op (glu=True):
+    down_proj becomes a plain kbit.mm of that op's output, bit for bit the unfused ops' result (the references)."""
+    a, b, w, _ = inputs()
+    inter = 32
+    gate_up, down = packed_records(2 * inter, K), packed_records(16, inter)
+
+    def mlp(a, b, w, *ws):
+        h = a + b if norm == "add_rmsnorm" else a
+        y = torch.ops.kbit.mm(_ops.rms_norm(h, w, 1e-6), *ws[:4], K)
+        gate, up = GATE_UP_SPLITS[split](y, inter)
+        return torch.ops.kbit.mm(_ops.silu_mul(gate, up), *ws[4:], inter), h * 2
+
+    made, targets = rewrite_and_run(mlp, a, b, w, *gate_up, *down)
+    assert made == {"mm_add_rmsnorm": int(norm == "add_rmsnorm"), "mm_rmsnorm": int(norm == "rmsnorm"),
+                    "mm_silu_mul": 0, "glu": 1}
+    assert "kbit.mm_silu_mul.default" not in targets and "aten.exp.default" not in targets
+    assert "kbit.mm.default" in targets
+
+
+def test_fuse_leaves_gate_and_up_halves_that_are_used_elsewhere_come_from_two_products_or_codes():
+    """No GLU rewrite where a half has another use, where gate and up are two products, or on uint8 codes (whose
+    GEMV has no GLU epilogue: down_proj's SiLU-mul prologue stays cheaper than the SiLU-mul as torch ops)."""
+    a, b, w, _ = inputs()
+    inter = 32
+    gate_up, down = packed_records(2 * inter, K), packed_records(16, inter)
+    gate_w, up_w = packed_records(inter, K), packed_records(inter, K)
+
+    def gate_used_again(a, b, w, *ws):
+        y = torch.ops.kbit.mm(_ops.rms_norm(a + b, w, 1e-6), *ws[:4], K)
+        gate, up = y.split([inter, inter], -1)
+        return torch.ops.kbit.mm(_ops.silu_mul(gate, up), *ws[4:], inter), gate.sum()
+
+    def codes_mlp(a, b, w, *ws):
+        y = torch.ops.kbit.mm(_ops.rms_norm(a + b, w, 1e-6), *ws[:4], K)
+        gate, up = y.split([inter, inter], -1)
+        return (torch.ops.kbit.mm(_ops.silu_mul(gate, up), *ws[4:], inter),)
+
+    def two_products(a, b, w, *ws):
+        x = _ops.rms_norm(a + b, w, 1e-6)
+        gate, up = torch.ops.kbit.mm(x, *ws[:4], K), torch.ops.kbit.mm(x, *ws[4:8], K)
+        return (torch.ops.kbit.mm(_ops.silu_mul(gate, up), *ws[8:], inter),)
+
+    made, _ = rewrite_and_run(gate_used_again, a, b, w, *gate_up, *down)
+    assert made["glu"] == 0 and made["mm_silu_mul"] == 1
+    made, _ = rewrite_and_run(two_products, a, b, w, *gate_w, *up_w, *down)
+    assert made["glu"] == 0 and made["mm_silu_mul"] == 1
+    made, _ = rewrite_and_run(codes_mlp, a, b, w, *packed(2 * inter, K), *packed(16, inter))
+    assert made["glu"] == 0 and made["mm_silu_mul"] == 1
+
+
+def test_glu_ops_are_their_unfused_ops_and_refuse_an_odd_weight():
+    gate_up = packed(48, K)
+    x, r = (torch.randn(2, 3, K, dtype=torch.bfloat16) for _ in range(2))
+    w = torch.rand(K, dtype=torch.bfloat16) + 0.5
+    y = torch.ops.kbit.mm(_ops.rms_norm(x + r, w, 1e-5), *gate_up, K)
+    want = torch.nn.functional.silu(y[..., :24].float()).to(y.dtype) * y[..., 24:]
+    out, total = torch.ops.kbit.mm_add_rmsnorm(x, r, w, 1e-5, *gate_up, K, glu=True)
+    assert out.shape == (2, 3, 24)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    torch.testing.assert_close(total, x + r, rtol=0, atol=0)
+    y = torch.ops.kbit.mm(_ops.rms_norm(x, w, 1e-5), *gate_up, K)
+    torch.testing.assert_close(torch.ops.kbit.mm_rmsnorm(x, w, 1e-5, *gate_up, K, glu=True), _ops.silu_mul_halves(y),
+                               rtol=0, atol=0)
+    torch.library.opcheck(torch.ops.kbit.mm_add_rmsnorm.default, (x, r, w, 1e-5, *gate_up, K), {"glu": True})
+    with pytest.raises(RuntimeError, match="glu=True takes a fused gate/up weight of an even out_features, got 7"):
+        torch.ops.kbit.mm_rmsnorm(x, w, 1e-5, *packed(7, K), K, glu=True)
 
 
 def test_compile_options_turn_on_combo_kernels_unless_told():
