@@ -8,6 +8,13 @@
 
 `--records` traces the block-records GEMV (int16 block records, the default format's kernel) and `--prologue` the
 GEMV with a fused prologue (kbit::mm_add_rmsnorm or kbit::mm_silu_mul), as a compiled decode step runs them.
+`--chain` traces the four GEMVs of a Llama-3-8B decode layer in their order instead (block records, k = 4: q/k/v and
+gate/up with add_rmsnorm, o, down with silu_mul; `--glu`: gate/up with its GLU epilogue and down plain), over cold
+layer copies, each call timed from the end of the GEMV before it in the chain, whichever that is: what each kernel
+costs after its real predecessor rather than after a copy of itself.
+
+    ... python scripts/trace_gemv.py --chain
+    ... python scripts/trace_gemv.py --chain --glu
 
 In that build every warp of the GEMV stamps the GPU's global timer at entry, after griddepcontrol.wait
 (its predecessor has completed and its writes are visible), after staging x and at exit, and appends
@@ -94,15 +101,15 @@ def cta_split(records: list[list[int]]) -> tuple[float, float]:
     return spread / 1000, (max(ends) - statistics.median(ends)) / 1000
 
 
-def summarize(records: list[list[int]], weights: list[int], nbytes: int) -> dict[str, float]:
-    """Phase stamps of the GEMV calls, in microseconds from the end of the call before.
+def call_rows(records: list[list[int]], weights: list[int], nbytes: list[int]) -> list[dict[str, float]]:
+    """Phase stamps of each GEMV call from the third on, in microseconds from the end of the call before.
 
     ``records``: trace records (weight address, CTA << 32 | warp, SM, entry, wait, staged, exit, items;
     times in ns), ``weights``: the weight address of each call in launch order, ``nbytes``: the bytes
-    one call reads. Calls from the third on (the first has no GEMV before it) give, per phase, the
-    earliest / median / latest warp; the result is the median over calls, plus ``stream_GBps``: nbytes
-    over the time from the median warp's staging to the last exit, ``balanced_exit`` (:func:`balanced_exit`;
-    None where the records count no items), and ``cta_spread`` and ``cta_tail`` (:func:`cta_split`).
+    each call reads. A call (the first has no GEMV before it) gives, per phase, the earliest / median /
+    latest warp, plus ``stream_GBps``: its bytes over the time from the median warp's staging to the last
+    exit, ``balanced_exit`` (:func:`balanced_exit`; None where the records count no items), ``cta_spread``
+    and ``cta_tail`` (:func:`cta_split`) and its ``warps``.
     """
     if len(weights) < 3:
         raise ValueError(f"summarize needs at least 3 calls, got {len(weights)}")
@@ -115,21 +122,41 @@ def summarize(records: list[list[int]], weights: list[int], nbytes: int) -> dict
         raise RuntimeError(f"no trace records for calls {missing}: is the library a KBIT_TRACE=1 build?")
     rows: list[dict[str, float]] = []
     previous_end = max(r[6] for r in by_weight[weights[1]])
-    for w in weights[2:]:
+    for w, size in zip(weights[2:], nbytes[2:]):
         recs = by_weight[w]
         col = {name: [(r[i] - previous_end) / 1000 for r in recs]
                for name, i in (("entry", 3), ("wait", 4), ("staged", 5), ("exit", 6))}
         row = {f"{name}_{q}": f(col[name]) for name in col
                for q, f in (("min", min), ("median", statistics.median), ("max", max))}
         row["exit_p90"] = _quantile(col["exit"], 0.9)
-        row["stream_GBps"] = nbytes / 1e3 / max(row["exit_max"] - row["staged_median"], 1e-3)
+        row["stream_GBps"] = size / 1e3 / max(row["exit_max"] - row["staged_median"], 1e-3)
         row["balanced_exit"] = balanced_exit(col["staged"], col["exit"], [r[7] for r in recs])
         row["cta_spread"], row["cta_tail"] = cta_split(recs)
+        row["warps"] = len(recs)
         rows.append(row)
         previous_end = max(r[6] for r in recs)
+    return rows
+
+
+def median_row(rows: list[dict[str, float]]) -> dict[str, float]:
+    """The median over calls of each of :func:`call_rows`' columns (None where a call has None), and ``calls``."""
     summary = {key: None if any(row[key] is None for row in rows) else statistics.median(row[key] for row in rows)
                for key in rows[0]}
-    return summary | {"calls": len(rows), "warps": statistics.median(len(by_weight[w]) for w in weights[2:])}
+    return summary | {"calls": len(rows)}
+
+
+def summarize(records: list[list[int]], weights: list[int], nbytes: int) -> dict[str, float]:
+    """:func:`call_rows` of calls of one weight shape (``nbytes`` each), the median over calls (:func:`median_row`)."""
+    return median_row(call_rows(records, weights, [nbytes] * len(weights)))
+
+
+def summarize_chain(records: list[list[int]], calls: list[tuple[str, int, int]]) -> dict[str, dict[str, float]]:
+    """``calls``: (role, weight address, bytes) of each call of a chain in launch order. Each call from the third on
+    is timed from the end of the call before it, whatever its role (:func:`call_rows`); per role, in the order
+    the roles first appear, the median over that role's calls (:func:`median_row`)."""
+    rows = call_rows(records, [c[1] for c in calls], [c[2] for c in calls])
+    roles = [c[0] for c in calls[2:]]
+    return {role: median_row([row for r, row in zip(roles, rows) if r == role]) for role in dict.fromkeys(roles)}
 
 
 def trace_shape(k: int, n: int, bits: int, m: int, between: str, trace, lib, records: bool = False,
@@ -138,7 +165,6 @@ def trace_shape(k: int, n: int, bits: int, m: int, between: str, trace, lib, rec
     from bench_kernels import packed_bytes, random_packed, with_records
 
     from hf_kbit.backends import cuda as kbit_cuda
-    from hf_kbit.eval.timing import capture_cuda_graph
 
     nbytes = packed_bytes(n, k, bits, offsets=records)
     calls = min(MAX_CALLS, max(8, math.ceil(COLD_BYTES / nbytes)))
@@ -164,6 +190,62 @@ def trace_shape(k: int, n: int, bits: int, m: int, between: str, trace, lib, rec
                 x.mul_(1.0)
             call(x, x2, packed)
 
+    stamps = run_traced(body, trace, lib)
+    result = summarize(stamps, [packed[0].data_ptr() for packed in weights], nbytes)
+    return {"K": k, "N": n, "bits": bits, "M": m, "format": "records" if records else "codes", "prologue": prologue,
+            "between": between, "MB": nbytes / 1e6, **result}
+
+
+# --chain: the Llama-3-8B decode layer's GEMVs in launch order, (K, N) each.
+CHAIN = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+CHAIN_LAYERS = 7  # 4 calls of 2112 warps per layer: 7 layers fit the buffer; 0.8 GB of weights, cold
+
+
+def trace_chain(layers: int, glu: bool, trace, lib) -> list[dict[str, Any]]:
+    """The rows of :func:`summarize_chain` for ``layers`` cold copies of the decode layer's GEMVs (block records,
+    k = 4, M = 1), gate/up with its GLU epilogue and down plain where ``glu``, else down with silu_mul. The q slice
+    of q/k/v goes to o through a copy kernel (attention's place)."""
+    import torch
+    from bench_kernels import packed_bytes, random_packed, with_records
+
+    from hf_kbit.backends import cuda as kbit_cuda
+
+    bits, hidden, inter, eps = 4, CHAIN["o"][0], CHAIN["down"][0], 1e-5
+    if glu and not kbit_cuda.glu_serves(1, CHAIN["gate_up"][1], hidden, bits, torch.cuda.current_device(),
+                                        torch.bfloat16):
+        raise RuntimeError("--glu: the library or GPU has no GLU epilogue for gate/up (kbit_gemv_glu_serves)")
+    packs = {role: with_records(random_packed(n, k, bits, layers)) for role, (k, n) in CHAIN.items()}
+    nbytes = {role: packed_bytes(n, k, bits, offsets=True) for role, (k, n) in CHAIN.items()}
+    norm_weight = (torch.rand(hidden, device="cuda") + 0.5).to(torch.bfloat16)
+    h, residual = (torch.randn(1, hidden, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+
+    def body():
+        x, r = h, residual
+        for i in range(layers):
+            qkv, r = torch.ops.kbit.mm_add_rmsnorm(x, r, norm_weight, eps, *packs["qkv"][i], hidden)
+            o = kbit_cuda.run_path("gemv", qkv[:, :hidden].contiguous(), *packs["o"][i], hidden)
+            if glu:
+                act, r = torch.ops.kbit.mm_add_rmsnorm(o, r, norm_weight, eps, *packs["gate_up"][i], hidden, glu=True)
+                x = kbit_cuda.run_path("gemv", act, *packs["down"][i], inter)
+            else:
+                gate_up, r = torch.ops.kbit.mm_add_rmsnorm(o, r, norm_weight, eps, *packs["gate_up"][i], hidden)
+                x = torch.ops.kbit.mm_silu_mul(gate_up[:, :inter], gate_up[:, inter:], *packs["down"][i], inter)
+
+    stamps = run_traced(body, trace, lib)
+    calls = [(role, packs[role][i][0].data_ptr(), nbytes[role]) for i in range(layers) for role in CHAIN]
+    prologues = {"qkv": "add_rmsnorm", "o": "none", "gate_up": "add_rmsnorm+glu" if glu else "add_rmsnorm",
+                 "down": "none" if glu else "silu_mul"}
+    return [{"K": CHAIN[role][0], "N": CHAIN[role][1], "bits": bits, "M": 1, "format": "records",
+             "prologue": prologues[role], "between": "chain", "MB": nbytes[role] / 1e6, **summary}
+            for role, summary in summarize_chain(stamps, calls).items()]
+
+
+def run_traced(body, trace, lib) -> list[list[int]]:
+    """The trace records of the last of three replays of ``body`` captured in a CUDA graph."""
+    import torch
+
+    from hf_kbit.eval.timing import capture_cuda_graph
+
     # The launches read the buffer's address at capture: set it first.
     lib.kbit_trace_set(ctypes.c_void_p(trace.data_ptr()))
     try:
@@ -177,10 +259,7 @@ def trace_shape(k: int, n: int, bits: int, m: int, between: str, trace, lib, rec
     count = int(trace[0].item())
     if count > TRACE_RECORDS:
         raise RuntimeError(f"{count} trace records, the buffer holds {TRACE_RECORDS}: fewer calls")
-    stamps = trace[TRACE_WORDS:TRACE_WORDS * (count + 1)].view(count, TRACE_WORDS).tolist()
-    result = summarize(stamps, [packed[0].data_ptr() for packed in weights], nbytes)
-    return {"K": k, "N": n, "bits": bits, "M": m, "format": "records" if records else "codes", "prologue": prologue,
-            "between": between, "MB": nbytes / 1e6, **result}
+    return trace[TRACE_WORDS:TRACE_WORDS * (count + 1)].view(count, TRACE_WORDS).tolist()
 
 
 def render(rows: list[dict[str, Any]]) -> str:
@@ -212,8 +291,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--between", nargs="+", choices=BETWEEN, default=list(BETWEEN))
     ap.add_argument("--records", action="store_true", help="int16 block records (the default format) for uint8 codes")
     ap.add_argument("--prologue", choices=PROLOGUES, default="none", help="the GEMV with this fused prologue")
+    ap.add_argument("--chain", action="store_true",
+                    help="the decode layer's four GEMVs in order (block records, k = 4, M = 1; see the top of this file)")
+    ap.add_argument("--glu", action="store_true", help="--chain: gate/up with its GLU epilogue, down plain")
+    ap.add_argument("--layers", type=int, default=CHAIN_LAYERS, help=f"--chain: layer copies (default {CHAIN_LAYERS})")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
+    if args.glu and not args.chain:
+        ap.error("--glu takes --chain")
+    if args.chain and not 3 <= args.layers <= CHAIN_LAYERS:
+        ap.error(f"--layers takes 3..{CHAIN_LAYERS} (the trace buffer holds {CHAIN_LAYERS} layers), got {args.layers}")
     try:
         shapes = [parse_shape(s) for s in args.shapes]
     except ValueError as e:
@@ -231,13 +318,14 @@ def main(argv: list[str] | None = None) -> int:
                  "HF_KBIT_LIBRARY; the loaded one has no kbit_trace_set")
     lib.kbit_trace_set.argtypes = [ctypes.c_void_p]
     trace = torch.zeros(TRACE_WORDS * (TRACE_RECORDS + 1), dtype=torch.int64, device="cuda")
-    rows = []
-    for k, n in shapes:
+    rows = trace_chain(args.layers, args.glu, trace, lib) if args.chain else []
+    for k, n in shapes if not args.chain else ():
         for bits in args.bits:
             for between in args.between:
                 rows.append(trace_shape(k, n, bits, args.m, between, trace, lib, args.records, args.prologue))
                 print(f"{k}x{n} k={bits} {between}: exit max {rows[-1]['exit_max']:.2f} us", flush=True)
-    print(f"{torch.cuda.get_device_name()}: us from the end of the previous GEMV, earliest / median / latest warp")
+    print(f"{torch.cuda.get_device_name()}: us from the end of the previous GEMV, earliest / median / latest warp"
+          + (f"; a chain of {args.layers} decode layers" if args.chain else ""))
     print(render(rows))
     if args.out:
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))

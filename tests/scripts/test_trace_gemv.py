@@ -74,6 +74,32 @@ def test_summarize_rejects_too_few_calls_and_untraced_calls():
         trace_gemv.summarize([record(1, 0, 0, 0, 0, 1), record(2, 0, 0, 0, 0, 2)], [1, 2, 3], nbytes=1)
 
 
+def test_summarize_chain_times_each_call_from_its_predecessor_and_groups_by_role():
+    # Two layers of (a, b), one warp each; the calls end at 1, 2, 5, 6, 10, 11 us, the first two unreported.
+    ends = [1_000, 2_000, 5_000, 6_000, 10_000, 11_000]
+    starts = [0, *ends[:-1]]  # each call staged when the one before it ends
+    records = [record(w, 0, start, start, start, end, items=1)
+               for w, (start, end) in enumerate(zip(starts, ends), start=1)]
+    calls = [("a", 1, 10), ("b", 2, 20), ("a", 3, 10), ("b", 4, 20), ("a", 5, 10), ("b", 6, 20)]
+    chain = trace_gemv.summarize_chain(records, calls)
+    assert list(chain) == ["a", "b"]
+    assert chain["a"]["calls"] == chain["b"]["calls"] == 2
+    # a: 5 - 2 and 10 - 6 us after the call before it (b's); b: 1 us after a's, both times.
+    assert chain["a"]["exit_max"] == pytest.approx(3.5) and chain["b"]["exit_max"] == pytest.approx(1.0)
+    # Each call's bytes over its time from the median warp's staging (at the predecessor's end) to its exit.
+    assert chain["b"]["stream_GBps"] == pytest.approx(20 / 1e3 / 1.0)
+    assert chain["a"]["warps"] == 1
+
+
+@pytest.mark.parametrize("argv, message", [(["--glu"], "--glu takes --chain"),
+                                           (["--chain", "--layers", "8"], "--layers takes 3..7"),
+                                           (["--chain", "--layers", "2"], "--layers takes 3..7")])
+def test_main_refuses_chain_flags_out_of_place(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        trace_gemv.main(argv)
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("text, shape", [("4096x14336", (4096, 14336)), ("2048X512", (2048, 512))])
 def test_parse_shape(text, shape):
     assert trace_gemv.parse_shape(text) == shape
