@@ -759,8 +759,8 @@ int gemv_setup(int device, int dtype, const int32_t* planes, const uint8_t* bloc
     return fail("weight of %lld x %lld is too large for the GEMV's 32-bit tile indexing", static_cast<long long>(n),
                 static_cast<long long>(k));
   if (glu && (!offsets || rot_signs || n % (2 * kTileN) != 0))
-    return fail("the GLU epilogue takes unrotated block records with out_features a multiple of %d, got n=%lld%s",
-                2 * kTileN, static_cast<long long>(n), rot_signs ? " rotated" : "");
+    return fail("the GLU epilogue takes unrotated block records with out_features a multiple of %d, got %sn=%lld",
+                2 * kTileN, !offsets ? "uint8 codes, " : rot_signs ? "a rotated layer, " : "", static_cast<long long>(n));
   const GemvPlan plan = glu ? glu_gemv_plan(device, m, n, k) : device_gemv_plan(device, m, n, k);
   if (plan.splits == 0 && glu)
     return fail("the GLU epilogue has no plan for m=%lld n=%lld k=%lld on device %d (kbit_gemv_glu_serves)",
