@@ -289,6 +289,23 @@ def hoist_input_views(graph: fx.Graph) -> int:
     return len(hoisted)
 
 
+def _fold_glu(graph: fx.Graph, producer: fx.Node, source: fx.Node, gated_val, p: fx.Node) -> fx.Node:
+    """Set ``glu=True`` on ``producer`` (its product ``source`` becomes ``gated_val``, the SiLU-mul's value) and
+    return the plain ``kbit.mm`` of ``source`` that replaces the down projection ``p``."""
+    producer.kwargs = {**producer.kwargs, "glu": True}
+    source.meta["val"] = gated_val
+    if _call(producer, kbit.mm_add_rmsnorm.default):
+        producer.meta["val"] = (gated_val, producer.meta["val"][1])
+    with graph.inserting_before(p):
+        out = graph.call_function(kbit.mm.default, (source, *p.args[1:]), dict(p.kwargs))
+    out.meta["val"] = _val(p)
+    return out
+
+
+# What :func:`fuse` counts.
+REWRITES = ("mm_add_rmsnorm", "mm_rmsnorm", "mm_silu_mul", "glu")
+
+
 def fuse(graph: fx.Graph, max_tokens: int | None = DEFAULT_MAX_TOKENS) -> dict[str, int]:
     """Rewrite ``graph`` (post-grad ATen) in place; returns how many of each rewrite it made.
 
@@ -350,24 +367,17 @@ def fuse(graph: fx.Graph, max_tokens: int | None = DEFAULT_MAX_TOKENS) -> dict[s
             halves = _halves(gate, up) if len(projections) == 1 else None
             producer = _glu_producer(halves[0]) if halves is not None else None
             if producer is not None:
-                source, (p,) = halves[0], projections
-                producer.kwargs = {**producer.kwargs, "glu": True}
-                gated_val = _val(x)  # [..., I]: the op's product now
-                source.meta["val"] = gated_val
-                if _call(producer, kbit.mm_add_rmsnorm.default):
-                    producer.meta["val"] = (gated_val, producer.meta["val"][1])
-                with graph.inserting_before(p):
-                    out = graph.call_function(kbit.mm.default, (source, *p.args[1:]), dict(p.kwargs))
-                out.meta["val"] = _val(p)
-                replaced.append((p, out))
+                (p,) = projections
+                replaced.append((p, _fold_glu(graph, producer, halves[0], _val(x), p)))
                 dropped.extend(halves[1])
                 made["glu"] += 1
-            for p in projections if producer is None else ():
-                with graph.inserting_before(p):
-                    out = graph.call_function(kbit.mm_silu_mul.default, (gate, up, *p.args[1:]), dict(p.kwargs))
-                out.meta["val"] = _val(p)
-                replaced.append((p, out))
-                made["mm_silu_mul"] += 1
+            else:
+                for p in projections:
+                    with graph.inserting_before(p):
+                        out = graph.call_function(kbit.mm_silu_mul.default, (gate, up, *p.args[1:]), dict(p.kwargs))
+                    out.meta["val"] = _val(p)
+                    replaced.append((p, out))
+                    made["mm_silu_mul"] += 1
         else:
             continue
         for p, out in replaced:
@@ -378,10 +388,6 @@ def fuse(graph: fx.Graph, max_tokens: int | None = DEFAULT_MAX_TOKENS) -> dict[s
             graph.erase_node(node)
             erased.add(node)
     return made
-
-
-# What :func:`fuse` counts.
-REWRITES = ("mm_add_rmsnorm", "mm_rmsnorm", "mm_silu_mul", "glu")
 
 
 def _pass_class():
