@@ -10,6 +10,10 @@ against the unrepeated cache. This module registers that as an attention impleme
     model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="kbit_decode")
     model.set_attn_implementation("kbit_decode")  # or on a loaded model
 
+A kbit model takes it by default (``KbitConfig.decode_attention``, :func:`use_as_default`) where it would
+otherwise attend with ``sdpa``: when ``from_pretrained`` names no attention implementation, and in
+``quantize_model`` on a model that attends with ``sdpa``.
+
 Single-token calls (decode) take it; everything else (prefill, dropout, soft-capping, sinks,
 position biases, per-head masks) runs transformers' ``sdpa`` unchanged, and masks are built as for
 ``sdpa``. The decode runs the op ``kbit::decode_attention`` (hf_kbit/_ops.py: its reference is
@@ -70,3 +74,28 @@ def register() -> None:
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, decode_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+def _attention_configs(config):
+    """``config`` and its sub-configs, at any depth."""
+    yield config
+    for key in getattr(config, "sub_configs", {}) or {}:
+        if (sub := getattr(config, key, None)) is not None:
+            yield from _attention_configs(sub)
+
+
+def use_as_default(model) -> bool:
+    """Attend with ``"kbit_decode"`` where ``model`` attends with transformers' ``sdpa``
+    (``KbitConfig.decode_attention``); returns whether it now does. A model (or any of its sub-models) on another
+    implementation, or one whose attention cannot be set after it is built, is left as it is: ``kbit_decode``
+    falls back to ``sdpa``, which would be wrong for a model built for ``eager`` or a flash kernel."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) == ATTN_IMPLEMENTATION:
+        return config is not None
+    if any(getattr(c, "_attn_implementation", None) != "sdpa" for c in _attention_configs(config)):
+        return False
+    can_set = getattr(model, "_can_set_attn_implementation", None)
+    if not callable(can_set) or not can_set():
+        return False
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return True

@@ -135,6 +135,12 @@ class KbitConfig(QuantizationConfigMixin):
             model's default compile config after loading (:func:`hf_kbit.fusion.use_as_default`); a
             ``compile_config`` passed to ``generate()`` or set in the model's ``generation_config`` takes
             precedence. ``False`` leaves transformers' default. A runtime choice, like ``fuse_projections``.
+        decode_attention: attend with :mod:`hf_kbit.attention`'s ``attn_implementation="kbit_decode"`` where the
+            model would run transformers' ``sdpa``: single-token (decode) calls serve each key/value head's query
+            heads at once without copying the cache per query head, everything else is ``sdpa`` unchanged. Set after
+            loading when ``from_pretrained`` was given no ``attn_implementation`` (one given is kept), and by
+            :func:`hf_kbit.quantize_model` on a model that attends with ``sdpa``
+            (:func:`hf_kbit.attention.use_as_default`). ``False`` leaves the model's attention. A runtime choice.
     """
 
     def __init__(
@@ -152,6 +158,7 @@ class KbitConfig(QuantizationConfigMixin):
         calibration_tokenizer: Any = None,
         calibration: dict[str, Any] | None = None,
         fusion_pass: bool = True,
+        decode_attention: bool = True,
         rotation: bool | str = False,
         rotation_seed: int = 0,
         head_rotation: bool | None = None,
@@ -172,6 +179,7 @@ class KbitConfig(QuantizationConfigMixin):
         self.calibration_tokenizer = calibration_tokenizer
         self.calibration = calibration
         self.fusion_pass = fusion_pass
+        self.decode_attention = decode_attention
         self.rotation = rotation
         self.rotation_seed = rotation_seed
         self.head_rotation = head_rotation
@@ -188,7 +196,7 @@ class KbitConfig(QuantizationConfigMixin):
     def _fields() -> list[str]:
         return ["bits", "codebook", "modules_to_not_convert", "module_bits", "fitting", "format_version", "fuse_projections",
                 "calibration_data", "calibration_samples", "calibration_seq_len", "calibration_tokenizer", "calibration", "fusion_pass",
-                "rotation", "rotation_seed", "head_rotation", "block_offsets"]
+                "decode_attention", "rotation", "rotation_seed", "head_rotation", "block_offsets"]
 
     def post_init(self) -> None:
         """Validate every field; errors name the field, the expectation and the value."""
@@ -234,7 +242,7 @@ class KbitConfig(QuantizationConfigMixin):
             )
         if self.fitting is not None and self.fitting not in FITTINGS:
             raise ValueError(f"KbitConfig.fitting must be one of {FITTINGS} or None, got {self.fitting!r}")
-        for field in ("fuse_projections", "fusion_pass"):
+        for field in ("fuse_projections", "fusion_pass", "decode_attention"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"KbitConfig.{field} must be a bool, got {getattr(self, field)!r}")
         for field in ("head_rotation", "block_offsets"):
@@ -357,6 +365,7 @@ class KbitConfig(QuantizationConfigMixin):
             "fuse_projections": self.fuse_projections,
             # Runtime choices off their default only, so checkpoints stay readable by versions without the field.
             **({"fusion_pass": False} if not self.fusion_pass else {}),
+            **({"decode_attention": False} if not self.decode_attention else {}),
             # Only a calibrated checkpoint has the field, so data-free ones stay readable by earlier versions.
             **({"calibration": record} if (record := self.calibration_record()) is not None else {}),
             # Rotation off its default only: checkpoints without it stay readable by versions without the fields.

@@ -47,10 +47,11 @@ def redact(text: str, token: str | None = None) -> str:
     return text
 
 
-# What a user writes for the fastest decoding, the choices that are the user's (kbit-convert prints it, the card shows
-# it): the decode attention, and a static cache, whose compile runs hf-kbit's fusion pass by default.
-FAST_DECODING = ('AutoModelForCausalLM.from_pretrained(repo, attn_implementation="kbit_decode"), '
-                 'then model.generate(..., cache_implementation="static")')
+# What a user writes for the fastest decoding, the choice that is the user's (kbit-convert prints it, the card shows
+# it): a static cache, whose compile runs hf-kbit's fusion pass by default. The decode attention is a default too
+# (KbitConfig.decode_attention) unless from_pretrained names another attn_implementation.
+FAST_DECODING = ('model.generate(..., cache_implementation="static"); the model attends with "kbit_decode" unless '
+                 'from_pretrained names another attn_implementation')
 FAST_LM_HEAD = ("--skip-modules with no names quantizes the LM head too (faster decoding, some perplexity; "
                 "--module-bits '^lm_head$=5' keeps more of it)")
 # The accuracy choices at low k (kbit-convert prints them when it wrote k <= 3 tensors unrotated and without block

@@ -10,7 +10,7 @@ from transformers.core_model_loading import ConversionOps
 from transformers.quantizers.base import HfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name
 
-from . import checkpoint, fitting, fusion, head_rotation, rotation_policy
+from . import attention, checkpoint, fitting, fusion, head_rotation, rotation_policy
 from . import format as fmt
 from .config import KbitConfig
 from .nn.experts import (
@@ -52,11 +52,21 @@ class KbitHfQuantizer(HfQuantizer):
         # turned as they were quantized (the others, kept in float, are turned after loading).
         self.head_turns: dict[str, tuple[str, int]] = {}
         self.head_turned: set[str] = set()
+        # Whether from_pretrained was given an attn_implementation (KbitConfig.decode_attention keeps one given).
+        self.attn_requested = False
 
     def validate_environment(self, *args: Any, **kwargs: Any) -> None:
         device_map = kwargs.get("device_map")
         if isinstance(device_map, dict) and "disk" in device_map.values():
             raise ValueError("kbit models cannot be offloaded to disk; use device_map with 'cpu' or GPUs only")
+
+    def update_attn_implementation(self, config):  # transformers >= 5.18: before the model is built
+        self.attn_requested = config._attn_implementation is not None
+        return config
+
+    def update_tp_plan(self, config):  # transformers 5.17 shows the config here, before the model is built
+        self.attn_requested = config._attn_implementation is not None
+        return config
 
     def update_dtype(self, dtype: torch.dtype | None) -> torch.dtype:
         if dtype is None:
@@ -159,6 +169,8 @@ class KbitHfQuantizer(HfQuantizer):
             fuse_projections(model)
         if self.quantization_config.fusion_pass:
             fusion.use_as_default(model)
+        if self.quantization_config.decode_attention and not self.attn_requested:
+            attention.use_as_default(model)
         return model
 
     def _dequantize(self, model, dtype=None):

@@ -9,10 +9,10 @@ Issue 36's benchmark of the user's path (H100; the JSON names the GPU; bf16 in t
 
 The first of each pair measures the defaults, what a user gets with nothing opted in: kbit models as
 ``KbitConfig()`` leaves them (fused projections; ``generate()``'s compile with hf_kbit.fusion's pass,
-combo kernels and PDL on sm_90+, ``KbitConfig.fusion_pass``), bf16 as transformers compiles it; sdpa
-attention, LM head in bf16. ``--recommended`` adds the one-line choices that the README, the model card
-and kbit-convert name: ``attn_implementation="kbit_decode"`` (every variant, bf16 too) and the LM head
-quantized. No ``TORCHINDUCTOR_ENABLE_PDL`` in the environment: bf16 then runs without PDL, as its users do.
+combo kernels and PDL on sm_90+, ``KbitConfig.fusion_pass``; hf_kbit's ``kbit_decode`` attention,
+``KbitConfig.decode_attention``), bf16 as transformers builds and compiles it (sdpa attention); LM head in
+bf16. ``--recommended`` adds the one-line choice that the README, the model card and kbit-convert name, the LM
+head quantized, and gives bf16 the same attention (``attn_implementation="kbit_decode"`` on every variant). No ``TORCHINDUCTOR_ENABLE_PDL`` in the environment: bf16 then runs without PDL, as its users do.
 
 What rotation costs a decoding model, where each rotated GEMV follows another kernel (its sign words are
 prefetched before the programmatic-dependent wait), against the same run without it (issue 34):
@@ -77,10 +77,12 @@ does. ``--fusion-pass`` (CUDA) compiles every variant with it, bf16 too (nothing
 combo kernels and PDL); ``--no-fusion-pass`` none (kbit models built with ``KbitConfig(fusion_pass=False)``).
 The JSON records ``fusion_pass`` (None: the default) and, per row, ``fusion_pass`` and ``combo_kernels``.
 
-``--attention kbit_decode`` builds every variant, bf16 included, with hf_kbit.attention's single-token
-grouped-query attention instead of transformers' ``sdpa`` (which copies each key/value head once per
-query head before attending); the JSON records ``attention``. The ratio then compares the same
-attention on both sides.
+``--attention`` (default ``default``: each variant's own, bf16 transformers' ``sdpa`` and kbit hf_kbit's
+``kbit_decode``) ``kbit_decode`` or ``sdpa`` builds every variant with that attention: hf_kbit.attention's
+single-token grouped-query attention, or transformers' ``sdpa`` (which copies each key/value head once per
+query head before attending; kbit variants then take ``KbitConfig(decode_attention=False)``). The ratio then
+compares the same attention on both sides. The JSON records ``attention``, and each row the attention its
+model ran.
 
 ``--kernel-breakdown`` (CUDA) adds where the graph step's device time goes: one more replay of the
 graph under torch.profiler, each kernel charged its exposed time (from the end of the kernels before
@@ -162,18 +164,18 @@ def main(argv: list[str] | None = None) -> int:
                              "is 'on')")
     parser.add_argument("--recommended", action="store_true",
                         help="the recommended settings: --attention kbit_decode and --quantize-lm-head")
-    parser.add_argument("--attention", default="sdpa", choices=ATTENTIONS,
-                        help="attention of every variant: transformers' sdpa (default) or hf_kbit's single-token "
-                             "grouped-query kbit_decode")
+    parser.add_argument("--attention", default="default", choices=ATTENTIONS,
+                        help="'default': each variant's own (bf16: transformers' sdpa; kbit: hf_kbit's kbit_decode, "
+                             "KbitConfig.decode_attention); 'sdpa' or 'kbit_decode': that attention in every variant")
     add_device_arguments(parser, dtype="bf16")
     parser.add_argument("--out", default=None, help="JSON path (default: results/bench_generate_<preset>_<device>"
-                                                   "[_lmhead][_kbit_decode].json)")
+                                                   "[_lmhead][_kbit_decode|_sdpa].json)")
     parser.add_argument("--resume", action="store_true",
                         help="finish the stopped run in --out: keep its variants (same arguments and GPU required), "
                              "measure the others")
     args = parser.parse_args(argv)
     if args.recommended:
-        if args.attention not in ("sdpa", "kbit_decode"):
+        if args.attention not in ("default", "kbit_decode"):
             parser.error(f"--recommended sets --attention kbit_decode, got --attention {args.attention}")
         args.attention, args.quantize_lm_head = "kbit_decode", True
 
@@ -193,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         block_offsets=None if args.block_offsets is None else args.block_offsets == "on",
     )
     head = "_lmhead" if args.quantize_lm_head else ""
-    attention = "" if args.attention == "sdpa" else f"_{args.attention}"
+    attention = "" if args.attention == "default" else f"_{args.attention}"
     suffix = ("_recommended" if args.recommended else f"{head}{attention}") + (
         "" if args.rotation == "off" else f"_rotation_{args.rotation}") + (
         "" if args.block_offsets is None else f"_offsets_{args.block_offsets}")

@@ -6,8 +6,9 @@ decode tokens/s at ``--batch-sizes`` (default 1 and 8) on random prompts of ``--
 tokens. On CUDA the timing uses a static KV cache, so transformers compiles the decode step
 (torch.compile); on CPU it is plain eager, and the kbit variants run as dequantized nn.Linear
 (the same weights; the pure-PyTorch kbit forward is a reference, not a speed path), so CPU
-speeds only show that the pipeline works. ``--attention kbit_decode`` builds every variant, bf16
-too, with hf_kbit.attention's single-token grouped-query attention instead of transformers' sdpa.
+speeds only show that the pipeline works. Each variant attends as it loads when no attention is named
+(bf16: transformers' sdpa; kbit: hf_kbit's kbit_decode, ``KbitConfig.decode_attention``); ``--attention
+kbit_decode`` or ``sdpa`` builds every variant, bf16 too, with that attention.
 
 Beside generate()'s decode tokens/s each batch size also gets the decode loop's (``hf_kbit.eval.timing.
 measure_decode_loop``, as in ``bench_generate.py``): the host drives greedy steps one token at a time
@@ -109,13 +110,13 @@ def run(
     speed_new_tokens: int = 64,
     repeats: int = 3,
     include_bf16: bool = True,
-    attention: str = "sdpa",
+    attention: str = "default",
     decode_loop: bool | None = None,
     log=print,
 ) -> dict[str, Any]:
-    """Generations and speed of every variant, each built with transformers attention ``attention``, with the
-    decode loop's tokens/s beside generate()'s where ``decode_loop`` says (None: on CUDA); returns the JSON
-    payload."""
+    """Generations and speed of every variant, each built with transformers attention ``attention`` (``"default"``:
+    none named, each variant's own), with the decode loop's tokens/s beside generate()'s where ``decode_loop`` says
+    (None: on CUDA); returns the JSON payload."""
     from transformers import AutoTokenizer
 
     if decode_loop is None:
@@ -129,6 +130,7 @@ def run(
     variants = []
     for bits in ([None] if include_bf16 else []) + list(bits_list):
         model, info = load_bits_variant(folder, bits, device, dtype, attention=attention)
+        info["attention"] = model.config._attn_implementation
         start = time.perf_counter()
         generations = generate_texts(model, tokenizer, prompts, max_new_tokens, use_chat, seed)
         info["generation_seconds"] = round(time.perf_counter() - start, 2)
@@ -158,7 +160,8 @@ def run(
         "model": model_info,
         "device": device,
         "compute_dtype": dtype_name(dtype),
-        "attention": attention,  # transformers attention implementation of every variant
+        # transformers attention implementation of every variant ("default": each its own; each variant records it)
+        "attention": attention,
         "chat_template": use_chat,
         "max_new_tokens": max_new_tokens,
         "sampling": {"seed": seed, **SAMPLING},
@@ -215,8 +218,11 @@ def render_markdown(payload: dict[str, Any]) -> str:
         parts += [format_table(["prompt", *names], rows), ""]
     sp = payload["speed_setup"]
     how = "static KV cache + torch.compile" if sp["static_cache_and_compile"] else "eager, dynamic cache"
-    if payload.get("attention", "sdpa") != "sdpa":
-        how += f", attn_implementation={payload['attention']!r} in every variant"
+    attention = payload.get("attention", "sdpa")  # runs before "default" named sdpa for every variant
+    if attention == "default":
+        how += ", " + ", ".join(f"{v['variant']} {v.get('attention')}" for v in payload["variants"])
+    elif attention != "sdpa":
+        how += f", attn_implementation={attention!r} in every variant"
     parts += [
         f"### Generation speed ({payload['device']}, {payload['compute_dtype']}, {how})",
         "",
@@ -249,9 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens in the speed runs (default 128)")
     parser.add_argument("--speed-new-tokens", type=int, default=64, help="new tokens per speed run (default 64)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement, median reported")
-    parser.add_argument("--attention", default="sdpa", choices=ATTENTIONS,
-                        help="attention of every variant: transformers' sdpa (default) or hf_kbit's single-token "
-                             "grouped-query kbit_decode")
+    parser.add_argument("--attention", default="default", choices=ATTENTIONS,
+                        help="'default': each variant's own (bf16: transformers' sdpa; kbit: hf_kbit's kbit_decode, "
+                             "KbitConfig.decode_attention); 'sdpa' or 'kbit_decode': that attention in every variant")
     parser.add_argument("--decode-loop", choices=("auto", "on", "off"), default="auto",
                         help="time the decode loop (greedy steps driven by the host, one sync at the end) beside "
                              "generate(); auto: on CUDA only")

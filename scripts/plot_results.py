@@ -200,7 +200,10 @@ def bench_labels(p: dict[str, Any]) -> list[str]:
         labels.append(f"kbit rotation={p['rotation']}")
     if p.get("block_offsets"):  # KbitConfig.block_offsets as quantization settled it (format v4's block records)
         labels.append("kbit block offsets")
-    return labels + ([f"{p['attention']} attention"] if p.get("attention", "sdpa") != "sdpa" else [])
+    attention = p.get("attention", "sdpa")  # runs before "default" named sdpa for every variant
+    if attention == "default":  # each variant's own: bf16 sdpa, kbit KbitConfig.decode_attention's kbit_decode
+        return labels + ["kbit default attention"]
+    return labels + ([f"{attention} attention"] if attention != "sdpa" else [])
 
 
 def bench_plot_name(p: dict[str, Any]) -> str:
@@ -433,7 +436,13 @@ def bench_markdown(p: dict[str, Any]) -> str:
             head += (" Each variant compiles as its generate() does by default: kbit with hf_kbit.fusion's compile "
                      "(`KbitConfig(fusion_pass=True)`: the pass, inductor's combo kernels, PDL on sm_90+), bf16 as "
                      "transformers does.")
-        if p.get("attention", "sdpa") != "sdpa":
+        if p.get("attention") == "default":
+            seen = ", ".join(dict.fromkeys(f"{r['variant']} {r.get('attention')}" for r in p["results"]))
+            head += (" Each variant attends as it loads when no attention is named (" + seen + "): a kbit model with "
+                     "`attn_implementation='kbit_decode'` (`KbitConfig(decode_attention=True)`, the default; "
+                     "hf_kbit.attention: a decoded token's query heads served per key/value head, no repeat_kv), "
+                     "bf16 with transformers' sdpa.")
+        elif p.get("attention", "sdpa") != "sdpa":
             head += (" Every variant, bf16 included, attends with `attn_implementation=" + repr(p["attention"]) + "` "
                      "(hf_kbit.attention: a decoded token's query heads served per key/value head, no repeat_kv) "
                      "instead of transformers' sdpa.")

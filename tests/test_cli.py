@@ -103,11 +103,11 @@ def test_convert_end_to_end(capsys, llama_fp32, tmp_path):
     assert code == 0, stdout
     assert "wrote" in stdout
     # one line each for the user's choices: the decode attention (card too) and the LM head kept in bf16 by default
-    assert 'fastest decoding: AutoModelForCausalLM.from_pretrained(repo, attn_implementation="kbit_decode")' in stdout
+    assert 'fastest decoding: model.generate(..., cache_implementation="static")' in stdout
     assert "LM head: kept in full precision; --skip-modules with no names quantizes" in stdout
     # the accuracy choices, since absmax gives no block offsets
     assert "k <= 3, unrotated, without block offsets: block offsets (the default with the fitted rule" in stdout
-    assert 'attn_implementation="kbit_decode"' in (out / "README.md").read_text()
+    assert "attends with hf-kbit's `kbit_decode`" in (out / "README.md").read_text()
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["bits"] == 3 and qc["module_bits"] == {r"mlp\.down_proj": 5} and qc["fitting"] == "absmax"
     card = (out / "README.md").read_text()

@@ -20,6 +20,7 @@ def test_defaults_and_json_roundtrip():
         fitting="absmax",
         fuse_projections=False,
         fusion_pass=False,
+        decode_attention=False,
     )
     d = json.loads(cfg.to_json_string())
     # nothing asks for rotation: the checkpoint is format v1, and the rotation fields are not written
@@ -28,6 +29,9 @@ def test_defaults_and_json_roundtrip():
     again = KbitConfig.from_dict(d)
     assert again == cfg and again.to_dict() == cfg.to_dict() and again.fitting == "absmax"
     assert again.fusion_pass is False and KbitConfig.from_dict({"bits": 4}).fusion_pass is True  # older configs: on
+    assert again.decode_attention is False and KbitConfig.from_dict({"bits": 4}).decode_attention is True
+    # runtime choices are written only off their default, so checkpoints stay readable by versions without them
+    assert "decode_attention" not in KbitConfig(bits=4).to_dict() and "fusion_pass" not in KbitConfig(bits=4).to_dict()
 
 
 def test_a_config_without_fitting_takes_the_measured_default():
@@ -90,6 +94,7 @@ def test_module_bits_pattern():
         ({"format_version": 0}, "format_version"),
         ({"fuse_projections": "yes"}, "fuse_projections"),
         ({"fusion_pass": 1}, "fusion_pass"),
+        ({"decode_attention": "kbit_decode"}, "decode_attention"),
         ({"fitting": "gptq"}, "fitting"),
         ({"calibration_data": 123}, "calibration_data"),
         ({"calibration_data": []}, "calibration_data"),

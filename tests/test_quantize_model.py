@@ -129,6 +129,19 @@ def test_dense_model_unchanged_behaviour():
     assert isinstance(model.lm_head, KbitLinear) and model.lm_head.bits == 3
 
 
+@pytest.mark.parametrize("built_with,config,expected", [
+    ("sdpa", {}, "kbit_decode"),
+    ("eager", {}, "eager"),  # kbit_decode falls back to sdpa, which such a model did not ask for
+    ("sdpa", {"decode_attention": False}, "sdpa"),
+])
+def test_attention_default(built_with, config, expected):
+    """KbitConfig.decode_attention: a model that attends with sdpa attends with kbit_decode after quantize_model."""
+    model = tiny_dense_model("llama", attn_implementation=built_with)
+    assert model.config._attn_implementation == built_with
+    hf_kbit.quantize_model(model, KbitConfig(bits=4, **config))
+    assert model.config._attn_implementation == expected
+
+
 def test_tied_lm_head_stays_full_precision():
     """An LM head that shares the input embedding's weight is kept (and stays tied), listed or not."""
     model = tiny_dense_model("llama", tie_word_embeddings=True)

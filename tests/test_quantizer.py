@@ -105,6 +105,26 @@ def test_compute_dtypes(saved_models, dtype):
     assert rel_err(logits.float(), ref) <= MAX_LOGIT_REL_ERR[4]
 
 
+@pytest.mark.parametrize("requested,config,expected", [
+    (None, {}, "kbit_decode"),  # the default: kbit_decode where transformers would pick sdpa
+    ("sdpa", {}, "sdpa"),  # an implementation the user names is kept
+    ("eager", {}, "eager"),
+    (None, {"decode_attention": False}, "sdpa"),
+])
+def test_attention_default_on_load(saved_models, tmp_path, requested, config, expected):
+    """KbitConfig.decode_attention: quantize-on-load and the saved checkpoint's load attend with kbit_decode unless
+    from_pretrained names an attention implementation; the checkpoint itself records no attention."""
+    path, _, _ = saved_models["llama"]
+    kwargs = {} if requested is None else {"attn_implementation": requested}
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=KbitConfig(bits=4, **config), **kwargs)
+    assert model.config._attn_implementation == expected
+    assert {layer.self_attn.config._attn_implementation for layer in model.model.layers} == {expected}
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert "_attn_implementation" not in saved and "attn_implementation" not in saved
+    assert AutoModelForCausalLM.from_pretrained(tmp_path, **kwargs).config._attn_implementation == expected
+
+
 def test_device_map_auto_and_dequantize(saved_models):
     path, ids, ref = saved_models["llama"]
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=KbitConfig(bits=4), device_map="auto")

@@ -31,12 +31,12 @@ def unquantized_expert_params(model) -> int:
 
 
 def quantize(model, bits: int, lm_head: bool = False, fuse_projections: bool = True, fusion_pass: bool = True,
-             rotation: bool | str = False, block_offsets: bool | None = None):
+             rotation: bool | str = False, block_offsets: bool | None = None, decode_attention: bool = True):
     import hf_kbit
 
     skip = [] if lm_head else ["lm_head"]
     config = hf_kbit.KbitConfig(bits=bits, fuse_projections=fuse_projections, fusion_pass=fusion_pass,
-                                rotation=rotation, block_offsets=block_offsets)
+                                rotation=rotation, block_offsets=block_offsets, decode_attention=decode_attention)
     return hf_kbit.quantize_model(model, config, modules_to_not_convert=skip)
 
 
@@ -77,7 +77,7 @@ def settings(
     kernel_breakdown: bool = False,
     fuse_projections: bool = True,
     fusion_pass: bool | None = None,
-    attention: str = "sdpa",
+    attention: str = "default",
     rotation: bool | str = False,
     block_offsets: bool | None = None,
 ) -> dict[str, Any]:
@@ -120,7 +120,9 @@ def settings(
         "fusion_pass": fusion_pass,
         # inductor's combo kernels, which hf_kbit.fusion's compile options turn on, where it is used
         "combo_kernels": fusion.compile_options().get("combo_kernels", False) and fusion_pass is not False,
-        "attention": attention,  # transformers attention implementation of every variant
+        # "default": each variant's own (bf16: transformers' sdpa; kbit: KbitConfig.decode_attention's kbit_decode);
+        # else the transformers attention implementation of every variant. Each row records its own.
+        "attention": attention,
         "rotation": rotation,  # KbitConfig.rotation of the kbit variants (format v3: weights stored rotated along K)
         # KbitConfig.block_offsets of the kbit variants as quantization settles it (format v4: block records)
         "block_offsets": KbitConfig(rotation=rotation, block_offsets=block_offsets).resolved_block_offsets(),
@@ -228,13 +230,14 @@ def run(
         else:
             model = quantize(model, bits, lm_head=head["lm_head_quantized"], fuse_projections=head["fused_projections"],
                              fusion_pass=head["fusion_pass"] is not False, rotation=head["rotation"],
-                             block_offsets=head["block_offsets"])
+                             block_offsets=head["block_offsets"], decode_attention=head["attention"] != "sdpa")
             info.update(kbit_summary(model))
         # as this variant's generate() compiles by default (kbit: KbitConfig.fusion_pass), unless told otherwise
         fusion_pass = head["fusion_pass"] if head["fusion_pass"] is not None else bits is not None
         fusion_pass = fusion_pass and device.startswith("cuda")  # on CPU nothing compiles
         info.update({"fusion_pass": fusion_pass, "combo_kernels": fusion_pass and head["combo_kernels"]})
         info["unquantized_expert_params"] = unquantized_expert_params(model) if bits is not None else None
+        info["attention"] = model.config._attn_implementation
         info["setup_seconds"] = round(time.perf_counter() - start, 1)
         rows = []
         for batch in setup["batch_sizes"]:

@@ -162,9 +162,11 @@ def dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-# transformers attention implementations the scripts build models with (--attention): transformers' sdpa,
-# or hf_kbit.attention's single-token grouped-query kbit_decode.
-ATTENTIONS = ("sdpa", "kbit_decode")
+# Attention the scripts build models with (--attention): "default", each variant's own when none is named
+# (bf16: transformers' sdpa; kbit: hf_kbit's kbit_decode, KbitConfig.decode_attention), or one transformers
+# attention implementation for every variant: transformers' sdpa, or hf_kbit.attention's single-token
+# grouped-query kbit_decode.
+ATTENTIONS = ("default", "sdpa", "kbit_decode")
 
 
 def check_attention(attention: str) -> None:
@@ -173,7 +175,7 @@ def check_attention(attention: str) -> None:
 
 
 def load_bits_variant(folder: Path, bits: int | None, device: str, dtype, dequantize_on_cpu: bool = True,
-                      lm_head_bits: int | None = None, attention: str = "sdpa"):
+                      lm_head_bits: int | None = None, attention: str = "default"):
     """The model of ``folder`` as bf16 (``bits=None``) or quantized on load at ``bits``: ``(model, info)``.
 
     hf_kbit.eval.variants.load_variant for the variant ``bf16`` or ``kbit<bits>``. ``lm_head_bits``: quantize
@@ -181,7 +183,7 @@ def load_bits_variant(folder: Path, bits: int | None, device: str, dtype, dequan
     module_bits={"^lm_head$": k})``); ValueError where the model ties its LM head to the input embedding (kbit keeps
     a tied head). ``dequantize_on_cpu``: on CPU, swap each KbitLinear for an ``nn.Linear`` holding exactly its
     dequantized weight (same numbers as the reference forward, much faster). ``attention``: the transformers
-    attention implementation (``ATTENTIONS``).
+    attention implementation, or ``"default"`` for none named (``ATTENTIONS``).
     """
     from . import variants
 

@@ -91,9 +91,9 @@ def make_config(preset: str, layers: int | None = None):
     return AutoConfig.for_model(model_type, **values)
 
 
-def build_model(config, device: str, dtype, seed: int = 0, attention: str = "sdpa"):
+def build_model(config, device: str, dtype, seed: int = 0, attention: str = "default"):
     """Random-weight model from ``config`` on ``device`` (same seed, same weights), with transformers
-    attention implementation ``attention``."""
+    attention implementation ``attention`` (``"default"``: none named, transformers picks)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -101,5 +101,6 @@ def build_model(config, device: str, dtype, seed: int = 0, attention: str = "sdp
 
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
+        named = {} if attention == "default" else {"attn_implementation": attention}
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **named)
     return model.eval()

@@ -472,7 +472,9 @@ def load_variant(folder: Path, spec: VariantSpec, device: str, dtype, dequantize
     from hf_kbit.nn import KbitLinear
 
     start = time.perf_counter()
-    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attention}
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if attention != "default":  # "default": none named, as a user who names none loads (kbit: KbitConfig's)
+        kwargs["attn_implementation"] = attention
     if spec.method == "kbit":
         kwargs["quantization_config"] = spec.kbit_config()
     if device.startswith("cuda"):

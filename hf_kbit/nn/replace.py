@@ -87,7 +87,9 @@ def quantize_model(
     what quantize-on-load with calibration and ``kbit-convert --calibration-data`` run.
     With ``config.fuse_projections`` (default) sibling projections are then fused
     (:func:`~hf_kbit.nn.fuse_projections`); with ``config.fusion_pass`` (default) ``generate()`` compiles
-    with :func:`hf_kbit.fusion.compile_config` (:func:`hf_kbit.fusion.use_as_default`).
+    with :func:`hf_kbit.fusion.compile_config` (:func:`hf_kbit.fusion.use_as_default`); with
+    ``config.decode_attention`` (default) a model that attends with ``sdpa`` attends with ``"kbit_decode"``
+    (:func:`hf_kbit.attention.use_as_default`).
     """
     config = copy.copy(config or KbitConfig())
     check_quantizable(config)
@@ -120,6 +122,10 @@ def quantize_model(
         from .. import fusion
 
         fusion.use_as_default(model)
+    if config.decode_attention:
+        from .. import attention
+
+        attention.use_as_default(model)
     return model
 
 

@@ -31,7 +31,7 @@ def test_device_and_dtype_choices():
     assert dtype_name(pick_dtype("bf16", "cpu")) == "bfloat16"
     with pytest.raises(ValueError, match="--dtype must be auto or one of"):
         pick_dtype("int8", "cpu")
-    with pytest.raises(ValueError, match="--attention must be one of sdpa, kbit_decode, got 'eager'"):
+    with pytest.raises(ValueError, match="--attention must be one of default, sdpa, kbit_decode, got 'eager'"):
         check_attention("eager")
 
 

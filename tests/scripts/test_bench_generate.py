@@ -161,6 +161,8 @@ def test_fusion_pass_needs_cuda():
 
 
 def test_attention_builds_every_variant_with_it(monkeypatch):
+    import plot_results
+
     from hf_kbit import attention
 
     calls = []
@@ -170,8 +172,15 @@ def test_attention_builds_every_variant_with_it(monkeypatch):
     payload = decode.run("tiny-llama", [4], "cpu", torch.float32, attention="kbit_decode", **kwargs)
     assert payload["attention"] == "kbit_decode"
     assert calls  # generate() and the graph step decoded through it
-    assert decode.run("tiny-llama", [4], "cpu", torch.float32, graph_step=False, **kwargs)["attention"] == "sdpa"
-    with pytest.raises(ValueError, match="--attention must be one of sdpa, kbit_decode, got 'flash'"):
+    assert {r["variant"]: r["attention"] for r in payload["results"]} == {"bf16": "kbit_decode", "kbit4": "kbit_decode"}
+    # by default each variant attends as it would for a user who names none: bf16 sdpa, kbit kbit_decode
+    default = decode.run("tiny-llama", [4], "cpu", torch.float32, graph_step=False, **kwargs)
+    assert default["attention"] == "default"
+    assert {r["variant"]: r["attention"] for r in default["results"]} == {"bf16": "sdpa", "kbit4": "kbit_decode"}
+    assert "kbit default attention" in plot_results.bench_labels(default)
+    forced = decode.run("tiny-llama", [4], "cpu", torch.float32, graph_step=False, attention="sdpa", **kwargs)
+    assert {r["variant"]: r["attention"] for r in forced["results"]} == {"bf16": "sdpa", "kbit4": "sdpa"}
+    with pytest.raises(ValueError, match="--attention must be one of default, sdpa, kbit_decode, got 'flash'"):
         decode.run("tiny-llama", [4], "cpu", torch.float32, attention="flash", **kwargs)
 
 

@@ -79,7 +79,15 @@ def test_attention_builds_every_variant_with_it(tiny_folder, monkeypatch):
     )
     assert p["attention"] == "kbit_decode" and "attn_implementation='kbit_decode' in every variant" in p["markdown"]
     assert calls  # both variants decoded through it
-    with pytest.raises(ValueError, match="--attention must be one of sdpa, kbit_decode, got 'eager'"):
+    assert [v["attention"] for v in p["variants"]] == ["kbit_decode", "kbit_decode"]
+    default = eg.run(
+        tiny_folder, {"name": "tiny", "spec": "tiny", "slug": "tiny", "source": "test"}, ["It is"], [4], "cpu",
+        torch.float32, max_new_tokens=3, chat="off", batch_sizes=(1,), prompt_len=8, speed_new_tokens=2, repeats=1,
+        log=lambda *_: None,
+    )
+    assert [v["attention"] for v in default["variants"]] == ["sdpa", "kbit_decode"]  # as each loads by default
+    assert "bf16 sdpa, kbit4 kbit_decode" in default["markdown"]
+    with pytest.raises(ValueError, match="--attention must be one of default, sdpa, kbit_decode, got 'eager'"):
         eg.run(tiny_folder, {"name": "tiny"}, ["x"], [4], "cpu", torch.float32, attention="eager")
 
 
