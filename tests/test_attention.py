@@ -144,3 +144,27 @@ assert ALL_ATTENTION_FUNCTIONS["kbit_decode"].__module__ == "hf_kbit.attention"
 """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
     subprocess.run([sys.executable, "-S", "-c", script], check=True, env=env, timeout=300)
+
+
+def _fake_model(top: str, sub: str | None = None, can_set: bool = True):
+    from types import SimpleNamespace
+
+    subs = {} if sub is None else {"vision_config": SimpleNamespace(_attn_implementation=sub, sub_configs={})}
+    config = SimpleNamespace(_attn_implementation=top, sub_configs=dict.fromkeys(subs, None), **subs)
+    calls = []
+    model = SimpleNamespace(config=config, _can_set_attn_implementation=lambda: can_set,
+                            set_attn_implementation=calls.append)
+    return model, calls
+
+
+@pytest.mark.parametrize("top,sub,can_set,switched", [
+    ("sdpa", None, True, True),
+    ("sdpa", "sdpa", True, True),
+    ("sdpa", "eager", True, False),  # a sub-model on another attention: kbit_decode's sdpa fallback would be wrong
+    ("eager", None, True, False),
+    ("sdpa", None, False, False),  # a class whose attention cannot be set after it is built
+])
+def test_use_as_default_switches_only_models_wholly_on_sdpa(top, sub, can_set, switched):
+    model, calls = _fake_model(top, sub, can_set)
+    assert attention.use_as_default(model) is switched
+    assert calls == ([attention.ATTN_IMPLEMENTATION] if switched else [])
