@@ -65,8 +65,7 @@ class KbitHfQuantizer(HfQuantizer):
         return config
 
     def update_tp_plan(self, config):  # transformers 5.17 shows the config here, before the model is built
-        self.attn_requested = config._attn_implementation is not None
-        return config
+        return self.update_attn_implementation(config)
 
     def update_dtype(self, dtype: torch.dtype | None) -> torch.dtype:
         if dtype is None:

@@ -12,7 +12,8 @@ The first of each pair measures the defaults, what a user gets with nothing opte
 combo kernels and PDL on sm_90+, ``KbitConfig.fusion_pass``; hf_kbit's ``kbit_decode`` attention,
 ``KbitConfig.decode_attention``), bf16 as transformers builds and compiles it (sdpa attention); LM head in
 bf16. ``--recommended`` adds the one-line choice that the README, the model card and kbit-convert name, the LM
-head quantized, and gives bf16 the same attention (``attn_implementation="kbit_decode"`` on every variant). No ``TORCHINDUCTOR_ENABLE_PDL`` in the environment: bf16 then runs without PDL, as its users do.
+head quantized, and gives bf16 the same attention (``attn_implementation="kbit_decode"`` on every variant).
+No ``TORCHINDUCTOR_ENABLE_PDL`` in the environment: bf16 then runs without PDL, as its users do.
 
 What rotation costs a decoding model, where each rotated GEMV follows another kernel (its sign words are
 prefetched before the programmatic-dependent wait), against the same run without it (issue 34):

@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--records", action="store_true", help="int16 block records (the default format) for uint8 codes")
     ap.add_argument("--prologue", choices=PROLOGUES, default="none", help="the GEMV with this fused prologue")
     ap.add_argument("--chain", action="store_true",
-                    help="the decode layer's four GEMVs in order (block records, k = 4, M = 1; see the top of this file)")
+                    help="the decode layer's four GEMVs in order (block records, k = 4, M = 1; see this file's top)")
     ap.add_argument("--glu", action="store_true", help="--chain: gate/up with its GLU epilogue, down plain")
     ap.add_argument("--layers", type=int, default=CHAIN_LAYERS, help=f"--chain: layer copies (default {CHAIN_LAYERS})")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
