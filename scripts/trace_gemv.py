@@ -5,9 +5,12 @@
     HF_KBIT_LIBRARY=$PWD/build/trace/csrc/libhf_kbit_cuda.so python scripts/trace_gemv.py
     ... python scripts/trace_gemv.py --shapes 4096x4096 --bits 2 4 --between elementwise
     ... python scripts/trace_gemv.py --records --prologue add_rmsnorm --shapes 4096x6144 4096x28672
+    ... python scripts/trace_gemv.py --rotation --shapes 4096x4096 --between none
 
 `--records` traces the block-records GEMV (int16 block records, the default format's kernel) and `--prologue` the
 GEMV with a fused prologue (kbit::mm_add_rmsnorm or kbit::mm_silu_mul), as a compiled decode step runs them.
+`--rotation` traces each shape twice, as an unrotated layer and as a rotated one (random sign words, the GEMV
+staging x R up to its rotated crossover, docs/kernels.md#rotation), so that the rotation's cost shows per phase.
 `--chain` traces the four GEMVs of a Llama-3-8B decode layer in their order instead (block records, k = 4: q/k/v and
 gate/up with add_rmsnorm, o, down with silu_mul; `--glu`: gate/up with its GLU epilogue and down plain), over cold
 layer copies, each call timed from the end of the GEMV before it in the chain, whichever that is: what each kernel
@@ -160,7 +163,7 @@ def summarize_chain(records: list[list[int]], calls: list[tuple[str, int, int]])
 
 
 def trace_shape(k: int, n: int, bits: int, m: int, between: str, trace, lib, records: bool = False,
-                prologue: str = "none") -> dict[str, Any]:
+                prologue: str = "none", rotated: bool = False) -> dict[str, Any]:
     import torch
     from bench_kernels import packed_bytes, random_packed, with_records
 
@@ -176,13 +179,14 @@ def trace_shape(k: int, n: int, bits: int, m: int, between: str, trace, lib, rec
     second = [torch.randn(m, k, dtype=torch.bfloat16, device="cuda") for _ in range(calls)] if prologue != "none" \
         else xs
     norm_weight = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16) if prologue == "add_rmsnorm" else None
+    signs = torch.randint(-(2**31), 2**31 - 1, (k // 32,), dtype=torch.int32, device="cuda") if rotated else None
 
     def call(x, x2, packed):
         if prologue == "add_rmsnorm":
-            return torch.ops.kbit.mm_add_rmsnorm(x, x2, norm_weight, 1e-5, *packed, k)
+            return torch.ops.kbit.mm_add_rmsnorm(x, x2, norm_weight, 1e-5, *packed, k, signs)
         if prologue == "silu_mul":
-            return torch.ops.kbit.mm_silu_mul(x, x2, *packed, k)
-        return kbit_cuda.run_path("gemv", x, *packed, k)
+            return torch.ops.kbit.mm_silu_mul(x, x2, *packed, k, signs)
+        return kbit_cuda.run_path("gemv", x, *packed, k, None, signs)
 
     def body():
         for x, x2, packed in zip(xs, second, weights):
@@ -193,7 +197,7 @@ def trace_shape(k: int, n: int, bits: int, m: int, between: str, trace, lib, rec
     stamps = run_traced(body, trace, lib)
     result = summarize(stamps, [packed[0].data_ptr() for packed in weights], nbytes)
     return {"K": k, "N": n, "bits": bits, "M": m, "format": "records" if records else "codes", "prologue": prologue,
-            "between": between, "MB": nbytes / 1e6, **result}
+            "rotated": rotated, "between": between, "MB": nbytes / 1e6, **result}
 
 
 # --chain: the Llama-3-8B decode layer's GEMVs in launch order, (K, N) each.
@@ -274,10 +278,10 @@ def render(rows: list[dict[str, Any]]) -> str:
     def cta(r):
         return "-" if r.get("cta_spread") is None else f"{r['cta_spread']:.2f} / {r['cta_tail']:.2f}"
 
-    headers = ["K x N", "k", "M", "format", "prologue", "between", "MB", "entry us", "wait us", "staged us (median)",
+    headers = ["K x N", "k", "M", "format", "prologue", "rotated", "between", "MB", "entry us", "wait us", "staged us (median)",
                "exit us", "exit p90 us", "balanced exit us", "CTA spread / tail us", "stream GB/s"]
     table = [[f"{r['K']}x{r['N']}", r["bits"], r["M"], r.get("format", "codes"), r.get("prologue", "none"),
-              r["between"], f"{r['MB']:.1f}", three(r, "entry"),
+              "yes" if r.get("rotated") else "no", r["between"], f"{r['MB']:.1f}", three(r, "entry"),
               three(r, "wait"), f"{r['staged_median']:.2f}", three(r, "exit"), f"{r['exit_p90']:.2f}", balanced(r),
               cta(r), f"{r['stream_GBps']:.0f}"] for r in rows]
     return format_table(headers, table)
@@ -291,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--between", nargs="+", choices=BETWEEN, default=list(BETWEEN))
     ap.add_argument("--records", action="store_true", help="int16 block records (the default format) for uint8 codes")
     ap.add_argument("--prologue", choices=PROLOGUES, default="none", help="the GEMV with this fused prologue")
+    ap.add_argument("--rotation", action="store_true",
+                    help="trace each shape unrotated and rotated (the GEMV staging x R where its crossover stages)")
     ap.add_argument("--chain", action="store_true",
                     help="the decode layer's four GEMVs in order (block records, k = 4, M = 1; see this file's top)")
     ap.add_argument("--glu", action="store_true", help="--chain: gate/up with its GLU epilogue, down plain")
@@ -299,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.glu and not args.chain:
         ap.error("--glu takes --chain")
+    if args.rotation and (args.chain or args.records):
+        ap.error("--rotation traces single shapes in uint8 codes (not with --chain or --records: no kernel reads "
+                 "block records rotated)")
     if args.chain and not 3 <= args.layers <= CHAIN_LAYERS:
         ap.error(f"--layers takes 3..{CHAIN_LAYERS} (the trace buffer holds {CHAIN_LAYERS} layers), got {args.layers}")
     try:
@@ -322,8 +331,11 @@ def main(argv: list[str] | None = None) -> int:
     for k, n in shapes if not args.chain else ():
         for bits in args.bits:
             for between in args.between:
-                rows.append(trace_shape(k, n, bits, args.m, between, trace, lib, args.records, args.prologue))
-                print(f"{k}x{n} k={bits} {between}: exit max {rows[-1]['exit_max']:.2f} us", flush=True)
+                for rotated in (False, True) if args.rotation else (False,):
+                    rows.append(trace_shape(k, n, bits, args.m, between, trace, lib, args.records, args.prologue,
+                                            rotated))
+                    print(f"{k}x{n} k={bits} {between}{' rotated' if rotated else ''}: exit max "
+                          f"{rows[-1]['exit_max']:.2f} us", flush=True)
     print(f"{torch.cuda.get_device_name()}: us from the end of the previous GEMV, earliest / median / latest warp"
           + (f"; a chain of {args.layers} decode layers" if args.chain else ""))
     print(render(rows))

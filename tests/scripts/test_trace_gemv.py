@@ -93,7 +93,9 @@ def test_summarize_chain_times_each_call_from_its_predecessor_and_groups_by_role
 
 @pytest.mark.parametrize("argv, message", [(["--glu"], "--glu takes --chain"),
                                            (["--chain", "--layers", "8"], "--layers takes 3..7"),
-                                           (["--chain", "--layers", "2"], "--layers takes 3..7")])
+                                           (["--chain", "--layers", "2"], "--layers takes 3..7"),
+                                           (["--rotation", "--chain"], "--rotation traces single shapes"),
+                                           (["--rotation", "--records"], "no kernel reads block records rotated")])
 def test_main_refuses_chain_flags_out_of_place(argv, message, capsys):
     with pytest.raises(SystemExit):
         trace_gemv.main(argv)
@@ -124,7 +126,9 @@ def test_render_has_a_row_per_case():
         row |= {f"{phase}_min": 0.5, f"{phase}_median": 1.0, f"{phase}_max": 1.5}
     row["staged_median"] = 1.9
     text = trace_gemv.render([row])
-    assert ("| 4096x4096 | 4 | 1 | codes | none | none | 8.9 | 0.50 / 1.00 / 1.50 | 0.50 / 1.00 / 1.50 | 1.90 "
+    assert ("| 4096x4096 | 4 | 1 | codes | none | no | none | 8.9 | 0.50 / 1.00 / 1.50 | 0.50 / 1.00 / 1.50 | 1.90 "
             "| 0.50 / 1.00 / 1.50 | 6.20 | - | - | 1750 |") in text  # rows of older traces: no balanced exit, no CTA split
     row |= {"format": "records", "prologue": "add_rmsnorm"}
-    assert "| 4096x4096 | 4 | 1 | records | add_rmsnorm | none | 8.9 |" in trace_gemv.render([row])
+    assert "| 4096x4096 | 4 | 1 | records | add_rmsnorm | no | none | 8.9 |" in trace_gemv.render([row])
+    row |= {"format": "codes", "rotated": True}
+    assert "| 4096x4096 | 4 | 1 | codes | add_rmsnorm | yes | none | 8.9 |" in trace_gemv.render([row])
