@@ -18,6 +18,12 @@ random experts each (seeded), the op timed alone.
 * ``roofline_pct``: bytes per call / measured copy bandwidth (read + write bytes per second, the same
   process) / time, as scripts/bench_kernels.py reports its kernels.
 * Mode: per-row (T * top-k <= the CUDA backend's GROUP_ROWS_ABOVE rows) or grouped (rows sorted by expert).
+* Size floor (``floor_us``, ``floor_pct``): the same bytes moved by two of torch's streaming kernels, timed the same
+  way (cold copies, one per call, back to back in a CUDA graph): a float32 sum reading them and a device-to-device
+  copy of half of them (read + write, as the copy bandwidth counts), the faster of the two. They do nothing but
+  stream and pay the launch, ramp-up and tail any kernel of that size pays, so ``floor_pct`` is a measured
+  reference for the share of the copy bandwidth a call that moves that many bytes reaches; a grouped GEMV call also
+  waits for its routing before its first weight load.
 
     python scripts/bench_grouped_gemv.py --out benchmarks/results/h200_grouped_gemv
     python scripts/bench_grouped_gemv.py --bits 2 3 4 5 --tokens 1 --families qwen3-30b-a3b
@@ -79,6 +85,25 @@ def routed_ids(tokens: int, num_experts: int, top_k: int, generator: torch.Gener
     return torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(tokens)]).reshape(-1)
 
 
+def size_floor_us(nbytes: float) -> dict[str, float]:
+    """Microseconds per call of two of torch's streaming kernels moving ``nbytes`` (cold L2, back to back in a CUDA
+    graph, one cold buffer per call): ``read_us`` sums them (float32), ``copy_us`` copies half of them to another
+    buffer."""
+    words = max(1, int(nbytes) // 4)
+    copies = max(MIN_CALLS, math.ceil(COLD_BYTES / (4 * words)))
+    src = [torch.empty(words, dtype=torch.float32, device="cuda").normal_() for _ in range(copies)]
+    dst = torch.empty(max(1, words // 2), dtype=torch.float32, device="cuda")
+    total = torch.empty((), dtype=torch.float32, device="cuda")
+    torch.cuda.synchronize()
+    time.sleep(0.2)
+    read_us = time_calls([lambda a=a: torch.sum(a, 0, out=total) for a in src])
+    time.sleep(0.2)
+    copy_us = time_calls([lambda a=a, d=dst: d.copy_(a[:d.numel()]) for a in src])
+    del src, dst
+    torch.cuda.empty_cache()
+    return {"read_us": read_us, "copy_us": copy_us}
+
+
 def _wall_us(calls: list[Callable]) -> float:
     for fn in calls[:2]:
         fn()
@@ -124,6 +149,10 @@ def bench_projection(family: str, proj: str, n: int, k: int, num_experts: int, t
                "us": us, "timing": timing, "TBps": nbytes / us / 1e6}
         if bandwidth:
             row["roofline_pct"] = 100 * nbytes / bandwidth / (us * 1e-6)
+        if cuda:
+            row.update(size_floor_us(nbytes))
+            row["floor_us"] = min(row["read_us"], row["copy_us"])
+            row["floor_pct"] = 100 * nbytes / bandwidth / (row["floor_us"] * 1e-6)
         log(json.dumps({key: round(v, 3) if isinstance(v, float) else v for key, v in row.items()}))
         rows.append(row)
     del packs
@@ -138,13 +167,17 @@ def markdown(payload: dict) -> str:
     lines = [f"# Grouped MoE GEMV at decode — {meta['device']}", "", f"Command: `{meta['command']}`  ",
              f"torch {meta['torch']}, hf_kbit {meta['hf_kbit']}"
              + (f", measured copy bandwidth {bw:.0f} GB/s (read+write)" if bw else "") + ". " + meta["method"], "",
-             "| family | projection (N x K) | T | rows | mode | k | experts read | MB | us | TB/s | % of copy bw |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             ("Size floor: the same bytes summed (float32) or half of them copied by torch, cold, back to back in a "
+              "CUDA graph, the faster of the two: what a kernel that only streams that many bytes reaches."), "",
+             ("| family | projection (N x K) | T | rows | mode | k | experts read | MB | us | TB/s | % of copy bw "
+              "| size floor us (% of copy bw) |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in payload["results"]:
         pct = f"{r['roofline_pct']:.0f}%" if "roofline_pct" in r else "n/a"
+        floor = f"{r['floor_us']:.1f} ({r['floor_pct']:.0f}%)" if "floor_pct" in r else "n/a"
         lines.append(f"| {r['family']} | {r['projection']} ({r['N']} x {r['K']}) | {r['T']} | {r['rows']} | {r['mode']} "
                      f"| {r['bits']} | {r['distinct_experts']:.1f} | {r['bytes_per_call'] / 1e6:.1f} | {r['us']:.1f} "
-                     f"| {r['TBps']:.2f} | {pct} |")
+                     f"| {r['TBps']:.2f} | {pct} | {floor} |")
     return "\n".join(lines) + "\n"
 
 

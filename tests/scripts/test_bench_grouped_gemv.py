@@ -35,7 +35,7 @@ def test_smoke_writes_json_with_every_field(smoke):
         assert (r["N"], r["K"], r["experts"], r["top_k"], r["rows"]) == (n, k, experts, top_k, r["T"] * top_k)
         assert 1 <= r["distinct_experts"] <= min(experts, r["rows"])
         assert r["bytes_per_call"] == pytest.approx(r["distinct_experts"] * bench.expert_bytes(n, k, r["bits"]))
-        assert r["us"] > 0 and r["timing"] == "wall_clock" and "roofline_pct" not in r
+        assert r["us"] > 0 and r["timing"] == "wall_clock" and "roofline_pct" not in r and "floor_pct" not in r
         assert r["TBps"] == pytest.approx(r["bytes_per_call"] / r["us"] / 1e6)
 
 
@@ -45,6 +45,7 @@ def test_smoke_writes_markdown_table(smoke):
     assert "`python scripts/bench_grouped_gemv.py " + " ".join(argv) + "`" in md
     assert md.count("| tiny | gate_up (80 x 96) |") == 4 and md.count("| tiny | down (96 x 40) |") == 4
     assert md.count("| tiny | down_gated (96 x 40) |") == 4
+    assert md.count("| n/a | n/a |") == 12  # no bandwidth and no size floor on the CPU
 
 
 def test_expert_bytes_count_planes_scales_and_row_scales():
