@@ -922,7 +922,9 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
   // x is read after that kernel has completed. k <= 4 build the table while the first x loads
   // are in flight: the CTAs that start last (on the SMs the previous kernel leaves last) find the
   // wait already met, and end the call. k = 5's table, twice as large, takes longer than those
-  // loads and is built before the wait. The next kernel may launch only after the wait
+  // loads and is built before the wait. So is a rotated instantiation's: after the wait its staging
+  // issues the rotation of every segment it stages, which built behind the table lengthened the
+  // staging (docs/kernels.md#rotation). The next kernel may launch only after the wait
   // (kbit_common.cuh).
   const float levels = codebook_lane<BITS>(p.codebook, lane);
   // Constants the staging reads after the wait, this split's share, into L1 (prefetch_l1): a rotated layer's
@@ -934,9 +936,9 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvCtasPerSm) gemv_kernel(MmPa
   if constexpr (kPrologue)
     if (p.prologue >= kPrologueNorm)
       prefetch_l1(static_cast<const T*>(p.norm_weight), int64_t{kc0} * kTileK, min(int64_t{kc1} * kTileK, p.k));
-  if constexpr (BITS == 5) build_table<BITS, T>(table, levels);
+  if constexpr (BITS == 5 || kRotate) build_table<BITS, T>(table, levels);
   const auto table_build = [&] {
-    if constexpr (BITS <= 4) build_table<BITS, T>(table, levels);
+    if constexpr (BITS <= 4 && !kRotate) build_table<BITS, T>(table, levels);
   };
   wait_for_primary_grid();
 #if KBIT_TRACE
