@@ -278,8 +278,8 @@ def render(rows: list[dict[str, Any]]) -> str:
     def cta(r):
         return "-" if r.get("cta_spread") is None else f"{r['cta_spread']:.2f} / {r['cta_tail']:.2f}"
 
-    headers = ["K x N", "k", "M", "format", "prologue", "rotated", "between", "MB", "entry us", "wait us", "staged us (median)",
-               "exit us", "exit p90 us", "balanced exit us", "CTA spread / tail us", "stream GB/s"]
+    headers = ["K x N", "k", "M", "format", "prologue", "rotated", "between", "MB", "entry us", "wait us",
+               "staged us (median)", "exit us", "exit p90 us", "balanced exit us", "CTA spread / tail us", "stream GB/s"]
     table = [[f"{r['K']}x{r['N']}", r["bits"], r["M"], r.get("format", "codes"), r.get("prologue", "none"),
               "yes" if r.get("rotated") else "no", r["between"], f"{r['MB']:.1f}", three(r, "entry"),
               three(r, "wait"), f"{r['staged_median']:.2f}", three(r, "exit"), f"{r['exit_p90']:.2f}", balanced(r),
