@@ -177,6 +177,12 @@ def random_packed(n: int, k: int, bits: int, copies: int, experts: int | None = 
     return out
 
 
+def random_signs(k: int, device: str = "cuda") -> torch.Tensor:
+    """Random sign words of a rotated layer (int32 ``[k / 32]``, hf_kbit.rotation.sign_words' form): the kernels'
+    speed does not depend on which elements flip."""
+    return torch.randint(-(2**31), 2**31 - 1, (k // 32,), dtype=torch.int32, device=device)
+
+
 def with_records(packs):
     """``random_packed``'s weights with their uint8 codes made int16 block records: the codes and random offset
     codes over [-OFFSET_MAX, OFFSET_MAX]."""
@@ -336,7 +342,7 @@ def bench_rotation(name, k, n, ms, bits_list, results):
 
     xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in ms}
     bf16 = bf16_times(xs, n, k)
-    signs = torch.randint(-(2**31), 2**31 - 1, (k // 32,), dtype=torch.int32, device="cuda")
+    signs = random_signs(k)
     lib = _lib.load()
     for bits in bits_list:
         packs, ncalls = cold_packs(n, k, bits)

@@ -165,7 +165,7 @@ def summarize_chain(records: list[list[int]], calls: list[tuple[str, int, int]])
 def trace_shape(k: int, n: int, bits: int, m: int, between: str, trace, lib, records: bool = False,
                 prologue: str = "none", rotated: bool = False) -> dict[str, Any]:
     import torch
-    from bench_kernels import packed_bytes, random_packed, with_records
+    from bench_kernels import packed_bytes, random_packed, random_signs, with_records
 
     from hf_kbit.backends import cuda as kbit_cuda
 
@@ -179,7 +179,7 @@ def trace_shape(k: int, n: int, bits: int, m: int, between: str, trace, lib, rec
     second = [torch.randn(m, k, dtype=torch.bfloat16, device="cuda") for _ in range(calls)] if prologue != "none" \
         else xs
     norm_weight = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16) if prologue == "add_rmsnorm" else None
-    signs = torch.randint(-(2**31), 2**31 - 1, (k // 32,), dtype=torch.int32, device="cuda") if rotated else None
+    signs = random_signs(k) if rotated else None
 
     def call(x, x2, packed):
         if prologue == "add_rmsnorm":
