@@ -38,21 +38,28 @@ class _CrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=compute, device=logits.device)
         for start in range(0, logits.shape[0], chunk_rows):
             stop = min(start + chunk_rows, logits.shape[0])
-            x = logits[start:stop].to(compute, copy=True)  # the chunk's one temporary: exp and softmax in place
-            target = targets[start:stop]
-            valid = target != ignore_index
-            index = torch.where(valid, target, 0).unsqueeze(1)
-            picked = x.gather(1, index).squeeze(1)
-            top = x.amax(dim=1, keepdim=True)
-            sums = x.sub_(top).exp_().sum(dim=1, keepdim=True)
-            total += ((top + sums.log()).squeeze(1) - picked).mul_(valid).sum()
-            if needs_grad:
-                keep = valid.to(x.dtype).unsqueeze(1)
-                p = x.div_(sums)  # softmax
-                grad[start:stop] = p.scatter_add_(1, index, -keep).mul_(keep * scale)
+            total += _CrossEntropy.chunk(logits[start:stop], targets[start:stop], scale, ignore_index, compute,
+                                         grad[start:stop] if needs_grad else None)
         ctx.save_for_backward(grad)
         ctx.backward_done = False
         return total * scale
+
+    @staticmethod
+    def chunk(logits, targets, scale, ignore_index: int, compute: torch.dtype, grad):
+        """The summed nll of a chunk's valid rows (unscaled); its scaled gradient into ``grad`` (None: none). A
+        function of its own so that the chunk's float32 copy is freed before the next chunk's is made."""
+        x = logits.to(compute, copy=True)  # the chunk's one temporary: exp and softmax in place
+        valid = targets != ignore_index
+        index = torch.where(valid, targets, 0).unsqueeze(1)
+        picked = x.gather(1, index).squeeze(1)
+        top = x.amax(dim=1, keepdim=True)
+        sums = x.sub_(top).exp_().sum(dim=1, keepdim=True)
+        nll = ((top + sums.log()).squeeze(1) - picked).mul_(valid).sum()
+        if grad is not None:
+            keep = valid.to(x.dtype).unsqueeze(1)
+            p = x.div_(sums)  # softmax
+            grad.copy_(p.scatter_add_(1, index, -keep).mul_(keep * scale))
+        return nll
 
     @staticmethod
     def backward(ctx, grad_output):
