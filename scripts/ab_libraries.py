@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[list[dict]]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as tmp:
         for r, name in run_order(names, args.rounds):
-            prefix = Path(tmp) / f"{name}_{r}"
+            prefix = Path(tmp) / f"run{r}_{names.index(name)}"  # no dot: scripts differ in how they add .json
             cmd = [sys.executable, *bench, "--out", str(prefix)]
             print(f"== round {r + 1}, {name}: {' '.join(bench)}", flush=True)
             env = {**os.environ, "HF_KBIT_LIBRARY": str(paths[name]),  # this tree's hf_kbit, the named library
