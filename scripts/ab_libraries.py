@@ -1,6 +1,6 @@
 """Time one benchmark under two or more builds of the kernel library, alternated on one GPU lease, and pair the cells.
 
-    python scripts/ab_libraries.py --build main=. --build old=build/ab/old --out $OUT/ab -- \\
+    python scripts/ab_libraries.py --build main=. --build old=build/trees/old --out $OUT/ab -- \\
         scripts/bench_kernels.py --offsets --shapes llama3-8b --ms 1 4 16 --bits 4 3
     python scripts/ab_libraries.py --lib main=build/gpu/csrc/libhf_kbit_cuda.so --lib new=/path/to/lib.so \\
         --rounds 3 -- scripts/bench_grouped_gemv.py --families qwen3-30b-a3b
@@ -17,8 +17,8 @@ spread over its rounds (max / min - 1): a change inside that spread is noise.
 
 A tree of another commit (for `--build`), exported on the machine that has the repository:
 
-    mkdir -p build/ab/old
-    git archive REV csrc CMakeLists.txt pyproject.toml python model_cards | tar -x -C build/ab/old
+    mkdir -p build/trees/old
+    git archive REV csrc CMakeLists.txt pyproject.toml python model_cards | tar -x -C build/trees/old
 """
 
 from __future__ import annotations
@@ -179,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, src in sources:
         if not (src / "CMakeLists.txt").is_file() or not (src / "csrc").is_dir():
             ap.error(f"--build {name}={src}: expected a source tree (CMakeLists.txt and csrc/)")
+        if (ROOT / "build" / "ab" / name).resolve() == src.resolve():
+            ap.error(f"--build {name}={src}: that is where its library is built (build/ab/{name}); "
+                     "keep source trees elsewhere, e.g. build/trees/{name}")
     paths = {n: p.resolve() for n, p in libs}
     if sources:
         arch = args.arch

@@ -94,10 +94,14 @@ def test_main_stops_at_a_failed_run_naming_its_round_and_library(tmp_path, bench
     (["--lib", "a={lib}", "--lib", "b={tmp}/missing.so"], r"--lib: no such library: b=\S*missing.so"),
     (["--lib", "a={lib}", "--lib", "b={lib}", "--rounds", "0"], r"--rounds: expected >= 1, got 0"),
     (["--lib", "a={lib}", "--build", "b={tmp}"], r"--build b=\S+: expected a source tree"),
+    (["--lib", "a={lib}", "--build", "b={root}/build/ab/b"], r"--build b=\S+: that is where its library is built"),
 ])
-def test_main_refuses_bad_arguments(tmp_path, bench, capsys, args, pattern):
+def test_main_refuses_bad_arguments(tmp_path, bench, capsys, monkeypatch, args, pattern):
     lib = library(tmp_path, "a.so", 1.0)
-    args = [a.format(lib=lib, tmp=tmp_path) for a in args]
+    if any("{root}" in a for a in args):  # a source tree where the script builds: shaped like one
+        monkeypatch.setattr(ab_libraries, "ROOT", tmp_path)
+        fake_tree(tmp_path / "build" / "ab" / "b", "")
+    args = [a.format(lib=lib, tmp=tmp_path, root=tmp_path) for a in args]
     with pytest.raises((SystemExit, ValueError)) as err:
         ab_libraries.main([*args, "--", str(bench)])
     text = capsys.readouterr().err + str(err.value)  # argparse's message, or the exception's
