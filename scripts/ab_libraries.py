@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+BUILD_DIR = ROOT / "build" / "ab"  # --build NAME builds under BUILD_DIR / NAME
 
 
 def parse_named(values: list[str], flag: str) -> list[tuple[str, Path]]:
@@ -58,13 +59,18 @@ def without_out(args: list[str]) -> list[str]:
     return out
 
 
+def round_order(names: list[str], r: int) -> list[str]:
+    """The names in the order round ``r`` runs them: as given, reversed every other round."""
+    return names if r % 2 == 0 else names[::-1]
+
+
 def run_order(names: list[str], rounds: int) -> list[tuple[int, str]]:
-    """(round, name) in the order they run: the names in order, reversed every other round."""
-    return [(r, n) for r in range(rounds) for n in (names if r % 2 == 0 else names[::-1])]
+    """(round, name) in the order they run."""
+    return [(r, n) for r in range(rounds) for n in round_order(names, r)]
 
 
 def build_libraries(sources: list[tuple[str, Path]], arch: str, jobs: int,
-                    into: Path = ROOT / "build" / "ab") -> dict[str, Path]:
+                    into: Path = BUILD_DIR) -> dict[str, Path]:
     """Build each source tree's library for ``arch`` under ``into``/NAME, all at once; name -> library path."""
     procs = {}
     for name, src in sources:
@@ -179,9 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, src in sources:
         if not (src / "CMakeLists.txt").is_file() or not (src / "csrc").is_dir():
             ap.error(f"--build {name}={src}: expected a source tree (CMakeLists.txt and csrc/)")
-        if (ROOT / "build" / "ab" / name).resolve() == src.resolve():
+        if (BUILD_DIR / name).resolve() == src.resolve():
             ap.error(f"--build {name}={src}: that is where its library is built (build/ab/{name}); "
-                     "keep source trees elsewhere, e.g. build/trees/{name}")
+                     f"keep source trees elsewhere, e.g. build/trees/{name}")
     paths = {n: p.resolve() for n, p in libs}
     if sources:
         arch = args.arch
@@ -213,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     command = without_out(argv[:split])
     meta = {"benchmark": Path(bench[0]).name, "rounds": args.rounds,
             "command": " ".join(["python", "scripts/ab_libraries.py", *command, "--", *bench]),
-            "order_by_round": [names if r % 2 == 0 else names[::-1] for r in range(args.rounds)],
+            "order_by_round": [round_order(names, r) for r in range(args.rounds)],
             "libraries": {n: given[n] for n in names}}
     paired = pair(runs)
     md = markdown(paired, names, meta)

@@ -99,7 +99,7 @@ def test_main_stops_at_a_failed_run_naming_its_round_and_library(tmp_path, bench
 def test_main_refuses_bad_arguments(tmp_path, bench, capsys, monkeypatch, args, pattern):
     lib = library(tmp_path, "a.so", 1.0)
     if any("{root}" in a for a in args):  # a source tree where the script builds: shaped like one
-        monkeypatch.setattr(ab_libraries, "ROOT", tmp_path)
+        monkeypatch.setattr(ab_libraries, "BUILD_DIR", tmp_path / "build" / "ab")
         fake_tree(tmp_path / "build" / "ab" / "b", "")
     args = [a.format(lib=lib, tmp=tmp_path, root=tmp_path) for a in args]
     with pytest.raises((SystemExit, ValueError)) as err:
