@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     given = {n: str(p) for n, p in libs} | {n: f"built from {src}" for n, src in sources}
     command = without_out(argv[:split])
     meta = {"benchmark": Path(bench[0]).name, "rounds": args.rounds,
-            "command": " ".join(["python", "scripts/ab_libraries.py", *command, "--", *bench]),
+            "command": shlex.join(["python", "scripts/ab_libraries.py", *command, "--", *bench]),
             "order_by_round": [round_order(names, r) for r in range(args.rounds)],
             "libraries": {n: given[n] for n in names}}
     paired = pair(runs)

@@ -66,7 +66,7 @@ def test_main_alternates_the_libraries_and_writes_the_paired_table(tmp_path, ben
     base, slow = library(tmp_path, "base.so", 1.0), library(tmp_path, "slow.so", 1.1)
     out = tmp_path / "ab"
     assert ab_libraries.main(["--lib", f"base={base}", "--lib", f"slow={slow}", "--rounds", "2", "--out", str(out),
-                              "--", str(bench), "--ms", "1", "16"]) == 0
+                              "--", str(bench), "--shapes", "8b gate/up", "--ms", "1", "16"]) == 0
     assert (tmp_path / "runs.log").read_text().split() == ["base.so", "slow.so", "slow.so", "base.so"]
     result = json.loads(out.with_suffix(".json").read_text())
     us = [e for e in result["cells"] if e["field"] == "us"]
@@ -75,7 +75,9 @@ def test_main_alternates_the_libraries_and_writes_the_paired_table(tmp_path, ben
     assert all(e["spread_pct"] == pytest.approx(0.0) for e in us)
     # The record names the libraries as given and leaves the output prefix out of the command.
     assert result["meta"]["libraries"] == {"base": str(base), "slow": str(slow)}
-    assert "--out" not in result["meta"]["command"] and result["meta"]["command"].endswith("--ms 1 16")
+    # ... quoted as a shell reads it (an argument with a space stays one).
+    assert "--out" not in result["meta"]["command"]
+    assert result["meta"]["command"].endswith("--shapes '8b gate/up' --ms 1 16")
     md = out.with_suffix(".md").read_text()
     assert "| shape q/o, M 16, bits 4 | us | 160.00 | 176.00 | +10.0% | 0.0% |" in md
     assert md in capsys.readouterr().out
