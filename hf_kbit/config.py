@@ -90,7 +90,8 @@ class KbitConfig(QuantizationConfigMixin):
             quantize with less loss, and nothing changes at inference (format v1 tensors, the same kernels).
             ``dequantize()`` turns them back. Only for attention classes where it is exact (Llama, Mistral,
             Mixtral, Qwen2, Qwen3 and their MoE variants); ``True`` on others is refused. ``None`` (default): on at
-            k <= 4, data-free and without ``rotation``, where the model's attention allows it, off otherwise
+            k <= 4, data-free, without ``rotation`` and without block offsets (``block_offsets=False`` or
+            ``fitting="absmax"``), where the model's attention allows it, off otherwise
             (:func:`hf_kbit.head_rotation.resolve`; measured in docs/format.md#head-rotation); a quantized model's
             config (``model.config.quantization_config``) records what was done.
         block_offsets: give each block of 32 of the Linear layers an offset as well as a scale (format v4: int16

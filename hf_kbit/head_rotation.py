@@ -13,8 +13,9 @@ few outlier channels, and v's rows likewise (docs/format.md#head-rotation for wh
 the turned weights in format v1; no reader or kernel changes.
 
 ``KbitConfig(head_rotation=None)`` (the default) turns where :func:`resolve` says: at k <= :data:`DEFAULT_MAX_BITS`,
-data-free and without rotation along K, on models whose attention it supports: where it measured better on both
-offline models (docs/format.md#head-rotation).
+data-free, without rotation along K and without block offsets, on models whose attention it supports: where it
+measured better on both offline models (docs/format.md#head-rotation). Block offsets are the default, so by default
+nothing is turned.
 
 ``Q = diag(s) H_d / sqrt(d)``: ``H_d`` the Sylvester Hadamard matrix of the head dim ``d`` (a power of 2), ``s`` the
 sign vector :func:`hf_kbit.rotation.signs` ``(d, SEED)``. The turn is computed in float64 and rounded once to the
@@ -96,15 +97,23 @@ def targets(model: nn.Module) -> dict[str, tuple[str, int]]:
     return out
 
 
+def turns_by_default(config) -> bool:
+    """Whether ``head_rotation=None`` turns under ``config`` on a model :func:`targets` accepts: at ``bits <=
+    DEFAULT_MAX_BITS``, data-free, without rotation along K and without block offsets."""
+    return (config.bits <= DEFAULT_MAX_BITS and config.rotation is False and not config.calibrates
+            and not config.resolved_block_offsets())
+
+
 def resolve(config, model: nn.Module, pre_quantized: bool = False) -> bool:
     """Whether to turn ``model``'s v and o for the :class:`~hf_kbit.KbitConfig` ``config``. ``head_rotation`` ``True``
     or ``False`` as given (``True`` on a model :func:`targets` refuses raises its ValueError when quantizing); ``None``:
-    on at ``bits <= DEFAULT_MAX_BITS``, data-free and without rotation along K, for a model :func:`targets` accepts;
-    else off (with rotation along K the turn measured worse in most cells; with calibration it is unmeasured). A
+    on at ``bits <= DEFAULT_MAX_BITS``, data-free, without rotation along K and without block offsets
+    (:meth:`~hf_kbit.KbitConfig.resolved_block_offsets`), for a model :func:`targets` accepts; else off (with rotation
+    along K or with block offsets the turn measured worse in most cells; with calibration it is unmeasured). A
     pre-quantized checkpoint without the field was not turned: ``None`` is ``False`` there."""
     if config.head_rotation is not None or pre_quantized:
         return bool(config.head_rotation)
-    if config.bits > DEFAULT_MAX_BITS or config.rotation is not False or config.calibrates:
+    if not turns_by_default(config):
         return False
     try:
         targets(model)

@@ -69,7 +69,8 @@ ANCHOR_STYLES = {"hqq": ("^", "tab:green", "HQQ g64"), "rtn": ("v", "tab:purple"
 # The series of the perplexity plot besides the anchors: (label, marker style, color (the same in every panel),
 # rows' filter).
 KBIT_SERIES = (
-    ("kbit data-free default", "o-", "tab:blue", lambda r: r["variant"] == f"kbit{r['bits']}"),
+    ("kbit data-free default", "o-", "tab:blue", lambda r: _today_default(r)),
+    ("kbit data-free, v/o turned", "o:", "tab:gray", lambda r: _turned_alternative(r)),
     ("kbit rotation=true, v/o turned", "^-", "tab:red",
      lambda r: r["variant"] == f"kbit{r['bits']}:rotation=true:head_rotation=true"),
     ("kbit rotation=auto, v/o turned", "v-", "tab:olive",
@@ -127,7 +128,7 @@ def plot_perplexity(payloads: list[dict[str, Any]], out: Path) -> Path:
                 ax.plot([r["bits_per_weight"] for r in anchors], [r["delta_ppl"] for r in anchors], marker,
                         color=color, label=label)
         for r in shown:
-            if r["variant"] == f"kbit{r['bits']}":
+            if _today_default(r):
                 ax.annotate(f"k={r['bits']}", (r["bits_per_weight"], r["delta_ppl"]), textcoords="offset points",
                             xytext=(6, 4))
         base = next((f" (bf16 {r['ppl']:.2f})" for r in rows if _method(r) == "bf16"), "")
@@ -152,10 +153,11 @@ PERPLEXITY_METHOD = (
     "(bitsandbytes' levels) with a float32 absmax per block of 64. `kbit<k>` quantizes with `KbitConfig`'s "
     "default rule, `fitting=\"fit\"` (block codes searched by reconstruction error, a Lloyd-fitted codebook per "
     "layer, shared by the siblings that fuse: q/k/v, gate/up, each member weighing alike in its fit at k <= 4) "
-    "and, at k <= 4, v_proj and o_proj turned per attention head (docs/format.md#head-rotation; "
-    "`:head_rotation=false` rows without), and an 8-bit offset per block of 32 (format v4's block records, +0.25 "
+    "and an 8-bit offset per block of 32 (format v4's block records, +0.25 "
     "bits/weight; at k = 5 only where it lowers the block's error; docs/format.md#block-offsets; "
-    "`:block_offsets=false` rows without: format v1); "
+    "`:block_offsets=false` rows without: format v1, where the default turns v_proj and o_proj per attention "
+    "head at k <= 4; `:head_rotation=true` rows turn them with offsets too, docs/format.md#head-rotation; a table's "
+    "note names the rows quantized while the default turned them with offsets); "
     "`kbit<k>:rotation=true`, `:rotation=inputs` and `:rotation=auto` add rotation (docs/format.md#rotation, "
     "segments of 8) on every layer, on the input projections only (not o/down), or on the groups whose weight "
     "error it lowers, with v/o turned as well (`:head_rotation=true`, which the default leaves off with "
@@ -298,6 +300,43 @@ def _before_default_offsets(r: dict[str, Any]) -> bool:
     return r.get("anchor", "").startswith("kbit format v1") and "offsets" not in options
 
 
+def _turned(r: dict[str, Any]) -> bool:
+    """Whether a kbit row's v and o were turned per head: as recorded, else as asked, else by the default of the
+    offsets era that did not record it (k <= 4, no rotation along K)."""
+    if "head_rotation" in r:
+        return r["head_rotation"]
+    options = r.get("options", {})
+    return options.get("head_rotation", r["bits"] <= 4 and options.get("rotation", False) is False)
+
+
+def _turned_by_an_older_default(r: dict[str, Any]) -> bool:
+    """A kbit row of today's format, quantized with v/o turned by a default that no longer turns them."""
+    from hf_kbit import KbitConfig, head_rotation
+
+    options = r.get("options", {})
+    return (_method(r) == "kbit" and not _before_default_offsets(r) and "head_rotation" not in options
+            and _turned(r) != head_rotation.turns_by_default(KbitConfig(bits=r["bits"], **options)))
+
+
+def _today_default(r: dict[str, Any]) -> bool:
+    """A kbit row that holds what ``KbitConfig(bits=k)`` quantizes to today (a ``:head_rotation=`` row included
+    where it matches the default)."""
+    from hf_kbit import KbitConfig, head_rotation
+
+    options = r.get("options", {})
+    return (_method(r) == "kbit" and not r.get("lm_head_bits") and set(options) <= {"head_rotation"}
+            and not _before_default_offsets(r)
+            and _turned(r) == head_rotation.turns_by_default(KbitConfig(bits=r["bits"])))
+
+
+def _turned_alternative(r: dict[str, Any]) -> bool:
+    """A kbit row like today's default but for v/o turned per head (``:head_rotation=true``, or a row of the
+    default that turned them)."""
+    options = r.get("options", {})
+    return (_method(r) == "kbit" and not r.get("lm_head_bits") and set(options) <= {"head_rotation"}
+            and not _before_default_offsets(r) and _turned(r) and not _today_default(r))
+
+
 def perplexity_markdown(p: dict[str, Any]) -> str:
     paired = any("delta_ppl_se" in r for r in p["results"])  # schema 2: paired SEs, SQNR, anchors
     against_hqq = vs_hqq(p) if paired else {}
@@ -324,6 +363,12 @@ def perplexity_markdown(p: dict[str, Any]) -> str:
     about_v1 = [] if not v1 else [
         (f"Rows quantized before block offsets became the default ({', '.join(f'`{v}`' for v in v1)}) hold uint8 "
          "block scales: what `:block_offsets=false` (kbit) and `:offsets=0` (kbitfit, kbitcal) give now."), ""]
+    turned = [r["variant"] for r in p["results"] if _turned_by_an_older_default(r)]
+    about_turned = [] if not turned else [
+        ("Rows quantized while the default turned v_proj and o_proj per head with block offsets "
+         f"({', '.join(f'`{v}`' for v in turned)}) hold turned v/o: what `:head_rotation=true` gives now. With "
+         "block offsets the default turns them no longer (docs/format.md#head-rotation): a `:head_rotation=false` "
+         "row is today's default."), ""]
     about_heads = [] if not heads else [
         f"`kbit<k>-head<h>`: the LM head quantized too, at k = h "
         f"(`KbitConfig(bits=k, modules_to_not_convert=[], module_bits={{'^lm_head$': h}})`); bits/weight and "
@@ -339,6 +384,7 @@ def perplexity_markdown(p: dict[str, Any]) -> str:
         "",
         *about_heads,
         *about_v1,
+        *about_turned,
         table,
         "",
         "```bash",

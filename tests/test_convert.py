@@ -128,9 +128,9 @@ def test_output_layout(llama_fp32, tmp_path):
             sizes = [sf.get_slice(k).get_shape() for k in sf.keys()]
             assert len(sizes) == 1 or (out / shard).stat().st_size <= 40_000 + 8_192
     config = json.loads((out / "config.json").read_text())
-    # the defaults resolved on the model: this tiny Llama's heads are turned (hf_kbit.head_rotation.resolve), its
-    # Linears' blocks take offsets (KbitConfig.resolved_block_offsets: format v4)
-    assert config["quantization_config"] == hf_kbit.KbitConfig(bits=4, head_rotation=True, block_offsets=True,
+    # the defaults resolved on the model: its Linears' blocks take offsets (KbitConfig.resolved_block_offsets:
+    # format v4), so its heads are not turned (hf_kbit.head_rotation.resolve)
+    assert config["quantization_config"] == hf_kbit.KbitConfig(bits=4, head_rotation=False, block_offsets=True,
                                                                format_version=4).to_dict()
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "README.md"):
         assert name in names, name

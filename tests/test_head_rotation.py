@@ -141,19 +141,22 @@ def test_checkpoint_reloads_as_saved_and_dequantize_turns_back(qwen2_folder, tmp
 
 
 @pytest.mark.parametrize(("fields", "model", "pre_quantized", "expected"), [
-    ({"bits": 3}, "qwen2", False, True),
-    ({"bits": 4}, "qwen2", False, True),
-    ({"bits": 5}, "qwen2", False, False),  # measured worse at k = 5
+    ({"bits": 3, "block_offsets": False}, "qwen2", False, True),
+    ({"bits": 4, "block_offsets": False}, "qwen2", False, True),
+    ({"bits": 3, "fitting": "absmax"}, "qwen2", False, True),  # the plain rule gives no block offsets either
+    ({"bits": 3}, "qwen2", False, False),  # block offsets (the default) measured worse turned
+    ({"bits": 4}, "qwen2", False, False),
+    ({"bits": 5, "block_offsets": False}, "qwen2", False, False),  # measured worse at k = 5
     ({"bits": 3, "rotation": "inputs"}, "qwen2", False, False),  # and with rotation along K, in most cells
     ({"bits": 3, "rotation": True}, "qwen2", False, False),
-    ({"bits": 3, "calibration_data": "some text"}, "qwen2", False, False),  # unmeasured with calibration
-    ({"bits": 3}, "gemma3", False, False),  # the default passes over attention the turn is not exact for
-    ({"bits": 3}, "head_dim_24", False, False),
-    ({"bits": 3}, "qwen2", True, False),  # a checkpoint without the field was not turned
+    ({"bits": 3, "block_offsets": False, "calibration_data": "some text"}, "qwen2", False, False),  # unmeasured
+    ({"bits": 3, "block_offsets": False}, "gemma3", False, False),  # attention the turn is not exact for
+    ({"bits": 3, "block_offsets": False}, "head_dim_24", False, False),
+    ({"bits": 3, "block_offsets": False}, "qwen2", True, False),  # a checkpoint without the field: not turned
     ({"bits": 5, "rotation": True, "head_rotation": True}, "qwen2", False, True),
     ({"bits": 3, "head_rotation": False}, "qwen2", False, False),
 ])
-def test_resolve_turns_by_default_at_k_up_to_4_data_free_without_rotation(fields, model, pre_quantized, expected):
+def test_resolve_turns_by_default_at_k_up_to_4_data_free_without_rotation_or_offsets(fields, model, pre_quantized, expected):
     models = {"qwen2": qwen2, "gemma3": lambda: tiny_dense_model("gemma3_text", torch.float32, head_dim=HEAD_DIM),
               "head_dim_24": lambda: tiny_dense_model("llama", torch.float32)}
     config = hf_kbit.KbitConfig(**fields)
@@ -161,15 +164,16 @@ def test_resolve_turns_by_default_at_k_up_to_4_data_free_without_rotation(fields
 
 
 def test_the_default_is_recorded_and_a_checkpoint_without_it_is_not_turned(qwen2_folder, tmp_path):
-    default = AutoModelForCausalLM.from_pretrained(qwen2_folder, quantization_config=hf_kbit.KbitConfig(bits=3),
-                                                   dtype=torch.float32)
+    v1 = AutoModelForCausalLM.from_pretrained(qwen2_folder, quantization_config=hf_kbit.KbitConfig(
+        bits=3, block_offsets=False), dtype=torch.float32)
     explicit = AutoModelForCausalLM.from_pretrained(qwen2_folder, quantization_config=hf_kbit.KbitConfig(
-        bits=3, head_rotation=True), dtype=torch.float32)
-    assert default.config.quantization_config.head_rotation is True
-    assert_same_state(default, explicit)
-    k5 = AutoModelForCausalLM.from_pretrained(qwen2_folder, quantization_config=hf_kbit.KbitConfig(bits=5),
-                                              dtype=torch.float32)
-    assert k5.config.quantization_config.head_rotation is False
+        bits=3, block_offsets=False, head_rotation=True), dtype=torch.float32)
+    assert v1.config.quantization_config.head_rotation is True
+    assert_same_state(v1, explicit)
+    for fields in ({"bits": 3}, {"bits": 5, "block_offsets": False}):
+        model = AutoModelForCausalLM.from_pretrained(qwen2_folder, quantization_config=hf_kbit.KbitConfig(**fields),
+                                                     dtype=torch.float32)
+        assert model.config.quantization_config.head_rotation is False, fields
     # A checkpoint of a model quantized unturned (as every checkpoint written before the default) has no field:
     # it loads as saved and dequantize() turns nothing back.
     unturned = AutoModelForCausalLM.from_pretrained(qwen2_folder, quantization_config=hf_kbit.KbitConfig(
@@ -198,7 +202,7 @@ def test_v_and_o_kept_in_float_are_turned_on_load_too(qwen2_folder):
 def test_a_config_settles_per_model_and_stays_as_given(qwen2_folder, tmp_path):
     """Loading and kbit-convert settle head_rotation on their own copy of the config (saved with the model): the
     caller's config keeps None, so it can quantize a model whose attention the turn does not support next."""
-    config = hf_kbit.KbitConfig(bits=3)
+    config = hf_kbit.KbitConfig(bits=3, block_offsets=False)
     model = AutoModelForCausalLM.from_pretrained(qwen2_folder, quantization_config=config, dtype=torch.float32)
     assert model.config.quantization_config.head_rotation is True and config.head_rotation is None
     gemma = hf_kbit.quantize_model(tiny_dense_model("gemma3_text", torch.float32, head_dim=HEAD_DIM), config)

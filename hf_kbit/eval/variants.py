@@ -273,7 +273,7 @@ def _stored_bits(module) -> int:
 def kbit_summary(model) -> dict[str, Any]:
     """Storage of a kbit model: average bits/weight of its quantized weights (every KbitLinear and every
     KbitExperts, all format metadata included), share of parameters quantized, which modules they are, and how many
-    are stored rotated or with block records."""
+    are stored rotated or with block records; whether v and o were turned per head."""
     from hf_kbit.nn import KbitExperts, KbitLinear
 
     quantized_elems, quantized_bits, names, rotated, records = 0, 0, [], 0, 0
@@ -291,6 +291,8 @@ def kbit_summary(model) -> dict[str, Any]:
         quantized_bits += _stored_bits(module)
         names.append(name)
     total = quantized_elems + sum(p.numel() for p in model.parameters())
+    qc = getattr(model.config, "quantization_config", None)
+    turned = qc.get("head_rotation", False) if isinstance(qc, dict) else getattr(qc, "head_rotation", False)
     return {
         "quantized_params": quantized_elems,
         "quantized_fraction": quantized_elems / total if total else 0.0,
@@ -299,6 +301,7 @@ def kbit_summary(model) -> dict[str, Any]:
         "quantized_modules_sha256": _names_sha256(names),
         "rotated_weights": rotated,  # KbitLinears and experts projections stored rotated (format v3)
         "block_records_weights": records,  # KbitLinears with block offsets (format v4; experts keep uint8 scales)
+        "head_rotation": bool(turned),  # v_proj and o_proj turned per attention head (docs/format.md#head-rotation)
     }
 
 

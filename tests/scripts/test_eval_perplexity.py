@@ -94,6 +94,28 @@ def test_results_markdown_matches_json(payload, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_rows_turned_by_the_older_default_are_told_apart(payload):
+    """kbit rows record whether v/o were turned; a row of the offsets era without the record was turned at k <= 4
+    by the default of its day, so the table says so and the plot's default line takes the `:head_rotation=false` row
+    (what KbitConfig(bits=k) quantizes to now) instead."""
+    import plot_results
+
+    kbit = [r for r in payload["results"] if r["method"] == "kbit"]
+    assert kbit and all(r["head_rotation"] is False for r in kbit)  # block offsets (the default): nothing turned
+    assert plot_results._today_default(next(r for r in kbit if r["variant"] == "kbit5"))
+    row = next(r for r in kbit if r["variant"] == "kbit5")
+    unrecorded = {k: v for k, v in row.items() if k != "head_rotation"}
+    old_k4 = {**unrecorded, "variant": "kbit4", "bits": 4}
+    off_k4 = {**unrecorded, "variant": "kbit4:head_rotation=false", "bits": 4, "options": {"head_rotation": False}}
+    assert plot_results._turned_by_an_older_default(old_k4) and not plot_results._today_default(old_k4)
+    assert plot_results._turned_alternative(old_k4)
+    assert plot_results._today_default(off_k4) and not plot_results._turned_by_an_older_default(off_k4)
+    assert plot_results._today_default(unrecorded)  # k = 5 was never turned by default
+    old = {**payload, "_file": "p.json", "results": [*payload["results"], old_k4, off_k4]}
+    assert "per head with block offsets (`kbit4`) hold turned v/o" in plot_results.perplexity_markdown(old)
+    assert "hold turned v/o" not in plot_results.perplexity_markdown({**payload, "_file": "p.json"})
+
+
 def test_older_flags_choose_bf16_and_kbit_variants(tiny_folder, tmp_path):
     import plot_results
 
