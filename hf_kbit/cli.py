@@ -78,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--head-rotation", nargs="?", const="on", default=None, choices=("on", "off"),
                    help="turn v_proj's output and o_proj's input per attention head before quantizing: the same "
                    "model, less quantization loss, no inference cost (Llama, Mistral, Mixtral, Qwen2/3 and MoE). "
-                   "Default: on at k <= 4 without block offsets, --rotation or --calibration-data where the model allows it; "
-                   "'--head-rotation' alone is 'on'")
+                   "Default: on at k <= 4 without block offsets, --rotation or --calibration-data where the model "
+                   "allows it; '--head-rotation' alone is 'on'")
     q.add_argument("--block-offsets", nargs="?", const="on", default=None, choices=("on", "off"),
                    help="give each block of 32 of the Linear weights an offset as well as a scale (format v4, 8 more "
                    "bits per block: +0.25 bits/weight; k = 3 and 4 measure below HQQ 3- and 4-bit at it); with "

@@ -318,23 +318,24 @@ def _turned_by_an_older_default(r: dict[str, Any]) -> bool:
             and _turned(r) != head_rotation.turns_by_default(KbitConfig(bits=r["bits"], **options)))
 
 
+def _plain_kbit(r: dict[str, Any]) -> bool:
+    """A data-free kbit row of today's format with no option but ``head_rotation`` and the LM head in bf16."""
+    return (_method(r) == "kbit" and not r.get("lm_head_bits") and set(r.get("options", {})) <= {"head_rotation"}
+            and not _before_default_offsets(r))
+
+
 def _today_default(r: dict[str, Any]) -> bool:
     """A kbit row that holds what ``KbitConfig(bits=k)`` quantizes to today (a ``:head_rotation=`` row included
     where it matches the default)."""
     from hf_kbit import KbitConfig, head_rotation
 
-    options = r.get("options", {})
-    return (_method(r) == "kbit" and not r.get("lm_head_bits") and set(options) <= {"head_rotation"}
-            and not _before_default_offsets(r)
-            and _turned(r) == head_rotation.turns_by_default(KbitConfig(bits=r["bits"])))
+    return _plain_kbit(r) and _turned(r) == head_rotation.turns_by_default(KbitConfig(bits=r["bits"]))
 
 
 def _turned_alternative(r: dict[str, Any]) -> bool:
     """A kbit row like today's default but for v/o turned per head (``:head_rotation=true``, or a row of the
     default that turned them)."""
-    options = r.get("options", {})
-    return (_method(r) == "kbit" and not r.get("lm_head_bits") and set(options) <= {"head_rotation"}
-            and not _before_default_offsets(r) and _turned(r) and not _today_default(r))
+    return _plain_kbit(r) and _turned(r) and not _today_default(r)
 
 
 def perplexity_markdown(p: dict[str, Any]) -> str:
