@@ -143,6 +143,19 @@ def get_peft_model(model: nn.Module, config: LoraConfig, **kwargs) -> PeftModel:
     return peft.get_peft_model(model, lora_config(config, model), **kwargs)
 
 
+def enable_checkpointing(model: nn.Module, use_reentrant: bool = False) -> None:
+    """Activation (gradient) checkpointing on a transformers ``model`` (or a PeftModel around one), under the
+    name the installed transformers gives it: ``activation_checkpointing_enable`` where it exists (its older
+    name, ``gradient_checkpointing_enable``, warns there and goes in v6), ``gradient_checkpointing_enable``
+    before. A reentrant checkpoint also needs ``model.enable_input_require_grads()``, as for any frozen base.
+    """
+    kwargs = {"use_reentrant": use_reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def load_adapter(model: nn.Module, adapter: str, is_trainable: bool = False, **kwargs) -> PeftModel:
     """``PeftModel.from_pretrained(model, adapter)`` for a kbit ``model`` (the adapter's saved config
     through :func:`lora_config`). ``kwargs`` go to ``PeftModel.from_pretrained`` (``adapter_name``, ...)

@@ -50,10 +50,13 @@ def measure(model, config, calls: int, rounds: int) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
     from transformers import StaticCache
 
+    from hf_kbit.eval.timing import cache_argument
+
     cache = StaticCache(config=config, max_cache_len=64)
+    cache_kwarg = {cache_argument(model): cache}
     ids = torch.tensor([[1]])
     with torch.no_grad():
-        model(input_ids=torch.tensor([[1, 2, 3]]), past_key_values=cache, cache_position=torch.arange(3), use_cache=True)
+        model(input_ids=torch.tensor([[1, 2, 3]]), cache_position=torch.arange(3), use_cache=True, **cache_kwarg)
     torch._dynamo.reset()
     step = torch.compile(model.forward, fullgraph=True, backend=_noop_backend)
     position = [3]
@@ -63,7 +66,7 @@ def measure(model, config, calls: int, rounds: int) -> dict[str, Any]:
             cache.reset()
             position[0] = 3
         with torch.no_grad():
-            step(input_ids=ids, past_key_values=cache, cache_position=torch.tensor([position[0]]), use_cache=True)
+            step(input_ids=ids, cache_position=torch.tensor([position[0]]), use_cache=True, **cache_kwarg)
         position[0] += 1
 
     for _ in range(3):

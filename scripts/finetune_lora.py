@@ -126,7 +126,7 @@ def train_variant(name: str, bits: int | None, folder: Path, data, eval_ids, arg
         torch.cuda.reset_peak_memory_stats(device)
     model = load_model(folder, bits, device, dtype)
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lora.enable_checkpointing(model)
     torch.manual_seed(args.seed)  # the same adapter initialisation for every variant
     config = peft.LoraConfig(target_modules="all-linear", r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0,
                              task_type="CAUSAL_LM")

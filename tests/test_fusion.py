@@ -6,6 +6,7 @@ import torch
 import hf_kbit
 from hf_kbit import _ops, fusion
 from hf_kbit import format as fmt
+from hf_kbit.eval.timing import cache_argument
 from tiny_models import tiny_dense_model
 
 # Compiled (inductor, CPU) against eager: float32 summation order only; bf16 logits of the tiny models are O(1)
@@ -206,9 +207,10 @@ def test_the_default_compile_of_a_moe_decode_step_keeps_its_logits(dtype, batch)
     model = hf_kbit.quantize_model(tiny_moe_model("qwen3_moe", dtype), hf_kbit.KbitConfig(bits=4))
     cache = StaticCache(config=model.config, max_cache_len=16)
     ids = torch.randint(0, model.config.vocab_size, (batch, 6), generator=torch.Generator().manual_seed(3))
-    step = dict(input_ids=ids[:, -1:], position_ids=torch.full((batch, 1), 5), past_key_values=cache, use_cache=True)
+    cache_kwarg = {cache_argument(model): cache}
+    step = dict(input_ids=ids[:, -1:], position_ids=torch.full((batch, 1), 5), use_cache=True, **cache_kwarg)
     with torch.inference_mode():
-        model(input_ids=ids[:, :5], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, :5], use_cache=True, **cache_kwarg)
         eager = model(**step).logits
         for layer in cache.layers:
             layer.cumulative_length.fill_(5)

@@ -4,6 +4,7 @@ adapter save/load on a kbit checkpoint, merging, MoE, transformers' Trainer. CPU
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -93,7 +94,12 @@ def test_gradient_checkpointing_gives_the_same_gradients(reentrant):
         if p.requires_grad:
             torch.nn.init.normal_(p, std=0.05)
     checkpointed = copy.deepcopy(pm)
-    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    with warnings.catch_warnings():  # under the name the installed transformers does not deprecate
+        warnings.simplefilter("error", FutureWarning)
+        lora.enable_checkpointing(checkpointed, use_reentrant=reentrant)
+    renamed = hasattr(pm, "activation_checkpointing_enable")
+    on = "is_activation_checkpointing" if renamed else "is_gradient_checkpointing"
+    assert getattr(checkpointed, on) and not getattr(pm, on)
     if reentrant:  # inputs of a reentrant checkpoint must require grad for the adapters inside to get one
         checkpointed.enable_input_require_grads()
     checkpointed.train()
@@ -219,9 +225,12 @@ def test_trainer_runs_on_a_kbit_model_with_lora(tmp_path):
     kbit = loaded_kbit_model(tmp_path / "full")
     assert kbit.hf_quantizer.is_trainable
     data = [{k: v[0] for k, v in batch(seed=s, n=1).items()} for s in range(4)]
+    # transformers 5.25 renamed the option (the old name warns until v6)
+    fields = transformers.TrainingArguments.__dataclass_fields__
+    checkpointing = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=2, learning_rate=1e-2,
-        report_to=[], use_cpu=True, save_strategy="no", logging_steps=1, gradient_checkpointing=True,
+        report_to=[], use_cpu=True, save_strategy="no", logging_steps=1, **{checkpointing: True},
     )
     with pytest.raises(ValueError, match="purely quantized"):  # the packed weights themselves cannot train
         transformers.Trainer(model=kbit, args=args, train_dataset=data)

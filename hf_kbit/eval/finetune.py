@@ -85,6 +85,7 @@ def training_setup(config, variant: str, device: str, rank: int = 16, gradient_c
     import torch
 
     from .. import loss as _loss
+    from ..lora import enable_checkpointing
 
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
@@ -92,7 +93,7 @@ def training_setup(config, variant: str, device: str, rank: int = 16, gradient_c
     if loss == "chunked":
         _loss.use_chunked_loss(model)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     gen = torch.Generator().manual_seed(0)

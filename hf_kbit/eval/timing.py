@@ -31,6 +31,12 @@ def capture_cuda_graph(fn):
     return graph, out
 
 
+def cache_argument(model) -> str:
+    """The name ``model.forward`` takes its cache under: ``cache`` from transformers 5.24 (where
+    ``past_key_values`` warns, until its removal in 5.40), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def random_prompt(vocab_size: int, batch: int, prompt_len: int, device: str, seed: int = 0):
     """Random token ids ``[batch, prompt_len]`` (speed does not depend on which tokens)."""
     import torch
@@ -190,8 +196,7 @@ class GreedyDecodeStep:
             )
         self.model, self.prompt, self.max_cache_len, self.start = model, prompt, max_cache_len, prompt_len
         self.cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
-        # transformers >= 5.24 names the forward's cache argument `cache` (`past_key_values` warns, until 5.40)
-        self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.cache_arg = cache_argument(model)
         kinds = {type(layer).__name__ for layer in self.cache.layers if type(layer) is not StaticLayer}
         if kinds:  # sliding-window layers keep a host-side counter a replayed graph would not advance
             raise ValueError(

@@ -91,7 +91,7 @@ def test_lora_step_on_cuda_matches_cpu(mode, dtype):
             p.data = p.data.to(dtype)
     gpu.train()
     if mode == "checkpointing":
-        gpu.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lora.enable_checkpointing(gpu)
     run = torch.compile(gpu) if mode == "compile" else gpu
     run(input_ids=ids.to(DEVICE), labels=ids.to(DEVICE)).loss.backward()
     grads = {n: p.grad.detach().float().cpu() for n, p in gpu.named_parameters() if p.requires_grad}

@@ -11,6 +11,7 @@ import torch
 
 import hf_kbit
 from hf_kbit import KbitConfig, KbitLinear
+from hf_kbit.eval.timing import cache_argument
 from hf_kbit.nn import KbitExperts, KbitFusedProjections
 from hf_kbit.nn.linear import FORMAT_TENSORS, KbitModule, quantize_layer
 from tiny_models import tiny_dense_model
@@ -103,11 +104,11 @@ def _graph_inputs(model) -> int:
 
     cache = StaticCache(config=model.config, max_cache_len=16)
     with torch.inference_mode():
-        model(input_ids=torch.zeros(1, 4, dtype=torch.long), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long), use_cache=True, **{cache_argument(model): cache})
         torch._dynamo.reset()
         step = torch.compile(model, backend=backend, fullgraph=True)
-        step(input_ids=torch.zeros(1, 1, dtype=torch.long), position_ids=torch.full((1, 1), 4), past_key_values=cache,
-             use_cache=True)
+        step(input_ids=torch.zeros(1, 1, dtype=torch.long), position_ids=torch.full((1, 1), 4), use_cache=True,
+             **{cache_argument(model): cache})
     torch._dynamo.reset()
     assert len(inputs) == 1
     return inputs[0]
