@@ -327,8 +327,7 @@ def _mm_silu_mul_fake(gate, up, planes, block_scales, row_scales, codebook, in_f
 # ---------------------------------------------------------------------------- decode_attention
 
 _lib.define(
-    "decode_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale, int slices=0, "
-    "Tensor? signs=None) -> Tensor"
+    "decode_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale, int slices=0) -> Tensor"
 )
 
 
@@ -344,44 +343,16 @@ def packed_sdpa(query, key, value, mask, scale: float) -> torch.Tensor:
 
 
 @torch.library.impl(_lib, "decode_attention", "CompositeExplicitAutograd")
-def _decode_attention_ref(query, key, value, mask, scale, slices=0, signs=None):
+def _decode_attention_ref(query, key, value, mask, scale, slices=0):
     """Single-token grouped-query attention without ``repeat_kv`` (hf_kbit.attention): query (b, hq, 1, d),
     key (b, hkv, n, d), value (b, hkv, n, dv), mask None or (b | 1, 1, 1, n) boolean (True attends) or
     additive -> (b, 1, hq, dv). ``slices``: key slices per (batch, key/value head) for a kernel that
-    splits the keys (0: its choice); the result does not depend on it. ``signs``: a rotated output
-    projection's sign words (int32 ``[hq * dv / 32]``): the output comes rotated as that projection reads it,
-    the heads' rows as one row of ``hq * dv``, rounded once more (``rotation.rotate_words`` of the output)."""
-    _check_attention_signs(query, value, signs)
-    out = packed_sdpa(query, key, value, mask, scale)
-    return out if signs is None else rotate_heads(out, signs)
-
-
-def rotate_heads(out: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
-    """``(b, 1, hq, dv)`` attention output turned as one row of ``hq * dv`` by ``signs`` (``x R``, float32, one
-    rounding), what a rotated output projection multiplies."""
-    b, _, hq, dv = out.shape
-    return rotation.rotate_words(out.reshape(b, 1, hq * dv), signs).reshape(b, 1, hq, dv)
-
-
-def _check_attention_signs(query, value, signs) -> None:
-    if signs is None:
-        return
-    k = query.shape[1] * value.shape[-1]
-    torch._check(signs.dtype == torch.int32, lambda: f"signs must be int32 sign words, got {signs.dtype}")
-    torch._check(
-        k % fmt.ROTATION_MULTIPLE == 0,
-        lambda: f"signs: the rotated output needs heads * head_dim a multiple of {fmt.ROTATION_MULTIPLE}, got {k}",
-    )
-    torch._check(
-        tuple(signs.shape) == fmt.rotation_signs_shape(k),
-        lambda: f"signs must be [{k // rotation.WORD_BITS}] (heads * head_dim / 32), got shape {tuple(signs.shape)}",
-    )
-    torch._check(signs.device == query.device, lambda: f"signs must be on {query.device}, got {signs.device}")
+    splits the keys (0: its choice); the result does not depend on it."""
+    return packed_sdpa(query, key, value, mask, scale)
 
 
 @torch.library.register_fake("kbit::decode_attention")
-def _decode_attention_fake(query, key, value, mask, scale, slices=0, signs=None):
-    _check_attention_signs(query, value, signs)
+def _decode_attention_fake(query, key, value, mask, scale, slices=0):
     return query.new_empty((query.shape[0], 1, query.shape[1], value.shape[-1]))
 
 

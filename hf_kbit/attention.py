@@ -19,8 +19,6 @@ position biases, per-head masks) runs transformers' ``sdpa`` unchanged, and mask
 ``sdpa``. The decode runs the op ``kbit::decode_attention`` (hf_kbit/_ops.py: its reference is
 :func:`packed_sdpa`; on CUDA with Triton, hf_kbit/backends/triton_kernels.py). Nothing here depends
 on kbit weights: bf16 models take it as well, which is how the benchmarks compare like with like.
-In a compiled kbit model with rotated output projections, hf_kbit.fusion's pass has the op write its output
-rotated for the projection (the op's ``signs``), so that the projection's GEMV does not rotate it again.
 """
 
 from __future__ import annotations

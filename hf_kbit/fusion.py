@@ -16,10 +16,6 @@ takes the op's inputs instead:
 
 A projection's packed tensors, ``in_features`` and ``signs`` (a rotated layer's sign words) go to the fused op as
 they are: with signs, the prologue's output is rotated before it meets the weight, as ``kbit.mm`` rotates x.
-One rewrite moves work the other way: a rotated projection that reads only a ``kbit.decode_attention`` output (the
-output projection under ``attn_implementation="kbit_decode"``) hands its sign words to the attention, which writes
-its output rotated (once per element, where the GEMV's staging rotates all of x in every CTA), and runs unrotated:
-``kbit.mm(decode_attention(q, k, v), signs=s)`` -> ``kbit.mm(decode_attention(q, k, v, signs=s))``.
 
 ``rms_norm`` and ``silu_mul`` are matched as transformers writes them (hf_kbit._ops), after inductor's
 decompositions, and only where their intermediates have no other use. Use it through
@@ -263,45 +259,6 @@ def _tokens_at_most(x, max_tokens: int | None) -> bool:
     return math.prod(val.shape[:-1]) <= max_tokens
 
 
-# Shape ops between an attention output (b, 1, heads, head_dim) and the output projection's input.
-_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-
-
-def _mm_signs(mm: fx.Node):
-    return mm.args[6] if len(mm.args) > 6 else mm.kwargs.get("signs")
-
-
-def _rotation_to_attention(graph: fx.Graph, mm: fx.Node) -> bool:
-    """Where a rotated ``kbit.mm`` reads only the reshaped output of a ``kbit.decode_attention``, hand the rotation to
-    the attention (its ``signs``: the output written rotated, once per element) and run the projection unrotated;
-    returns whether it did. The projection's staging would otherwise rotate all of x in every CTA. Any token count:
-    the rotation costs the attention the same per element whatever the batch."""
-    signs = _mm_signs(mm)
-    if not isinstance(signs, fx.Node):
-        return False
-    node = mm.args[0]
-    if not isinstance(node, fx.Node) or len(node.users) != 1 or node in mm.args[1:]:
-        return False
-    while _call(node, *_RESHAPES):
-        node = node.args[0]
-        if len(node.users) != 1:
-            return False
-    if not _call(node, kbit.decode_attention.default) or node.kwargs.get("signs") is not None or len(node.args) > 6:
-        return False
-    out, x = _val(node), _val(mm.args[0])
-    if not isinstance(out, torch.Tensor) or not isinstance(x, torch.Tensor) \
-            or x.shape[-1] != out.shape[-2] * out.shape[-1]:
-        return False
-    if not _defined_before(graph, (signs,), node):
-        return False
-    node.update_kwarg("signs", signs)
-    if len(mm.args) > 6:
-        mm.update_arg(6, None)
-    else:
-        mm.kwargs = {k: v for k, v in mm.kwargs.items() if k != "signs"}
-    return True
-
-
 # Ops by which a kbit module's format tensors are taken out of its one storage (KbitModule.format_tensors).
 _VIEWS = (aten.slice.Tensor, aten.view.dtype, aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
@@ -346,14 +303,13 @@ def _fold_glu(graph: fx.Graph, producer: fx.Node, source: fx.Node, gated_val, p:
 
 
 # What :func:`fuse` counts.
-REWRITES = ("mm_add_rmsnorm", "mm_rmsnorm", "mm_silu_mul", "glu", "rotated_attention")
+REWRITES = ("mm_add_rmsnorm", "mm_rmsnorm", "mm_silu_mul", "glu")
 
 
 def fuse(graph: fx.Graph, max_tokens: int | None = DEFAULT_MAX_TOKENS) -> dict[str, int]:
     """Rewrite ``graph`` (post-grad ATen) in place; returns how many of each rewrite it made.
 
-    Only projections whose input has a static token count <= ``max_tokens`` (None: any) take a prologue (a rotated
-    projection of an attention output hands its rotation to the attention at any count: ``rotated_attention``).
+    Only projections whose input has a static token count <= ``max_tokens`` (None: any) are rewritten.
     A norm read by several projections (siblings not fused into one weight) goes into each of them:
     the first one that adds takes the sum out, the others read that sum. A SiLU-mul of the two halves of a
     fused gate/up projection's norm op goes into that op (``glu=True``), and the projection after it becomes
@@ -363,12 +319,7 @@ def fuse(graph: fx.Graph, max_tokens: int | None = DEFAULT_MAX_TOKENS) -> dict[s
     hoist_input_views(graph)
     erased: set[fx.Node] = set()
     for mm in list(graph.nodes):
-        if mm in erased or not _call(mm, kbit.mm.default):
-            continue
-        if _rotation_to_attention(graph, mm):
-            made["rotated_attention"] += 1
-            continue
-        if not _tokens_at_most(mm.args[0], max_tokens):
+        if mm in erased or not _call(mm, kbit.mm.default) or not _tokens_at_most(mm.args[0], max_tokens):
             continue
         x = mm.args[0]
         projections = _projections(x) if isinstance(x, fx.Node) else []

@@ -4,9 +4,7 @@ Each variant is the transformers attention function itself, compiled with torch.
 step compiles it: ``sdpa`` copies the key/value heads once per query head (``repeat_kv``) and calls
 scaled_dot_product_attention; ``kbit_decode`` runs hf_kbit.attention's Triton kernels on the
 unrepeated cache. Llama-3-8B's heads (32 query, 8 key/value, head_dim 128), bf16, a boolean mask
-with the first half of the cache live (a static cache half filled). ``kbit_decode, rotated`` is the same kernels
-writing their output rotated for a rotated output projection (``kbit::decode_attention(..., signs=...)``, what
-the fusion pass makes of a rotated model's attention): its cost over ``kbit_decode``. DESIGN.md section 6: cold L2
+with the first half of the cache live (a static cache half filled). DESIGN.md section 6: cold L2
 (every timed call reads another copy of q, the cache and the mask; the copies together are several
 times the L2), CUDA-graph replays timed with events. Writes JSON and a markdown table.
 
@@ -45,7 +43,7 @@ def inputs(batch: int, cached: int, copies: int):
 def bench_case(batch: int, cached: int) -> dict:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from hf_kbit import attention, rotation
+    from hf_kbit import attention
     from hf_kbit.backends import decode_attention
 
     layer, scale = _Layer(), HEAD_DIM**-0.5
@@ -54,14 +52,7 @@ def bench_case(batch: int, cached: int) -> dict:
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     row = {"batch": batch, "cached_tokens": cached, "copies": len(copies), "cache_MB": cache_bytes / 2**20,
            "slices": decode_attention.plan_splits(batch, KV_HEADS, cached, sm_count)}
-    words = rotation.sign_words(Q_HEADS * HEAD_DIM, 0).cuda()
-
-    def rotated(module, q, k, v, m, scaling):
-        return torch.ops.kbit.decode_attention(q, k, v, m, scaling, signs=words), None
-
-    variants = (("sdpa", sdpa_attention_forward), ("kbit_decode", attention.decode_attention_forward),
-                ("kbit_decode_rotated", rotated))
-    for name, forward in variants:
+    for name, forward in (("sdpa", sdpa_attention_forward), ("kbit_decode", attention.decode_attention_forward)):
         torch._dynamo.reset()
         fn = torch.compile(lambda q, k, v, m, forward=forward: forward(layer, q, k, v, m, scaling=scale)[0],
                            fullgraph=True)
@@ -70,7 +61,6 @@ def bench_case(batch: int, cached: int) -> dict:
         settle()
         row[f"{name}_us"] = time_calls([lambda args=args, fn=fn: fn(*args) for args in copies])
     row["speedup"] = row["sdpa_us"] / row["kbit_decode_us"]
-    row["rotated_cost"] = row["kbit_decode_rotated_us"] / row["kbit_decode_us"] - 1
     return row
 
 
@@ -80,13 +70,12 @@ def markdown(results: list[dict], meta: dict) -> str:
         f"{KV_HEADS} key/value, head_dim {HEAD_DIM}), bf16, half the cache live; compiled transformers attention "
         "functions, cold L2, CUDA-graph replays, microseconds per call.",
         "",
-        "| batch | cached tokens | KV cache MB | sdpa us | kbit_decode us | x sdpa | key slices | rotated us (cost) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| batch | cached tokens | KV cache MB | sdpa us | kbit_decode us | x sdpa | key slices |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(f"| {r['batch']} | {r['cached_tokens']} | {r['cache_MB']:.1f} | {r['sdpa_us']:.2f} | "
-                     f"{r['kbit_decode_us']:.2f} | {r['speedup']:.2f}x | {r['slices']} | "
-                     f"{r['kbit_decode_rotated_us']:.2f} ({100 * r['rotated_cost']:+.1f}%) |")
+                     f"{r['kbit_decode_us']:.2f} | {r['speedup']:.2f}x | {r['slices']} |")
     lines += ["", f"`{meta['command']}`", ""]
     return "\n".join(lines)
 

@@ -61,15 +61,13 @@ SHAPES = {  # name: (K = in_features, N = out_features)
     "h2048 4096x2048": (4096, 2048),
 }
 MS = (1, 2, 4, 8, 16, 32, 64, 256, 1024)
-# --rotation: Llama-3-8B's projections, apart and fused as a default model holds them, and the M of issue 34's
-# budget (within 3% of the unrotated kernel at M = 1, 2% at M >= 256).
+# --rotation: Llama-3-8B's projections and the M of issue 34's budget (within 3% of the unrotated
+# kernel at M = 1, 2% at M >= 256).
 ROTATION_SHAPES = {
     "llama3-8b q/o 4096x4096": (4096, 4096),
     "llama3-8b gate/up 4096x14336": (4096, 14336),
     "llama3-8b down 14336x4096": (14336, 4096),
     "llama3-8b k/v 4096x1024": (4096, 1024),
-    "llama3-8b qkv 4096x6144": (4096, 6144),
-    "llama3-8b fused gate_up 4096x28672": (4096, 28672),
 }
 ROTATION_MS = (1, 2, 4, 8, 16, 64, 256, 1024)
 ROTATION_ROUNDS = 2  # unrotated and rotated timed alternately, the least of each: clock drift hits both

@@ -5,7 +5,6 @@ import torch
 
 import hf_kbit  # noqa: F401
 from hf_kbit import format as fmt
-from hf_kbit import rotation
 
 # float32 reference matmul vs an independent float64 computation
 MM_ATOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
@@ -132,27 +131,6 @@ def test_decode_attention_reference_and_opcheck(mask):
         q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), attn_mask=m, scale=0.25)
     torch.testing.assert_close(out, ref.transpose(1, 2), atol=1e-5, rtol=0)
     torch.library.opcheck(torch.ops.kbit.decode_attention.default, (q, k, v, m, 0.25))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_decode_attention_with_signs_writes_its_output_rotated(dtype):
-    """``signs``: the output as a rotated output projection reads it, the heads as one row (8 x 16 = 128 elements),
-    rotated once after the output's own rounding; wrong words are refused by name."""
-    g = torch.Generator().manual_seed(1)
-    q = torch.randn(2, 8, 1, 16, generator=g).to(dtype)
-    k, v = (torch.randn(2, 2, 5, 16, generator=g).to(dtype) for _ in range(2))
-    words = rotation.sign_words(128, 7)
-    plain = torch.ops.kbit.decode_attention(q, k, v, None, 0.25)
-    out = torch.ops.kbit.decode_attention(q, k, v, None, 0.25, signs=words)
-    assert torch.equal(out, rotation.rotate_words(plain.reshape(2, 1, 128), words).reshape(2, 1, 8, 16))
-    assert not torch.equal(out, plain)
-    torch.library.opcheck(torch.ops.kbit.decode_attention.default, (q, k, v, None, 0.25), {"signs": words})
-    with pytest.raises(RuntimeError, match=r"signs must be \[4\]"):
-        torch.ops.kbit.decode_attention(q, k, v, None, 0.25, signs=words[:3])
-    with pytest.raises(RuntimeError, match="signs must be int32"):
-        torch.ops.kbit.decode_attention(q, k, v, None, 0.25, signs=words.long())
-    with pytest.raises(RuntimeError, match="multiple of 64"):
-        torch.ops.kbit.decode_attention(q[:, :2], k[:, :1], v[:, :1], None, 0.25, signs=words[:1])
 
 
 # ---------------------------------------------------------------------------- experts layer ops

@@ -47,39 +47,18 @@ def _pdl_wait(PDL: tl.constexpr):
 
 
 @triton.jit
-def _rotate_heads(out, heads, live, signs_ptr, ROWS: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr):
-    # Rows of out (float32 [ROWS, DV_P], already rounded to the output dtype) as a rotated output projection
-    # reads them: element (r, d) is element heads[r] * DV + d of its input row, so (DV a multiple of 8) every
-    # 8-element segment of that row lies in one head. Signs flipped from the sign words, then the reference's
-    # butterflies in its order (hf_kbit.rotation._fwht: pairs 1, 2, then 4 apart), then one multiply by
-    # float32(1/sqrt(8)): bit for bit rotation.rotate_words.
-    d = tl.arange(0, DV_P)
-    e = heads[:, None] * DV + d[None, :]
-    words = tl.load(signs_ptr + (e >> 5), mask=live[:, None] & (d[None, :] < DV), other=0)
-    x = tl.where(((words >> (e & 31)) & 1) != 0, -out, out)
-    x = tl.reshape(x, [ROWS * DV_P // 8, 2, 2, 2])  # element 4 i + 2 j + l of each segment at [., i, j, l]
-    a, b = tl.split(x)
-    x = tl.join(a + b, a - b)
-    a, b = tl.split(tl.permute(x, (0, 1, 3, 2)))
-    x = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
-    a, b = tl.split(tl.permute(x, (0, 3, 2, 1)))
-    x = tl.permute(tl.join(a + b, a - b), (0, 3, 2, 1))
-    return tl.reshape(x, [ROWS, DV_P]) * 0.3535533905932738
-
-
-@triton.jit
 def _decode_attention_slice_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stats_ptr, signs_ptr,
+    q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stats_ptr,
     q_sb, q_sh, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, m_sb, m_sn,
     kv_heads, kv_len, slice_len, qk_scale,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
     DV: tl.constexpr, DV_P: tl.constexpr, BLOCK: tl.constexpr, MASK: tl.constexpr, ONE_SLICE: tl.constexpr,
-    ROTATE: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # One (batch, key/value head, key slice): the group's rows of softmax(q k^T * scale + mask) v, as
     # float32 sums with their running max and denominator (log2 domain), or the normalized output
-    # when the keys are not sliced (rotated by the sign words where ROTATE). MASK: 0 none, 1 boolean (True
-    # attends), 2 additive. PDL: launched as a programmatic dependent (_pdl_wait).
+    # when the keys are not sliced. MASK: 0 none, 1 boolean (True attends), 2 additive. PDL: launched
+    # as a programmatic dependent (_pdl_wait).
     _pdl_wait(PDL)
     bh = tl.program_id(0)
     s = tl.program_id(1)
@@ -121,9 +100,6 @@ def _decode_attention_slice_kernel(
         m_i = m_new
     if ONE_SLICE:
         out = acc / l_i[:, None]
-        if ROTATE:
-            out = _rotate_heads(out.to(out_ptr.dtype.element_ty).to(tl.float32), h * GROUP + rows, row_ok, signs_ptr,
-                                GROUP_P, DV, DV_P)
         tl.store(out_ptr + (b * kv_heads * GROUP + h * GROUP + rows)[:, None] * DV + dv[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
     else:  # partials at [(batch, key/value head), slice, query row]
@@ -134,11 +110,11 @@ def _decode_attention_slice_kernel(
 
 
 @triton.jit
-def _decode_attention_merge_kernel(part_ptr, stats_ptr, out_ptr, signs_ptr, slices, heads,
+def _decode_attention_merge_kernel(part_ptr, stats_ptr, out_ptr, slices,
                                    GROUP: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr,
-                                   SLICES_P: tl.constexpr, ROTATE: tl.constexpr, PDL: tl.constexpr):
+                                   SLICES_P: tl.constexpr, PDL: tl.constexpr):
     # One query row (batch, query head), all its slices at once: their sums rescaled to the common max
-    # and added, rotated by the sign words where ROTATE. The row's index is also its output row's.
+    # and added. The row's index is also its output row's.
     _pdl_wait(PDL)
     row = tl.program_id(0)
     bh = row // GROUP
@@ -151,18 +127,12 @@ def _decode_attention_merge_kernel(part_ptr, stats_ptr, out_ptr, signs_ptr, slic
     l_sum = tl.sum(w * tl.load(stats_ptr + slot * 2 + 1, mask=live, other=0.0), 0)
     acc = tl.load(part_ptr + slot[:, None] * DV_P + dv[None, :], mask=live[:, None], other=0.0)
     out = tl.sum(w[:, None] * acc, 0) / l_sum
-    if ROTATE:
-        out = out.to(out_ptr.dtype.element_ty).to(tl.float32)
-        one = tl.arange(0, 1)
-        out = tl.reshape(_rotate_heads(out[None, :], one + row % heads, one < 1, signs_ptr, 1, DV, DV_P), [DV_P])
     tl.store(out_ptr + row * DV + dv, out.to(out_ptr.dtype.element_ty), mask=dv < DV)
 
 
 @torch.library.impl(_ops._lib, "decode_attention", "CUDA")
-def _decode_attention_cuda(query, key, value, mask, scale, slices=0, signs=None):
-    """The op's Triton kernels where they take the tensors (kernel_supports), else the reference. ``signs``
-    rotate the output where it is written (value head dims a multiple of 8, so that no segment crosses a head;
-    else the reference's rotation after the kernels).
+def _decode_attention_cuda(query, key, value, mask, scale, slices=0):
+    """The op's Triton kernels where they take the tensors (kernel_supports), else the reference.
 
     Launched here rather than as a ``triton_op``, so that on sm_90+ they are programmatic dependent
     launches (inductor launches a ``triton_op``'s kernels without that attribute): each kernel's
@@ -170,10 +140,7 @@ def _decode_attention_cuda(query, key, value, mask, scale, slices=0, signs=None)
     GEMV) overlap it."""
     group = query.shape[1] // key.shape[1]
     if not kernel_supports(query, key, value, mask, group):
-        return _ops._decode_attention_ref(query, key, value, mask, scale, signs=signs)
-    _ops._check_attention_signs(query, value, signs)
-    if signs is not None and value.shape[-1] % 8:
-        return _ops.rotate_heads(_decode_attention_cuda(query, key, value, mask, scale, slices), signs)
+        return _ops._decode_attention_ref(query, key, value, mask, scale)
     b, hq, _, d = query.shape
     hkv, n, dv = key.shape[1], key.shape[2], value.shape[-1]
     group = hq // hkv
@@ -194,21 +161,18 @@ def _decode_attention_cuda(query, key, value, mask, scale, slices=0, signs=None)
         part = query.new_empty((b * hkv * slices * group, dv_p), dtype=torch.float32)
         stats = query.new_empty((b * hkv * slices * group, 2), dtype=torch.float32)
     pdl = _pdl_supported(query.device.index or 0)
-    rotate = signs is not None
-    signs_arg = signs if rotate else out  # not read unless ROTATE
     with torch.cuda.device(query.device):  # Triton launches on the current device's current stream
         _decode_attention_slice_kernel[(b * hkv, slices)](
-            query, key, value, mask_arg, out, part, stats, signs_arg,
+            query, key, value, mask_arg, out, part, stats,
             query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
             value.stride(0), value.stride(1), value.stride(2), m_sb, m_sn,
             hkv, n, slice_len, scale * 1.4426950408889634,
             GROUP=group, GROUP_P=group_p, D=d, D_P=triton.next_power_of_2(d), DV=dv, DV_P=dv_p,
-            BLOCK=BLOCK_N, MASK=mask_kind, ONE_SLICE=slices == 1, ROTATE=rotate, PDL=pdl, num_warps=4,
-            launch_pdl=pdl,
+            BLOCK=BLOCK_N, MASK=mask_kind, ONE_SLICE=slices == 1, PDL=pdl, num_warps=4, launch_pdl=pdl,
         )
         if slices > 1:
             _decode_attention_merge_kernel[(b * hq,)](
-                part, stats, out, signs_arg, slices, hq, GROUP=group, DV=dv, DV_P=dv_p,
-                SLICES_P=triton.next_power_of_2(slices), ROTATE=rotate, PDL=pdl, num_warps=4, launch_pdl=pdl,
+                part, stats, out, slices, GROUP=group, DV=dv, DV_P=dv_p,
+                SLICES_P=triton.next_power_of_2(slices), PDL=pdl, num_warps=4, launch_pdl=pdl,
             )
     return out

@@ -13,7 +13,7 @@ from tiny_models import tiny_dense_model
 import importlib.util
 
 import hf_kbit  # noqa: F401  (registers kbit_decode)
-from hf_kbit import _ops, attention, fusion, rotation
+from hf_kbit import _ops, attention
 
 pytestmark = [
     pytest.mark.gpu,
@@ -97,28 +97,6 @@ def test_kernel_is_deterministic_and_replays_in_a_cuda_graph():
     assert torch.equal(captured, eager)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(
-    "batch,q_heads,kv_heads,kv_len,head_dim",
-    [
-        (1, 32, 8, 256, 128),  # Llama-3-8B
-        (2, 14, 2, 77, 64),  # group 7
-        (2, 8, 1, 300, 96),  # head_dim not a power of two: padded segments past it
-        (1, 64, 4, 130, 256),
-        (1, 16, 4, 50, 20),  # head_dim not a multiple of 8: rotated after the kernels
-    ],
-)
-@pytest.mark.parametrize("slices", [0, 1, 3])
-def test_kernel_writes_its_output_rotated_bit_for_bit(batch, q_heads, kv_heads, kv_len, head_dim, dtype, slices):
-    """With a rotated output projection's sign words, the output is the unrotated kernel's output turned by the
-    reference rotation (float32, one more rounding), in the one-slice kernel's store and in the merge."""
-    q, k, v, mask = make_inputs(batch, q_heads, kv_heads, kv_len, head_dim, dtype, "bool")
-    words = rotation.sign_words(q_heads * head_dim, 11).to(DEVICE)
-    plain = torch.ops.kbit.decode_attention(q, k, v, mask, head_dim**-0.5, slices)
-    out = torch.ops.kbit.decode_attention(q, k, v, mask, head_dim**-0.5, slices, signs=words)
-    assert torch.equal(out, _ops.rotate_heads(plain, words))
-
-
 def greedy(model, ids, compiled: bool):
     kwargs = dict(max_new_tokens=24, do_sample=False, cache_implementation="static", return_dict_in_generate=True,
                   output_logits=True)
@@ -150,25 +128,3 @@ def test_generate_matches_sdpa(compiled):
     assert not calls
     assert torch.equal(tokens, ref_tokens)
     torch.testing.assert_close(logits, ref_logits, atol=2e-2, rtol=0)
-
-
-def test_a_rotated_model_hands_its_output_projections_rotation_to_the_attention():
-    """generate()'s compile with the pass on a rotated model with kbit_decode: each layer's o_proj gives its sign words
-    to the attention (the attention writes x R, the GEMV runs unrotated), and the tokens stay the eager ones."""
-    torch._dynamo.reset()
-    model = tiny_dense_model("llama", dtype=torch.float16, hidden_size=256, num_attention_heads=8,
-                             num_key_value_heads=2)
-    model = hf_kbit.quantize_model(model, hf_kbit.KbitConfig(bits=4, rotation=True)).to(DEVICE)
-    assert model.model.layers[0].self_attn.o_proj.rotated
-    model.set_attn_implementation("kbit_decode")
-    ids = torch.randint(0, 256, (1, 9), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(2))
-    eager_tokens, eager_logits = greedy(model, ids, compiled=False)
-    config = fusion.compile_config(fullgraph=True)
-    rewrite = config.options["post_grad_custom_post_pass"]
-    out = model.generate(ids, max_new_tokens=24, do_sample=False, cache_implementation="static",
-                         return_dict_in_generate=True, output_logits=True, compile_config=config)
-    torch._dynamo.reset()
-    made = rewrite.rewrites["rotated_attention"]  # per compile of the step: every layer's
-    assert made > 0 and made % model.config.num_hidden_layers == 0, rewrite.rewrites
-    assert torch.equal(out.sequences, eager_tokens)
-    torch.testing.assert_close(torch.stack(out.logits, 1).float(), eager_logits, atol=2e-2, rtol=0)
